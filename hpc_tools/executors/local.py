@@ -1,0 +1,92 @@
+"""The local executor: one process per rank on this machine (CPU + gloo, or local GPUs), like srun would start.
+
+Each rank runs ``python -m hpc_tools.runtime.rank --run-dir RUN`` with torchrun-style variables (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/PORT). Rank 0's output goes to the console and every rank's to ``logs/rank<R>.out``; when one
+rank fails the others are stopped, as ``srun --kill-on-bad-exit`` does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+from hpc_tools.registry import RunFolder, now_iso
+from hpc_tools.runtime.distenv import free_port
+
+
+def rank_command(run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "hpc_tools.runtime.rank", "--run-dir", str(run_dir)]
+
+
+def _pump(src: IO[bytes], sinks: list[IO[bytes]]) -> None:
+    for line in iter(src.readline, b""):
+        for sink in sinks:
+            sink.write(line)
+            sink.flush()
+
+
+def run_local(run: RunFolder, world_size: int, echo: IO[bytes] | None = None, extra_env: dict[str, str] | None = None,
+              poll_s: float = 0.2) -> int:
+    """Run all ranks to completion; returns the first non-zero rank exit code, or 0."""
+    port = free_port()
+    base_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size), "HPC_TOOLS_EXECUTOR": "local", "PYTHONUNBUFFERED": "1",
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(extra_env or {})}
+    for key in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NODELIST"):  # not a Slurm step
+        base_env.pop(key, None)
+    run.update(event="launched", state="RUNNING", executor="local", launched=now_iso(), world_size=world_size)
+    procs, pumps, logs = [], [], []
+    for rank in range(world_size):
+        env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        log = open(run.logs_dir / f"rank{rank:05d}.out", "ab")
+        logs.append(log)
+        proc = subprocess.Popen(rank_command(run.path), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        sinks = [log] + ([echo] if echo is not None and rank == 0 else [])
+        pump = threading.Thread(target=_pump, args=(proc.stdout, sinks), daemon=True)
+        pump.start()
+        procs.append(proc)
+        pumps.append(pump)
+    code = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if failed:
+                code = failed[0]
+                _terminate(procs)
+                break
+            time.sleep(poll_s)
+        code = code or next((p.returncode for p in procs if p.returncode), 0)
+    except KeyboardInterrupt:
+        _terminate(procs)
+        code = 130
+    finally:
+        for pump in pumps:
+            pump.join(timeout=5)
+        for log in logs:
+            log.close()
+    state = run.manifest().get("state")
+    if code != 0:
+        run.update(event="failed", state="CANCELLED" if code == 130 else "FAILED", ended=now_iso(), exit_code=code)
+    elif state == "RUNNING":  # ranks exited 0 without rank 0 recording an outcome
+        run.update(event="exited", state="COMPLETED", ended=now_iso(), exit_code=0)
+    return code
+
+
+def _terminate(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()

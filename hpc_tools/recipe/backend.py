@@ -1,0 +1,49 @@
+"""``backend:`` — which training program runs on every rank, and its own options."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from hpc_tools.recipe.base import Section
+
+BackendKind = Literal["megatron", "deepspeed", "comm_check"]
+
+
+class MegatronOptions(Section):
+    distributed_optimizer: bool = True
+    """Shard optimizer states across the data-parallel group (Megatron's ZeRO-1)."""
+    overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduce with the backward pass."""
+    overlap_param_gather: bool = False
+    """Overlap the distributed optimizer's parameter all-gather with the forward pass."""
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    """Layer implementation: Transformer Engine when importable on a GPU (auto), or Megatron's local layers."""
+    use_flash_attention: bool = True
+    """Fused attention on GPU (changes the activation-memory plan: no s^2 terms stored)."""
+
+
+class DeepSpeedOptions(Section):
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    """ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters sharded across data-parallel ranks."""
+    offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
+    """Where optimizer states live (ZeRO-Offload / ZeRO-Infinity); needs zero_stage >= 1."""
+    offload_param: Literal["none", "cpu", "nvme"] = "none"
+    """Where parameters live between uses; needs zero_stage 3."""
+    nvme_path: str | None = None
+    """Local NVMe folder for nvme offload."""
+    pretrained_path: str | None = None
+    """Local Hugging Face model folder to start from instead of building from `model:` (never downloaded)."""
+    config_overrides: dict[str, Any] = Field(default_factory=dict)
+    """Keys merged last into the generated ds_config.json (escape hatch; the batch triple cannot be overridden)."""
+
+
+class BackendConfig(Section):
+    kind: BackendKind = "megatron"
+    """Training program: `megatron` (Megatron-core GPT, 3D parallel), `deepspeed` (Hugging Face causal LM under ZeRO),
+    or `comm_check` (no model: every rank joins the process group and times all-reduces; a cluster smoke test)."""
+    megatron: MegatronOptions = Field(default_factory=MegatronOptions)
+    """Options for kind: megatron."""
+    deepspeed: DeepSpeedOptions = Field(default_factory=DeepSpeedOptions)
+    """Options for kind: deepspeed."""

@@ -1,0 +1,123 @@
+"""``cluster:`` — where the job runs and how its environment is set up."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from hpc_tools.recipe.base import Section
+
+# Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
+TIME_LIMIT_RE = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def time_limit_minutes(value: str) -> float:
+    """Minutes in a Slurm time limit string (the formats Slurm's --time accepts)."""
+    days = 0
+    if "-" in value:
+        d, value = value.split("-", 1)
+        days = int(d)
+        parts = [int(x) for x in value.split(":")]
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    else:
+        parts = [int(x) for x in value.split(":")]
+        if len(parts) == 1:
+            hours, minutes, seconds = 0, parts[0], 0
+        elif len(parts) == 2:
+            hours, minutes, seconds = 0, parts[0], parts[1]
+        else:
+            hours, minutes, seconds = parts
+    return days * 1440 + hours * 60 + minutes + seconds / 60
+
+
+class ContainerConfig(Section):
+    kind: Literal["apptainer", "pyxis"]
+    """`apptainer` (apptainer exec --nv IMAGE) or `pyxis` (srun --container-image=IMAGE)."""
+    image: str
+    """Image path or URI."""
+    mounts: list[str] = Field(default_factory=list)
+    """Bind mounts, `src:dst` each."""
+
+
+class EnvironmentSetup(Section):
+    modules: list[str] = Field(default_factory=list)
+    """Environment modules to `module load`, in order."""
+    conda_env: str | None = None
+    """Conda environment to activate (name or prefix)."""
+    venv: str | None = None
+    """Python virtual environment folder to activate."""
+    container: ContainerConfig | None = None
+    """Run every rank inside this container."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables exported before launch (values are taken literally, never expanded)."""
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not ENV_NAME_RE.match(name):
+                raise ValueError(f"has the invalid variable name {name!r} -- use letters, digits and _ (not starting with a digit)")
+        return value
+
+
+class ClusterConfig(Section):
+    nodes: int = Field(default=1, gt=0)
+    """Nodes to allocate."""
+    gpus_per_node: int = Field(default=8, gt=0)
+    """GPUs used per node; one rank runs per GPU (with gpu_type: cpu, CPU ranks per node)."""
+    gpu_type: str = "H100-SXM"
+    """GPU model (a key of the hardware table, e.g. A100-80GB, H100-SXM, H200, B200, MI300X) or `cpu` for CPU ranks."""
+    gpu_mem_gb: float | None = Field(default=None, gt=0)
+    """Override the GPU memory in the hardware table."""
+    gpu_peak_tflops: float | None = Field(default=None, gt=0)
+    """Override the dense peak TFLOP/s per GPU at the training precision (used for MFU and planning)."""
+    intra_node_bw_gbps: float | None = Field(default=None, gt=0)
+    """Override the intra-node (NVLink) bus bandwidth per GPU in GB/s."""
+    inter_node_bw_gbps: float | None = Field(default=None, gt=0)
+    """Override the inter-node network bandwidth per GPU in GB/s."""
+    cpus_per_task: int = Field(default=8, gt=0)
+    """CPU cores per rank (data loading threads)."""
+    mem_gb: int | None = Field(default=None, gt=0)
+    """Host memory per node in GB; null = the partition's default."""
+    partition: str | None = None
+    """Slurm partition."""
+    account: str | None = None
+    """Slurm account to charge."""
+    qos: str | None = None
+    """Slurm quality of service."""
+    constraint: str | None = None
+    """Slurm node feature constraint."""
+    reservation: str | None = None
+    """Slurm reservation."""
+    exclusive: bool = False
+    """Whole nodes for this job."""
+    time_limit: str = "01:00:00"
+    """Wall-clock limit in Slurm's --time format (e.g. 30, 04:00:00, 1-12:00:00)."""
+    signal_delay_s: int = Field(default=120, ge=0)
+    """Seconds before the time limit at which Slurm sends SIGUSR2, so the job checkpoints and requeues itself."""
+    requeue: bool = True
+    """Requeue on preemption, node failure and after a time-limit checkpoint."""
+    hang_timeout_min: float = Field(default=30.0, ge=0.0)
+    """Abort with stack traces when no step completes for this long; 0 = off."""
+    python: str = "python3"
+    """Python interpreter on the compute nodes."""
+    setup: EnvironmentSetup = Field(default_factory=EnvironmentSetup)
+    """Environment set-up run before launching ranks."""
+
+    @field_validator("time_limit")
+    @classmethod
+    def _time_limit(cls, value: str) -> str:
+        if not TIME_LIMIT_RE.match(value):
+            raise ValueError("is not in Slurm's --time format -- use MM, HH:MM:SS or D-HH:MM:SS, e.g. 04:00:00")
+        return value
+
+    @property
+    def time_limit_min(self) -> float:
+        return time_limit_minutes(self.time_limit)
+
+    @property
+    def uses_gpus(self) -> bool:
+        return self.gpu_type.lower() != "cpu"

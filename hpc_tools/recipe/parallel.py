@@ -1,0 +1,20 @@
+"""``parallel:`` — the requested degrees. `hpc_tools.layout.ParallelLayout` resolves and owns the arithmetic."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from hpc_tools.recipe.base import Section
+
+
+class ParallelConfig(Section):
+    tensor_size: int = Field(default=1, gt=0)
+    """Tensor-parallel degree (t): splits each layer's matrices across GPUs of one node."""
+    pipeline_size: int = Field(default=1, gt=0)
+    """Pipeline-parallel degree (p): splits the layers into stages."""
+    data_size: int = Field(default=-1)
+    """Data-parallel degree (d); -1 = infer as world size / (tensor_size x pipeline_size)."""
+    virtual_pipeline_size: int | None = Field(default=None, gt=0)
+    """Model chunks per pipeline stage for the interleaved 1F1B schedule (v); null = not interleaved."""
+    sequence_parallel: bool = False
+    """Shard norms and dropout along the sequence across the tensor-parallel group (needs tensor_size > 1)."""

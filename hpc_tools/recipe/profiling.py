@@ -1,0 +1,45 @@
+"""``profiling:`` — what the in-job collectors measure (see the `profiling` package)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from hpc_tools.recipe.base import Section
+
+
+class TorchProfilerConfig(Section):
+    enabled: bool = False
+    """Capture a torch.profiler trace (TensorBoard / Holistic Trace Analysis readable)."""
+    start_step: int = Field(default=5, ge=0)
+    """First step of the traced window."""
+    num_steps: int = Field(default=3, gt=0)
+    """Steps in the traced window."""
+    ranks: list[int] = Field(default_factory=lambda: [0])
+    """Global ranks that trace."""
+
+
+class ProfilingConfig(Section):
+    enabled: bool = True
+    """Write per-rank step records into the run folder."""
+    summary_interval: int = Field(default=10, gt=0)
+    """Rank 0 prints a summary line every N steps."""
+    warmup_steps: int = Field(default=2, ge=0)
+    """Steps excluded from summaries (compilation, allocator warm-up)."""
+    flops_convention: Literal["megatron", "korthikanti"] = "megatron"
+    """FLOPs formula for TFLOP/s and MFU: Megatron-LM's current one (causal attention halved) or Korthikanti et al. eq. 7."""
+    memory: bool = True
+    """Record peak memory per step (GPU allocated/reserved, or RSS on CPU)."""
+    communication: bool = True
+    """Time collectives on sampled steps (bytes, time, bus bandwidth per kind)."""
+    communication_sample_interval: int = Field(default=10, gt=0)
+    """Time collectives on every N-th step only."""
+    pipeline_bubble: bool = True
+    """Measure time waiting on pipeline p2p per stage."""
+    gpu_telemetry: bool = True
+    """Sample NVML (SM utilisation, memory, power, clocks, temperature) in a thread; absent without GPUs."""
+    telemetry_interval_s: float = Field(default=1.0, gt=0.0)
+    """Seconds between telemetry samples."""
+    torch_profiler: TorchProfilerConfig = Field(default_factory=TorchProfilerConfig)
+    """A torch.profiler window on chosen ranks."""

@@ -1,0 +1,50 @@
+"""``training:`` — batch sizes, steps, optimiser, precision, recomputation."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from hpc_tools.recipe.base import Section
+
+
+class TrainingConfig(Section):
+    micro_batch_size: int = Field(default=1, gt=0)
+    """Sequences per GPU per microbatch (b)."""
+    global_batch_size: int | None = Field(default=None, gt=0)
+    """Sequences per optimiser step (B = b x d x microbatches); null = micro_batch_size x data-parallel size."""
+    train_iters: int = Field(default=100, gt=0)
+    """Optimiser steps to train."""
+    lr: float = Field(default=3e-4, gt=0.0)
+    """Peak learning rate."""
+    min_lr: float = Field(default=0.0, ge=0.0)
+    """Learning rate at the end of the decay."""
+    lr_warmup_iters: int = Field(default=0, ge=0)
+    """Linear warm-up steps from 0 to lr."""
+    lr_decay_iters: int | None = Field(default=None, gt=0)
+    """Steps over which lr decays to min_lr; null = train_iters."""
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape of the decay after warm-up."""
+    weight_decay: float = Field(default=0.1, ge=0.0)
+    """AdamW weight decay."""
+    adam_beta1: float = Field(default=0.9, gt=0.0, lt=1.0)
+    """AdamW beta1."""
+    adam_beta2: float = Field(default=0.95, gt=0.0, lt=1.0)
+    """AdamW beta2."""
+    adam_eps: float = Field(default=1e-8, gt=0.0)
+    """AdamW epsilon."""
+    clip_grad: float = Field(default=1.0, ge=0.0)
+    """Clip the global gradient norm to this value; 0 = no clipping."""
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    """Parameter/compute precision; bf16/fp16 keep fp32 master weights."""
+    seed: int = 1234
+    """Seed for initialisation, data order and dropout."""
+    recompute_granularity: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation: none, selective (attention core only) or full (whole layers)."""
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    """With full recomputation: `uniform` recomputes groups of recompute_num_layers, `block` the first recompute_num_layers per stage."""
+    recompute_num_layers: int = Field(default=1, gt=0)
+    """With full recomputation: layers per group (uniform) or layers recomputed per stage (block)."""
+    log_interval: int = Field(default=1, gt=0)
+    """Print a progress line on rank 0 every N steps."""

@@ -1,0 +1,196 @@
+"""Run folders: one per submission, created atomically, with a manifest that every step of the job's life updates.
+
+Layout of a run folder::
+
+    runs/<run_id>/
+        recipe.yaml       the resolved recipe (re-read and compared when written)
+        job.sbatch        the rendered batch script
+        manifest.json     job id, executor, git SHA, versions, nodelist, times, state
+        logs/             launcher and per-rank logs
+        records/          per-rank metric records (schema owned by profiling.schema)
+        checkpoints/      default checkpoint folder
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+from hpc_tools.errors import UserError
+
+MANIFEST = "manifest.json"
+RECIPE = "recipe.yaml"
+SCRIPT = "job.sbatch"
+SUBDIRS = ("logs", "records", "checkpoints")
+TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "HANG", "PREEMPTED_DONE")
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def runs_root(explicit: str | Path | None = None) -> Path:
+    """--runs-dir, else $HPC_TOOLS_RUNS_DIR, else ./runs."""
+    return Path(explicit or os.environ.get("HPC_TOOLS_RUNS_DIR") or "runs").absolute()
+
+
+def new_run_id(name: str) -> str:
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return f"{name}-{stamp}-{secrets.token_hex(3)}"
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write-then-rename, so readers see the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def git_sha(cwd: Path | None = None) -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd or Path(__file__).parent, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of the packages a run depends on, without importing them (importlib.metadata only)."""
+    from importlib import metadata
+
+    found = {}
+    for name in ("hpc_tools", "torch", "megatron-core", "deepspeed", "transformers", "datasets", "submitit", "pandas"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            found[name] = metadata.version(name)
+    return found
+
+
+class RunFolder:
+    """A run folder on disk. Create with ``RunFolder.create``; open an existing one with ``RunFolder(path)``."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path).absolute()
+
+    # -- creation -------------------------------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, root: Path, run_id: str, recipe_text: str, script_text: str, manifest: dict[str, Any],
+               check_recipe=None) -> "RunFolder":
+        """Build the folder under a hidden temporary name and rename it into place: no partial run folders.
+
+        ``check_recipe(text)`` re-reads the written recipe and must return the same text (a round-trip check).
+        """
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / run_id
+        if final.exists():
+            raise UserError(f"run folder {final} already exists (choose another run name)")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{run_id}.", dir=root))
+        try:
+            for sub in SUBDIRS:
+                (tmp / sub).mkdir()
+            atomic_write(tmp / RECIPE, recipe_text)
+            if check_recipe is not None:
+                reread = (tmp / RECIPE).read_text()
+                if check_recipe(reread) != recipe_text:
+                    raise RuntimeError(f"the resolved recipe did not survive a round trip through {RECIPE}")
+            atomic_write(tmp / SCRIPT, script_text)
+            base = {"run_id": run_id, "state": "CREATED", "created": now_iso(), "git_sha": git_sha(),
+                    "versions": package_versions(), "events": []}
+            atomic_write(tmp / MANIFEST, json.dumps({**base, **manifest}, indent=2, sort_keys=True))
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return cls(final)
+
+    # -- reading --------------------------------------------------------------------------------------------------------
+    @property
+    def run_id(self) -> str:
+        return self.path.name
+
+    @property
+    def recipe_path(self) -> Path:
+        return self.path / RECIPE
+
+    @property
+    def records_dir(self) -> Path:
+        return self.path / "records"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.path / "checkpoints"
+
+    def exists(self) -> bool:
+        return (self.path / MANIFEST).is_file()
+
+    def manifest(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.path / MANIFEST).read_text())
+        except FileNotFoundError:
+            raise UserError(f"{self.path} is not a run folder (no {MANIFEST}); see `python -m hpc_tools list`") from None
+
+    # -- updating -------------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with open(self.path / ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def update(self, event: str | None = None, **fields: Any) -> dict[str, Any]:
+        """Read-modify-write the manifest under a lock; ``event`` is appended to its event log with a timestamp."""
+        with self._locked():
+            data = self.manifest()
+            data.update(fields)
+            if event:
+                data.setdefault("events", []).append({"time": now_iso(), "event": event,
+                                                      **{k: v for k, v in fields.items() if k != "events"}})
+            atomic_write(self.path / MANIFEST, json.dumps(data, indent=2, sort_keys=True))
+            return data
+
+
+def find_run(ref: str, root: Path) -> RunFolder:
+    """A run by folder path, exact run id, unique run-id prefix, or Slurm job id."""
+    path = Path(ref)
+    if (path / MANIFEST).is_file():
+        return RunFolder(path)
+    if (root / ref / MANIFEST).is_file():
+        return RunFolder(root / ref)
+    runs = list_runs(root)
+    matches = [r for r in runs if r.run_id.startswith(ref)] or [r for r in runs if str(r.manifest().get("job_id")) == ref]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise UserError(f"no run matches {ref!r} under {root} (see `python -m hpc_tools list`)")
+    raise UserError(f"{ref!r} matches {len(matches)} runs under {root} (give more of the run id)")
+
+
+def list_runs(root: Path) -> list[RunFolder]:
+    if not root.is_dir():
+        return []
+    runs = [RunFolder(p) for p in root.iterdir() if not p.name.startswith(".") and (p / MANIFEST).is_file()]
+    return sorted(runs, key=lambda r: r.manifest().get("created", ""))

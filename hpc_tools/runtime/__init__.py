@@ -1,0 +1,1 @@
+"""What runs inside the job, on every rank: environment, signals, hang watchdog, backend dispatch."""

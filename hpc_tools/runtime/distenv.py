@@ -1,0 +1,89 @@
+"""Rank, world and rendezvous from the launcher's environment: Slurm's srun (SLURM_*) or the local launcher (RANK...).
+
+The one place the rendezvous address and port are decided, for every executor.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+from dataclasses import dataclass
+
+PORT_BASE, PORT_SPAN = 20000, 20000
+
+
+def first_host(nodelist: str) -> str:
+    """First hostname of a Slurm nodelist; `scontrol show hostnames` when available, else a small parser."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.split()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return expand_first(nodelist)
+
+
+def expand_first(nodelist: str) -> str:
+    """``node[03-05,7],gpu1`` -> ``node03`` (leading zeros kept)."""
+    head = re.split(r",(?![^\[]*\])", nodelist)[0]
+    m = re.match(r"^([^\[]*)\[([^\],-]+)", head)
+    return m.group(1) + m.group(2) if m else head
+
+
+def port_for_job(job_id: str | int | None) -> int:
+    """A rendezvous port derived from the job id, so concurrent jobs sharing a node do not collide."""
+    if job_id is None:
+        return free_port()
+    return PORT_BASE + int(str(job_id).split("_")[0]) % PORT_SPAN
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True, slots=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    job_id: str | None
+    restart_count: int
+    executor: str
+
+    @classmethod
+    def from_environ(cls, env: dict[str, str] | None = None) -> "DistEnv":
+        env = dict(os.environ if env is None else env)
+        job_id = env.get("SLURM_ARRAY_JOB_ID") and f"{env['SLURM_ARRAY_JOB_ID']}_{env.get('SLURM_ARRAY_TASK_ID')}" \
+            or env.get("SLURM_JOB_ID")
+        restarts = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+        if "RANK" in env and "WORLD_SIZE" in env:  # local launcher or torchrun
+            return cls(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+                       local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+                       local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+                       node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", "0"))),
+                       master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", "29500")),
+                       job_id=job_id, restart_count=restarts, executor=env.get("HPC_TOOLS_EXECUTOR", "local"))
+        if "SLURM_PROCID" in env:
+            ntasks = int(env["SLURM_NTASKS"])
+            nodes = int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
+            return cls(rank=int(env["SLURM_PROCID"]), world_size=ntasks, local_rank=int(env.get("SLURM_LOCALID", "0")),
+                       local_world_size=ntasks // max(nodes, 1), node_rank=int(env.get("SLURM_NODEID", "0")),
+                       master_addr=env.get("MASTER_ADDR") or first_host(env["SLURM_JOB_NODELIST"]),
+                       master_port=int(env.get("MASTER_PORT") or port_for_job(env.get("SLURM_JOB_ID"))),
+                       job_id=job_id, restart_count=restarts, executor=env.get("HPC_TOOLS_EXECUTOR", "slurm"))
+        return cls(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, master_addr="127.0.0.1",
+                   master_port=free_port(), job_id=job_id, restart_count=restarts, executor="local")
+
+    def export(self) -> None:
+        """Set the variables torch.distributed's env:// rendezvous and DeepSpeed read."""
+        os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
+                           "LOCAL_WORLD_SIZE": str(self.local_world_size), "MASTER_ADDR": self.master_addr,
+                           "MASTER_PORT": str(self.master_port)})

@@ -1,0 +1,77 @@
+"""Entry point of every rank: ``python -m hpc_tools.runtime.rank --run-dir RUN``.
+
+The rendered sbatch script starts it with srun (one task per GPU), submitit calls ``run_rank`` in each task, and the
+local executor spawns it once per rank: the same code on every path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import time
+
+from hpc_tools.layout import ParallelLayout
+from hpc_tools.recipe.load import parse_yaml, resolve
+from hpc_tools.registry import RunFolder, now_iso
+from hpc_tools.runtime.backends import trainer_for
+from hpc_tools.runtime.context import RankContext
+from hpc_tools.runtime.distenv import DistEnv
+from hpc_tools.runtime.preemption import StopFlag
+from hpc_tools.runtime.watchdog import Watchdog
+
+
+def setup_logging(rank: int) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
+                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+def build_context(run_dir: str) -> RankContext:
+    run = RunFolder(run_dir)
+    recipe = resolve(parse_yaml(run.recipe_path.read_text(), str(run.recipe_path)), source=str(run.recipe_path))
+    dist = DistEnv.from_environ()
+    dist.export()
+    layout = ParallelLayout.from_recipe(recipe)
+    if layout.world_size != dist.world_size:
+        raise SystemExit(f"the launcher started {dist.world_size} ranks but {run.recipe_path} needs "
+                         f"{layout.world_size} (cluster.nodes x cluster.gpus_per_node); resubmit the recipe")
+    ctx = RankContext(recipe=recipe, layout=layout, dist=dist, run=run, stop=StopFlag().install())
+    ctx.watchdog = Watchdog(recipe.cluster.hang_timeout_min * 60, run.path, dist.rank).start()
+    return ctx
+
+
+def run_rank(run_dir: str) -> int:
+    """Run this rank's share of the job; returns the process exit code."""
+    dist = DistEnv.from_environ()
+    setup_logging(dist.rank)
+    ctx = build_context(run_dir)
+    if ctx.is_rank0:
+        ctx.run.update(event="started", state="RUNNING", started=now_iso(), job_id=dist.job_id,
+                       nodelist=os.environ.get("SLURM_JOB_NODELIST", socket.gethostname()),
+                       restart_count=dist.restart_count, world_size=dist.world_size)
+    t0 = time.perf_counter()
+    try:
+        trainer_for(ctx.recipe.backend.kind)(ctx)
+    except BaseException as exc:
+        if ctx.is_rank0 and not isinstance(exc, SystemExit):
+            ctx.run.update(event="failed", state="FAILED", ended=now_iso(), error=f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        if ctx.watchdog:
+            ctx.watchdog.stop()
+    if ctx.is_rank0 and not ctx.stop_requested:
+        ctx.run.update(event="completed", state="COMPLETED", ended=now_iso(), wall_s=round(time.perf_counter() - t0, 3))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpc_tools.runtime.rank", description=__doc__)
+    parser.add_argument("--run-dir", required=True, help="run folder holding recipe.yaml and manifest.json")
+    args = parser.parse_args(argv)
+    return run_rank(args.run_dir)
+
+
+if __name__ == "__main__":  # the guard matters: dist_checkpointing starts a spawn Manager that re-imports __main__
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The per-rank step record: the one definition every trainer writes and every analysis reads.
+
+Versioned: a change that renames or retypes a field bumps SCHEMA_VERSION; adding an optional field does not.
+Records are appended as JSON lines to ``records/rank<RANK>.jsonl`` during the run (a requeued job appends to the same
+file) and compacted into ``records/steps.parquet`` at the end. Optional fields are null when not measured on that
+step or rank (e.g. ``loss`` off the last pipeline stage, communication on unsampled steps, GPU fields on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    name: str
+    type: str  # "int", "float", "str", "bool"
+    required: bool
+    doc: str
+
+
+STEP_FIELDS: tuple[Field, ...] = (
+    Field("schema_version", "int", True, "SCHEMA_VERSION of the writer"),
+    Field("run_id", "str", True, "run folder name"),
+    Field("job_id", "str", False, "Slurm job id (null when local)"),
+    Field("restart", "int", True, "SLURM_RESTART_COUNT: 0 for the first start, +1 per requeue"),
+    Field("rank", "int", True, "global rank"),
+    Field("node", "str", True, "hostname"),
+    Field("tp_rank", "int", True, "tensor-parallel rank"),
+    Field("pp_rank", "int", True, "pipeline stage"),
+    Field("dp_rank", "int", True, "data-parallel rank"),
+    Field("step", "int", True, "optimizer step, 1-based, continues across resumes"),
+    Field("time", "float", True, "unix time at the end of the step"),
+    Field("step_time_s", "float", True, "wall time of the step on this rank (GPU: event-timed, see profiling docs)"),
+    Field("data_time_s", "float", False, "time spent producing this step's batches"),
+    Field("tokens", "int", True, "tokens consumed by the whole job in this step (global batch x sequence length)"),
+    Field("tokens_per_s", "float", True, "tokens / step_time_s for the whole job"),
+    Field("tokens_per_s_per_gpu", "float", True, "tokens_per_s / world size"),
+    Field("loss", "float", False, "mean training loss of the step (ranks that compute it)"),
+    Field("lr", "float", False, "learning rate used in the step"),
+    Field("grad_norm", "float", False, "global gradient norm before clipping"),
+    Field("model_flops", "float", False, "model FLOPs of the whole step, under flops_convention"),
+    Field("tflops_per_gpu", "float", False, "model TFLOP/s per GPU"),
+    Field("mfu", "float", False, "model FLOPs utilisation (0-1); null when the peak is unknown"),
+    Field("hfu", "float", False, "hardware FLOPs utilisation counting recomputation (0-1)"),
+    Field("mem_allocated_max_bytes", "int", False, "torch.cuda.max_memory_allocated over the step"),
+    Field("mem_reserved_max_bytes", "int", False, "torch.cuda.max_memory_reserved over the step"),
+    Field("rss_bytes", "int", False, "resident set size of the rank process"),
+    Field("comm_time_s", "float", False, "time in collectives during the step (sampled steps only)"),
+    Field("comm_bytes", "int", False, "bytes moved by collectives during the step (sampled steps only)"),
+    Field("pp_wait_s", "float", False, "time waiting on pipeline p2p during the step (measured bubble)"),
+    Field("bubble_fraction", "float", False, "pp_wait_s / step_time_s"),
+    Field("skipped", "bool", False, "the optimizer skipped this step (fp16 overflow)"),
+)
+
+FIELD_NAMES = tuple(f.name for f in STEP_FIELDS)
+REQUIRED = tuple(f.name for f in STEP_FIELDS if f.required)
+_PY_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool}
+
+
+def validate_record(record: dict[str, Any]) -> None:
+    """Raise ValueError naming the first field that breaks the schema."""
+    unknown = set(record) - set(FIELD_NAMES) - set(record.get("extra", {}) and ["extra"])
+    if unknown:
+        raise ValueError(f"step record has unknown fields {sorted(unknown)}; add them to profiling.schema.STEP_FIELDS")
+    for f in STEP_FIELDS:
+        value = record.get(f.name)
+        if value is None:
+            if f.required:
+                raise ValueError(f"step record is missing required field {f.name!r} ({f.doc})")
+            continue
+        if not isinstance(value, _PY_TYPES[f.type]) or (f.type != "bool" and isinstance(value, bool)):
+            raise ValueError(f"step record field {f.name!r}={value!r} must be {f.type}")
+
+
+def arrow_schema():
+    """The schema as a pyarrow schema (for the compacted parquet files)."""
+    import pyarrow as pa
+
+    types = {"int": pa.int64(), "float": pa.float64(), "str": pa.string(), "bool": pa.bool_()}
+    return pa.schema([pa.field(f.name, types[f.type], nullable=not f.required) for f in STEP_FIELDS])
