@@ -53,6 +53,7 @@ def run_local(run: RunFolder, world_size: int, echo: IO[bytes] | None = None, ex
         pump.start()
         procs.append(proc)
         pumps.append(pump)
+    run.update(pids=[p.pid for p in procs])  # `hpc_tools cancel` signals these process groups
     code = 0
     try:
         while any(p.poll() is None for p in procs):

@@ -12,6 +12,10 @@ from hpc_tools.recipe.base import Section
 # Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 TIME_LIMIT_RE = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Values that end up on #SBATCH lines, which sbatch parses itself (no shell quoting there): allow only what Slurm
+# names can hold, so no value can smuggle in a second option or a new line.
+SLURM_NAME_RE = re.compile(r"^[A-Za-z0-9_.,:+-]+$")
+SLURM_CONSTRAINT_RE = re.compile(r"^[A-Za-z0-9_.,:&|*\[\]()!-]+$")
 
 
 def time_limit_minutes(value: str) -> float:
@@ -106,6 +110,20 @@ class ClusterConfig(Section):
     """Python interpreter on the compute nodes."""
     setup: EnvironmentSetup = Field(default_factory=EnvironmentSetup)
     """Environment set-up run before launching ranks."""
+
+    @field_validator("partition", "account", "qos", "reservation")
+    @classmethod
+    def _slurm_name(cls, value: str | None) -> str | None:
+        if value is not None and not SLURM_NAME_RE.match(value):
+            raise ValueError("is not a valid Slurm name -- use letters, digits and _ . , : + - only")
+        return value
+
+    @field_validator("constraint")
+    @classmethod
+    def _constraint(cls, value: str | None) -> str | None:
+        if value is not None and not SLURM_CONSTRAINT_RE.match(value):
+            raise ValueError("is not a valid Slurm constraint -- use feature names joined by & | , with [ ] ( ) * :")
+        return value
 
     @field_validator("time_limit")
     @classmethod

@@ -1,16 +1,48 @@
-"""``sweep:`` — a grid of overrides run as one job array."""
+"""``sweep:`` — a grid of overrides; each cell is a resolved recipe, run as one job (arrays group equal resources)."""
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from hpc_tools.recipe.base import Section
+
+# One dotted key (`cluster.nodes`) or several joined by commas (`parallel.tensor_size,parallel.pipeline_size`).
+KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")
+
+
+def axis_keys(axis: str) -> list[str]:
+    """The dotted recipe keys of one grid axis (a comma-joined axis moves several keys together)."""
+    return [k.strip() for k in axis.split(",")]
 
 
 class SweepConfig(Section):
     grid: dict[str, list[Any]] = Field(default_factory=dict)
-    """Dotted recipe keys mapped to the values to try, e.g. `cluster.nodes: [1, 2, 4]`; the cells are the product."""
+    """Dotted recipe keys mapped to the values to try, e.g. `cluster.nodes: [1, 2, 4]`; the cells are the product of
+    the axes. Keys joined by commas move together (a zipped axis), e.g.
+    `parallel.tensor_size,parallel.pipeline_size: [[1, 1], [2, 1], [2, 2]]` tries three layouts, not nine."""
     repeats: int = Field(default=1, gt=0)
     """Runs per cell (for run-to-run spread)."""
+    scaling: Literal["auto", "strong", "weak", "none"] = "auto"
+    """How `analyze` reads the sweep: `strong` (fixed global batch), `weak` (fixed work per GPU), `none`, or `auto`
+    (strong when every cell has the same global batch, weak when global batch / GPUs is constant)."""
+
+    @field_validator("grid")
+    @classmethod
+    def _grid(cls, value: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        for axis, values in value.items():
+            keys = axis_keys(axis)
+            bad = [k for k in keys if not KEY_RE.match(k)]
+            if bad:
+                raise ValueError(f"has the axis {axis!r} whose key {bad[0]!r} is not a dotted recipe key "
+                                 "-- use section.key, e.g. cluster.nodes or training.micro_batch_size")
+            if not values:
+                raise ValueError(f"has the axis {axis!r} with no values -- list at least one value")
+            if len(keys) > 1:
+                for item in values:
+                    if not isinstance(item, (list, tuple)) or len(item) != len(keys):
+                        raise ValueError(f"axis {axis!r} has the value {item!r}, not a list of {len(keys)} values "
+                                         f"-- give one [{', '.join(keys)}] list per cell")
+        return value

@@ -1,0 +1,108 @@
+"""One call from folders to every table: ``analyse(refs)`` -> ``Analysis``."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from hpc_tools.analysis.inputs import RunInput, discover
+from hpc_tools.analysis.metrics import rank_table, run_metrics, step_table
+from hpc_tools.analysis.records import RunRecords, read_run
+from hpc_tools.analysis.scaling import ScalingResult, analyse_scaling
+
+
+@dataclass
+class Analysis:
+    runs: pd.DataFrame  # one row per run
+    ranks: pd.DataFrame  # one row per (run, rank)
+    steps: pd.DataFrame  # one row per (run, step)
+    scaling: list[ScalingResult]
+    heatmaps: dict[str, tuple[np.ndarray, np.ndarray, list[int]]] = field(default_factory=dict)
+    sweeps: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sweeps": self.sweeps, "runs": _records(self.runs), "ranks": _records(self.ranks),
+                "scaling": [s.summary() for s in self.scaling]}
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, (np.floating, float)):
+        return None if math.isnan(value) or math.isinf(value) else float(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.bool_):
+        return bool(value)
+    return value
+
+
+def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    return [{k: _clean(v) for k, v in row.items()} for row in df.to_dict(orient="records")]
+
+
+def warmup_for(inp: RunInput, warmup: int | None) -> int:
+    """--warmup, else the recipe's profiling.warmup_steps."""
+    if warmup is not None:
+        return warmup
+    return inp.recipe.profiling.warmup_steps if inp.recipe is not None else 0
+
+
+def planner_prediction(recipe) -> float | None:
+    """The planner's predicted step time for this recipe, when a planner is installed (optional)."""
+    try:
+        from hpc_tools.planner import predict  # type: ignore[attr-defined]
+
+        pred = predict(recipe)
+    except Exception:  # no planner, or it cannot model this recipe: the column stays empty
+        return None
+    value = pred.get("step_time_s") if isinstance(pred, dict) else getattr(pred, "step_time_s", None)
+    return float(value) if value is not None else None
+
+
+def analyse_run(inp: RunInput, warmup: int | None = None) -> tuple[dict, pd.DataFrame, pd.DataFrame, RunRecords]:
+    w = warmup_for(inp, warmup)
+    max_step = inp.recipe.training.train_iters if inp.recipe is not None else None
+    rec = read_run(inp.run.records_dir, w, max_step)
+    ranks = rank_table(rec, inp.run_id)
+    row = run_metrics(inp, rec, ranks)
+    predicted = planner_prediction(inp.recipe) if inp.recipe is not None else None
+    row["predicted_step_time_s"] = predicted
+    row["predicted_vs_measured"] = predicted / row["step_time_median_s"] if predicted and row["step_time_median_s"] else None
+    return row, ranks, step_table(rec, inp.run_id), rec
+
+
+def analyse(refs: list[str], warmup: int | None = None, root: str | Path | None = None,
+            scaling: str | None = None) -> Analysis:
+    """Analyse runs and sweeps; ``scaling`` overrides the sweep's `scaling:` choice (auto/strong/weak/none)."""
+    inputs, sweeps = discover(refs, root)
+    rows, rank_frames, step_frames, heatmaps = [], [], [], {}
+    for inp in inputs:
+        row, ranks, steps, rec = analyse_run(inp, warmup)
+        rows.append(row)
+        rank_frames.append(ranks)
+        step_frames.append(steps)
+        if rec.heatmap.size:
+            heatmaps[inp.run_id] = (rec.heatmap, rec.heatmap_edges, rec.heatmap_ranks)
+    runs = pd.DataFrame(rows)
+    requested = scaling or _sweep_scaling(refs) or "auto"
+    return Analysis(runs=runs, ranks=_concat(rank_frames), steps=_concat(step_frames),
+                    scaling=analyse_scaling(runs, requested) if len(runs) > 1 else [], heatmaps=heatmaps,
+                    sweeps=sweeps)
+
+
+def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    frames = [f for f in frames if not f.empty]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def _sweep_scaling(refs: list[str]) -> str | None:
+    for ref in refs:
+        path = Path(ref) / "sweep.json"
+        if path.is_file():
+            return json.loads(path.read_text()).get("scaling")
+    return None

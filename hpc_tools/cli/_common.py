@@ -1,0 +1,34 @@
+"""Arguments and output helpers shared by the command modules."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def add_recipe_args(p: argparse.ArgumentParser, nargs: str | None = None) -> None:
+    p.add_argument("recipe", nargs=nargs, help="recipe YAML file" + ("s" if nargs == "+" else ""))
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a recipe value (repeatable; the value is read as YAML), e.g. --set parallel.tensor_size=4")
+    p.add_argument("--profile", choices=["local"], default=None,
+                   help="apply the recipe's local profile (small model and CPU layout)")
+
+
+def add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
+
+
+def add_runs_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runs-dir", default=None, help="runs root (default: $HPC_TOOLS_RUNS_DIR or ./runs)")
+
+
+def emit_json(data: Any) -> None:
+    json.dump(data, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
+
+
+def say(msg: str) -> None:
+    """One line for the human on stderr (stdout stays clean for --json)."""
+    print(msg, file=sys.stderr, flush=True)

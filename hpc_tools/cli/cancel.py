@@ -1,0 +1,49 @@
+"""cancel: stop a run (scancel on Slurm; SIGTERM to the rank processes of a local run)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+from hpc_tools.cli._common import add_json, add_runs_dir, emit_json, say
+from hpc_tools.errors import UserError
+
+NAME = "cancel"
+ORDER = 60
+HELP = "cancel a run (Slurm job or local processes)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="run folder, run id (or prefix) or Slurm job id")
+    add_runs_dir(p)
+    add_json(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpc_tools.cli.status import resolve_run
+    from hpc_tools.registry import TERMINAL_STATES, now_iso
+
+    r = resolve_run(args.run, args.runs_dir)
+    manifest = r.manifest()
+    if manifest.get("state") in TERMINAL_STATES:
+        raise UserError(f"run {r.run_id} already ended ({manifest['state']}); nothing to cancel")
+    if manifest.get("executor") in ("slurm", "sbatch"):
+        from hpc_tools.executors.slurm import cancel
+
+        cancel(str(manifest["job_id"]))
+    else:
+        pids = manifest.get("pids") or []
+        if not pids:
+            raise UserError(f"run {r.run_id} records no processes to stop")
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    r.update(event="cancel requested", cancel_requested=now_iso())
+    if args.json:
+        emit_json({"ok": True, "run_dir": str(r.path), "job_id": manifest.get("job_id")})
+    else:
+        say(f"cancel requested for {r.run_id}" + (f" (Slurm job {manifest['job_id']})" if manifest.get("job_id") else ""))
+    return 0

@@ -1,0 +1,71 @@
+"""validate: check recipes against the schema, the layout rules and the planner's memory fit; write nothing."""
+
+from __future__ import annotations
+
+import argparse
+
+from hpc_tools.cli._common import add_json, add_recipe_args, emit_json
+from hpc_tools.errors import RecipeError, UserError
+
+NAME = "validate"
+ORDER = 10
+HELP = "check recipes (schema, layout arithmetic, backend rules, memory fit); report every violation"
+DESCRIPTION = HELP + """
+
+Each violation is one line: FIELD=VALUE RULE (FIX). Exit 0 when valid, 2 otherwise.
+A recipe with a `local:` profile is checked as written and with the profile applied."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_recipe_args(p, nargs="+")
+    add_json(p)
+    p.add_argument("--no-fit", action="store_true", help="skip the planner's memory-fit check")
+    p.add_argument("--rules", action="store_true", help="list the layout and backend rules and exit")
+
+
+def check(path: str, overrides: list[str], profile: str | None, fit: bool) -> list[dict]:
+    """Violations (as dicts) of one recipe under one profile."""
+    from hpc_tools.recipe.load import resolve, read_yaml
+    from hpc_tools.submission import fit_violations
+
+    try:
+        recipe = resolve(read_yaml(path), overrides, profile, path)
+        violations = fit_violations(recipe) if fit else []
+    except RecipeError as exc:
+        violations = exc.violations
+    return [v.as_dict() for v in violations]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.rules:
+        from hpc_tools.recipe.rules import RULES
+
+        for r in RULES:
+            print(f"{r.name}: {r.doc}")
+        return 0
+    from hpc_tools.recipe.load import read_yaml
+
+    results = []
+    for path in args.recipe:
+        profiles = [args.profile] if args.profile else [None] + (["local"] if _has_local(read_yaml(path)) else [])
+        for profile in profiles:
+            results.append({"recipe": path, "profile": profile,
+                            "errors": check(path, args.overrides, profile, not args.no_fit)})
+    ok = all(not r["errors"] for r in results)
+    if args.json:
+        emit_json({"ok": ok, "results": results})
+    else:
+        for r in results:
+            where = r["recipe"] + (f" (profile {r['profile']})" if r["profile"] else "")
+            if r["errors"]:
+                for e in r["errors"]:
+                    print(f"error: {where}: {e['message']}")
+            else:
+                print(f"ok: {where}")
+    if not ok:
+        return UserError.exit_code
+    return 0
+
+
+def _has_local(raw: dict) -> bool:
+    return raw.get("local") is not None

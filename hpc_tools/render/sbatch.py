@@ -1,0 +1,39 @@
+"""Render a recipe into a complete sbatch script (jobs/<recipe>.sbatch) that runs with plain `sbatch`."""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+from pathlib import Path
+
+import jinja2
+
+from hpc_tools.layout import ParallelLayout
+from hpc_tools.recipe.load import dump_resolved
+from hpc_tools.recipe.schema import Recipe
+from hpc_tools.render.envsetup import rank_argv, setup_lines, srun_args
+from hpc_tools.render.slurm_params import STOP_SIGNAL, SlurmSpec
+from hpc_tools.runtime.distenv import PORT_BASE, PORT_SPAN
+
+_ENV = jinja2.Environment(loader=jinja2.PackageLoader("hpc_tools.render", "templates"), trim_blocks=True,
+                          lstrip_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined,
+                          autoescape=False)
+
+
+def render_sbatch(recipe: Recipe, source: str = "a recipe") -> str:
+    """The batch script for this resolved recipe; the recipe travels inside it (a quoted here-document)."""
+    recipe_yaml = dump_resolved(recipe).rstrip("\n")
+    # A quoted here-document never expands anything; its delimiter carries a hash of the text it encloses, so the
+    # text cannot end it early.
+    delimiter = "HPC_TOOLS_RECIPE_" + hashlib.sha256(recipe_yaml.encode()).hexdigest()[:12]
+    launch = [*srun_args(recipe.cluster), *rank_argv(recipe.cluster)]
+    return _ENV.get_template("job.sbatch.j2").render(
+        name=recipe.name, source=source, layout=ParallelLayout.from_recipe(recipe).describe(),
+        sbatch_lines=SlurmSpec.from_recipe(recipe).sbatch_lines(), setup=setup_lines(recipe.cluster),
+        python=shlex.quote(recipe.cluster.python), recipe_yaml=recipe_yaml, delimiter=delimiter,
+        port_base=PORT_BASE, port_span=PORT_SPAN, signal_delay_s=recipe.cluster.signal_delay_s,
+        stop_signal=STOP_SIGNAL, launch=shlex.join(launch))
+
+
+def job_script_path(recipe_path: str | Path, jobs_dir: str | Path = "jobs") -> Path:
+    return Path(jobs_dir) / f"{Path(recipe_path).stem}.sbatch"

@@ -1,0 +1,86 @@
+"""The one owner of Slurm resource flags. Both the rendered sbatch script and the submitit executor read them here,
+derived from the parallel layout (nodes, one task per GPU) and the recipe's cluster section.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hpc_tools.layout import ParallelLayout
+from hpc_tools.recipe.schema import Recipe
+
+STOP_SIGNAL = "USR2"  # submitit's choice too; NCCL claims USR1
+
+
+@dataclass(frozen=True, slots=True)
+class SlurmSpec:
+    job_name: str
+    nodes: int
+    ntasks_per_node: int
+    gpus_per_node: int | None
+    cpus_per_task: int
+    mem_gb: int | None
+    time_limit: str
+    time_min: int
+    partition: str | None
+    account: str | None
+    qos: str | None
+    constraint: str | None
+    reservation: str | None
+    exclusive: bool
+    signal_delay_s: int
+    requeue: bool
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe) -> "SlurmSpec":
+        lay, c = ParallelLayout.from_recipe(recipe), recipe.cluster
+        return cls(job_name=recipe.name, nodes=lay.nodes, ntasks_per_node=lay.ranks_per_node,
+                   gpus_per_node=lay.ranks_per_node if c.uses_gpus else None, cpus_per_task=c.cpus_per_task,
+                   mem_gb=c.mem_gb, time_limit=c.time_limit, time_min=max(1, math.ceil(c.time_limit_min)),
+                   partition=c.partition, account=c.account, qos=c.qos, constraint=c.constraint,
+                   reservation=c.reservation, exclusive=c.exclusive, signal_delay_s=c.signal_delay_s,
+                   requeue=c.requeue)
+
+    def sbatch_options(self) -> list[tuple[str, str | None]]:
+        """(flag, value) pairs in a fixed order; value None means a bare flag."""
+        opts: list[tuple[str, str | None]] = [
+            ("job-name", self.job_name), ("nodes", str(self.nodes)), ("ntasks-per-node", str(self.ntasks_per_node))]
+        if self.gpus_per_node:
+            opts.append(("gpus-per-node", str(self.gpus_per_node)))
+        opts.append(("cpus-per-task", str(self.cpus_per_task)))
+        if self.mem_gb:
+            opts.append(("mem", f"{self.mem_gb}G"))
+        opts.append(("time", self.time_limit))
+        for key in ("partition", "account", "qos", "constraint", "reservation"):
+            if getattr(self, key):
+                opts.append((key, getattr(self, key)))
+        if self.exclusive:
+            opts.append(("exclusive", None))
+        opts.append(("signal", f"{STOP_SIGNAL}@{self.signal_delay_s}"))
+        opts.append(("requeue", None) if self.requeue else ("no-requeue", None))
+        opts.append(("open-mode", "append"))  # a requeued job appends to its log
+        return opts
+
+    def sbatch_lines(self, output: str = "%x-%j.out") -> list[str]:
+        lines = [f"#SBATCH --{k}" if v is None else f"#SBATCH --{k}={v}" for k, v in self.sbatch_options()]
+        return lines + [f"#SBATCH --output={output}"]
+
+    def submitit_parameters(self) -> dict:
+        """Keyword arguments for submitit.SlurmExecutor.update_parameters (submitit adds --signal=USR2@delay)."""
+        extra: dict = {"requeue": True} if self.requeue else {"no-requeue": True}
+        if self.reservation:
+            extra["reservation"] = self.reservation
+        params = {"job_name": self.job_name, "nodes": self.nodes, "ntasks_per_node": self.ntasks_per_node,
+                  "cpus_per_task": self.cpus_per_task, "time": self.time_min, "signal_delay_s": self.signal_delay_s,
+                  "additional_parameters": extra}
+        if self.gpus_per_node:
+            params["gpus_per_node"] = self.gpus_per_node
+        if self.mem_gb:
+            params["mem"] = f"{self.mem_gb}GB"
+        for key in ("partition", "account", "qos", "constraint"):
+            if getattr(self, key):
+                params[key] = getattr(self, key)
+        if self.exclusive:
+            params["exclusive"] = True
+        return params

@@ -1,0 +1,59 @@
+"""``python -m hpc_tools.runtime.prepare --run-dir DIR`` (recipe on stdin): the batch shell's first step.
+
+Creates the run folder for a job started with plain ``sbatch jobs/<recipe>.sbatch``, or, when the folder already
+exists (``hpc_tools submit`` made it, or Slurm requeued the job), records the (re)start in its manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hpc_tools.recipe.load import dump_resolved, parse_yaml, resolve
+from hpc_tools.registry import RunFolder, now_iso
+
+
+def batch_log_path(job_id: str | None) -> str | None:
+    """Where Slurm writes this batch job's output (StdOut of `scontrol show job`)."""
+    if not job_id:
+        return None
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    fields = dict(item.split("=", 1) for item in out.stdout.split() if "=" in item)
+    return fields.get("StdOut")
+
+
+def prepare(run_dir: Path, recipe_text: str, script: Path | None) -> RunFolder:
+    run = RunFolder(run_dir)
+    job_id = os.environ.get("SLURM_JOB_ID")
+    job = {"job_id": job_id, "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+           "nodelist": os.environ.get("SLURM_JOB_NODELIST"), "batch_log": batch_log_path(job_id)}
+    if run.exists():
+        run.update(event="batch started", state="STARTING", batch_started=now_iso(), **job)
+        return run
+    recipe = resolve(parse_yaml(recipe_text, "the recipe in the batch script"))
+    text = dump_resolved(recipe)
+    script_text = script.read_text() if script and script.is_file() else ""
+    return RunFolder.create(run.path.parent, run.path.name, text, script_text,
+                            {"executor": "sbatch", "state": "STARTING", "batch_started": now_iso(), "name": recipe.name,
+                             **job},
+                            check_recipe=lambda t: dump_resolved(resolve(parse_yaml(t))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpc_tools.runtime.prepare", description=__doc__)
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--script", type=Path, default=None, help="the batch script, copied into the run folder")
+    args = parser.parse_args(argv)
+    run = prepare(args.run_dir, sys.stdin.read(), args.script)
+    print(f"hpc_tools: run folder {run.path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""What `submit` does, step by step: resolve -> check -> render -> run folder -> executor.
+
+Kept apart from the CLI so that sweeps and tests take exactly the same path.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from hpc_tools.errors import RecipeError, UserError
+from hpc_tools.layout import ParallelLayout
+from hpc_tools.recipe.load import dump_resolved, parse_yaml, read_yaml, resolve
+from hpc_tools.recipe.schema import Recipe
+from hpc_tools.registry import RunFolder, new_run_id, runs_root
+from hpc_tools.render.sbatch import render_sbatch
+
+EXECUTORS = ("auto", "slurm", "local")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A recipe resolved for one executor, ready to become a run."""
+
+    recipe: Recipe
+    executor: str  # "slurm" | "local"
+    profile: str | None
+    source: str
+    note: str = ""
+
+
+def choose_executor(requested: str) -> tuple[str, str]:
+    """(executor, note). `auto` takes Slurm when a controller answers, else the local executor."""
+    from hpc_tools.executors.slurm import slurm_available
+
+    if requested not in EXECUTORS:
+        raise UserError(f"--executor {requested} is unknown (use one of {', '.join(EXECUTORS)})")
+    if requested == "local":
+        return "local", ""
+    ok, why = slurm_available()
+    if ok:
+        return "slurm", ""
+    if requested == "slurm":
+        raise UserError(f"Slurm does not answer: {why} (start a cluster, e.g. `bash environment/slurm-dev/up.sh`, "
+                        "or use --executor local)")
+    return "local", (f"no Slurm here ({why}): running locally on this machine with the recipe's local profile; "
+                     "use --executor slurm to require Slurm")
+
+
+def plan_submission(recipe_path: str | Path, overrides: Iterable[str] = (), profile: str | None = None,
+                    executor: str = "auto", check_fit: bool = True) -> Plan:
+    """Resolve and check a recipe for the executor that will run it. Raises RecipeError/UserError; writes nothing."""
+    raw = read_yaml(recipe_path)
+    chosen, note = choose_executor(executor)
+    if profile is None and chosen == "local" and raw.get("local") is not None:
+        profile = "local"
+    recipe = resolve(raw, overrides, profile, str(recipe_path))
+    if check_fit:
+        violations = fit_violations(recipe)
+        if violations:
+            raise RecipeError(violations, str(recipe_path))
+    return Plan(recipe=recipe, executor=chosen, profile=profile, source=str(recipe_path), note=note)
+
+
+def fit_violations(recipe: Recipe) -> list:
+    """The planner's memory-fit verdict (empty when it fits, or when no planner is installed)."""
+    try:
+        from hpc_tools.planner import fit_violations as planner_fit
+    except ImportError:
+        return []
+    return planner_fit(recipe)
+
+
+def prepare_run(recipe: Recipe, root: str | Path | None = None, executor: str = "local", source: str = "recipe",
+                extra_manifest: dict | None = None) -> RunFolder:
+    """A new run folder holding the resolved recipe (round-trip checked), the rendered script and a manifest."""
+    text = dump_resolved(recipe)
+    layout = ParallelLayout.from_recipe(recipe)
+    manifest = {"name": recipe.name, "executor": executor, "source": source, "layout": layout.describe(),
+                "world_size": layout.world_size, "backend": recipe.backend.kind, **(extra_manifest or {})}
+    return RunFolder.create(runs_root(root), new_run_id(recipe.name), text, render_sbatch(recipe, source), manifest,
+                            check_recipe=lambda t: dump_resolved(resolve(parse_yaml(t))))
+
+
+def launch(plan: Plan, root: str | Path | None = None, echo=None) -> tuple[RunFolder, object]:
+    """Make the run folder and start the job: (run, submitit job) on Slurm, (run, exit code) locally."""
+    run = prepare_run(plan.recipe, root, plan.executor, plan.source, {"profile": plan.profile})
+    if plan.executor == "slurm":
+        from hpc_tools.executors.slurm import submit_run
+
+        try:
+            return run, submit_run(run, plan.recipe)
+        except Exception as exc:  # sbatch refused: leave no run folder behind for a job that never existed
+            shutil.rmtree(run.path, ignore_errors=True)
+            message = " ".join(str(exc).split()) or type(exc).__name__
+            raise UserError(f"Slurm refused the job: {message} (check the recipe's cluster section against "
+                            f"`sinfo`; `sbatch --test-only` on the rendered script shows the same error)") from None
+    from hpc_tools.executors.local import run_local
+
+    return run, run_local(run, ParallelLayout.from_recipe(plan.recipe).world_size, echo=echo)

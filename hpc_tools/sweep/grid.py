@@ -1,0 +1,110 @@
+"""Grid expansion: a recipe's ``sweep:`` section -> cells (overrides), each resolved and checked like a single run.
+
+A cell that breaks a rule is not an error of the sweep: it is dropped and listed with the violation text, so that a
+grid over nodes x layouts can be written without pre-filtering the combinations that do not fit.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import yaml
+from pydantic import ValidationError
+
+from hpc_tools.errors import RecipeError, UserError
+from hpc_tools.recipe.load import _violation, resolve
+from hpc_tools.recipe.schema import Recipe
+from hpc_tools.recipe.sweep import SweepConfig, axis_keys
+
+
+@dataclass
+class Cell:
+    """One point of the grid: its parameters, the --set overrides that produce it, and the resolved recipe."""
+
+    index: int
+    params: dict[str, Any]
+    overrides: list[str]
+    recipe: Recipe | None = None
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def valid(self) -> bool:
+        return self.recipe is not None
+
+    def label(self) -> str:
+        """Short human label, e.g. ``nodes=2 tensor_size=2``."""
+        return " ".join(f"{k.rsplit('.', 1)[-1]}={_show(v)}" for k, v in self.params.items())
+
+
+@dataclass
+class SweepPlan:
+    name: str
+    config: SweepConfig
+    cells: list[Cell]
+    base_overrides: list[str]
+    profile: str | None
+
+    @property
+    def valid(self) -> list[Cell]:
+        return [c for c in self.cells if c.valid]
+
+    @property
+    def invalid(self) -> list[Cell]:
+        return [c for c in self.cells if not c.valid]
+
+
+def _show(value: Any) -> str:
+    """A value as a YAML flow scalar, so that ``--set key=<it>`` parses back to the same value."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+    return text.removesuffix("\n...").removesuffix("...").strip()
+
+
+def cell_params(config: SweepConfig) -> list[dict[str, Any]]:
+    """The grid's product, in a stable order (axes in recipe order, values in list order)."""
+    axes = list(config.grid.items())
+    combos = itertools.product(*(values for _, values in axes)) if axes else [()]
+    out = []
+    for combo in combos:
+        params: dict[str, Any] = {}
+        for (axis, _), value in zip(axes, combo):
+            keys = axis_keys(axis)
+            params.update(zip(keys, value) if len(keys) > 1 else [(keys[0], value)])
+        out.append(params)
+    return out
+
+
+def sweep_config(raw: dict[str, Any], source: str = "recipe") -> SweepConfig:
+    """The ``sweep:`` section typed; a missing or malformed one is a one-line error naming the field."""
+    block = raw.get("sweep")
+    if not block:
+        raise UserError(f"{source} has no sweep: section (add e.g. `sweep: {{grid: {{cluster.nodes: [1, 2]}}}}`)")
+    if not isinstance(block, dict):
+        raise UserError(f"{source}: sweep must be a mapping with grid and repeats (got {type(block).__name__})")
+    try:
+        return SweepConfig.model_validate(block)
+    except ValidationError as exc:
+        # Same wording as every other recipe field: prefix the location with the section name.
+        errors = [{**err, "loc": ("sweep", *err["loc"])} for err in exc.errors()]
+        raise RecipeError([_violation(err, raw) for err in errors], source) from None
+
+
+def expand(raw: dict[str, Any], overrides: Iterable[str] = (), profile: str | None = None,
+           source: str = "recipe") -> SweepPlan:
+    """Every cell of the recipe's grid, resolved with ``--set`` overrides first and the cell's own after them."""
+    config = sweep_config(raw, source)
+    base = list(overrides)
+    cells = []
+    for index, params in enumerate(cell_params(config)):
+        cell_overrides = [f"{k}={_show(v)}" for k, v in params.items()]
+        cell = Cell(index=index, params=params, overrides=cell_overrides)
+        try:
+            cell.recipe = resolve(raw, base + cell_overrides, profile, source)
+        except RecipeError as exc:
+            cell.reasons = [str(v) for v in exc.violations]
+        except UserError as exc:  # e.g. an axis that names a value as if it were a section
+            cell.reasons = [str(exc)]
+        cells.append(cell)
+    return SweepPlan(name=str(raw.get("name", "sweep")), config=config, cells=cells, base_overrides=base,
+                     profile=profile)

@@ -1,0 +1,157 @@
+"""Run Megatron-core on a CPU-only torch build (gloo), for tests and laptops. Never active when CUDA is available.
+
+Megatron-core 0.16.1 assumes CUDA in a handful of places (all found on this machine, see /work/shared/FACTS.md):
+
+1. the CUDA RNG in ``tensor_parallel.random`` (``_get/_set_cuda_rng_state`` and the RNG tracker);
+2. tensor factories called with ``device="cuda"`` or an int device (schedules' ``total_num_tokens``, grad buffers,
+   clip_grads, the causal mask rebuilt during recomputation inside backward), and ``torch.cuda.current_device()``;
+3. ``tensor.type() == 'torch.cuda.FloatTensor'`` checks in clip_grads and the (distributed) optimizer;
+4. ``.cuda()`` in embedding tying and the optimizer; ``torch.cuda.synchronize()`` in batch p2p.
+
+Each is routed to the CPU by replacing the function itself (a TorchFunctionMode would not see the calls made inside
+autograd's backward). On CPU the "CUDA" generator *is* the CPU generator, so the tracker forks the CPU RNG state.
+``install()`` logs one line when it activates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+
+log = logging.getLogger("hpc_tools.megatron")
+
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint", "as_tensor",
+              "zeros_like", "ones_like", "empty_like", "full_like")
+_installed = False
+
+
+def active() -> bool:
+    """True once install() has routed CUDA calls to the CPU in this process."""
+    return _installed
+
+
+def install() -> bool:
+    """Install the CPU routes when torch has no CUDA; returns whether they are active. Idempotent."""
+    global _installed
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    if _installed:
+        return True
+    _route_factories(torch)
+    _route_cuda_module(torch)
+    _route_tensor_methods(torch)
+    _route_rng()
+    _installed = True
+    log.info("cpu_compat: no CUDA in this torch build; Megatron-core's CUDA calls (device='cuda', .cuda(), CUDA RNG, "
+             "cuda tensor-type checks, cuda.synchronize) are routed to the CPU")
+    return True
+
+
+def _is_cuda(device) -> bool:
+    import torch
+
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):  # an int device means a CUDA ordinal
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _route_factories(torch) -> None:
+    for name in _FACTORIES:
+        original = getattr(torch, name)
+
+        @functools.wraps(original)
+        def factory(*args, _original=original, **kwargs):
+            if _is_cuda(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            return _original(*args, **kwargs)
+
+        setattr(torch, name, factory)
+
+
+def _route_cuda_module(torch) -> None:
+    cpu = torch.device("cpu")
+    torch.cuda.current_device = lambda: cpu  # used as `device=...` and `.to(...)`: a CPU device keeps both working
+    torch.cuda.synchronize = lambda device=None: None  # CPU ops are synchronous
+
+
+def _from_megatron(depth: int = 2) -> bool:
+    """Whether the caller `depth` frames up is Megatron-core code (the only code that gets the CUDA type names)."""
+    return sys._getframe(depth).f_globals.get("__name__", "").startswith("megatron.core")
+
+
+def _route_tensor_methods(torch) -> None:
+    original_type = torch.Tensor.type
+    original_cuda = torch.Tensor.cuda
+
+    def tensor_type(self, dtype=None, non_blocking=False, **kwargs):
+        name = original_type(self, dtype, non_blocking, **kwargs)
+        # Megatron tells fp32/bf16/fp16 params apart by 'torch.cuda.*Tensor' names; CPU tensors say 'torch.*Tensor'.
+        if dtype is None and isinstance(name, str) and self.device.type == "cpu" and _from_megatron():
+            return name.replace("torch.", "torch.cuda.", 1)
+        return name
+
+    def tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+        if self.device.type == "cpu":
+            return self
+        return original_cuda(self, device, non_blocking, memory_format)
+
+    torch.Tensor.type = tensor_type
+    torch.Tensor.cuda = tensor_cuda
+
+
+def _route_rng() -> None:
+    import torch
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def get_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """Named RNG streams (model-parallel, data-parallel, expert) kept as CPU generator states."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            # Upstream also warns when the CPU state changes inside the fork; here that is the point of the fork.
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig_state, orig_name = torch.get_rng_state(), self._current_state_name
+            if orig_name != "default-rng":
+                self.states_[orig_name] = orig_state
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                if orig_name != "default-rng":
+                    orig_state = self.states_[orig_name]
+                torch.set_rng_state(orig_state)
+                self._current_state_name = orig_name
+
+    mrandom._get_cuda_rng_state = get_state
+    mrandom._set_cuda_rng_state = set_state
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mrandom.initialize_rng_tracker(force_reset=True)

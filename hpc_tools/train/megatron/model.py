@@ -1,0 +1,105 @@
+"""GPTModel chunks for this rank: the layer spec, one chunk per virtual pipeline stage, Float16Module, megatron DDP."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hpc_tools.layout import ParallelLayout
+    from hpc_tools.recipe.schema import Recipe
+
+log = logging.getLogger("hpc_tools.megatron")
+
+
+class SequenceParallelNorm:
+    """torch LayerNorm / RMSNorm whose parameters carry ``sequence_parallel``.
+
+    Megatron's WrappedTorchNorm refuses sequence parallelism; the plain norm is exact under it as long as its
+    parameters are tagged, so that finalize_model_grads all-reduces their gradients over the tensor-parallel group
+    (untagged, the norms of each TP rank see only their share of the sequence and drift apart — FACTS).
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        import torch
+
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(hidden_size, eps=eps, dtype=config.params_dtype)
+        for param in norm.parameters():
+            setattr(param, "sequence_parallel", config.sequence_parallel)
+        return norm
+
+
+def use_transformer_engine(recipe: "Recipe", device_type: str) -> bool:
+    """TE layers when allowed by backend.megatron.transformer_impl, on a GPU, and importable."""
+    impl = recipe.backend.megatron.transformer_impl
+    if impl == "local" or device_type != "cuda":
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        if impl == "transformer_engine":
+            from hpc_tools.errors import UserError
+
+            raise UserError("backend.megatron.transformer_impl=transformer_engine but transformer_engine is not "
+                            "importable on this node (install it, or use transformer_impl: auto or local)")
+        return False
+    return True
+
+
+def block_spec(recipe: "Recipe", config, device_type: str, vp_stage: int | None):
+    """The decoder block of one model chunk: TE layers, or Megatron's local layers with SequenceParallelNorm."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if use_transformer_engine(recipe, device_type):
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    layer = specs.get_gpt_layer_local_spec(normalization=config.normalization)
+    layer.submodules.input_layernorm = SequenceParallelNorm
+    layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=SequenceParallelNorm)
+
+
+def build_chunks(recipe: "Recipe", layout: "ParallelLayout", config, device_type: str) -> list:
+    """This rank's GPTModel chunks (one per virtual stage), cast to bf16/fp16 and wrapped in megatron DDP."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    from hpc_tools.train.megatron.config import ddp_config
+
+    m = recipe.model
+    stages = layout.virtual_pipeline_size if layout.interleaved else 1
+    chunks = []
+    for i in range(stages):
+        vp = i if layout.interleaved else None
+        model = GPTModel(
+            config=config, transformer_layer_spec=block_spec(recipe, config, device_type, vp),
+            vocab_size=m.padded_vocab_size(layout.tensor_size), max_sequence_length=m.seq_length,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=not m.untie_embeddings, parallel_output=True,
+            position_embedding_type=m.position_embedding, rotary_base=m.rotary_base, vp_stage=vp)
+        if device_type == "cuda":
+            model.cuda(torch.cuda.current_device())
+        if config.bf16 or config.fp16:
+            model = Float16Module(config, model)  # before DDP, so that DDP's buffers hold the 16-bit params (FACTS)
+        chunks.append(model)
+    ddp = ddp_config(recipe)
+    # Only the first chunk buckets its gradients (Megatron-LM does the same with interleaving).
+    wrapped = [DistributedDataParallel(config=config, ddp_config=ddp, module=c, disable_bucketing=i > 0)
+               for i, c in enumerate(chunks)]
+    for w in wrapped:
+        w.broadcast_params()  # identical DP replicas whatever the seed handling did
+    return wrapped
+
+
+def unwrap(chunk):
+    """The GPTModel inside DDP (and Float16Module): the module whose state dict keys are layout-independent."""
+    from megatron.core.transformer.module import Float16Module
+
+    inner = chunk.module
+    return inner.module if isinstance(inner, Float16Module) else inner
