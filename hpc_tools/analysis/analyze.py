@@ -88,11 +88,28 @@ def analyse(refs: list[str], warmup: int | None = None, root: str | Path | None 
         step_frames.append(steps)
         if rec.heatmap.size:
             heatmaps[inp.run_id] = (rec.heatmap, rec.heatmap_edges, rec.heatmap_ranks)
-    runs = pd.DataFrame(rows)
+    runs = _numeric(pd.DataFrame(rows))
+    if not runs.empty:
+        runs = runs.sort_values(["world_size", "cell", "repeat", "run_id"], na_position="last", kind="stable")
+        runs = runs.reset_index(drop=True)
     requested = scaling or _sweep_scaling(refs) or "auto"
     return Analysis(runs=runs, ranks=_concat(rank_frames), steps=_concat(step_frames),
                     scaling=analyse_scaling(runs, requested) if len(runs) > 1 else [], heatmaps=heatmaps,
                     sweeps=sweeps)
+
+
+NUMERIC = ("step_time_median_s", "step_time_p10_s", "step_time_p90_s", "step_time_mean_s", "tokens_per_step",
+           "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "peak_tflops_per_gpu", "mfu", "peak_mem_gb",
+           "bubble_measured", "bubble_theory", "comm_share", "data_share", "rank_skew", "predicted_step_time_s",
+           "predicted_vs_measured")
+
+
+def _numeric(runs: pd.DataFrame) -> pd.DataFrame:
+    """Metric columns as floats (a metric nobody measured is None in every row, which pandas keeps as object)."""
+    for col in NUMERIC:
+        if col in runs:
+            runs[col] = pd.to_numeric(runs[col], errors="coerce").astype(float)
+    return runs
 
 
 def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:

@@ -66,7 +66,8 @@ def series_of(runs: pd.DataFrame) -> list[tuple[dict, pd.DataFrame]]:
     out = []
     for key, group in usable.groupby([usable[k].astype(str) for k in keys], sort=True, dropna=False):
         if group["world_size"].nunique() >= 2:
-            out.append((dict(zip(keys, key if isinstance(key, tuple) else (key,))), group))
+            named = dict(zip(keys, key if isinstance(key, tuple) else (key,)))
+            out.append(({k: v for k, v in named.items() if v not in ("nan", "None")}, group))
     return out
 
 

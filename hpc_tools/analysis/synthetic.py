@@ -71,7 +71,13 @@ def synthetic_run(root: Path, overrides: list[str], step_time_s: np.ndarray, sta
 
 
 def amdahl_times(gpus: int, serial: float, t1_s: float, steps: int, noise: float, rng: np.random.Generator,
-                 ranks: int | None = None) -> np.ndarray:
-    """ranks x steps step times following T(n) = t1 (serial + (1-serial)/n), with multiplicative noise."""
+                 ranks: int | None = None, rank_jitter: float = 0.0) -> np.ndarray:
+    """ranks x steps step times following T(n) = t1 (serial + (1-serial)/n).
+
+    ``noise`` is multiplicative and shared by all ranks of a step (a synchronous step ends together on every rank);
+    ``rank_jitter`` adds independent per-rank noise on top.
+    """
     base = t1_s * (serial + (1 - serial) / gpus)
-    return base * (1 + noise * rng.standard_normal((ranks or gpus, steps)))
+    shared = 1 + noise * rng.standard_normal(steps)
+    own = 1 + rank_jitter * rng.standard_normal((ranks or gpus, steps))
+    return base * shared[None, :] * own

@@ -125,6 +125,12 @@ class ClusterConfig(Section):
             raise ValueError("is not a valid Slurm constraint -- use feature names joined by & | , with [ ] ( ) * :")
         return value
 
+    @field_validator("time_limit", mode="before")
+    @classmethod
+    def _time_limit_minutes(cls, value):
+        # YAML reads `time_limit: 30` as an integer; Slurm reads it as minutes.
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
     @field_validator("time_limit")
     @classmethod
     def _time_limit(cls, value: str) -> str:

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The test command (README, .ci/run): install everything, bring up the Slurm test cluster (2 nodes, each in its own
+# network namespace), run the whole test suite against it, and tear the cluster down even when tests fail.
+#   bash environment/test.sh [extra pytest args]
+set -uo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(dirname "$here")"
+cd "$repo"
+t0=$SECONDS
+phase() { printf 'hpc_tools test: %-10s %4d s\n' "$1" "$2"; }
+
+bash "$here/install.sh" || { echo "hpc_tools test: install failed" >&2; exit 1; }
+t_install=$((SECONDS - t0))
+
+# Headless Chromium renders report.html in the report test.
+if ! command -v chromium >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+    || echo "hpc_tools test: chromium could not be installed; the report screenshot test will fail" >&2
+fi
+t_tools=$((SECONDS - t0 - t_install))
+
+started_cluster=0
+cleanup() {
+  if [ "$started_cluster" = 1 ]; then
+    local t=$SECONDS
+    bash "$here/slurm-dev/down.sh" >/dev/null 2>&1 || echo "hpc_tools test: down.sh failed" >&2
+    phase tear-down $((SECONDS - t))
+  fi
+}
+trap cleanup EXIT
+
+t=$SECONDS
+if bash "$here/slurm-dev/up.sh" --nodes 2; then
+  started_cluster=1
+else
+  started_cluster=1
+  echo "hpc_tools test: the Slurm test cluster did not come up; Slurm tests will fail" >&2
+fi
+t_up=$((SECONDS - t))
+
+t=$SECONDS
+export HPC_TOOLS_REQUIRE_SLURM=1  # Slurm tests fail instead of skipping when the cluster is missing
+python3 -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 "$@"
+rc=$?
+t_tests=$((SECONDS - t))
+[ "$rc" = 5 ] && { echo "hpc_tools test: pytest collected no tests" >&2; rc=1; }
+
+phase install "$t_install"; phase tools "$t_tools"; phase cluster-up "$t_up"; phase tests "$t_tests"
+exit "$rc"

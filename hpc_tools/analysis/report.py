@@ -1,0 +1,140 @@
+"""Writing a report folder: report.md, one self-contained report.html (images inlined), PNGs, CSV + parquet tables."""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from hpc_tools.analysis.analyze import Analysis
+from hpc_tools.analysis.metrics import __doc__ as METRIC_DEFINITIONS
+from hpc_tools.analysis.plots import all_plots
+
+RUN_COLUMNS = ("run_id", "label", "status", "layout", "world_size", "repeat", "steps_measured", "step_time_median_s",
+               "step_time_p10_s", "step_time_p90_s", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu",
+               "peak_mem_gb", "bubble_measured", "bubble_theory", "comm_share", "data_share", "rank_skew",
+               "stragglers", "predicted_step_time_s")
+SCALING_COLUMNS = ("scaling", "world_size", "nodes", "repeats", "global_batch_size", "step_time_s", "step_time_std_s",
+                   "spread", "tokens_per_s", "speedup", "ideal_speedup", "efficiency", "karp_flatt")
+
+
+def _fmt(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def markdown_table(df: pd.DataFrame, columns=None) -> str:
+    cols = [c for c in (columns or df.columns) if c in df.columns]
+    if df.empty or not cols:
+        return "_none_\n"
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for row in df[cols].itertuples(index=False):
+        lines.append("| " + " | ".join(_fmt(v).replace("|", "/") for v in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def html_table(df: pd.DataFrame, columns=None) -> str:
+    cols = [c for c in (columns or df.columns) if c in df.columns]
+    if df.empty or not cols:
+        return "<p><em>none</em></p>"
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row) + "</tr>"
+                   for row in df[cols].itertuples(index=False))
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def write_tables(a: Analysis, out: Path) -> list[Path]:
+    """Every table as CSV and parquet (the tidy per-run table is the one to load elsewhere)."""
+    tables = {"runs": a.runs, "ranks": a.ranks, "steps": a.steps}
+    for i, s in enumerate(a.scaling):
+        tables[f"scaling_{i}"] = s.table
+        if s.projection is not None:
+            tables[f"projection_{i}"] = s.projection
+    files = []
+    for name, df in tables.items():
+        if df is None or df.empty:
+            continue
+        df = df.copy()
+        for col in df.columns[df.dtypes == object]:  # mixed-type parameter columns: parquet needs one type
+            df[col] = df[col].map(lambda v: None if v is None else str(v))
+        df.to_csv(out / f"{name}.csv", index=False)
+        df.to_parquet(out / f"{name}.parquet", index=False)
+        files += [out / f"{name}.csv", out / f"{name}.parquet"]
+    return files
+
+
+def _scaling_sections(a: Analysis) -> list[tuple[str, str, pd.DataFrame | None, pd.DataFrame | None]]:
+    """(title, text, table, projection) per scaling series."""
+    out = []
+    for s in a.scaling:
+        series = ", ".join(f"{k}={v}" for k, v in s.series.items())
+        text = f"{s.kind} scaling over {len(s.table)} GPU counts ({series})."
+        if s.amdahl:
+            f = s.amdahl.serial_fraction
+            limit = f"{1 / f:.1f}x" if f > 0 else "unbounded"
+            text += (f" Amdahl fit: serial fraction f = {f:.4f} (R^2 {s.amdahl.r2:.4f}, extrapolated 1-GPU step "
+                     f"{s.amdahl.t1_s:.4g} s), speedup limit {limit}. The projection also gives Gustafson's scaled "
+                     "speedup n - f(n-1): what the same serial fraction allows when work per GPU is held fixed.")
+        if s.gustafson_serial is not None:
+            text += f" Gustafson fit: serial fraction s = {s.gustafson_serial:.4f}."
+        out.append((f"Scaling: {s.kind} ({series})", text, s.table, s.projection))
+    return out
+
+
+def render_markdown(a: Analysis, images: list[Path], title: str) -> str:
+    parts = [f"# {title}\n", f"{len(a.runs)} run(s){' in sweep ' + ', '.join(a.sweeps) if a.sweeps else ''}.\n",
+             "## Runs\n", markdown_table(a.runs, RUN_COLUMNS)]
+    for heading, text, table, proj in _scaling_sections(a):
+        parts += [f"## {heading}\n", text + "\n", markdown_table(table, SCALING_COLUMNS)]
+        if proj is not None:
+            parts += ["\nProjection:\n", markdown_table(proj)]
+    stragglers = a.ranks[a.ranks["straggler"]] if not a.ranks.empty else a.ranks
+    parts += ["## Stragglers\n", markdown_table(stragglers, ("run_id", "rank", "step_time_median_s",
+                                                             "slowdown_vs_median"))]
+    parts += ["## Plots\n"] + [f"![{p.stem}]({p.name})\n" for p in images]
+    parts += ["## Definitions\n", "```\n" + (METRIC_DEFINITIONS or "").strip() + "\n```\n"]
+    return "\n".join(parts)
+
+
+CSS = """body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;font-size:12px;
+margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}th{background:#eee}
+img{max-width:100%;border:1px solid #ddd;margin:.5em 0}pre{background:#f6f6f6;padding:1em;font-size:12px}"""
+
+
+def render_html(a: Analysis, images: list[Path], title: str) -> str:
+    """One file: CSS inline, every image a base64 data URI, no scripts, no external resources."""
+    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
+             f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>",
+             f"<p>{len(a.runs)} run(s){html.escape(' in sweep ' + ', '.join(a.sweeps)) if a.sweeps else ''}.</p>",
+             "<h2>Runs</h2>", html_table(a.runs, RUN_COLUMNS)]
+    for heading, text, table, proj in _scaling_sections(a):
+        parts += [f"<h2>{html.escape(heading)}</h2><p>{html.escape(text)}</p>", html_table(table, SCALING_COLUMNS)]
+        if proj is not None:
+            parts += ["<p>Projection:</p>", html_table(proj)]
+    stragglers = a.ranks[a.ranks["straggler"]] if not a.ranks.empty else a.ranks
+    parts += ["<h2>Stragglers</h2>", html_table(stragglers, ("run_id", "rank", "step_time_median_s",
+                                                             "slowdown_vs_median")), "<h2>Plots</h2>"]
+    for p in images:
+        data = base64.b64encode(p.read_bytes()).decode("ascii")
+        parts.append(f"<figure><img alt='{html.escape(p.stem)}' src='data:image/png;base64,{data}'>"
+                     f"<figcaption>{html.escape(p.stem)}</figcaption></figure>")
+    parts += ["<h2>Definitions</h2>", f"<pre>{html.escape((METRIC_DEFINITIONS or '').strip())}</pre></body></html>"]
+    return "\n".join(parts)
+
+
+def write_report(a: Analysis, out: str | Path, title: str = "hpc_tools report") -> dict[str, list[str]]:
+    """Write every artefact into ``out``; returns {kind: [paths]}."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    images = all_plots(a, out)
+    tables = write_tables(a, out)
+    (out / "report.md").write_text(render_markdown(a, images, title))
+    (out / "report.html").write_text(render_html(a, images, title))
+    return {"report": [str(out / "report.md"), str(out / "report.html")], "plots": [str(p) for p in images],
+            "tables": [str(p) for p in tables]}

@@ -1,0 +1,44 @@
+"""analyze: per-run, per-rank and scaling metrics of runs and sweeps."""
+
+from __future__ import annotations
+
+import argparse
+
+from hpc_tools.cli._common import add_json, add_runs_dir, emit_json
+
+NAME = "analyze"
+ORDER = 60
+HELP = "metrics of runs and sweeps: step time, tokens/s, MFU, memory, shares, stragglers, scaling fits"
+COLUMNS = ("world_size", "label", "repeat", "status", "step_time_median_s", "tokens_per_s_per_gpu", "tflops_per_gpu",
+           "mfu", "peak_mem_gb", "comm_share", "rank_skew", "stragglers")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("refs", nargs="+", metavar="RUN_OR_SWEEP",
+                   help="run folders, sweep folders, folders of runs, run ids or Slurm job ids")
+    p.add_argument("--warmup", type=int, default=None, metavar="N",
+                   help="steps excluded from statistics (default: each recipe's profiling.warmup_steps)")
+    p.add_argument("--scaling", choices=["auto", "strong", "weak", "none"], default=None,
+                   help="how to read the runs as a scaling series (default: the sweep's setting, else auto)")
+    add_runs_dir(p)
+    add_json(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpc_tools.analysis.analyze import analyse
+    from hpc_tools.analysis.report import markdown_table
+    from hpc_tools.errors import UserError
+
+    if args.warmup is not None and args.warmup < 0:
+        raise UserError(f"--warmup {args.warmup} must be >= 0 (steps excluded from the statistics)")
+    result = analyse(args.refs, args.warmup, args.runs_dir, args.scaling)
+    if args.json:
+        emit_json({"ok": True, **result.to_json()})
+        return 0
+    print(markdown_table(result.runs, COLUMNS))
+    for s in result.scaling:
+        fit = f", Amdahl serial fraction {s.amdahl.serial_fraction:.4f}" if s.amdahl else ""
+        fit += f", Gustafson serial fraction {s.gustafson_serial:.4f}" if s.gustafson_serial is not None else ""
+        print(f"{s.kind} scaling{fit}")
+        print(markdown_table(s.table, ("world_size", "repeats", "step_time_s", "spread", "speedup", "efficiency")))
+    return 0

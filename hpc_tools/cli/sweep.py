@@ -1,0 +1,154 @@
+"""sweep: run a recipe's grid, show each cell's status, resubmit failed cells."""
+
+from __future__ import annotations
+
+import argparse
+
+from hpc_tools.cli._common import add_json, add_runs_dir, emit_json, say
+
+NAME = "sweep"
+ORDER = 35
+HELP = "run a recipe's sweep grid (Slurm job arrays, or locally), show cell status, rerun failed cells"
+DESCRIPTION = """\
+Three forms:
+  python -m hpc_tools sweep RECIPE [--profile local] [--set K=V] [--executor auto|slurm|local] [--dry-run] [--json]
+      expand the recipe's sweep: grid, drop cells that break a rule (listed with the reason), create
+      <runs root>/sweeps/<name>-<stamp>/ with sweep.json and one run folder per cell x repeat, and submit them
+      (cells with equal Slurm resources as one job array; without Slurm, locally one after another).
+  python -m hpc_tools sweep status SWEEP [--json]
+      classify every cell: pending, running, completed, failed, out_of_memory, timeout, hang, node_failure,
+      cancelled (from sacct, the run manifest, HANG markers and logs).
+  python -m hpc_tools sweep rerun SWEEP --failed [--status S ...] [--executor ...] [--dry-run] [--json]
+      resubmit only the failed cells (failed, out_of_memory, timeout, hang, node_failure; add cancelled with
+      --status cancelled) as new run folders; earlier attempts stay listed in sweep.json.
+SWEEP is a sweep folder or a sweep id (prefix) under <runs root>/sweeps. Analyse with
+`python -m hpc_tools analyze SWEEP` and `python -m hpc_tools report SWEEP --out DIR`.
+"""
+ACTIONS = ("status", "rerun")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.usage = ("python -m hpc_tools sweep RECIPE [options]\n"
+               "       python -m hpc_tools sweep status SWEEP [--json]\n"
+               "       python -m hpc_tools sweep rerun SWEEP --failed [options]")
+    p.add_argument("target", nargs="+", metavar="RECIPE | status SWEEP | rerun SWEEP",
+                   help="a recipe with a sweep: section, or `status`/`rerun` followed by a sweep folder or id")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a recipe value for every cell (before the cell's own values)")
+    p.add_argument("--profile", choices=["local"], default=None,
+                   help="apply the recipe's local profile (default: when the sweep runs locally)")
+    p.add_argument("--executor", choices=["auto", "slurm", "local"], default="auto",
+                   help="auto = Slurm when a controller answers, else local (default auto)")
+    p.add_argument("--dry-run", action="store_true", help="list the cells (and dropped cells) without creating runs")
+    p.add_argument("--failed", action="store_true", help="rerun: resubmit the cells that failed in any way")
+    p.add_argument("--status", dest="statuses", action="append", default=[], metavar="STATUS",
+                   help="rerun: resubmit cells in this status (repeatable), e.g. --status cancelled")
+    add_runs_dir(p)
+    add_json(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpc_tools.errors import UserError
+
+    head, rest = args.target[0], args.target[1:]
+    if head in ACTIONS:
+        if len(rest) != 1:
+            raise UserError(f"sweep {head} needs exactly one SWEEP (a sweep folder or id), got {len(rest)}")
+        return _status(args, rest[0]) if head == "status" else _rerun(args, rest[0])
+    if rest:
+        raise UserError(f"sweep takes one RECIPE, got {len(args.target)} arguments (did you mean `sweep status`?)")
+    return _start(args, head)
+
+
+def _plan_rows(plan) -> list[dict]:
+    rows = [{"cell": c.index, "label": c.label(), "overrides": c.overrides, "valid": c.valid, "reasons": c.reasons}
+            for c in plan.cells]
+    for row, cell in zip(rows, plan.cells):
+        if cell.valid:
+            from hpc_tools.layout import ParallelLayout
+
+            row["layout"] = ParallelLayout.from_recipe(cell.recipe).describe()
+    return rows
+
+
+def _start(args, recipe_path: str) -> int:
+    from hpc_tools.recipe.load import read_yaml
+    from hpc_tools.submission import choose_executor
+    from hpc_tools.sweep.grid import expand
+    from hpc_tools.sweep.runner import create_sweep, require_cells, submit_cells, summary
+
+    raw = read_yaml(recipe_path)
+    executor, note = choose_executor(args.executor)
+    profile = args.profile or ("local" if executor == "local" and raw.get("local") is not None else None)
+    plan = expand(raw, args.overrides, profile, recipe_path)
+    if note and not args.json:
+        say(note)
+    for c in plan.invalid:
+        say(f"dropped cell {c.index} ({c.label()}): {'; '.join(c.reasons)}")
+    require_cells(plan)
+    if args.dry_run:
+        result = {"ok": True, "dry_run": True, "executor": executor, "profile": profile,
+                  "repeats": plan.config.repeats, "cells": _plan_rows(plan)}
+        if args.json:
+            emit_json(result)
+        else:
+            for row in result["cells"]:
+                if row["valid"]:
+                    print(f"cell {row['cell']:3d}  {row['label']:40s} {row['layout']}  x{plan.config.repeats}")
+        return 0
+    folder = create_sweep(plan, recipe_path, executor, args.runs_dir)
+    say(f"sweep {folder.path}: {len(plan.valid)} cell(s) x {plan.config.repeats} repeat(s), "
+        f"{len(plan.invalid)} dropped, executor {executor}")
+    submit_cells(folder, [c["id"] for c in folder.read()["cells"]], executor, say)
+    data = folder.read()
+    if args.json:
+        emit_json({"ok": True, "sweep": str(folder.path), "executor": executor, "summary": summary(data),
+                   "cells": data["cells"], "invalid": data["invalid"]})
+    else:
+        print(folder.path)
+    failed = executor == "local" and any(c["status"] != "completed" for c in data["cells"])
+    return 1 if failed else 0
+
+
+def _status(args, ref: str) -> int:
+    from hpc_tools.sweep.folder import SweepFolder
+    from hpc_tools.sweep.runner import refresh, summary
+
+    folder = SweepFolder.find(ref, args.runs_dir)
+    data = refresh(folder)
+    if args.json:
+        emit_json({"ok": True, "sweep": str(folder.path), "summary": summary(data), "cells": data["cells"],
+                   "invalid": data.get("invalid", [])})
+        return 0
+    print(f"sweep {folder.sweep_id} ({data.get('executor')}): "
+          + ", ".join(f"{k} {v}" for k, v in sorted(summary(data).items())))
+    for c in data["cells"]:
+        print(f"  {c['id']:10s} {c['status']:13s} job {str(c.get('job_id') or '-'):10s} {c['label']}")
+    for c in data.get("invalid", []):
+        print(f"  dropped    cell {c['cell']} ({c['label']}): {'; '.join(c['reasons'])}")
+    return 0
+
+
+def _rerun(args, ref: str) -> int:
+    from hpc_tools.errors import UserError
+    from hpc_tools.submission import choose_executor
+    from hpc_tools.sweep.folder import SweepFolder
+    from hpc_tools.sweep.runner import rerun
+    from hpc_tools.sweep.status import RERUN_DEFAULT, STATUSES
+
+    if not args.failed and not args.statuses:
+        raise UserError("sweep rerun needs --failed or --status STATUS (e.g. `sweep rerun SWEEP --failed`)")
+    bad = [s for s in args.statuses if s not in STATUSES]
+    if bad:
+        raise UserError(f"--status {bad[0]} is not a cell status (use one of {', '.join(STATUSES)})")
+    statuses = tuple(dict.fromkeys((RERUN_DEFAULT if args.failed else ()) + tuple(args.statuses)))
+    folder = SweepFolder.find(ref, args.runs_dir)
+    executor, note = choose_executor(args.executor) if not args.dry_run else (folder.read().get("executor"), "")
+    if note and not args.json:
+        say(note)
+    ids = rerun(folder, statuses, executor, say, dry_run=args.dry_run)
+    if args.json:
+        emit_json({"ok": True, "sweep": str(folder.path), "rerun": ids, "dry_run": args.dry_run})
+    else:
+        say(f"{'would rerun' if args.dry_run else 'resubmitted'} {len(ids)} cell(s): {', '.join(ids) or 'none'}")
+    return 0

@@ -1,0 +1,99 @@
+"""The model as the planner sees it: shapes, and parameters per tensor so that tensor and pipeline sharding are exact.
+
+Total parameter counts are owned by ``profiling.flops.num_parameters``; this module only splits the same count into
+pieces (embedding, one layer, final norm, output layer) and shards each piece as Megatron does. A unit test holds
+``sum of pieces == profiling.flops.num_parameters`` and both against the real Megatron-core and Hugging Face models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hpc_tools.recipe.model import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Arch:
+    """Shapes of a GPT-family model (GQA, SwiGLU, untied embeddings included)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    groups: int  # key/value heads (= heads without GQA)
+    head_dim: int
+    ffn: int
+    seq: int
+    vocab: int  # unpadded; see padded_vocab()
+    gated: bool  # SwiGLU: fc1 produces 2 x ffn
+    norm_params_per_h: int  # LayerNorm: weight + bias = 2; RMSNorm: 1
+    bias: bool
+    learned_positions: bool
+    tied: bool
+    hidden_dropout: bool
+    attention_dropout: bool
+
+    @classmethod
+    def from_model(cls, m: "ModelConfig") -> "Arch":
+        return cls(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
+                   groups=m.num_query_groups, head_dim=m.hidden_size // m.num_attention_heads, ffn=m.ffn_hidden_size,
+                   seq=m.seq_length, vocab=m.vocab_size, gated=m.activation == "swiglu",
+                   norm_params_per_h=2 if m.normalization == "LayerNorm" else 1, bias=bool(m.add_bias_linear),
+                   learned_positions=m.position_embedding == "learned_absolute", tied=not m.untie_embeddings,
+                   hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0)
+
+    def padded_vocab(self, tensor: int, divisible_by: int = 128) -> int:
+        """Same rule as ``ModelConfig.padded_vocab_size`` (the jobs' padding): a multiple of divisible_by x TP."""
+        multiple = divisible_by * tensor
+        return -(-self.vocab // multiple) * multiple
+
+
+@dataclass(frozen=True, slots=True)
+class Pieces:
+    """Parameters held by ONE GPU of a tensor-parallel group of size t, piece by piece."""
+
+    word_embedding: int  # V_pad x h / t (vocab-parallel)
+    position_embedding: int  # s x h, replicated (learned positions only)
+    layer: int  # one transformer layer
+    final_norm: int
+    output_layer: int  # V_pad x h / t when untied, else 0 (tied: shares word_embedding)
+
+
+@lru_cache(maxsize=256)
+def pieces(arch: Arch, tensor: int = 1) -> Pieces:
+    """Per-GPU parameter pieces under tensor parallelism ``tensor`` (column/row-parallel splits as in Megatron)."""
+    h, t, dh = arch.hidden, tensor, arch.head_dim
+    norm = arch.norm_params_per_h * h  # replicated across TP
+    qkv_out = (arch.heads + 2 * arch.groups) * dh  # column-parallel: weight and bias split
+    attn_out = arch.heads * dh
+    fc1_out = arch.ffn * (2 if arch.gated else 1)
+    b = 1 if arch.bias else 0
+    layer = (norm + (h * qkv_out + b * qkv_out) // t  # input norm, QKV
+             + attn_out * h // t + b * h  # output projection (row-parallel: its bias is replicated)
+             + norm + (h * fc1_out + b * fc1_out) // t  # pre-MLP norm, fc1
+             + arch.ffn * h // t + b * h)  # fc2 (row-parallel)
+    vocab = arch.padded_vocab(t)
+    word = vocab * h // t
+    return Pieces(word_embedding=word, position_embedding=arch.seq * h if arch.learned_positions else 0, layer=layer,
+                  final_norm=norm, output_layer=0 if arch.tied else word)
+
+
+def total_parameters(arch: Arch) -> int:
+    """Parameters of the whole model (TP1, tied embeddings counted once), with the vocabulary padded for TP1."""
+    pc = pieces(arch, 1)
+    return pc.word_embedding + pc.position_embedding + arch.layers * pc.layer + pc.final_norm + pc.output_layer
+
+
+def stage_parameters(arch: Arch, tensor: int, pipeline: int, stage: int) -> int:
+    """Parameters on one GPU of pipeline stage ``stage``: its layers; the embeddings on the first stage; the final
+    norm and output layer on the last (with tied embeddings and p > 1 the last stage holds its own copy of the word
+    embedding, whose gradient is all-reduced with the first stage's)."""
+    pc = pieces(arch, tensor)
+    n = arch.layers // pipeline * pc.layer
+    if stage == 0:
+        n += pc.word_embedding + pc.position_embedding
+    if stage == pipeline - 1:
+        n += pc.final_norm + (pc.output_layer if not arch.tied else (pc.word_embedding if pipeline > 1 else 0))
+    return n

@@ -1,0 +1,195 @@
+"""Calibration: predicted vs measured memory and step time of finished runs, and a per-cluster efficiency factor.
+
+A run folder holds the resolved ``recipe.yaml`` and per-rank step records (``records/rank*.jsonl``, schema in
+profiling/schema.py). The fit keeps the communication and bubble model and solves for the compute efficiency e in
+
+    measured step time = A / e + R,   A = hardware FLOPs per GPU x (1 + bubble fraction) / peak,  R = communication
+
+by least squares over all runs of one cluster (x = 1/e: x = sum A (t - R) / sum A^2). The factor is stored per
+cluster (GPU type and partition) in a JSON file that later plans read.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpc_tools.errors import UserError
+from hpc_tools.planner.memory import CONTEXT, NCCL_BUFFER_BYTES
+from hpc_tools.planner.steptime import BUBBLE, COMPUTE
+
+if TYPE_CHECKING:
+    from hpc_tools.recipe.cluster import ClusterConfig
+    from hpc_tools.recipe.schema import Recipe
+
+CALIBRATION_VERSION = 1
+
+
+def default_path() -> Path:
+    """$HPC_TOOLS_CALIBRATION, else ~/.config/hpc_tools/calibration.json."""
+    env = os.environ.get("HPC_TOOLS_CALIBRATION")
+    return Path(env) if env else Path.home() / ".config" / "hpc_tools" / "calibration.json"
+
+
+def cluster_key(cluster: "ClusterConfig") -> str:
+    """``H100-SXM`` or ``H100-SXM@partition``: what one efficiency factor is valid for."""
+    return cluster.gpu_type + (f"@{cluster.partition}" if cluster.partition else "")
+
+
+def load_store(path: Path | None = None) -> dict[str, Any]:
+    path = path or default_path()
+    if not path.is_file():
+        return {"version": CALIBRATION_VERSION, "clusters": {}}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"calibration file {path} is not valid JSON ({exc.msg}; delete it or fix it)") from None
+    data.setdefault("clusters", {})
+    return data
+
+
+def efficiency_for(cluster: "ClusterConfig", path: Path | None = None) -> tuple[float, str] | None:
+    """(efficiency, source) stored for this cluster (exact key, else the GPU type alone), or None."""
+    clusters = load_store(path)["clusters"]
+    for key in (cluster_key(cluster), cluster.gpu_type):
+        if key in clusters:
+            return float(clusters[key]["efficiency"]), f"calibrated {key}, {len(clusters[key].get('runs', []))} run(s)"
+    return None
+
+
+def resolve_efficiency(recipe: "Recipe", efficiency: float | None = None,
+                       calibration: Path | None = None, use_calibration: bool = True) -> tuple[float | None, str]:
+    """(efficiency, where it came from): an explicit value, else the stored calibration for the recipe's cluster,
+    else (None, "default") for the planner's default."""
+    if efficiency is not None:
+        return efficiency, "--efficiency"
+    if use_calibration:
+        found = efficiency_for(recipe.cluster, calibration)
+        if found:
+            return found
+    return None, "default"
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    run: str
+    recipe: "Recipe"
+    steps: int
+    step_time_s: float | None  # median over steps after warm-up of the slowest rank's step time
+    mem_allocated_max_bytes: int | None
+    mem_reserved_max_bytes: int | None
+
+
+def read_run(run_dir: str | Path) -> Measured:
+    """The recipe and the measured figures of one run folder."""
+    from hpc_tools.recipe.load import parse_yaml, resolve
+    from profiling.records import read_jsonl
+
+    run = Path(run_dir)
+    recipe_file = run / "recipe.yaml"
+    if not recipe_file.is_file():
+        raise UserError(f"{run} has no recipe.yaml (give run folders, e.g. runs/<run_id>)")
+    recipe = resolve(parse_yaml(recipe_file.read_text(), str(recipe_file)), source=str(recipe_file), check=False)
+    files = sorted((run / "records").glob("rank*.jsonl"))
+    if not files:
+        raise UserError(f"{run}/records has no rank*.jsonl step records (did the run start?)")
+    per_step: dict[int, float] = {}
+    alloc = reserved = None
+    for f in files:
+        for rec in read_jsonl(f):
+            step = rec.get("step")
+            if isinstance(step, int) and rec.get("step_time_s") is not None and step > recipe.profiling.warmup_steps:
+                per_step[step] = max(per_step.get(step, 0.0), float(rec["step_time_s"]))
+            if rec.get("mem_allocated_max_bytes") is not None:
+                alloc = max(alloc or 0, int(rec["mem_allocated_max_bytes"]))
+            if rec.get("mem_reserved_max_bytes") is not None:
+                reserved = max(reserved or 0, int(rec["mem_reserved_max_bytes"]))
+    return Measured(run=run.name, recipe=recipe, steps=len(per_step),
+                    step_time_s=statistics.median(per_step.values()) if per_step else None,
+                    mem_allocated_max_bytes=alloc, mem_reserved_max_bytes=reserved)
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    measured: Measured
+    key: str
+    predicted_step_s: float | None  # at the efficiency used for the comparison
+    predicted_allocated_bytes: float | None  # what torch's allocator sees: total - CUDA context - NCCL buffers
+    compute_at_peak_s: float | None  # A in the fit
+    rest_s: float | None  # R in the fit
+
+    def as_dict(self) -> dict[str, Any]:
+        m = self.measured
+        return {"run": m.run, "cluster": self.key, "steps": m.steps, "measured_step_s": m.step_time_s,
+                "predicted_step_s": self.predicted_step_s, "measured_mem_allocated_max_bytes": m.mem_allocated_max_bytes,
+                "measured_mem_reserved_max_bytes": m.mem_reserved_max_bytes,
+                "predicted_mem_allocated_bytes": self.predicted_allocated_bytes}
+
+
+def compare(measured: Measured, efficiency: float) -> Comparison:
+    """Prediction for the run's recipe next to what it measured."""
+    from hpc_tools.planner.estimate import make_plan
+
+    plan = make_plan(measured.recipe, efficiency=efficiency)
+    allocated = None
+    if plan.hardware.is_gpu:
+        allocated = plan.memory.total - plan.memory.peak.terms[CONTEXT] - NCCL_BUFFER_BYTES
+    a = r = None
+    if plan.time is not None:
+        terms = plan.time.terms
+        a = (terms[COMPUTE] + terms[BUBBLE]) * efficiency  # seconds at 100 % of peak
+        r = plan.time.total_s - terms[COMPUTE] - terms[BUBBLE]
+    return Comparison(measured, cluster_key(measured.recipe.cluster),
+                      plan.time.total_s if plan.time else None, allocated, a, r)
+
+
+def fit_efficiency(comparisons: list[Comparison]) -> float | None:
+    """Least-squares efficiency over runs with a peak and a measured step time that exceeds the modelled
+    communication; None when no run qualifies."""
+    usable = [c for c in comparisons if c.compute_at_peak_s and c.measured.step_time_s is not None
+              and c.measured.step_time_s > c.rest_s]
+    if not usable:
+        return None
+    num = sum(c.compute_at_peak_s * (c.measured.step_time_s - c.rest_s) for c in usable)
+    den = sum(c.compute_at_peak_s ** 2 for c in usable)
+    return den / num  # e = 1/x with x = num/den
+
+
+def calibrate(run_dirs: list[str | Path], store: Path | None = None, save: bool = True,
+              efficiency: float | None = None) -> dict[str, Any]:
+    """Compare every run, fit one efficiency per cluster, store it (unless ``save`` is False). Returns a report."""
+    from hpc_tools.planner.steptime import DEFAULT_EFFICIENCY
+
+    runs = [read_run(d) for d in run_dirs]
+    base = DEFAULT_EFFICIENCY if efficiency is None else efficiency
+    comparisons = [compare(m, base) for m in runs]
+    fitted: dict[str, dict[str, Any]] = {}
+    for key in sorted({c.key for c in comparisons}):
+        group = [c for c in comparisons if c.key == key]
+        eff = fit_efficiency(group)
+        if eff is not None:
+            fitted[key] = {"efficiency": eff, "runs": [c.measured.run for c in group],
+                           "fitted": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    rows = []
+    for c in comparisons:
+        row = c.as_dict()
+        eff = fitted.get(c.key, {}).get("efficiency")
+        row["fitted_efficiency"] = eff
+        row["predicted_step_s_after_fit"] = (c.compute_at_peak_s / eff + c.rest_s) if eff and c.compute_at_peak_s else None
+        rows.append(row)
+    path = store or default_path()
+    if save and fitted:
+        data = load_store(path)
+        data["version"] = CALIBRATION_VERSION
+        data["clusters"].update(fitted)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+        os.replace(tmp, path)
+    return {"runs": rows, "fitted": fitted, "store": str(path) if save and fitted else None,
+            "default_efficiency": base}

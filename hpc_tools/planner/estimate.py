@@ -1,0 +1,84 @@
+"""One plan: memory and step time of a recipe (or of a recipe with other knobs), with the assumptions behind them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hpc_tools.planner.arch import Arch, total_parameters
+from hpc_tools.planner.hardware import GB, Hardware, hardware_for
+from hpc_tools.planner.knobs import Knobs
+from hpc_tools.planner.memory import MemoryPlan, estimate_memory, memory_notes
+from hpc_tools.planner.steptime import DEFAULT_EFFICIENCY, StepTime, estimate_step_time, step_flops, time_notes
+
+if TYPE_CHECKING:
+    from hpc_tools.recipe.schema import Recipe
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    name: str
+    arch: Arch
+    knobs: Knobs
+    hardware: Hardware
+    memory: MemoryPlan
+    time: StepTime | None
+    efficiency: float
+    efficiency_source: str  # "default", "calibration <file>", "--efficiency"
+    convention: str
+    parameters: int  # whole model, TP1 padding
+
+    @property
+    def fits(self) -> bool | None:
+        """True/False against the GPU memory; None when there is no GPU memory to check (CPU ranks, unknown GPU)."""
+        if self.hardware.mem_bytes is None:
+            return None
+        return self.memory.total <= self.hardware.mem_bytes
+
+    def notes(self) -> dict[str, str]:
+        out = memory_notes(self.arch, self.knobs, self.hardware.is_gpu)
+        if self.time is not None:
+            out.update(time_notes(self.knobs, self.hardware, self.efficiency, self.efficiency_source, self.convention))
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (bytes, seconds, FLOPs as plain numbers; GB = 1e9 bytes)."""
+        mem = self.memory.peak
+        notes = self.notes()
+        out: dict[str, Any] = {
+            "recipe": self.name, "config": self.knobs.describe(), "layout": self.knobs.layout.describe(),
+            "parameters": self.parameters, "parameters_per_gpu": mem.params,
+            "gpu_type": self.hardware.gpu_type, "gpu_mem_bytes": self.hardware.mem_bytes,
+            "hardware_sources": self.hardware.sources, "fits": self.fits,
+            "memory": {"peak_stage": mem.stage, "total_bytes": mem.total,
+                       "terms": [{"name": k, "bytes": v, "assumes": notes.get(k, "")} for k, v in mem.terms.items()],
+                       "stages": {str(s.stage): s.total for s in self.memory.stages}},
+            "step_time": None,
+        }
+        if self.time is not None:
+            out["step_time"] = {
+                "total_s": self.time.total_s, "tokens_per_s": self.time.tokens_per_s, "mfu": self.time.mfu,
+                "model_flops": self.time.model_flops, "hardware_flops": self.time.hardware_flops,
+                "efficiency": self.efficiency, "efficiency_source": self.efficiency_source,
+                "flops_convention": self.convention,
+                "terms": [{"name": k, "seconds": v, "assumes": notes.get(k, "")} for k, v in self.time.terms.items()],
+            }
+        return out
+
+
+def make_plan(recipe: "Recipe", knobs: Knobs | None = None, efficiency: float | None = None,
+              efficiency_source: str = "default", hardware: Hardware | None = None) -> Plan:
+    """Memory and step time of ``recipe`` (with ``knobs`` instead of the recipe's own, when given)."""
+    knobs = knobs or Knobs.from_recipe(recipe)
+    hw = hardware or hardware_for(recipe.cluster, recipe.training.precision)
+    arch = Arch.from_model(recipe.model)
+    eff = DEFAULT_EFFICIENCY if efficiency is None else efficiency
+    convention = recipe.profiling.flops_convention
+    time = estimate_step_time(arch, knobs, hw, step_flops(recipe.model, knobs, convention), eff) if hw.peak_flops else None
+    return Plan(name=recipe.name, arch=arch, knobs=knobs, hardware=hw, memory=estimate_memory(arch, knobs, hw.is_gpu),
+                time=time, efficiency=eff, efficiency_source=efficiency_source, convention=convention,
+                parameters=total_parameters(arch))
+
+
+def gb(nbytes: float) -> str:
+    return f"{nbytes / GB:.1f} GB"

@@ -1,0 +1,122 @@
+"""The choices one plan is made of: the parallel layout plus the memory/speed knobs the search turns.
+
+``Knobs.from_recipe`` reads them from a recipe; ``Knobs.overrides`` writes them back as ``--set`` strings, so that a
+search result can be applied with the same precedence as the command line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hpc_tools.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from hpc_tools.recipe.schema import Recipe
+
+# DeepSpeed's default zero_optimization.reduce_bucket_size (elements); its ZeRO-1/2 gradient bucket.
+DS_DEFAULT_BUCKET_ELEMS = 500_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Knobs:
+    backend: str  # "megatron" | "deepspeed"
+    layout: ParallelLayout
+    precision: str
+    recompute: str  # "none" | "selective" | "full"
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    distributed_optimizer: bool = False  # Megatron
+    overlap_grad_reduce: bool = False  # Megatron
+    overlap_param_gather: bool = False  # Megatron
+    zero_stage: int = 0  # DeepSpeed
+    offload_optimizer: str = "none"  # DeepSpeed
+    offload_param: str = "none"  # DeepSpeed
+    ds_overlap_comm: bool = False  # DeepSpeed zero_optimization.overlap_comm
+    ds_bucket_elems: int = DS_DEFAULT_BUCKET_ELEMS
+    flash: bool = True  # fused attention: no s^2 activations stored
+
+    @classmethod
+    def from_recipe(cls, recipe: "Recipe") -> "Knobs":
+        t, be = recipe.training, recipe.backend
+        ds_zero = (be.deepspeed.config_overrides.get("zero_optimization") or {}) if be.kind == "deepspeed" else {}
+        stage = be.deepspeed.zero_stage
+        if be.kind == "megatron":
+            flash = be.megatron.use_flash_attention and recipe.cluster.uses_gpus and be.megatron.transformer_impl != "local"
+        else:
+            flash = recipe.cluster.uses_gpus  # Hugging Face SDPA picks the flash / memory-efficient kernel on GPU
+        return cls(backend=be.kind, layout=ParallelLayout.from_recipe(recipe), precision=t.precision,
+                   recompute=t.recompute_granularity, recompute_method=t.recompute_method,
+                   recompute_num_layers=t.recompute_num_layers,
+                   distributed_optimizer=be.megatron.distributed_optimizer,
+                   overlap_grad_reduce=be.megatron.overlap_grad_reduce,
+                   overlap_param_gather=be.megatron.overlap_param_gather,
+                   zero_stage=stage, offload_optimizer=be.deepspeed.offload_optimizer,
+                   offload_param=be.deepspeed.offload_param,
+                   ds_overlap_comm=bool(ds_zero.get("overlap_comm", stage == 3)),
+                   ds_bucket_elems=int(ds_zero.get("reduce_bucket_size", DS_DEFAULT_BUCKET_ELEMS)), flash=flash)
+
+    @property
+    def virtual(self) -> int:
+        return self.layout.virtual_pipeline_size if self.layout.interleaved else 1
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per activation element (16-bit training stores 16-bit activations)."""
+        return 4 if self.precision == "fp32" else 2
+
+    def describe(self) -> str:
+        """Short label, e.g. ``TP2 PP4 VPP2 DP8 SP mb2 rc=selective distopt``."""
+        lay = self.layout
+        parts = [f"TP{lay.tensor_size}", f"PP{lay.pipeline_size}"]
+        if lay.interleaved:
+            parts.append(f"VPP{lay.virtual_pipeline_size}")
+        parts += [f"DP{lay.data_size}"] + (["SP"] if lay.sequence_parallel else []) + [f"mb{lay.micro_batch_size}"]
+        parts.append(f"rc={self.recompute}")
+        if self.backend == "megatron":
+            parts.append("distopt" if self.distributed_optimizer else "no-distopt")
+        else:
+            parts.append(f"zero{self.zero_stage}")
+            if self.offload_optimizer != "none":
+                parts.append(f"opt->{self.offload_optimizer}")
+            if self.offload_param != "none":
+                parts.append(f"param->{self.offload_param}")
+        return " ".join(parts)
+
+    def overrides(self) -> list[str]:
+        """``--set`` strings that turn a recipe into this configuration (global batch pinned explicitly)."""
+        lay = self.layout
+        out = [f"parallel.tensor_size={lay.tensor_size}", f"parallel.pipeline_size={lay.pipeline_size}",
+               f"parallel.virtual_pipeline_size={lay.virtual_pipeline_size if lay.interleaved else 'null'}",
+               "parallel.data_size=-1", f"parallel.sequence_parallel={str(lay.sequence_parallel).lower()}",
+               f"training.micro_batch_size={lay.micro_batch_size}",
+               f"training.global_batch_size={lay.global_batch_size}",
+               f"training.recompute_granularity={self.recompute}"]
+        if self.recompute == "full":
+            out += [f"training.recompute_method={self.recompute_method}",
+                    f"training.recompute_num_layers={self.recompute_num_layers}"]
+        if self.backend == "megatron":
+            out.append(f"backend.megatron.distributed_optimizer={str(self.distributed_optimizer).lower()}")
+        else:
+            out += [f"backend.deepspeed.zero_stage={self.zero_stage}",
+                    f"backend.deepspeed.offload_optimizer={self.offload_optimizer}",
+                    f"backend.deepspeed.offload_param={self.offload_param}"]
+        return out
+
+    def section_updates(self) -> dict[str, dict[str, Any]]:
+        """The same changes as nested field updates per recipe section (for model_copy)."""
+        lay = self.layout
+        upd: dict[str, dict[str, Any]] = {
+            "parallel": {"tensor_size": lay.tensor_size, "pipeline_size": lay.pipeline_size,
+                         "virtual_pipeline_size": lay.virtual_pipeline_size if lay.interleaved else None,
+                         "data_size": -1, "sequence_parallel": lay.sequence_parallel},
+            "training": {"micro_batch_size": lay.micro_batch_size, "global_batch_size": lay.global_batch_size,
+                         "recompute_granularity": self.recompute, "recompute_method": self.recompute_method,
+                         "recompute_num_layers": self.recompute_num_layers},
+        }
+        if self.backend == "megatron":
+            upd["megatron"] = {"distributed_optimizer": self.distributed_optimizer}
+        else:
+            upd["deepspeed"] = {"zero_stage": self.zero_stage, "offload_optimizer": self.offload_optimizer,
+                                "offload_param": self.offload_param}
+        return upd

@@ -1,0 +1,268 @@
+"""Memory per GPU: model states, activations and stated overheads, for Megatron-core and DeepSpeed jobs.
+
+Sources (see /work/shared/REFERENCE.md): model states from the ZeRO paper (16 bytes/param with mixed-precision Adam,
+stage 1/2/3 partitioning) and Megatron-LM's distributed-optimizer notes (18 bytes/param, 6 + 12/d); activations from
+Korthikanti et al. 2022, Table 2, generalised term by term to GQA, SwiGLU, no dropout and fused attention; pipeline
+in-flight microbatches from the 1F1B and interleaved schedules. Every term carries a note that says what it assumes
+(``memory_notes``). Bytes everywhere; GB = 1e9 bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hpc_tools.planner.arch import Arch, pieces, stage_parameters
+from hpc_tools.planner.knobs import Knobs
+
+GB = 1e9
+CUDA_CONTEXT_BYTES = 1.5e9  # CUDA context + kernels + cuBLAS workspace: 1-2 GB (Ultra-Scale Playbook)
+NCCL_BUFFER_BYTES = 0.5e9  # NCCL channels/buffers per process (assumed; grows with the number of communicators)
+
+PARAMETERS, GRADIENTS, OPTIMIZER = "parameters", "gradients", "optimizer states"
+ACTIVATIONS, EDGE_ACTIVATIONS, RECOMPUTE_WS = "activations", "embedding/logits activations", "recompute working set"
+GATHERED, BUCKETS, CONTEXT = "ZeRO-3 gathered parameters", "communication buffers", "CUDA context"
+
+
+# --- model states ---------------------------------------------------------------------------------------------------
+
+def megatron_state_bytes(n_params: float, data: int, precision: str, distributed_optimizer: bool) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer) bytes on one GPU holding ``n_params`` parameters.
+
+    16-bit training: 2 (16-bit params) + 4 (fp32 main grads) + 12 (fp32 master params, Adam m and v) = 18 bytes/param;
+    the distributed optimizer shards the 12 across the data-parallel group: 6 + 12/d. fp32 training: 4 + 4 + 8
+    (no master copy) = 16, distributed 8 + 8/d.
+    """
+    p, g, o = (4, 4, 8) if precision == "fp32" else (2, 4, 12)
+    return p * n_params, g * n_params, o * n_params / (data if distributed_optimizer else 1)
+
+
+def zero_state_bytes(n_params: float, data: int, stage: int, precision: str = "bf16",
+                     offload_optimizer: str = "none", offload_param: str = "none") -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer) bytes per GPU under DeepSpeed ZeRO (Rajbhandari et al. 2019).
+
+    Mixed precision: 2 + 2 + K with K = 12; stage 1 shards the optimizer (4Ψ + 12Ψ/N), stage 2 also the gradients
+    (2Ψ + 14Ψ/N), stage 3 also the parameters (16Ψ/N). fp32: 4 + 4 + 8. Offloaded states leave the GPU.
+    """
+    p, g, o = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+    params = p * n_params / (data if stage >= 3 else 1)
+    grads = g * n_params / (data if stage >= 2 else 1)
+    optim = o * n_params / (data if stage >= 1 else 1)
+    if offload_optimizer != "none":
+        optim = 0.0
+    if offload_param != "none":
+        params = 0.0
+    return params, grads, optim
+
+
+# --- activations (Korthikanti et al. 2022, Table 2, generalised) ----------------------------------------------------
+
+def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, groups: int | None = None,
+                           head_dim: int | None = None, ffn: int | None = None, gated: bool = False,
+                           sp: bool = False, recompute: str = "none", flash: bool = False, hidden_dropout: bool = True,
+                           attention_dropout: bool = True, act_bytes: int = 2) -> float:
+    """Bytes one transformer layer keeps for the backward pass, for one microbatch on one GPU.
+
+    With MHA, GELU, ffn = 4h, dropout and explicit attention this is Korthikanti Table 2 exactly:
+    sbh(34 + 5as/h) without parallelism, sbh(10 + 24/t + 5as/(ht)) with TP, sbh/t (34 + 5as/h) with TP+SP, the s^2
+    terms dropped by selective recompute, and 2sbh (2sbh/t with SP) for full recompute (the layer input only).
+    """
+    e, g = act_bytes, groups or a
+    dh = head_dim or h // a
+    f = ffn or 4 * h
+    tok = s * b
+    rep = 1 / t if sp else 1.0  # replicated across TP unless sequence-parallel
+    if recompute == "full":
+        return e * tok * h * rep
+    masks = (2 if hidden_dropout else 0) * tok * h  # 1-byte dropout masks after attention and after the MLP
+    replicated = (4 * e * tok * h + masks) * rep  # two norm inputs, QKV input, fc1 input
+    attention = e * tok * (a * dh + 2 * g * dh + a * dh)  # Q, K and V; the context (input of the output projection)
+    mlp = e * tok * f * (4 if gated else 2)  # fc1 output and activation output (SwiGLU: 2f out, silu(gate), product)
+    quadratic = 0.0
+    if not flash and recompute != "selective":
+        # softmax output; with attention dropout also its 1-byte mask and the dropout output
+        quadratic = a * s * s * b * (e + (1 + e if attention_dropout else 0))
+    return replicated + (attention + mlp + quadratic) / t
+
+
+def _chunks_in_flight(p: int, v: int, m: int, stage: int) -> int:
+    """Model chunks whose activations a stage holds at its peak: 1F1B p - stage (capped by m); interleaved
+    (p - stage - 1) x 2 + (v - 1) x p + 1 warm-up chunks (capped by m x v), which on stage 0 is Korthikanti's
+    p x (1 + (p-1)/(p v)) layers' worth."""
+    if v == 1:
+        return min(p - stage, m)
+    return min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)
+
+
+def _layer_bytes(arch: Arch, k: Knobs, recompute: str) -> float:
+    lay = k.layout
+    return layer_activation_bytes(arch.seq, lay.micro_batch_size, arch.hidden, arch.heads, lay.tensor_size,
+                                  groups=arch.groups, head_dim=arch.head_dim, ffn=arch.ffn, gated=arch.gated,
+                                  sp=lay.sequence_parallel, recompute=recompute, flash=k.flash,
+                                  hidden_dropout=arch.hidden_dropout, attention_dropout=arch.attention_dropout,
+                                  act_bytes=k.act_bytes)
+
+
+def stage_activation_bytes(arch: Arch, k: Knobs, stage: int) -> tuple[float, float]:
+    """(activations held at the stage's peak, recompute working set) in bytes for one GPU of ``stage``."""
+    lay, v = k.layout, k.virtual
+    p, m = lay.pipeline_size, lay.num_microbatches
+    chunk_layers = arch.layers // (p * v)
+    chunks = _chunks_in_flight(p, v, max(m, 1), stage)
+    # HF (DeepSpeed) models have no selective recompute; with fused attention it changes nothing anyway.
+    recompute = "none" if k.backend == "deepspeed" and k.recompute == "selective" else k.recompute
+    if recompute != "full":
+        return chunks * chunk_layers * _layer_bytes(arch, k, recompute), 0.0
+    full, ckpt = _layer_bytes(arch, k, "none"), _layer_bytes(arch, k, "full")
+    n = min(k.recompute_num_layers if k.backend == "megatron" else 1, chunk_layers)
+    if k.recompute_method == "block" and k.backend == "megatron":
+        per_chunk = n * ckpt + (chunk_layers - n) * full  # first n layers of each chunk checkpointed one by one
+        return chunks * per_chunk, full
+    return chunks * math.ceil(chunk_layers / n) * ckpt, n * full  # uniform: one checkpoint per group of n layers
+
+
+def edge_activation_bytes(arch: Arch, k: Knobs, stage: int) -> float:
+    """Activations outside the layers: embedding dropout masks on the first stage (per microbatch in flight),
+    final norm, output-layer input and the logits on the last stage (one microbatch)."""
+    lay = k.layout
+    p, t, tok, e = lay.pipeline_size, lay.tensor_size, arch.seq * lay.micro_batch_size, k.act_bytes
+    rep = 1 / t if lay.sequence_parallel else 1.0
+    out = 0.0
+    if stage == 0 and arch.hidden_dropout:
+        out += tok * arch.hidden * rep * _chunks_in_flight(p, 1, max(lay.num_microbatches, 1), 0)
+    if stage == p - 1:
+        vocab = arch.padded_vocab(t)
+        if k.backend == "megatron":
+            # Korthikanti sec. 4.3: final norm 2sbh, output-layer input 2sbh, fp32 logits in the cross-entropy 4sbv/t
+            out += 2 * e * tok * arch.hidden * rep + 4 * tok * vocab / t
+        else:
+            # HF: returned 16-bit logits + fp32 upcast + fp32 log-softmax kept for backward = (2 + 4 + 4) s b V
+            out += 2 * e * tok * arch.hidden + (e + 8) * tok * vocab
+    return out
+
+
+# --- a whole GPU ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    stage: int
+    params: int  # parameters held by one GPU of this stage
+    terms: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    stages: tuple[StageMemory, ...]  # the first and the last stage (middle stages hold less than the first)
+    peak: StageMemory
+
+    @property
+    def total(self) -> float:
+        return self.peak.total
+
+
+def stage_memory(arch: Arch, k: Knobs, stage: int, on_gpu: bool = True) -> StageMemory:
+    """Every term for one GPU of ``stage``."""
+    lay = k.layout
+    n = stage_parameters(arch, lay.tensor_size, lay.pipeline_size, stage)
+    if k.backend == "deepspeed":
+        params, grads, optim = zero_state_bytes(n, lay.data_size, k.zero_stage, k.precision, k.offload_optimizer,
+                                                k.offload_param)
+    else:
+        params, grads, optim = megatron_state_bytes(n, lay.data_size, k.precision, k.distributed_optimizer)
+    acts, working = stage_activation_bytes(arch, k, stage)
+    terms = {PARAMETERS: params, GRADIENTS: grads, OPTIMIZER: optim, ACTIVATIONS: acts,
+             EDGE_ACTIVATIONS: edge_activation_bytes(arch, k, stage), RECOMPUTE_WS: working}
+    if k.backend == "deepspeed" and k.zero_stage == 3:
+        terms[GATHERED] = _zero3_working_set(arch, k)
+    terms[BUCKETS] = _buffer_bytes(k, n) if on_gpu else 0.0
+    terms[CONTEXT] = CUDA_CONTEXT_BYTES if on_gpu else 0.0
+    return StageMemory(stage, n, terms)
+
+
+def estimate_memory(arch: Arch, k: Knobs, on_gpu: bool = True) -> MemoryPlan:
+    """Memory of the first and last pipeline stages; the peak is the larger (middle stages hold less than the
+    first: fewer microbatches in flight and no embedding)."""
+    p = k.layout.pipeline_size
+    stages = tuple(stage_memory(arch, k, s, on_gpu) for s in sorted({0, p - 1}))
+    return MemoryPlan(stages, max(stages, key=lambda st: st.total))
+
+
+def _zero3_working_set(arch: Arch, k: Knobs) -> float:
+    """ZeRO-3 gathers each module's full 16-bit parameters to use them: the current layer plus one prefetched, or the
+    whole word embedding, whichever is larger."""
+    pc = pieces(arch, 1)
+    return (4 if k.precision == "fp32" else 2) * max(2 * pc.layer, pc.word_embedding)
+
+
+def _buffer_bytes(k: Knobs, n_params: int) -> float:
+    if k.backend == "deepspeed":
+        grad_bytes = 4 if k.precision == "fp32" else 2
+        return NCCL_BUFFER_BYTES + grad_bytes * min(k.ds_bucket_elems, n_params)
+    return NCCL_BUFFER_BYTES
+
+
+def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
+    """What each term assumes, in words, for this model and configuration."""
+    lay = k.layout
+    t, d = lay.tensor_size, lay.data_size
+    if k.backend == "deepspeed":
+        n = f" / N (N = d = {d})"
+        p16 = "4" if k.precision == "fp32" else "2"
+        params = f"{p16} bytes/param{n if k.zero_stage >= 3 else ''} (ZeRO-{k.zero_stage})"
+        grads = f"{p16} bytes/param{n if k.zero_stage >= 2 else ''} (ZeRO-{k.zero_stage}; 16-bit grads as in the ZeRO paper)"
+        optim = (f"{'8' if k.precision == 'fp32' else '12'} bytes/param{n if k.zero_stage >= 1 else ''}: "
+                 f"{'' if k.precision == 'fp32' else 'fp32 master, '}Adam m and v (ZeRO paper K)")
+        if k.offload_optimizer != "none":
+            optim = f"offloaded to {k.offload_optimizer} (0 on the GPU; host holds the shard)"
+        if k.offload_param != "none":
+            params = f"offloaded to {k.offload_param} (0 on the GPU; see gathered parameters)"
+        total = {0: "16Ψ", 1: "4Ψ + 12Ψ/N", 2: "2Ψ + 14Ψ/N", 3: "16Ψ/N"}[k.zero_stage]
+        grads += f"; model states {total}" if k.precision != "fp32" else ""
+    else:
+        shard = f" / d (distributed optimizer, d = {d})" if k.distributed_optimizer else ""
+        if k.precision == "fp32":
+            params, grads = "4 bytes/param (fp32)", "4 bytes/param (fp32 main grads)"
+            optim = f"8 bytes/param{shard}: Adam m and v; model states {'8 + 8/d' if shard else '16'} bytes/param"
+        else:
+            params, grads = "2 bytes/param (16-bit)", "4 bytes/param: fp32 main grads (Megatron accumulates and reduces in fp32)"
+            optim = (f"12 bytes/param{shard}: fp32 master params, Adam m and v; model states "
+                     f"{'6 + 12/d' if shard else '18'} bytes/param")
+    tied = "tied: last stage keeps its own copy of the word embedding" if arch.tied and lay.pipeline_size > 1 else (
+        "tied (counted once)" if arch.tied else "untied output layer on the last stage")
+    attn = ("fused/flash attention: no s^2 terms" if k.flash else
+            "explicit attention: softmax (and dropout) s^2 terms stored" if k.recompute != "selective" else
+            "selective recompute: s^2 terms recomputed")
+    layer = (f"Korthikanti Table 2 per layer generalised: {'GQA ' if arch.groups != arch.heads else ''}Q,K,V by head "
+             f"counts; {'SwiGLU fc1 2f + silu f + product f' if arch.gated else 'GELU fc1 f + act f'} (f={arch.ffn}); "
+             f"{'dropout masks 1 byte' if arch.hidden_dropout else 'no dropout masks (dropout 0)'}; {attn}; "
+             f"TP{t}{' + SP' if lay.sequence_parallel else ''}")
+    if k.recompute == "full":
+        layer += f"; full recompute keeps each {'group of ' + str(k.recompute_num_layers) + ' layers' if k.recompute_num_layers > 1 else 'layer'}'s input (2sbh{'/t' if lay.sequence_parallel else ''})"
+    p, v = lay.pipeline_size, k.virtual
+    chunks = (f"first stage holds min(p, m) = {min(p, lay.num_microbatches)} microbatches in flight (1F1B)"
+              + (f" x (1 + (p-1)/(p v)) = {1 + (p - 1) / (p * v):.3f} (interleaved)" if v > 1 else "")
+              if p > 1 else "one microbatch at a time (gradient accumulation frees the rest)")
+    hf = " (Hugging Face layers assumed to store what Megatron's do; their fp32 RMSNorm upcast is not counted)" if k.backend == "deepspeed" else ""
+    notes = {
+        PARAMETERS: f"{params}; the stage's parameters per GPU, TP{t}-sharded as Megatron does (norms and "
+                    f"row-parallel biases replicated); embeddings on the first stage, {tied}; vocab padded to "
+                    f"{arch.padded_vocab(t)}",
+        GRADIENTS: grads,
+        OPTIMIZER: optim,
+        ACTIVATIONS: f"{layer}; {chunks}{hf}",
+        EDGE_ACTIVATIONS: ("last stage: final norm + output input 4sbh + fp32 logits 4sbV/t (Korthikanti 4.3); "
+                           "first stage: embedding dropout masks") if k.backend == "megatron" else
+                          "last stage: HF logits 16-bit + fp32 upcast + fp32 log-softmax = 10 sbV bytes",
+        RECOMPUTE_WS: "one recompute group's full activations, rebuilt during its backward" if k.recompute == "full"
+                      else "no full recomputation",
+        BUCKETS: ("NCCL buffers 0.5 GB (assumed)" + (f" + DeepSpeed reduce bucket {k.ds_bucket_elems:.3g} elements"
+                                                    if k.backend == "deepspeed" else "")) if on_gpu else "CPU ranks",
+        CONTEXT: "CUDA context and kernels 1.5 GB (1-2 GB, Ultra-Scale Playbook)" if on_gpu else "CPU ranks",
+    }
+    if k.backend == "deepspeed" and k.zero_stage == 3:
+        notes[GATHERED] = "16-bit parameters of the current and one prefetched layer (or the whole embedding)"
+    return notes

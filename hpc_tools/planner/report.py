@@ -1,0 +1,162 @@
+"""Human-readable tables (rich) and JSON for plan, search and calibration results."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hpc_tools.planner.estimate import Plan
+from hpc_tools.planner.hardware import GB
+from hpc_tools.planner.search import SearchResult, why_slower
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(width=160)
+
+
+def _table(title: str, *columns: str):
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="right" if 0 < i < len(columns) - 1 else "left",
+                         overflow="fold", max_width=100 if i == len(columns) - 1 else None)
+    return table
+
+
+def _esc(text: str) -> str:
+    """Cell text taken literally (rich would read [..] as markup)."""
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def count(n: float) -> str:
+    """12.3 B / 45.6 M / 7.8 k parameters."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def _unit(total_bytes: float) -> tuple[float, str]:
+    """GB for GPU-sized figures, MB for the tiny models of local runs."""
+    return (GB, "GB") if total_bytes >= 0.1 * GB else (1e6, "MB")
+
+
+def _headline(plan: Plan) -> str:
+    hw, lay = plan.hardware, plan.knobs.layout
+    mem = f"{hw.mem_bytes / GB:.1f} GB" if hw.mem_bytes else "no GPU memory"
+    peak = f", {hw.peak_flops / 1e12:.0f} TFLOP/s {plan.knobs.precision}" if hw.peak_flops else ""
+    return (f"{plan.name}: {count(plan.parameters)} parameters, {plan.knobs.backend}, on {lay.nodes} x "
+            f"{lay.ranks_per_node} {hw.gpu_type} ({mem}{peak})\n{lay.describe()}; {plan.knobs.describe()}")
+
+
+def verdict(plan: Plan) -> str:
+    total = plan.memory.total
+    if plan.fits is None:
+        div, unit = _unit(total)
+        return f"peak {total / div:.2f} {unit} per rank; no GPU memory to check ({plan.hardware.gpu_type})"
+    share = total / plan.hardware.mem_bytes
+    word = "FITS" if plan.fits else "DOES NOT FIT"
+    return f"{word}: {total / GB:.1f} GB of {plan.hardware.mem_bytes / GB:.1f} GB per GPU ({share:.0%})"
+
+
+def print_plan(plan: Plan) -> None:
+    con = _console()
+    notes = plan.notes()
+    con.print(_headline(plan), highlight=False)
+    peak = plan.memory.peak
+    where = f", pipeline stage {peak.stage} (the peak)" if plan.knobs.layout.pipeline_size > 1 else ""
+    div, unit = _unit(peak.total)
+    mem = _table(f"Memory per GPU{where}; {count(peak.params)} parameters on it", "term", unit, "assumes")
+    for name, value in peak.terms.items():
+        mem.add_row(name, f"{value / div:.2f}", _esc(notes.get(name, "")))
+    mem.add_row("total", f"{peak.total / div:.2f}", _esc(verdict(plan)), style="bold")
+    con.print(mem)
+    if plan.time is None:
+        con.print(f"Step time: not predicted (no peak FLOP/s for {plan.hardware.gpu_type}; set "
+                  "cluster.gpu_peak_tflops)", highlight=False)
+        return
+    t = plan.time
+    steps = _table("Step time", "term", "s", "share", "assumes")
+    for name, value in t.terms.items():
+        steps.add_row(name, f"{value:.4f}", f"{value / t.total_s:.0%}", _esc(notes.get(name, "")))
+    steps.add_row("total", f"{t.total_s:.4f}", "",
+                  f"{t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%} ({plan.convention} FLOPs convention)",
+                  style="bold")
+    con.print(steps)
+
+
+def search_dict(result: SearchResult) -> dict[str, Any]:
+    def cand(c) -> dict[str, Any]:
+        return {"config": c.knobs.describe(), "step_s": c.step_s, "tokens_per_s": c.time.tokens_per_s,
+                "mfu": c.time.mfu, "memory_bytes": c.memory_bytes, "peak_stage": c.peak_stage,
+                "overrides": c.knobs.overrides(), "terms": c.time.terms}
+
+    best = result.best
+    return {
+        "enumerated": result.enumerated, "fitting": result.fitting, "too_big": result.too_big,
+        "broke_rules": [{"config": c.knobs.describe(), "violation": str(v)} for c, v in result.broke_rules],
+        "elapsed_s": result.elapsed_s, "gpu_mem_bytes": result.mem_bytes,
+        "top": [cand(c) for c in result.ranked[:result.top]],
+        "next": [{**cand(c), "why": why_slower(c, best)} for c in result.ranked[result.top:]],
+        "smallest_too_big": cand(result.smallest_too_big) if result.smallest_too_big else None,
+    }
+
+
+def print_search(result: SearchResult, recipe_name: str) -> None:
+    con = _console()
+    mem = f"{result.mem_bytes / GB:.1f} GB" if result.mem_bytes else "no GPU memory"
+    con.print(f"{recipe_name}: {result.enumerated} configurations scored in {result.elapsed_s:.2f} s: "
+              f"{result.fitting} fit in {mem}, {result.too_big} do not, {len(result.broke_rules)} of the fastest "
+              f"broke recipe rules", highlight=False)
+    if not result.ranked:
+        con.print("nothing fits and keeps the rules", style="bold red")
+    best = result.best
+    table = _table(f"Top {min(result.top, len(result.ranked))} by predicted step time (global batch fixed)",
+                   "#", "step s", "tokens/s", "MFU", "GB", "configuration")
+    for i, c in enumerate(result.ranked[:result.top], 1):
+        table.add_row(str(i), f"{c.step_s:.3f}", f"{c.time.tokens_per_s:,.0f}", f"{c.time.mfu:.1%}",
+                      f"{c.memory_bytes / GB:.1f}", _esc(c.knobs.describe()))
+    con.print(table)
+    if result.ranked[result.top:]:
+        losers = _table("Why the next ones lose", "#", "step s", "GB", "configuration: reason")
+        for i, c in enumerate(result.ranked[result.top:], result.top + 1):
+            losers.add_row(str(i), f"{c.step_s:.3f}", f"{c.memory_bytes / GB:.1f}",
+                           _esc(f"{c.knobs.describe()}: {why_slower(c, best)}"))
+        con.print(losers)
+    if result.smallest_too_big:
+        s = result.smallest_too_big
+        con.print(f"Pruned for memory: {result.too_big} (the leanest of them, {s.knobs.describe()}, needs "
+                  f"{s.memory_bytes / GB:.1f} GB)", highlight=False)
+    for c, v in result.broke_rules[:3]:
+        con.print(f"Pruned by rules: {c.knobs.describe()}: {v}", highlight=False)
+    if best:
+        con.print("Apply the best: " + " ".join(f"--set {o}" for o in best.knobs.overrides()), highlight=False)
+
+
+def print_calibration(report: dict[str, Any]) -> None:
+    con = _console()
+
+    def num(value, fmt):
+        return "-" if value is None else format(value, fmt)
+
+    table = _table("Predicted vs measured", "run", "steps", "step s meas.", "pred.", "pred. after fit",
+                   "alloc GB meas.", "pred.", "cluster")
+    for r in report["runs"]:
+        meas_mem = r["measured_mem_allocated_max_bytes"]
+        pred_mem = r["predicted_mem_allocated_bytes"]
+        table.add_row(r["run"], str(r["steps"]), num(r["measured_step_s"], ".4f"), num(r["predicted_step_s"], ".4f"),
+                      num(r["predicted_step_s_after_fit"], ".4f"), num(meas_mem and meas_mem / GB, ".2f"),
+                      num(pred_mem and pred_mem / GB, ".2f"), r["cluster"])
+    con.print(table)
+    if not report["fitted"]:
+        con.print("No efficiency fitted: runs need a GPU peak (cluster.gpu_type in the table or cluster.gpu_peak_tflops)"
+                  " and measured step times longer than the modelled communication.", highlight=False)
+    for key, entry in report["fitted"].items():
+        con.print(f"{key}: efficiency {entry['efficiency']:.3f} (default {report['default_efficiency']:.2f}) from "
+                  f"{len(entry['runs'])} run(s)", highlight=False)
+    if report["store"]:
+        con.print(f"stored in {report['store']}", highlight=False)

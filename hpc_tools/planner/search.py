@@ -1,0 +1,208 @@
+"""Auto-configuration: enumerate layouts and memory knobs for the recipe's nodes x GPUs, keep what fits and keeps the
+recipe rules, rank by predicted step time.
+
+Held fixed: the model, the cluster, the backend kind and the global batch (tokens per step; changing it would change
+the training, not just its speed). Turned: TP (inside a node, dividing heads and query groups), PP (dividing the
+layers), VPP, DP (what is left), micro batch, sequence parallelism, recomputation, and the distributed optimizer
+(Megatron) or ZeRO stage and offload (DeepSpeed). Candidates are scored with the same memory and step-time model as
+``plan``; the recipe rules (``hpc_tools.recipe.rules.check_recipe``) are run on candidates in rank order, lazily,
+because every enumerated layout already satisfies the divisibility rules by construction.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Iterator
+
+from hpc_tools.errors import UserError, Violation
+from hpc_tools.layout import ParallelLayout
+from hpc_tools.planner.arch import Arch
+from hpc_tools.planner.hardware import GB, Hardware, hardware_for
+from hpc_tools.planner.knobs import Knobs
+from hpc_tools.planner.memory import estimate_memory
+from hpc_tools.planner.steptime import DEFAULT_EFFICIENCY, StepTime, estimate_step_time, step_flops
+
+if TYPE_CHECKING:
+    from hpc_tools.recipe.schema import Recipe
+
+MAX_RULE_CHECKS = 5000  # candidates checked against the recipe rules before giving up
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    knobs: Knobs
+    memory_bytes: float
+    peak_stage: int
+    time: StepTime
+
+    @property
+    def step_s(self) -> float:
+        return self.time.total_s
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Candidate]  # fit, keep the rules, fastest first (top + the losers shown)
+    top: int
+    enumerated: int = 0
+    too_big: int = 0
+    smallest_too_big: Candidate | None = None
+    broke_rules: list[tuple[Candidate, Violation]] = field(default_factory=list)
+    fitting: int = 0
+    elapsed_s: float = 0.0
+    mem_bytes: float | None = None
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def _divisors(n: int) -> list[int]:
+    return [x for x in range(1, n + 1) if n % x == 0]
+
+
+def enumerate_knobs(recipe: "Recipe", base: Knobs) -> Iterator[Knobs]:
+    """Every configuration the search scores (layout divisibility holds by construction)."""
+    m, c = recipe.model, recipe.cluster
+    world, batch = base.layout.world_size, base.layout.global_batch_size
+    megatron = base.backend == "megatron"
+    if megatron:
+        tensors = [t for t in _divisors(c.gpus_per_node)
+                   if m.num_attention_heads % t == 0 and m.num_query_groups % t == 0]
+    else:
+        tensors = [1]
+    recomputes = ("none", "selective", "full") if megatron else ("none", "full")
+    for t in tensors:
+        sps = (True, False) if t > 1 and m.seq_length % t == 0 else (False,)
+        for p in _divisors(m.num_layers):
+            if world % (t * p):
+                continue
+            d = world // (t * p)
+            if batch % d:
+                continue
+            per_replica = batch // d
+            opts = list(_optimizer_options(base, p, d))
+            for b in _divisors(per_replica):
+                micro = per_replica // b
+                vs = [1]
+                if megatron and p > 1 and micro % p == 0:
+                    vs += [v for v in _divisors(m.num_layers // p) if v > 1]
+                for v in vs:
+                    for sp in sps:
+                        layout = ParallelLayout(nodes=c.nodes, ranks_per_node=c.gpus_per_node, tensor_size=t,
+                                                pipeline_size=p, data_size=d, virtual_pipeline_size=v if v > 1 else None,
+                                                sequence_parallel=sp, micro_batch_size=b, global_batch_size=batch)
+                        for rc in recomputes:
+                            for opt in opts:
+                                yield replace(base, layout=layout, recompute=rc, recompute_method="uniform",
+                                              recompute_num_layers=1, **opt)
+
+
+def _optimizer_options(base: Knobs, p: int, d: int) -> Iterator[dict]:
+    if base.backend == "megatron":
+        yield {"distributed_optimizer": True}
+        if d > 1:
+            yield {"distributed_optimizer": False}
+        return
+    for stage in (0, 1, 2, 3):
+        if p > 1 and stage >= 2:
+            continue  # DeepSpeed refuses ZeRO-2/3 with its pipeline
+        yield {"zero_stage": stage, "offload_optimizer": "none", "offload_param": "none",
+               "ds_overlap_comm": stage == 3}
+        if stage >= 1:
+            yield {"zero_stage": stage, "offload_optimizer": "cpu", "offload_param": "none",
+                   "ds_overlap_comm": stage == 3}
+        if stage == 3:
+            yield {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu", "ds_overlap_comm": True}
+
+
+def apply_knobs(recipe: "Recipe", k: Knobs) -> "Recipe":
+    """A copy of ``recipe`` with the knobs written into its sections (not re-validated: the values are typed)."""
+    upd = k.section_updates()
+    backend = recipe.backend
+    kind = "megatron" if k.backend == "megatron" else "deepspeed"
+    backend = backend.model_copy(update={kind: getattr(backend, kind).model_copy(update=upd[kind])})
+    return recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update=upd["parallel"]),
+                                     "training": recipe.training.model_copy(update=upd["training"]),
+                                     "backend": backend})
+
+
+def search(recipe: "Recipe", top: int = 5, losers: int = 5, efficiency: float | None = None,
+           hardware: Hardware | None = None, use_calibration: bool = True) -> SearchResult:
+    """Rank the configurations of ``recipe`` that fit and keep the rules; ``ranked`` holds top + losers of them.
+
+    ``efficiency`` None: the calibrated factor for the recipe's cluster when stored, else the default."""
+    from hpc_tools.planner.calibrate import resolve_efficiency
+    from hpc_tools.recipe.rules import check_recipe
+
+    started = time.perf_counter()
+    if recipe.backend.kind not in ("megatron", "deepspeed"):
+        raise UserError(f"backend.kind={recipe.backend.kind} has no model to plan (use a megatron or deepspeed recipe)")
+    hw = hardware or hardware_for(recipe.cluster, recipe.training.precision, strict=True)
+    if not hw.peak_flops:
+        raise UserError(f"cluster.gpu_type={recipe.cluster.gpu_type} has no peak FLOP/s to rank configurations by "
+                        "(use a GPU type from the hardware table, or set cluster.gpu_peak_tflops)")
+    eff = resolve_efficiency(recipe, efficiency, use_calibration=use_calibration)[0] or DEFAULT_EFFICIENCY
+    arch, base = Arch.from_model(recipe.model), Knobs.from_recipe(recipe)
+    result = SearchResult(ranked=[], top=top, mem_bytes=hw.mem_bytes)
+    flops_cache: dict[tuple[str, int], tuple[float, float]] = {}
+    scored: list[Candidate] = []
+    for k in enumerate_knobs(recipe, base):
+        result.enumerated += 1
+        mem = estimate_memory(arch, k, hw.is_gpu)
+        key = (k.recompute, k.layout.tensor_size)
+        if key not in flops_cache:
+            flops_cache[key] = step_flops(recipe.model, k, recipe.profiling.flops_convention)
+        cand = Candidate(k, mem.total, mem.peak.stage, estimate_step_time(arch, k, hw, flops_cache[key], eff))
+        if hw.mem_bytes is not None and mem.total > hw.mem_bytes:
+            result.too_big += 1
+            if result.smallest_too_big is None or mem.total < result.smallest_too_big.memory_bytes:
+                result.smallest_too_big = cand
+            continue
+        scored.append(cand)
+    result.fitting = len(scored)
+    scored.sort(key=lambda c: (c.step_s, c.memory_bytes))
+    for cand in scored[:MAX_RULE_CHECKS]:
+        violations = check_recipe(apply_knobs(recipe, cand.knobs))
+        if violations:
+            result.broke_rules.append((cand, violations[0]))
+            continue
+        result.ranked.append(cand)
+        if len(result.ranked) >= top + losers:
+            break
+    result.elapsed_s = time.perf_counter() - started
+    return result
+
+
+def why_slower(cand: Candidate, best: Candidate) -> str:
+    """One line: how much slower than the best and which term costs the most."""
+    deltas = {name: cand.time.terms[name] - best.time.terms.get(name, 0.0) for name in cand.time.terms}
+    name, delta = max(deltas.items(), key=lambda kv: kv[1])
+    pct = (cand.step_s / best.step_s - 1) * 100
+    if pct < 0.05:
+        more = cand.memory_bytes - best.memory_bytes
+        return f"same step time, {more / GB:+.1f} GB memory"
+    return f"{pct:.1f}% slower: {name} {delta:+.3f} s"
+
+
+def auto_configure(recipe: "Recipe", efficiency: float | None = None) -> tuple["Recipe", list[str], Candidate]:
+    """The recipe with the fastest configuration that fits and keeps the rules, the ``--set`` overrides that produce
+    it, and its candidate. Raises UserError when nothing fits (for ``submit --auto``)."""
+    from hpc_tools.recipe.rules import check_recipe
+    from hpc_tools.recipe.schema import Recipe
+
+    result = search(recipe, top=1, losers=0, efficiency=efficiency)
+    if result.best is None:
+        smallest = result.smallest_too_big
+        hint = (f"; the smallest needs {smallest.memory_bytes / GB:.1f} GB ({smallest.knobs.describe()})"
+                if smallest else "")
+        raise UserError(f"cluster.gpu_type={recipe.cluster.gpu_type}: none of the {result.enumerated} configurations "
+                        f"for {recipe.cluster.nodes}x{recipe.cluster.gpus_per_node} GPUs fits in "
+                        f"{(result.mem_bytes or 0) / GB:.1f} GB{hint} (add nodes, or a GPU with more memory)")
+    best = result.best
+    chosen = Recipe.model_validate(apply_knobs(recipe, best.knobs).model_dump())
+    violations = check_recipe(chosen)
+    if violations:  # cannot happen unless a rule depends on something apply_knobs changed without validation
+        raise UserError(f"the planner's choice {best.knobs.describe()} breaks a rule: {violations[0]}")
+    return chosen, best.knobs.overrides(), best

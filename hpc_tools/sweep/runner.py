@@ -1,0 +1,177 @@
+"""Creating a sweep's runs, submitting them (Slurm job arrays per resource shape, or locally one after another),
+refreshing each cell's status, and resubmitting failed cells.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from hpc_tools.errors import UserError
+from hpc_tools.layout import ParallelLayout
+from hpc_tools.recipe.load import parse_yaml, resolve
+from hpc_tools.recipe.schema import Recipe
+from hpc_tools.registry import RunFolder, now_iso
+from hpc_tools.sweep.folder import SweepFolder, pid_alive
+from hpc_tools.sweep.grid import SweepPlan
+from hpc_tools.sweep.status import RERUN_DEFAULT, combine, from_logs, from_manifest, from_sacct, refine_failure, \
+    sacct_states
+
+Say = Callable[[str], None]
+
+
+def resource_key(recipe: Recipe) -> str:
+    """Cells with equal keys can share one Slurm job array: same sbatch resources and environment set-up."""
+    from hpc_tools.render.slurm_params import SlurmSpec
+
+    spec = dataclasses.replace(SlurmSpec.from_recipe(recipe), job_name="")
+    return json.dumps([dataclasses.astuple(spec), recipe.cluster.setup.model_dump(mode="json"), recipe.cluster.python],
+                      sort_keys=True, default=str)
+
+
+def create_sweep(plan: SweepPlan, source: str, executor: str, root: str | Path | None) -> SweepFolder:
+    """The sweep folder with one run folder per valid cell x repeat, all in state CREATED."""
+    from hpc_tools.submission import prepare_run
+
+    data = {"name": plan.name, "source": source, "profile": plan.profile, "base_overrides": plan.base_overrides,
+            "executor": executor, "grid": plan.config.grid, "repeats": plan.config.repeats,
+            "scaling": plan.config.scaling, "cells": [],
+            "invalid": [{"cell": c.index, "label": c.label(), "params": c.params, "overrides": c.overrides,
+                         "reasons": c.reasons} for c in plan.invalid]}
+    folder = SweepFolder.create(root, plan.name, data)
+    entries = []
+    for cell in plan.valid:
+        for repeat in range(plan.config.repeats):
+            run = prepare_run(cell.recipe, folder.path, executor, source,
+                              {"profile": plan.profile, "sweep": folder.sweep_id, "cell": cell.index, "repeat": repeat,
+                               "overrides": plan.base_overrides + cell.overrides})
+            entries.append({"id": f"c{cell.index:03d}-r{repeat}", "cell": cell.index, "repeat": repeat,
+                            "label": cell.label(), "params": cell.params, "overrides": cell.overrides,
+                            "run_dir": run.run_id, "run_id": run.run_id, "job_id": None, "status": "pending",
+                            "attempts": []})
+    with folder.edit() as d:
+        d["cells"] = entries
+    return folder
+
+
+def _recipe_of(run: RunFolder) -> Recipe:
+    return resolve(parse_yaml(run.recipe_path.read_text(), str(run.recipe_path)), source=str(run.recipe_path))
+
+
+def submit_cells(folder: SweepFolder, cell_ids: list[str], executor: str, say: Say) -> None:
+    """Submit the given cells: equal Slurm resources -> one job array, else one job; locally, one after another."""
+    cells = [c for c in folder.read()["cells"] if c["id"] in cell_ids]
+    runs = {c["id"]: RunFolder(folder.path / c["run_dir"]) for c in cells}
+    recipes = {cid: _recipe_of(run) for cid, run in runs.items()}
+    if executor == "slurm":
+        _submit_slurm(folder, cells, runs, recipes, say)
+    else:
+        _run_local(folder, cells, runs, recipes, say)
+
+
+def _submit_slurm(folder, cells, runs, recipes, say: Say) -> None:
+    from hpc_tools.executors.slurm import submit_array, submit_run
+
+    groups: dict[str, list[str]] = {}
+    for c in cells:
+        groups.setdefault(resource_key(recipes[c["id"]]), []).append(c["id"])
+    for ids in groups.values():
+        group_runs = [runs[i] for i in ids]
+        jobs = submit_array(group_runs, recipes[ids[0]]) if len(ids) > 1 else [submit_run(group_runs[0], recipes[ids[0]])]
+        with folder.edit() as data:
+            by_id = {c["id"]: c for c in data["cells"]}
+            for cid, job in zip(ids, jobs):
+                by_id[cid].update(job_id=str(job.job_id), status="pending", submitted=now_iso())
+        kind = f"job array of {len(ids)}" if len(ids) > 1 else "job"
+        say(f"submitted {kind}: {', '.join(f'{i}={j.job_id}' for i, j in zip(ids, jobs))}")
+
+
+def _run_local(folder, cells, runs, recipes, say: Say) -> None:
+    from hpc_tools.executors.local import run_local
+
+    with folder.edit() as data:
+        data["local_pid"] = os.getpid()  # `sweep status` tells an interrupted local sweep from a live one
+    for c in cells:
+        cid = c["id"]
+        folder.update_cell(cid, status="running", started=now_iso())
+        world = ParallelLayout.from_recipe(recipes[cid]).world_size
+        say(f"[{cid}] {c['label']}: {world} local rank(s) -> {runs[cid].path}")
+        code = run_local(runs[cid], world)
+        status = classify_run(runs[cid], None, None)
+        folder.update_cell(cid, status=status, exit_code=code, ended=now_iso())
+        say(f"[{cid}] {status} (exit {code})")
+
+
+def classify_run(run: RunFolder | None, sacct: tuple[str, str] | None, local_pid: int | None,
+                 executor: str = "local") -> str:
+    """One cell's status from sacct (state, exit code), its manifest, HANG markers and logs."""
+    if run is None or not run.exists():
+        return combine(from_sacct(*sacct) if sacct else None)
+    manifest = run.manifest()
+    hang = any(run.path.glob("HANG-rank*.txt"))
+    logs = list(run.logs_dir.glob("*")) if run.logs_dir.is_dir() else []
+    if manifest.get("log_glob"):
+        logs += [Path(p) for p in sorted(glob.glob(manifest["log_glob"]))]
+    status = combine(from_sacct(*sacct) if sacct else None, from_manifest(manifest), hang=hang)
+    if status in ("failed", "cancelled"):
+        status = refine_failure(status, from_logs(logs))
+    if status == "running" and executor == "local" and local_pid is not None and not pid_alive(local_pid):
+        return "failed"  # the local sweep process died mid-run: nobody will ever finish this rank
+    return status
+
+
+def refresh(folder: SweepFolder) -> dict[str, Any]:
+    """Re-classify every cell (one sacct call for all job ids) and store the statuses in sweep.json."""
+    data = folder.read()
+    states = sacct_states([c["job_id"] for c in data["cells"] if c.get("job_id")]) \
+        if data.get("executor") == "slurm" else {}
+    with folder.edit() as data:
+        for c in data["cells"]:
+            run = RunFolder(folder.path / c["run_dir"]) if c.get("run_dir") else None
+            c["status"] = classify_run(run, states.get(str(c.get("job_id"))), data.get("local_pid"),
+                                       data.get("executor", "local"))
+        return data
+
+
+def rerun(folder: SweepFolder, statuses: tuple[str, ...], executor: str, say: Say, dry_run: bool = False) -> list[str]:
+    """New run folders for the cells in ``statuses`` (default: every failure kind), then submit them."""
+    from hpc_tools.submission import prepare_run
+
+    data = refresh(folder)
+    chosen = [c for c in data["cells"] if c["status"] in (statuses or RERUN_DEFAULT)]
+    if dry_run or not chosen:
+        return [c["id"] for c in chosen]
+    with folder.edit() as d:
+        by_id = {c["id"]: c for c in d["cells"]}
+        for c in chosen:
+            entry = by_id[c["id"]]
+            old = RunFolder(folder.path / entry["run_dir"])
+            recipe = _recipe_of(old)
+            manifest = old.manifest()
+            new = prepare_run(recipe, folder.path, executor, data.get("source", "sweep"),
+                              {k: manifest.get(k) for k in ("profile", "sweep", "cell", "repeat", "overrides")}
+                              | {"rerun_of": old.run_id})
+            entry["attempts"].append({"run_id": entry["run_id"], "job_id": entry.get("job_id"),
+                                      "status": entry["status"]})
+            entry.update(run_dir=new.run_id, run_id=new.run_id, job_id=None, status="pending")
+        d["executor"] = executor
+    submit_cells(folder, [c["id"] for c in chosen], executor, say)
+    return [c["id"] for c in chosen]
+
+
+def summary(data: dict[str, Any]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for c in data["cells"]:
+        counts[c["status"]] = counts.get(c["status"], 0) + 1
+    return counts
+
+
+def require_cells(plan: SweepPlan) -> None:
+    if not plan.valid:
+        first = plan.invalid[0].reasons[0] if plan.invalid and plan.invalid[0].reasons else "no cells"
+        raise UserError(f"every cell of the sweep breaks a rule, e.g. {plan.invalid[0].label()}: {first}"
+                        if plan.invalid else "the sweep has no cells (give sweep.grid values)")

@@ -1,0 +1,144 @@
+"""Many DeepSpeed recipe variants in one process group: one launch (~10 s here) instead of one per configuration.
+
+Each variant is a full recipe run through the real ``trainer.run(ctx)`` in its own run folder (records, checkpoints,
+manifest), optionally stopped after a step (a stop flag raised on the last rank only, so the ranks must agree) and
+then resumed in the same processes. Used by the integration tests and ``benchmarks/deepspeed_stages.py``::
+
+    results = launch([{"name": "z1", "recipe": {...raw recipe...}, "stop_after": 4}], world_size=2, workdir=tmp)
+    results["z1"]["loss"]  # per-step losses, steps 1..train_iters
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hpc_tools.runtime.distenv import free_port
+
+
+class StopAfter:
+    """Stands in for the hang watchdog: raises this rank's stop flag once ``step`` has completed."""
+
+    def __init__(self, stop, step: int):
+        self.stop, self.step = stop, step
+
+    def beat(self, step: int) -> None:
+        if step >= self.step:
+            self.stop.requested = True
+
+
+def launch(variants: list[dict[str, Any]], world_size: int, workdir: str | Path, timeout_s: float = 540,
+           env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run the variants on ``world_size`` local ranks; the results rank 0 collected, by variant name."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec, out = workdir / "matrix_spec.json", workdir / "matrix_result.json"
+    spec.write_text(json.dumps({"variants": variants, "root": str(workdir / "runs")}))
+    root = str(Path(__file__).resolve().parents[3])
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])), **(env or {})}
+    procs = []
+    for rank in range(world_size):
+        log = open(workdir / f"matrix_rank{rank}.log", "w")
+        cmd = [sys.executable, "-m", "hpc_tools.train.deepspeed.matrix", "--spec", str(spec), "--out", str(out)]
+        procs.append((subprocess.Popen(cmd, env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=log,
+                                       stderr=subprocess.STDOUT, start_new_session=True), log))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.poll() is None for p, _ in procs):
+            if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p, _ in procs):
+                break
+            time.sleep(0.2)
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            log.close()
+    codes = [p.returncode for p, _ in procs]
+    if any(codes) or not out.is_file():
+        tail = (workdir / f"matrix_rank{next((i for i, c in enumerate(codes) if c), 0)}.log").read_text()[-4000:]
+        raise RuntimeError(f"matrix launch failed (exit codes {codes}); log tail:\n{tail}")
+    return json.loads(out.read_text())
+
+
+def run_variant(variant: dict[str, Any], root: Path) -> dict[str, Any]:
+    """Run one variant on this rank (all ranks call it together); rank 0's view of its records."""
+    import torch.distributed as dist
+
+    from hpc_tools.layout import ParallelLayout
+    from hpc_tools.recipe.load import dump_resolved, resolve
+    from hpc_tools.registry import RunFolder
+    from hpc_tools.runtime.context import RankContext
+    from hpc_tools.runtime.distenv import DistEnv
+    from hpc_tools.runtime.preemption import StopFlag
+    from hpc_tools.train.deepspeed import trainer
+
+    recipe = resolve(variant["recipe"], source=variant["name"])
+    path = root / variant["name"]
+    if dist.get_rank() == 0:
+        RunFolder.create(root, variant["name"], dump_resolved(recipe), "", {"executor": "matrix"})
+    dist.barrier()
+    layout = ParallelLayout.from_recipe(recipe)
+    phases = [variant.get("stop_after"), None] if variant.get("stop_after") else [None]
+    walls = []
+    for stop_after in phases:
+        ctx = RankContext(recipe=recipe, layout=layout, dist=DistEnv.from_environ(), run=RunFolder(path),
+                          stop=StopFlag())
+        if stop_after and ctx.rank == ctx.dist.world_size - 1:
+            ctx.watchdog = StopAfter(ctx.stop, stop_after)
+        t0 = time.perf_counter()
+        trainer.run(ctx)
+        walls.append(time.perf_counter() - t0)
+        gc.collect()
+    return {"run_dir": str(path), "wall_s": walls, **read_records(path)} if dist.get_rank() == 0 else {}
+
+
+def read_records(run_dir: Path) -> dict[str, Any]:
+    """Rank 0's per-step series and how many records each rank wrote."""
+    from profiling.records import read_jsonl
+
+    per_rank = {}
+    for f in sorted((run_dir / "records").glob("rank*.jsonl")):
+        per_rank[f.stem] = list(read_jsonl(f))
+    rows = per_rank.get("rank00000", [])
+    return {"steps": [r["step"] for r in rows], "loss": [r["loss"] for r in rows], "lr": [r["lr"] for r in rows],
+            "grad_norm": [r["grad_norm"] for r in rows], "step_time_s": [r["step_time_s"] for r in rows],
+            "records_per_rank": {k: len(v) for k, v in per_rank.items()},
+            "loss_per_rank": {k: [r["loss"] for r in v] for k, v in per_rank.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpc_tools.train.deepspeed.matrix", description=__doc__)
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    import logging
+
+    import torch.distributed as dist
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {os.environ['RANK']}] %(message)s")
+    spec = json.loads(Path(args.spec).read_text())
+    dist.init_process_group("gloo")
+    results = {}
+    for variant in spec["variants"]:
+        results[variant["name"]] = run_variant(variant, Path(spec["root"]))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp = Path(args.out + ".tmp")
+        tmp.write_text(json.dumps(results))
+        os.replace(tmp, args.out)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

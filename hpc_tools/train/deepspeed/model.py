@@ -1,0 +1,139 @@
+"""The Hugging Face causal LM of a DeepSpeed job: built from ``model:`` or loaded from a local folder.
+
+``model.family: gpt`` -> GPT2Config / GPT2LMHeadModel (LayerNorm, GELU, learned positions, biases);
+``model.family: llama`` -> LlamaConfig / LlamaForCausalLM (RMSNorm, SwiGLU, RoPE, GQA with num_query_groups).
+A recipe asking for a mix the Hugging Face class cannot express is refused with the field to change.
+Under ZeRO-3 the model is built under ``HfDeepSpeedConfig`` so that from_config/from_pretrained partition the
+parameters as they are created (zero.Init) and still run Hugging Face's weight initialisation.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from hpc_tools.errors import UserError
+from hpc_tools.train.tokenizer import BYTE_EOS_ID
+
+if TYPE_CHECKING:
+    from hpc_tools.recipe.schema import Recipe
+
+ATTENTION = "sdpa"
+"""Causal masking comes from sdpa's is_causal when no mask is given (the pipeline stages rely on it)."""
+FAMILY_SHAPE = {
+    "gpt": {"normalization": "LayerNorm", "activation": "gelu", "position_embedding": "learned_absolute"},
+    "llama": {"normalization": "RMSNorm", "activation": "swiglu", "position_embedding": "rope"},
+}
+
+
+def check_expressible(recipe: "Recipe") -> None:
+    """Refuse model options the family's Hugging Face class cannot represent (one line naming the field)."""
+    m = recipe.model
+    for key, needed in FAMILY_SHAPE[m.family].items():
+        if getattr(m, key) != needed:
+            raise UserError(f"model.{key}={getattr(m, key)} is not available for model.family={m.family} with "
+                            f"backend.kind=deepspeed (its Hugging Face class uses {needed}; use that, or the other "
+                            "family, or backend.kind: megatron)")
+    if m.family == "gpt":
+        if m.num_query_groups != m.num_attention_heads:
+            raise UserError(f"model.num_query_groups={m.num_query_groups} needs model.family=llama with "
+                            "backend.kind=deepspeed (GPT-2 has plain multi-head attention; set it null)")
+        if not m.add_bias_linear:
+            raise UserError("model.add_bias_linear=false is not available for model.family=gpt with "
+                            "backend.kind=deepspeed (GPT-2 always has biases; use family: llama)")
+    if m.family == "llama" and m.hidden_dropout > 0:
+        raise UserError(f"model.hidden_dropout={m.hidden_dropout} is not available for model.family=llama with "
+                        "backend.kind=deepspeed (LlamaForCausalLM has no hidden dropout; set it 0)")
+    if recipe.training.recompute_granularity == "selective":
+        raise UserError("training.recompute_granularity=selective is a Megatron feature (use full or none with "
+                        "backend.kind=deepspeed)")
+
+
+def hf_config(recipe: "Recipe"):
+    """The transformers config for ``model:`` (fp32 weights; DeepSpeed casts for bf16/fp16)."""
+    check_expressible(recipe)
+    m = recipe.model
+    eos = BYTE_EOS_ID if recipe.data.tokenizer == "byte" else None
+    common: dict[str, Any] = {"vocab_size": m.vocab_size, "tie_word_embeddings": not m.untie_embeddings,
+                              "initializer_range": m.init_method_std, "bos_token_id": eos, "eos_token_id": eos,
+                              "use_cache": False}
+    if m.family == "gpt":
+        from transformers import GPT2Config
+
+        cfg = GPT2Config(n_positions=m.seq_length, n_embd=m.hidden_size, n_layer=m.num_layers,
+                         n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size, activation_function="gelu",
+                         resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
+                         layer_norm_epsilon=m.norm_epsilon, **common)
+    else:
+        from transformers import LlamaConfig
+
+        cfg = LlamaConfig(hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+                          num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                          num_key_value_heads=m.num_query_groups, hidden_act="silu",
+                          max_position_embeddings=m.seq_length, rms_norm_eps=m.norm_epsilon,
+                          rope_parameters={"rope_type": "default", "rope_theta": float(m.rotary_base)},
+                          attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear,
+                          attention_dropout=m.attention_dropout, **common)
+    cfg._attn_implementation = ATTENTION
+    return cfg
+
+
+def pretrained_config(path: str):
+    """The config of a local Hugging Face model folder (``backend.deepspeed.pretrained_path``)."""
+    from transformers import AutoConfig
+
+    if not os.path.isdir(path):
+        raise UserError(f"backend.deepspeed.pretrained_path={path} is not a local folder (give a folder written by "
+                        "save_pretrained; nothing is downloaded)")
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # transformers raises several types for a bad folder
+        raise UserError(f"backend.deepspeed.pretrained_path={path} holds no readable config.json "
+                        f"({type(exc).__name__}) (give a folder written by save_pretrained)") from None
+
+
+def build_model(recipe: "Recipe", ds_config: dict[str, Any]):
+    """(model, keepalive): the causal LM, seeded; keep ``keepalive`` referenced while the engine lives (ZeRO-3)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    path = recipe.backend.deepspeed.pretrained_path
+    cfg = pretrained_config(path) if path else hf_config(recipe)
+    if path:
+        check_expressible_options(recipe)
+    # Import the concrete class before zero.Init: importing it for the first time inside zero.Init fails.
+    _model_class(cfg)
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # an earlier ZeRO-3 job in this process must not turn this build into zero.Init
+    keepalive = None
+    if recipe.backend.deepspeed.zero_stage == 3:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        keepalive = HfDeepSpeedConfig(ds_config)  # transformers holds it weakly: the caller keeps it alive
+    torch.manual_seed(recipe.training.seed)  # identical initial weights on every rank
+    if path:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation=ATTENTION,
+                                                     dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTENTION, dtype=torch.float32)
+    if recipe.training.recompute_granularity == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model, keepalive
+
+
+def check_expressible_options(recipe: "Recipe") -> None:
+    """With a pretrained folder only the training options matter (the architecture is the folder's)."""
+    if recipe.training.recompute_granularity == "selective":
+        raise UserError("training.recompute_granularity=selective is a Megatron feature (use full or none with "
+                        "backend.kind=deepspeed)")
+
+
+def _model_class(cfg):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM._model_mapping[type(cfg)]

@@ -1,0 +1,180 @@
+"""Checkpoints with megatron.core.dist_checkpointing (torch_dist), in the folders of hpc_tools.train.checkpoint_dirs.
+
+What a checkpoint holds: the model (ShardedTensors with layout-independent keys, so any TP/PP/VPP can load it), the
+optimizer (the distributed optimizer as `dp_reshardable`, FACTS), every rank's RNG states, and in the meta file the
+step, the number of optimizer steps taken and the layout it was saved under. The data position is the step.
+
+Loading under another layout always restores the model; the optimizer state comes along when it can be resharded:
+always for the plain optimizer (its state is stored per parameter, like the model), for the distributed optimizer
+only across a change of data-parallel size (Megatron's dp_reshardable format). Otherwise the optimizer starts fresh
+and a warning says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpc_tools.train.checkpoint_dirs import CheckpointDirs
+
+if TYPE_CHECKING:
+    from hpc_tools.train.megatron.engine import Engine
+
+log = logging.getLogger("hpc_tools.megatron")
+
+SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+FORMAT = "megatron-dist-torch_dist"
+
+
+def layout_meta(engine: "Engine") -> dict[str, Any]:
+    lay, mg = engine.layout, engine.recipe.backend.megatron
+    return {"tensor_size": lay.tensor_size, "pipeline_size": lay.pipeline_size,
+            "virtual_pipeline_size": lay.virtual_pipeline_size if lay.interleaved else None,
+            "data_size": lay.data_size, "distributed_optimizer": mg.distributed_optimizer,
+            "precision": engine.recipe.training.precision}
+
+
+def inner_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+# -- state dicts --------------------------------------------------------------------------------------------------------
+
+def model_state(engine: "Engine") -> dict[str, Any]:
+    from hpc_tools.train.megatron.model import unwrap
+
+    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(engine.chunks)}
+
+
+def rng_state(engine: "Engine"):
+    """This rank's RNG states as a ShardedObject addressed by its (pp, tp, dp) coordinates."""
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    c, lay = engine.coords, engine.layout
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state() if engine.device_type == "cuda" else None,
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    return ShardedObject("rng_state", state, (lay.pipeline_size, lay.tensor_size, lay.data_size),
+                         (c.pp_rank, c.tp_rank, c.dp_rank), replica_id=0)
+
+
+def set_rng_state(engine: "Engine", state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if engine.device_type == "cuda" and state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+# -- save ---------------------------------------------------------------------------------------------------------------
+
+def save(engine: "Engine", dirs: CheckpointDirs, step: int, *, model_only: bool = False) -> Path:
+    """Collective: every rank writes its shards into a partial folder; rank 0 commits it once all are done."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    if dist.get_rank() == 0:
+        dirs.begin(step)
+    dist.barrier()
+    state = model_state(engine)
+    if not model_only:
+        state["optimizer"] = engine.optimizer.sharded_state_dict(dict(state), is_loading=False, metadata=SHARDING)
+        state["rng_state"] = rng_state(engine)
+    dist_checkpointing.save(state, str(dirs.partial_path(step)))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        dirs.commit(step, meta={"format": FORMAT, "model_only": model_only,
+                                "optimizer_steps": step - engine.skipped_steps, "layout": layout_meta(engine)})
+    dist.barrier()
+    return dirs.final_path(step)
+
+
+# -- load ---------------------------------------------------------------------------------------------------------------
+
+def load(engine: "Engine", path: str | Path) -> int:
+    """Restore what the checkpoint at ``path`` allows under this engine's layout; returns its step."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    meta = CheckpointDirs.read_meta(path)
+    if meta.get("format") != FORMAT:
+        from hpc_tools.errors import UserError
+
+        raise UserError(f"checkpoint {path} was not written by the megatron backend (format {meta.get('format')!r}; "
+                        "point checkpoint.load_path at a megatron checkpoint)")
+    saved, here = meta["layout"], layout_meta(engine)
+    with_optimizer = not meta["model_only"] and optimizer_reshardable(saved, here)
+    with_rng = with_optimizer and all(saved[k] == here[k] for k in
+                                      ("tensor_size", "pipeline_size", "virtual_pipeline_size", "data_size"))
+    state = model_state(engine)
+    if with_optimizer:
+        _prefill_optimizer(engine)
+        state["optimizer"] = engine.optimizer.sharded_state_dict(dict(state), is_loading=True, metadata=SHARDING)
+    if with_rng:
+        state["rng_state"] = rng_state(engine)
+    loaded = dist_checkpointing.load(state, str(path))
+    from hpc_tools.train.megatron.model import unwrap
+
+    for i, chunk in enumerate(engine.chunks):
+        unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+    if with_optimizer:
+        engine.optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(engine, int(meta["optimizer_steps"]))
+        engine.skipped_steps = int(meta["step"]) - int(meta["optimizer_steps"])
+    else:
+        # Master weights of the 16-bit optimizers are copies of the params made at construction: refresh them.
+        _reload_main_params(engine)
+    if with_rng:
+        set_rng_state(engine, loaded["rng_state"])
+    if not with_optimizer and not meta["model_only"] and dist.get_rank() == 0:
+        log.warning("checkpoint %s was saved under %s; the optimizer state cannot be resharded into %s "
+                    "(distributed optimizer across a TP/PP change): model weights loaded, optimizer starts fresh",
+                    path, saved, here)
+    return int(meta["step"])
+
+
+def optimizer_reshardable(saved: dict[str, Any], here: dict[str, Any]) -> bool:
+    """Whether optimizer state saved under layout ``saved`` can be loaded under ``here``."""
+    if saved["distributed_optimizer"] != here["distributed_optimizer"] or saved["precision"] != here["precision"]:
+        return False
+    if not here["distributed_optimizer"]:
+        return True
+    return all(saved[k] == here[k] for k in ("tensor_size", "pipeline_size", "virtual_pipeline_size"))
+
+
+def _prefill_optimizer(engine: "Engine") -> None:
+    # A fresh torch AdamW has no state tensors to load into; allocate them (FACTS: otherwise losses drift).
+    for opt in inner_optimizers(engine.optimizer):
+        init = getattr(opt, "init_state_fn", None)
+        if init is not None:
+            init(opt.optimizer, opt.config)
+
+
+def _restore_adam_steps(engine: "Engine", steps: int) -> None:
+    """Each parameter's Adam step count (bias correction) = optimizer steps taken before the checkpoint."""
+    import torch
+
+    for opt in inner_optimizers(engine.optimizer):
+        for group in opt.optimizer.param_groups:
+            for param in group["params"]:
+                state = opt.optimizer.state[param]
+                if "exp_avg" in state:
+                    state["step"] = torch.tensor(float(steps), dtype=torch.float32)
+
+
+def _reload_main_params(engine: "Engine") -> None:
+    for opt in inner_optimizers(engine.optimizer):
+        reload = getattr(opt, "reload_model_params", None)
+        if reload is not None:
+            reload()

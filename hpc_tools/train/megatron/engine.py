@@ -1,0 +1,150 @@
+"""One rank's share of a Megatron-core job: parallel state, model chunks, optimizer, and one training step.
+
+Independent of the run folder and the launcher, so that a test can build engines for many layouts in one process
+group (``Engine(...)`` ... ``engine.close()`` re-initialises Megatron's parallel state each time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hpc_tools.train.megatron.schedule import apply_lr, lr_at
+
+if TYPE_CHECKING:
+    from hpc_tools.layout import ParallelLayout
+    from hpc_tools.recipe.schema import Recipe
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    loss: float | None
+    """Mean loss of the global batch; on last-stage ranks only (None elsewhere)."""
+    grad_norm: float | None
+    lr: float
+    skipped: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Coords:
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    is_last_stage: bool
+
+
+def init_parallel(layout: "ParallelLayout", seed: int) -> Coords:
+    """Megatron's process groups for this layout (torch.distributed must be up) and its seeded RNG streams."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    sizes = layout.megatron_sizes()
+    ps.initialize_model_parallel(**sizes)
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    # Megatron-LM's convention: each pipeline stage its own default seed; the tracker adds the TP-rank offset.
+    torch.manual_seed(seed + 100 * pp_rank)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return Coords(tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=pp_rank,
+                  dp_rank=ps.get_data_parallel_rank(), is_last_stage=ps.is_pipeline_last_stage(ignore_virtual=True))
+
+
+class Engine:
+    """Model chunks + optimizer + forward/backward schedule for one layout."""
+
+    def __init__(self, recipe: "Recipe", layout: "ParallelLayout", device_type: str = "cpu"):
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from hpc_tools.train.megatron.config import optimizer_config, transformer_config
+        from hpc_tools.train.megatron.model import build_chunks
+
+        if device_type == "cpu":
+            from hpc_tools.train.megatron import cpu_compat
+
+            cpu_compat.install()
+        self.recipe, self.layout, self.device_type = recipe, layout, device_type
+        self.coords = init_parallel(layout, recipe.training.seed)
+        self.config = transformer_config(recipe, layout, device_type)
+        self.chunks = build_chunks(recipe, layout, self.config, device_type)
+        self.optimizer = get_megatron_optimizer(optimizer_config(recipe), self.chunks)
+        self._wire_config(finalize_model_grads)
+        self.forward_backward = get_forward_backward_func()
+        self.skipped_steps = 0
+
+    def _wire_config(self, finalize_model_grads) -> None:
+        # The hooks the schedules call: grad sync across DP, loss scaling, and (with overlap) bucket syncs.
+        c, chunks, mg = self.config, self.chunks, self.recipe.backend.megatron
+        c.no_sync_func = [m.no_sync for m in chunks] if len(chunks) > 1 else chunks[0].no_sync
+        c.finalize_model_grads_func = finalize_model_grads
+        c.grad_scale_func = self.optimizer.scale_loss
+        if mg.overlap_grad_reduce:
+            c.grad_sync_func = [m.start_grad_sync for m in chunks] if len(chunks) > 1 else chunks[0].start_grad_sync
+        if mg.overlap_param_gather:
+            c.param_sync_func = [m.start_param_sync for m in chunks] if len(chunks) > 1 else chunks[0].start_param_sync
+
+    # -- one step ---------------------------------------------------------------------------------------------------
+    def train_step(self, step: int, microbatches: list[dict[str, Any]]) -> StepResult:
+        """Forward/backward over this rank's microbatches, then the optimizer step with lr_at(step)."""
+        import torch
+
+        t = self.recipe.training
+        lr = lr_at(step, t)
+        apply_lr(self.optimizer, lr, t.weight_decay)
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        device = torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else None
+        batches = [self._prepare(b, device) for b in microbatches]
+        iterators = [iter(batches) for _ in self.chunks]  # every virtual stage walks the same microbatches
+        losses = self.forward_backward(
+            forward_step_func=self._forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=self.chunks if len(self.chunks) > 1 else self.chunks[0], num_microbatches=len(batches),
+            seq_length=self.recipe.model.seq_length, micro_batch_size=self.layout.micro_batch_size,
+            forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            self.skipped_steps += 1
+        return StepResult(loss=self._global_loss(losses), grad_norm=None if grad_norm is None else float(grad_norm),
+                          lr=lr, skipped=not ok)
+
+    @staticmethod
+    def _prepare(batch: dict[str, Any], device) -> dict[str, Any]:
+        import torch
+
+        tokens = batch["tokens"]
+        positions = torch.arange(tokens.shape[1], dtype=torch.long).unsqueeze(0).expand_as(tokens)
+        out = {"tokens": tokens, "labels": batch["labels"], "position_ids": positions}
+        return {k: v.to(device, non_blocking=True) for k, v in out.items()} if device is not None else out
+
+    @staticmethod
+    def _forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+        def loss_func(per_token_loss):
+            loss = per_token_loss.float().mean()
+            # The schedule divides the returned loss in place: report a detached copy (FACTS).
+            return loss, {"lm loss": loss.detach().clone()}
+
+        return output, loss_func
+
+    def _global_loss(self, losses: list[dict]) -> float | None:
+        """Mean over microbatches and data-parallel ranks, on last-stage ranks (the same on every layout)."""
+        import torch
+        from megatron.core import parallel_state as ps
+
+        if not self.coords.is_last_stage or not losses:
+            return None
+        local = torch.stack([d["lm loss"].float() for d in losses]).mean()
+        if self.layout.data_size > 1:
+            torch.distributed.all_reduce(local, group=ps.get_data_parallel_group())
+            local /= self.layout.data_size
+        return float(local)
+
+    def close(self) -> None:
+        """Tear down Megatron's parallel state (the torch.distributed world stays up)."""
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()

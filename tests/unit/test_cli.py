@@ -1,0 +1,81 @@
+"""The CLI as users run it: light commands, one-line errors with exit 2, nothing written on bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+
+from tests.conftest import REPO, run_cli
+
+LIGHT = [["--help"], ["validate", "recipes/gpt_3d.yaml", "--no-fit"], ["render", "recipes/gpt_3d.yaml", "-o", "-"],
+         ["submit", "--help"]]
+
+
+@pytest.mark.parametrize("args", LIGHT, ids=lambda a: " ".join(a[:2]))
+def test_control_plane_commands_do_not_import_torch(args):
+    code = ("import sys, runpy; sys.argv = ['hpc_tools', *sys.argv[1:]]\n"
+            "try:\n    runpy.run_module('hpc_tools', run_name='__main__')\nexcept SystemExit: pass\n"
+            "heavy = sorted(m for m in ('torch', 'megatron', 'deepspeed', 'transformers', 'pandas') if m in sys.modules)\n"
+            "print('HEAVY=' + ','.join(heavy))")
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "HEAVY=\n" in out.stdout or out.stdout.endswith("HEAVY="), out.stdout[-300:]
+
+
+def test_validate_reports_every_violation_with_exit_2():
+    out = run_cli("validate", "recipes/gpt_3d.yaml", "--set", "parallel.tensor_size=3", "--set", "training.min_lr=1")
+    assert out.returncode == 2
+    errors = [ln for ln in out.stdout.splitlines() if ln.startswith("error:")]
+    assert any("parallel.tensor_size=3 must divide model.num_attention_heads=16 (try 1, 2, 4, 8, 16)" in e for e in errors)
+    assert any("training.min_lr=1.0 exceeds training.lr=0.0002" in e for e in errors)
+    assert "Traceback" not in out.stderr + out.stdout
+
+
+def test_validate_json():
+    out = run_cli("validate", "recipes/gpt_zero.yaml", "--set", "backend.deepspeed.zero_stage=7", "--json")
+    data = json.loads(out.stdout)
+    assert out.returncode == 2 and data["ok"] is False
+    err = data["results"][0]["errors"][0]
+    assert err["path"] == "backend.deepspeed.zero_stage" and err["value"] == "7" and "0, 1, 2 or 3" in err["fix"]
+
+
+def test_validate_lists_rules():
+    out = run_cli("validate", "x", "--rules")
+    assert out.returncode == 0 and "layout_fills_world:" in out.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["submit", "recipes/nope.yaml"], "recipe recipes/nope.yaml does not exist"),
+    (["submit", "recipes/gpt_3d.yaml", "--set", "parallel.tensorr=2", "--executor", "local"], "did you mean 'tensor_size'"),
+    (["submit", "recipes/gpt_3d.yaml", "--set", "nonsense", "--executor", "local"], "must look like section.key=value"),
+    (["render", "recipes/gpt_3d.yaml", "--set", "cluster.time_limit=soon"], "cluster.time_limit=soon is not in Slurm's --time format"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, needle):
+    jobs_before = {p.name: p.read_text() for p in (REPO / "jobs").glob("*.sbatch")}
+    out = run_cli(*args, "--runs-dir" if args[0] == "submit" else "--jobs-dir", str(tmp_path / "out"))
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("error: ")
+    assert not (tmp_path / "out").exists()
+    assert {p.name: p.read_text() for p in (REPO / "jobs").glob("*.sbatch")} == jobs_before
+
+
+def test_render_all_check_detects_drift(tmp_path):
+    jobs = tmp_path / "jobs"
+    shutil.copytree(REPO / "jobs", jobs)
+    assert run_cli("render", "--all", "--check", "--jobs-dir", str(jobs)).returncode == 0
+    target = jobs / "gpt_3d.sbatch"
+    target.write_text(target.read_text().replace("--nodes=2", "--nodes=3"))
+    out = run_cli("render", "--all", "--check", "--jobs-dir", str(jobs))
+    assert out.returncode == 1 and "python -m hpc_tools render --all" in out.stderr and "-#SBATCH --nodes=3" in out.stdout
+    assert run_cli("render", "--all", "--jobs-dir", str(jobs)).returncode == 0
+    assert target.read_text() == (REPO / "jobs/gpt_3d.sbatch").read_text()
+
+
+def test_status_without_runs_says_how_to_start(tmp_path):
+    out = run_cli("status", "--runs-dir", str(tmp_path))
+    assert out.returncode == 2 and "submit one with" in out.stderr

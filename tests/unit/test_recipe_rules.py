@@ -1,0 +1,96 @@
+"""One case per validation rule: the message names the field, the value, the rule and a fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpc_tools.errors import RecipeError
+from hpc_tools.recipe.load import resolve
+from hpc_tools.recipe.rules import RULES
+
+BASE = {
+    "name": "t",
+    "model": {"num_layers": 8, "hidden_size": 64, "num_attention_heads": 8, "seq_length": 32, "vocab_size": 512},
+    "parallel": {"tensor_size": 2, "pipeline_size": 2},
+    "training": {"micro_batch_size": 1, "global_batch_size": 8},
+    "cluster": {"nodes": 2, "gpus_per_node": 4, "gpu_type": "H100-SXM"},
+}
+
+# rule name -> (overrides, message start, fix fragment)
+CASES = {
+    "layout_fills_world": (["parallel.tensor_size=4", "parallel.pipeline_size=4", "cluster.nodes=3"],
+                           "parallel.tensor_size=4 x parallel.pipeline_size=4 must divide the world size",
+                           "one of 1, 2, 3, 4, 6, 12"),
+    "heads_divisible_by_tensor": (["model.num_attention_heads=6", "model.hidden_size=96", "parallel.tensor_size=4",
+                                   "parallel.pipeline_size=1", "training.global_batch_size=2"],
+                                  "parallel.tensor_size=4 must divide model.num_attention_heads=6", "try 1, 2, 3, 6"),
+    "heads_shape": (["model.num_query_groups=3"], "model.num_query_groups=3 must divide model.num_attention_heads=8",
+                    "try 1, 2, 4, 8"),
+    "layers_divisible_by_stages": (["model.num_layers=6", "parallel.virtual_pipeline_size=2"],
+                                   "model.num_layers=6 must be divisible by parallel.pipeline_size x "
+                                   "virtual_pipeline_size=4", "use a multiple of 4 layers"),
+    "interleaving_needs_pipeline": (["parallel.pipeline_size=1", "parallel.virtual_pipeline_size=2"],
+                                    "parallel.virtual_pipeline_size=2 needs parallel.pipeline_size > 1",
+                                    "set pipeline_size >= 2"),
+    "global_batch_divisible": (["training.global_batch_size=5"],
+                               "training.global_batch_size=5 must be divisible by micro_batch_size x data_size",
+                               "try 4 or 6"),
+    "sequence_parallel_needs_tensor": (["parallel.sequence_parallel=true", "parallel.tensor_size=1",
+                                        "training.global_batch_size=16"],
+                                       "parallel.sequence_parallel=true needs parallel.tensor_size > 1",
+                                       "set tensor_size >= 2"),
+    "recompute_layers_fit": (["training.recompute_granularity=full", "training.recompute_num_layers=5"],
+                             "training.recompute_num_layers=5 exceeds the 4 layers of one pipeline chunk", "use 1..4"),
+    "deepspeed_layout": (["backend.kind=deepspeed", "parallel.tensor_size=1", "backend.deepspeed.zero_stage=3",
+                          "training.global_batch_size=16"],
+                         "backend.deepspeed.zero_stage=3 cannot be combined with DeepSpeed's pipeline",
+                         "use zero_stage 0 or 1"),
+    "deepspeed_offload": (["backend.kind=deepspeed", "parallel.tensor_size=1", "parallel.pipeline_size=1",
+                           "backend.deepspeed.zero_stage=2", "backend.deepspeed.offload_param=cpu"],
+                          "backend.deepspeed.offload_param=cpu needs zero_stage 3", "set backend.deepspeed.zero_stage: 3"),
+    "megatron_overlap": (["backend.megatron.overlap_param_gather=true"],
+                         "backend.megatron.overlap_param_gather=true needs distributed_optimizer: true and "
+                         "overlap_grad_reduce: true", "enable both"),
+    "precision_on_device": (["cluster.gpu_type=cpu", "training.precision=fp16"],
+                            "training.precision=fp16 is not supported on CPU ranks", "use bf16 or fp32"),
+    "lr_schedule": (["training.min_lr=0.01", "training.lr=0.001"], "training.min_lr=0.01 exceeds training.lr=0.001",
+                    "use a value <= 0.001"),
+    "data_sources": (["data.source=files"], "data.paths=[] is empty but data.source=files", "list local files"),
+    "signal_before_limit": (["cluster.time_limit=2", "cluster.signal_delay_s=120"],
+                            "cluster.signal_delay_s=120 must be shorter than cluster.time_limit=2 (120 s)",
+                            "lower it or raise the time limit"),
+    "profiler_ranks_exist": (["profiling.torch_profiler.enabled=true", "profiling.torch_profiler.ranks=[0, 8]"],
+                             "profiling.torch_profiler.ranks=[8] are not ranks of a 8-rank job", "use ranks in 0..7"),
+}
+
+
+def violations(overrides):
+    try:
+        resolve(BASE, overrides)
+    except RecipeError as exc:
+        return [str(v) for v in exc.violations]
+    return []
+
+
+def test_base_recipe_is_valid():
+    assert violations([]) == []
+
+
+def test_every_rule_has_a_case():
+    assert {r.name for r in RULES} == set(CASES), "add a case to CASES for each new rule"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rule_message_names_field_value_and_fix(name):
+    overrides, start, fix = CASES[name]
+    found = violations(overrides)
+    matching = [m for m in found if m.startswith(start)]
+    assert matching, f"no violation starting with {start!r} in {found}"
+    assert fix in matching[0] and "\n" not in matching[0]
+
+
+def test_all_violations_are_reported_at_once():
+    found = violations(["parallel.tensor_size=3", "training.min_lr=1", "training.lr=0.5"])
+    assert len(found) >= 3
+    assert any(m.startswith("parallel.tensor_size=3") for m in found)
+    assert any(m.startswith("training.min_lr=1") for m in found)

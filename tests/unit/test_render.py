@@ -1,0 +1,120 @@
+"""Rendered sbatch scripts: golden files in jobs/, and hostile strings that must never execute."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpc_tools.recipe.load import load_recipe, resolve
+from hpc_tools.render.envsetup import launch_prefix, setup_lines, srun_args
+from hpc_tools.render.sbatch import job_script_path, render_sbatch
+
+from tests.conftest import RECIPES, REPO
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_committed_job_scripts_match_their_recipes(path):
+    rel = path.relative_to(REPO)
+    expected = render_sbatch(load_recipe(path), rel.as_posix())
+    script = REPO / job_script_path(rel)
+    assert script.is_file(), f"{script} is missing; regenerate with: python -m hpc_tools render --all"
+    assert script.read_text() == expected, (
+        f"{script.relative_to(REPO)} drifted from {rel}; regenerate with: python -m hpc_tools render --all")
+
+
+def test_script_shape():
+    text = render_sbatch(load_recipe(REPO / "recipes/gpt_3d.yaml"), "recipes/gpt_3d.yaml")
+    assert text.startswith("#!/bin/bash\n")
+    sbatch = [ln for ln in text.splitlines() if ln.startswith("#SBATCH")]
+    assert "#SBATCH --nodes=2" in sbatch and "#SBATCH --ntasks-per-node=8" in sbatch
+    assert "#SBATCH --gpus-per-node=8" in sbatch and "#SBATCH --signal=USR2@180" in sbatch
+    assert "#SBATCH --requeue" in sbatch and "#SBATCH --output=%x-%j.out" in sbatch
+    assert "srun --kill-on-bad-exit=1 python3 -m hpc_tools.runtime.rank" in text
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def hostile(mark: Path) -> list[str]:
+    m = str(mark)
+    return [f"$(touch {m})", f"`touch {m}`", f"'; touch {m}; echo '", f'"; touch {m}; echo "', f"x\ntouch {m}",
+            f"; touch {m}", f"${{IFS}}touch${{IFS}}{m}", f"a' && touch {m} #"]
+
+
+def hostile_recipe(mark: Path, python: str) -> dict:
+    bad = hostile(mark)
+    return {
+        "name": "hostile",
+        "description": bad[0] + bad[4],
+        "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 512},
+        "data": {"source": "files", "paths": bad, "text_field": bad[2], "tokenizer": bad[1]},
+        "checkpoint": {"dir": bad[3], "load_path": bad[5]},
+        "backend": {"kind": "deepspeed", "deepspeed": {"nvme_path": bad[6], "pretrained_path": bad[7],
+                                                       "config_overrides": {"k": bad[0]}}},
+        "cluster": {"nodes": 1, "gpus_per_node": 2, "gpu_type": "cpu", "python": python,
+                    "setup": {"modules": bad, "conda_env": bad[1],
+                              "env": {f"V{i}": b for i, b in enumerate(bad)},
+                              "container": {"kind": "apptainer", "image": bad[0], "mounts": bad[2:4]}}},
+    }
+
+
+def test_shell_lines_quote_every_value(tmp_path):
+    recipe = resolve(hostile_recipe(tmp_path / "pwned", sys.executable))
+    c = recipe.cluster
+    bad = hostile(tmp_path / "pwned")
+    lines = setup_lines(c)
+    assert [shlex.split(ln)[-1] for ln in lines if ln.startswith("module load")] == bad
+    assert [shlex.split(ln)[1].split("=", 1)[1] for ln in lines if ln.startswith("export")] == bad
+    venv = resolve({**hostile_recipe(tmp_path / "pwned", "python3"),
+                    "cluster": {"gpu_type": "cpu", "setup": {"venv": bad[2]}}}).cluster
+    assert shlex.split(setup_lines(venv)[0]) == ["source", bad[2] + "/bin/activate"]
+    assert launch_prefix(c) == ["apptainer", "exec", "--bind", bad[2], "--bind", bad[3], bad[0]]
+    pyxis = c.model_copy(update={"setup": c.setup.model_copy(update={"container": c.setup.container.model_copy(
+        update={"kind": "pyxis"})})})
+    assert srun_args(pyxis)[0] == f"--container-image={bad[0]}"
+
+
+def _stub(bin_dir: Path, name: str, body: str) -> None:
+    path = bin_dir / name
+    path.write_text(f"#!/bin/bash\n{body}\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def test_hostile_strings_never_execute(tmp_path):
+    """Run the rendered script (stand-ins for the Slurm/cluster commands record their arguments; the prepare step
+    runs for real) and check that no payload ran and every value arrived literally."""
+    mark = tmp_path / "pwned"
+    raw = hostile_recipe(mark, sys.executable)
+    script = render_sbatch(resolve(raw), "hostile.yaml")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    record = f'printf "%s\\0" "$(basename "$0")" "$@" >> {shlex.quote(str(calls))}; printf "\\n" >> {shlex.quote(str(calls))}'
+    _stub(bin_dir, "srun", record)
+    _stub(bin_dir, "module", record)
+    _stub(bin_dir, "conda", record)
+    _stub(bin_dir, "scontrol", 'echo node1')
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NODELIST": "node1", "SLURM_SUBMIT_DIR": str(tmp_path), "HPC_TOOLS_RUNS_DIR": str(tmp_path / "runs"),
+           "PYTHONPATH": str(REPO)}
+    (tmp_path / "job.sbatch").write_text(script)
+    # `module` is a shell function on clusters; here the stub on PATH plays it.
+    out = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert not mark.exists(), "a hostile string was executed"
+    recorded = [line.split("\0") for line in calls.read_text().split("\0\n") if line]
+    bad = hostile(mark)
+    assert [c[-1] for c in recorded if c[0] == "module"] == bad
+    (srun_call,) = [c for c in recorded if c[0] == "srun"]
+    assert srun_call[1:9] == ["--kill-on-bad-exit=1", "apptainer", "exec", "--bind", bad[2], "--bind", bad[3], bad[0]]
+    run_dir = tmp_path / "runs" / "hostile-j4242"
+    assert srun_call[-2:] == ["--run-dir", str(run_dir)]
+    saved = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    assert saved["description"] == raw["description"] and saved["data"]["paths"] == bad
+    assert saved["cluster"]["setup"]["env"] == raw["cluster"]["setup"]["env"]
