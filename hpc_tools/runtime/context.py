@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,7 +78,9 @@ class RankContext:
         """After the checkpoint is saved: rank 0 records the event and asks Slurm to requeue the job."""
         if not self.is_rank0:
             return
-        requeued = self.recipe.cluster.requeue and requeue_self()
+        # Only the time-limit signal requeues: SIGTERM comes from scancel (the user wants it stopped) or from Slurm's
+        # own preemption, which requeues by itself when the partition says so.
+        requeued = self.stop.signum == signal.SIGUSR2 and self.recipe.cluster.requeue and requeue_self()
         self.run.update(event="preempted", state="REQUEUED" if requeued else "PREEMPTED", last_step=step)
         log.warning("checkpoint saved at step %d; %s", step,
                     "job requeued, it will resume from it" if requeued else "not requeued (not under Slurm or requeue off)")

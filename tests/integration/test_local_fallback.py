@@ -1,0 +1,31 @@
+"""With no Slurm on the machine, `submit` runs the same job locally and says so in one line."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from hpc_tools.registry import list_runs
+from tests.conftest import REPO, run_cli
+
+COMM = "recipes/comm_check.yaml"
+
+
+def records(run):
+    return {int(p.stem[4:]): [json.loads(ln) for ln in p.read_text().splitlines() if ln.strip()]
+            for p in sorted(run.records_dir.glob("rank*.jsonl"))}
+
+
+def test_local_fallback_when_no_slurm_answers(tmp_path):
+    bin_dir = tmp_path / "bin"  # a PATH without sbatch/scontrol: this machine as a laptop
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    out = run_cli("submit", COMM, "--runs-dir", str(tmp_path / "runs"),
+                  env={"PATH": str(bin_dir), "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    notes = [ln for ln in out.stderr.splitlines() if ln.startswith("no Slurm here")]
+    assert len(notes) == 1 and "--executor slurm" in notes[0]
+    (run,) = list_runs(tmp_path / "runs")
+    assert run.manifest()["state"] == "COMPLETED" and run.manifest()["executor"] == "local"
+    assert sorted(records(run)) == [0, 1]
+
