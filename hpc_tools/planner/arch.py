@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hpc_tools.recipe.model import ModelConfig
+    from hpc_tools.recipe.schema import Recipe
 
 
-@dataclass(frozen=True, slots=True)
+# eq=False: hashed by identity, so the caches below cost nothing per call (the search calls them ~10^4 times).
+@dataclass(frozen=True, slots=True, eq=False)
 class Arch:
     """Shapes of a GPT-family model (GQA, SwiGLU, untied embeddings included)."""
 
@@ -34,10 +36,12 @@ class Arch:
     tied: bool
     hidden_dropout: bool
     attention_dropout: bool
+    pad_vocab: bool = True  # Megatron pads the vocabulary for TP; the DeepSpeed (Hugging Face) job does not
 
     @classmethod
-    def from_model(cls, m: "ModelConfig") -> "Arch":
-        return cls(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
+    def from_model(cls, m: "ModelConfig", pad_vocab: bool = True) -> "Arch":
+        """``pad_vocab``: True for Megatron jobs (``ModelConfig.padded_vocab_size``), False for DeepSpeed jobs."""
+        return cls(pad_vocab=pad_vocab, layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
                    groups=m.num_query_groups, head_dim=m.hidden_size // m.num_attention_heads, ffn=m.ffn_hidden_size,
                    seq=m.seq_length, vocab=m.vocab_size, gated=m.activation == "swiglu",
                    norm_params_per_h=2 if m.normalization == "LayerNorm" else 1, bias=bool(m.add_bias_linear),
@@ -45,9 +49,17 @@ class Arch:
                    hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0)
 
     def padded_vocab(self, tensor: int, divisible_by: int = 128) -> int:
-        """Same rule as ``ModelConfig.padded_vocab_size`` (the jobs' padding): a multiple of divisible_by x TP."""
+        """The vocabulary the job allocates: ``ModelConfig.padded_vocab_size`` (a multiple of divisible_by x TP) for
+        Megatron, the plain vocabulary for the Hugging Face models of DeepSpeed jobs."""
+        if not self.pad_vocab:
+            return self.vocab
         multiple = divisible_by * tensor
         return -(-self.vocab // multiple) * multiple
+
+
+def arch_for(recipe: "Recipe") -> Arch:
+    """The recipe's model as its job builds it (vocabulary padded for Megatron only)."""
+    return Arch.from_model(recipe.model, pad_vocab=recipe.backend.kind != "deepspeed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +93,12 @@ def pieces(arch: Arch, tensor: int = 1) -> Pieces:
 
 
 def total_parameters(arch: Arch) -> int:
-    """Parameters of the whole model (TP1, tied embeddings counted once), with the vocabulary padded for TP1."""
+    """Parameters of the whole model (TP1, tied embeddings counted once), over the vocabulary the job allocates."""
     pc = pieces(arch, 1)
     return pc.word_embedding + pc.position_embedding + arch.layers * pc.layer + pc.final_norm + pc.output_layer
 
 
+@lru_cache(maxsize=4096)
 def stage_parameters(arch: Arch, tensor: int, pipeline: int, stage: int) -> int:
     """Parameters on one GPU of pipeline stage ``stage``: its layers; the embeddings on the first stage; the final
     norm and output layer on the last (with tied embeddings and p > 1 the last stage holds its own copy of the word

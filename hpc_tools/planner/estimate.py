@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hpc_tools.planner.arch import Arch, total_parameters
-from hpc_tools.planner.hardware import GB, Hardware, hardware_for
+from hpc_tools.errors import UserError
+from hpc_tools.planner.arch import Arch, arch_for, total_parameters
+from hpc_tools.planner.hardware import Hardware, hardware_for
 from hpc_tools.planner.knobs import Knobs
 from hpc_tools.planner.memory import MemoryPlan, estimate_memory, memory_notes
 from hpc_tools.planner.steptime import DEFAULT_EFFICIENCY, StepTime, estimate_step_time, step_flops, time_notes
@@ -52,7 +53,8 @@ class Plan:
             "hardware_sources": self.hardware.sources, "fits": self.fits,
             "memory": {"peak_stage": mem.stage, "total_bytes": mem.total,
                        "terms": [{"name": k, "bytes": v, "assumes": notes.get(k, "")} for k, v in mem.terms.items()],
-                       "stages": {str(s.stage): s.total for s in self.memory.stages}},
+                       "stages": [{"stage": s.stage, "parameters": s.params, "total_bytes": s.total}
+                                  for s in self.memory.stages]},
             "step_time": None,
         }
         if self.time is not None:
@@ -69,16 +71,15 @@ class Plan:
 def make_plan(recipe: "Recipe", knobs: Knobs | None = None, efficiency: float | None = None,
               efficiency_source: str = "default", hardware: Hardware | None = None) -> Plan:
     """Memory and step time of ``recipe`` (with ``knobs`` instead of the recipe's own, when given)."""
+    if recipe.backend.kind not in ("megatron", "deepspeed"):
+        raise UserError(f"backend.kind={recipe.backend.kind} trains no model, so there is nothing to plan "
+                        "(plan a megatron or deepspeed recipe)")
     knobs = knobs or Knobs.from_recipe(recipe)
     hw = hardware or hardware_for(recipe.cluster, recipe.training.precision)
-    arch = Arch.from_model(recipe.model)
+    arch = arch_for(recipe)
     eff = DEFAULT_EFFICIENCY if efficiency is None else efficiency
     convention = recipe.profiling.flops_convention
     time = estimate_step_time(arch, knobs, hw, step_flops(recipe.model, knobs, convention), eff) if hw.peak_flops else None
     return Plan(name=recipe.name, arch=arch, knobs=knobs, hardware=hw, memory=estimate_memory(arch, knobs, hw.is_gpu),
                 time=time, efficiency=eff, efficiency_source=efficiency_source, convention=convention,
                 parameters=total_parameters(arch))
-
-
-def gb(nbytes: float) -> str:
-    return f"{nbytes / GB:.1f} GB"

@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Iterator
 
 from hpc_tools.errors import UserError, Violation
-from hpc_tools.planner.arch import Arch
+from hpc_tools.planner.arch import Arch, arch_for
 from hpc_tools.planner.hardware import GB, hardware_for
 from hpc_tools.planner.knobs import Knobs
 from hpc_tools.planner.memory import estimate_memory
@@ -21,12 +21,12 @@ def fit_violations(recipe: "Recipe") -> list[Violation]:
     if not recipe.cluster.uses_gpus or recipe.backend.kind not in ("megatron", "deepspeed"):
         return []
     try:
-        hw = hardware_for(recipe.cluster, recipe.training.precision, strict=True)
+        hw = hardware_for(recipe.cluster, recipe.training.precision, strict=True, need_peak=False)
     except UserError as exc:
         known = str(exc).split("(", 1)[1].rstrip(")")
         return [Violation("cluster.gpu_type", recipe.cluster.gpu_type,
                           "is not in the planner's hardware table, so its memory is unknown", known)]
-    arch, knobs = Arch.from_model(recipe.model), Knobs.from_recipe(recipe)
+    arch, knobs = arch_for(recipe), Knobs.from_recipe(recipe)
     if knobs.layout.data_size < 1 or knobs.layout.layout_size != knobs.layout.world_size:
         return []  # the layout rules already report this; the memory model needs a valid layout
     plan = estimate_memory(arch, knobs)
@@ -39,15 +39,18 @@ def fit_violations(recipe: "Recipe") -> list[Violation]:
     path = "cluster.gpu_mem_gb" if recipe.cluster.gpu_mem_gb is not None else "cluster.gpu_type"
     value = recipe.cluster.gpu_mem_gb if recipe.cluster.gpu_mem_gb is not None else recipe.cluster.gpu_type
     rule = (f"gives {hw.mem_bytes / GB:.1f} GB per GPU but the plan needs {plan.total / GB:.1f} GB{where} ({terms})")
-    fixes = [f"{change} ({total / GB:.1f} GB)" for change, total in fitting_changes(recipe, arch, knobs, hw.mem_bytes)]
+    fixes = [f"{' and '.join(change)} ({total / GB:.1f} GB)"
+             for change, total in fitting_changes(recipe, arch, knobs, hw.mem_bytes)]
     search = f"`python -m hpc_tools plan RECIPE --search` finds the fastest layout that fits"
     fix = (f"try {' or '.join(fixes[:3])}; {search}" if fixes else
            f"no single change fits: combine tensor/pipeline parallelism and recomputation, or add nodes; {search}")
     return [Violation(path, value, rule, fix)]
 
 
-def fitting_changes(recipe: "Recipe", arch: Arch, k: Knobs, mem_bytes: float) -> list[tuple[str, float]]:
-    """Single-field changes that bring the peak under ``mem_bytes`` and keep the recipe rules, smallest change first."""
+def fitting_changes(recipe: "Recipe", arch: Arch, k: Knobs, mem_bytes: float) -> list[tuple[list[str], float]]:
+    """Single changes (``--set`` strings, one to three) that bring the peak under ``mem_bytes`` and keep the recipe
+    rules, roughly cheapest first: attention recompute and optimizer sharding, then wider TP / deeper PP, then full
+    recomputation and smaller microbatches."""
     from hpc_tools.planner.search import apply_knobs
     from hpc_tools.recipe.rules import check_recipe
 
@@ -59,7 +62,7 @@ def fitting_changes(recipe: "Recipe", arch: Arch, k: Knobs, mem_bytes: float) ->
     return out
 
 
-def _single_changes(recipe: "Recipe", k: Knobs) -> Iterator[tuple[str, Knobs]]:
+def _single_changes(recipe: "Recipe", k: Knobs) -> Iterator[tuple[list[str], Knobs]]:
     lay = k.layout
     world, m = lay.world_size, recipe.model
     explicit_dp = recipe.parallel.data_size != -1
@@ -69,33 +72,33 @@ def _single_changes(recipe: "Recipe", k: Knobs) -> Iterator[tuple[str, Knobs]]:
             return None
         return replace(k, layout=replace(lay, tensor_size=t, pipeline_size=p, data_size=world // (t * p), **kw))
 
-    def with_dp(text: str, alt: Knobs) -> str:
-        return f"{text} with parallel.data_size={alt.layout.data_size}" if explicit_dp else text
+    def with_dp(sets: list[str], alt: Knobs) -> list[str]:
+        return sets + [f"parallel.data_size={alt.layout.data_size}"] if explicit_dp else sets
 
     if k.backend == "megatron":
         if k.recompute != "selective" and k.recompute != "full":
-            yield "training.recompute_granularity=selective", replace(k, recompute="selective")
+            yield ["training.recompute_granularity=selective"], replace(k, recompute="selective")
         if not k.distributed_optimizer and lay.data_size > 1:
-            yield "backend.megatron.distributed_optimizer=true", replace(k, distributed_optimizer=True)
+            yield ["backend.megatron.distributed_optimizer=true"], replace(k, distributed_optimizer=True)
         if lay.tensor_size > 1 and not lay.sequence_parallel:
-            yield "parallel.sequence_parallel=true", replace(k, layout=replace(lay, sequence_parallel=True))
+            yield ["parallel.sequence_parallel=true"], replace(k, layout=replace(lay, sequence_parallel=True))
         for t in (lay.tensor_size * 2, lay.tensor_size * 4):
             alt = relayout(t, lay.pipeline_size, sequence_parallel=True)
             if alt and t <= recipe.cluster.gpus_per_node:
-                yield with_dp(f"parallel.tensor_size={t} with sequence_parallel=true", alt), alt
+                yield with_dp([f"parallel.tensor_size={t}", "parallel.sequence_parallel=true"], alt), alt
     else:
         for stage in range(k.zero_stage + 1, 4):
             if lay.pipeline_size == 1 or stage <= 1:
-                yield f"backend.deepspeed.zero_stage={stage}", replace(k, zero_stage=stage)
+                yield [f"backend.deepspeed.zero_stage={stage}"], replace(k, zero_stage=stage, ds_overlap_comm=stage == 3)
         if k.zero_stage >= 1 and k.offload_optimizer == "none":
-            yield "backend.deepspeed.offload_optimizer=cpu", replace(k, offload_optimizer="cpu")
+            yield ["backend.deepspeed.offload_optimizer=cpu"], replace(k, offload_optimizer="cpu")
     for p in (lay.pipeline_size * 2, lay.pipeline_size * 4):
         alt = relayout(lay.tensor_size, p)
         if alt and m.num_layers % p == 0:
-            yield with_dp(f"parallel.pipeline_size={p}", alt), alt
+            yield with_dp([f"parallel.pipeline_size={p}"], alt), alt
     if k.recompute != "full":
-        yield "training.recompute_granularity=full", replace(k, recompute="full", recompute_method="uniform",
-                                                             recompute_num_layers=1)
+        yield ["training.recompute_granularity=full"], replace(k, recompute="full", recompute_method="uniform",
+                                                               recompute_num_layers=1)
     if lay.micro_batch_size > 1:
         b = lay.micro_batch_size // 2
-        yield f"training.micro_batch_size={b}", replace(k, layout=replace(lay, micro_batch_size=b))
+        yield [f"training.micro_batch_size={b}"], replace(k, layout=replace(lay, micro_batch_size=b))

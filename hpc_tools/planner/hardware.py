@@ -106,10 +106,12 @@ def peak_flops_from_profiling(gpu_type: str, precision: str) -> float | None:
 _CPU = GpuSpec(0, 5, 1, 5, "CPU ranks (gloo over shared memory / TCP)")
 
 
-def hardware_for(cluster: "ClusterConfig", precision: str = "bf16", strict: bool = False) -> Hardware:
+def hardware_for(cluster: "ClusterConfig", precision: str = "bf16", strict: bool = False,
+                 need_peak: bool = True) -> Hardware:
     """Resolve the table entry for ``cluster.gpu_type`` and apply the recipe's overrides.
 
     With ``strict`` an unknown GPU type without a ``gpu_mem_gb`` override is a UserError naming the known types.
+    ``need_peak=False`` skips the peak FLOP/s lookup (the memory check needs none, and it warns for unknown GPUs).
     """
     spec = _CPU if not cluster.uses_gpus else lookup(cluster.gpu_type)
     if spec is None and strict and cluster.gpu_mem_gb is None:
@@ -123,7 +125,8 @@ def hardware_for(cluster: "ClusterConfig", precision: str = "bf16", strict: bool
         return override if override is not None else default
 
     mem_gb = pick("gpu_mem_gb", cluster.gpu_mem_gb, base.mem_gib * GIB / GB if spec and cluster.uses_gpus else None)
-    peak = cluster.gpu_peak_tflops * 1e12 if cluster.gpu_peak_tflops else peak_flops_from_profiling(cluster.gpu_type, precision)
+    peak = (cluster.gpu_peak_tflops * 1e12 if cluster.gpu_peak_tflops else
+            peak_flops_from_profiling(cluster.gpu_type, precision) if need_peak else None)
     sources["gpu_peak_tflops"] = "recipe" if cluster.gpu_peak_tflops else ("profiling.peaks" if peak else "unknown")
     intra = pick("intra_node_bw_gbps", cluster.intra_node_bw_gbps, base.intra_node_bw_gbps)
     inter = pick("inter_node_bw_gbps", cluster.inter_node_bw_gbps, base.inter_node_bw_gbps)

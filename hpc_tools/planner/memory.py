@@ -60,12 +60,20 @@ def zero_state_bytes(n_params: float, data: int, stage: int, precision: str = "b
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, groups: int | None = None,
                            head_dim: int | None = None, ffn: int | None = None, gated: bool = False,
                            sp: bool = False, recompute: str = "none", flash: bool = False, hidden_dropout: bool = True,
-                           attention_dropout: bool = True, act_bytes: int = 2) -> float:
+                           attention_dropout: bool = True, act_bytes: int = 2, softmax_fp32: bool = False,
+                           glu_offset_copy: bool = False, expand_kv: bool = False) -> float:
     """Bytes one transformer layer keeps for the backward pass, for one microbatch on one GPU.
 
     With MHA, GELU, ffn = 4h, dropout and explicit attention this is Korthikanti Table 2 exactly:
     sbh(34 + 5as/h) without parallelism, sbh(10 + 24/t + 5as/(ht)) with TP, sbh/t (34 + 5as/h) with TP+SP, the s^2
     terms dropped by selective recompute, and 2sbh (2sbh/t with SP) for full recompute (the layer input only).
+
+    Implementation details Korthikanti does not have (off by default, the Megatron plan turns them on):
+    ``softmax_fp32`` -- Megatron's unfused softmax with attention_softmax_in_fp32 keeps its output in fp32 (4as^2b)
+    and, without attention dropout, the 16-bit copy the P.V matmul saves (2as^2b); ``glu_offset_copy`` -- Megatron's
+    unfused SwiGLU saves ``x_linear + glu_linear_offset``, one more s b f tensor; ``expand_kv`` -- Megatron's unfused
+    attention repeats the K and V groups to every head before the matmuls, so with GQA they are saved at a heads.
+    Norm statistics (mean/rstd, 4 bytes per token each) are not counted.
     """
     e, g = act_bytes, groups or a
     dh = head_dim or h // a
@@ -76,12 +84,18 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, groups
         return e * tok * h * rep
     masks = (2 if hidden_dropout else 0) * tok * h  # 1-byte dropout masks after attention and after the MLP
     replicated = (4 * e * tok * h + masks) * rep  # two norm inputs, QKV input, fc1 input
-    attention = e * tok * (a * dh + 2 * g * dh + a * dh)  # Q, K and V; the context (input of the output projection)
-    mlp = e * tok * f * (4 if gated else 2)  # fc1 output and activation output (SwiGLU: 2f out, silu(gate), product)
+    explicit = not flash and recompute != "selective"
+    kv = a if expand_kv and explicit else g
+    attention = e * tok * (a * dh + 2 * kv * dh + a * dh)  # Q, K and V; the context (input of the output projection)
+    # fc1 output and activation output; SwiGLU: fc1's 2f, silu(gate) f and the product f (+ Megatron's offset copy)
+    mlp = e * tok * f * ((5 if glu_offset_copy else 4) if gated else 2)
     quadratic = 0.0
-    if not flash and recompute != "selective":
-        # softmax output; with attention dropout also its 1-byte mask and the dropout output
-        quadratic = a * s * s * b * (e + (1 + e if attention_dropout else 0))
+    if explicit:
+        # softmax output; with attention dropout also its 1-byte mask and the dropout output, without it (fp32
+        # softmax only) the 16-bit copy of the probabilities that the P.V matmul saves
+        upcast = softmax_fp32 and e < 4
+        extra = 1 + e if attention_dropout else (e if upcast else 0)
+        quadratic = a * s * s * b * ((4 if upcast else e) + extra)
     return replicated + (attention + mlp + quadratic) / t
 
 
@@ -95,12 +109,16 @@ def _chunks_in_flight(p: int, v: int, m: int, stage: int) -> int:
 
 
 def _layer_bytes(arch: Arch, k: Knobs, recompute: str) -> float:
+    # Megatron jobs: the trainer sets attention_softmax_in_fp32 and leaves bias_activation_fusion off
+    # (hpc_tools/train/megatron/config.py); Hugging Face layers (SDPA, separate gate/up projections) do neither.
+    megatron = k.backend == "megatron"
     lay = k.layout
     return layer_activation_bytes(arch.seq, lay.micro_batch_size, arch.hidden, arch.heads, lay.tensor_size,
                                   groups=arch.groups, head_dim=arch.head_dim, ffn=arch.ffn, gated=arch.gated,
                                   sp=lay.sequence_parallel, recompute=recompute, flash=k.flash,
                                   hidden_dropout=arch.hidden_dropout, attention_dropout=arch.attention_dropout,
-                                  act_bytes=k.act_bytes)
+                                  act_bytes=k.act_bytes, softmax_fp32=megatron, glu_offset_copy=megatron,
+                                  expand_kv=megatron)
 
 
 def stage_activation_bytes(arch: Arch, k: Knobs, stage: int) -> tuple[float, float]:
@@ -148,10 +166,7 @@ class StageMemory:
     stage: int
     params: int  # parameters held by one GPU of this stage
     terms: dict[str, float]
-
-    @property
-    def total(self) -> float:
-        return sum(self.terms.values())
+    total: float  # sum of the terms (stored: the search compares it many times)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,15 +195,18 @@ def stage_memory(arch: Arch, k: Knobs, stage: int, on_gpu: bool = True) -> Stage
         terms[GATHERED] = _zero3_working_set(arch, k)
     terms[BUCKETS] = _buffer_bytes(k, n) if on_gpu else 0.0
     terms[CONTEXT] = CUDA_CONTEXT_BYTES if on_gpu else 0.0
-    return StageMemory(stage, n, terms)
+    return StageMemory(stage, n, terms, sum(terms.values()))
 
 
 def estimate_memory(arch: Arch, k: Knobs, on_gpu: bool = True) -> MemoryPlan:
     """Memory of the first and last pipeline stages; the peak is the larger (middle stages hold less than the
     first: fewer microbatches in flight and no embedding)."""
     p = k.layout.pipeline_size
-    stages = tuple(stage_memory(arch, k, s, on_gpu) for s in sorted({0, p - 1}))
-    return MemoryPlan(stages, max(stages, key=lambda st: st.total))
+    first = stage_memory(arch, k, 0, on_gpu)
+    if p == 1:
+        return MemoryPlan((first,), first)
+    last = stage_memory(arch, k, p - 1, on_gpu)
+    return MemoryPlan((first, last), last if last.total > first.total else first)
 
 
 def _zero3_working_set(arch: Arch, k: Knobs) -> float:
@@ -231,15 +249,18 @@ def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
             params, grads = "2 bytes/param (16-bit)", "4 bytes/param: fp32 main grads (Megatron accumulates and reduces in fp32)"
             optim = (f"12 bytes/param{shard}: fp32 master params, Adam m and v; model states "
                      f"{'6 + 12/d' if shard else '18'} bytes/param")
+    swiglu = "SwiGLU fc1 2f + silu f + product f" + (" + Megatron's unfused offset copy f" if k.backend == "megatron" else "")
     tied = "tied: last stage keeps its own copy of the word embedding" if arch.tied and lay.pipeline_size > 1 else (
         "tied (counted once)" if arch.tied else "untied output layer on the last stage")
     attn = ("fused/flash attention: no s^2 terms" if k.flash else
-            "explicit attention: softmax (and dropout) s^2 terms stored" if k.recompute != "selective" else
-            "selective recompute: s^2 terms recomputed")
+            "explicit attention: softmax (and dropout) s^2 terms stored"
+            + (", softmax in fp32 (Megatron attention_softmax_in_fp32), GQA K/V expanded to all heads"
+               if k.backend == "megatron" else "")
+            if k.recompute != "selective" else "selective recompute: s^2 terms recomputed")
     layer = (f"Korthikanti Table 2 per layer generalised: {'GQA ' if arch.groups != arch.heads else ''}Q,K,V by head "
-             f"counts; {'SwiGLU fc1 2f + silu f + product f' if arch.gated else 'GELU fc1 f + act f'} (f={arch.ffn}); "
+             f"counts; {swiglu if arch.gated else 'GELU fc1 f + act f'} (f={arch.ffn}); "
              f"{'dropout masks 1 byte' if arch.hidden_dropout else 'no dropout masks (dropout 0)'}; {attn}; "
-             f"TP{t}{' + SP' if lay.sequence_parallel else ''}")
+             f"TP{t}{' + SP' if lay.sequence_parallel else ''}; norm statistics not counted")
     if k.recompute == "full":
         layer += f"; full recompute keeps each {'group of ' + str(k.recompute_num_layers) + ' layers' if k.recompute_num_layers > 1 else 'layer'}'s input (2sbh{'/t' if lay.sequence_parallel else ''})"
     p, v = lay.pipeline_size, k.virtual

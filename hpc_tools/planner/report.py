@@ -75,6 +75,11 @@ def print_plan(plan: Plan) -> None:
         mem.add_row(name, f"{value / div:.2f}", _esc(notes.get(name, "")))
     mem.add_row("total", f"{peak.total / div:.2f}", _esc(verdict(plan)), style="bold")
     con.print(mem)
+    if len(plan.memory.stages) > 1:
+        first, last = plan.memory.stages
+        con.print(f"Per GPU: first stage {count(first.params)} parameters, {first.total / div:.2f} {unit}; last stage "
+                  f"(p-1 = {last.stage}) {count(last.params)} parameters, {last.total / div:.2f} {unit}; middle stages "
+                  "hold less than the first", highlight=False)
     if plan.time is None:
         con.print(f"Step time: not predicted (no peak FLOP/s for {plan.hardware.gpu_type}; set "
                   "cluster.gpu_peak_tflops)", highlight=False)
@@ -91,9 +96,11 @@ def print_plan(plan: Plan) -> None:
 
 def search_dict(result: SearchResult) -> dict[str, Any]:
     def cand(c) -> dict[str, Any]:
-        return {"config": c.knobs.describe(), "step_s": c.step_s, "tokens_per_s": c.time.tokens_per_s,
-                "mfu": c.time.mfu, "memory_bytes": c.memory_bytes, "peak_stage": c.peak_stage,
-                "overrides": c.knobs.overrides(), "terms": c.time.terms}
+        out = {"config": c.knobs.describe(), "memory_bytes": c.memory_bytes, "peak_stage": c.peak_stage,
+               "overrides": c.knobs.overrides()}
+        if c.time is not None:  # candidates that do not fit are not timed
+            out.update(step_s=c.step_s, tokens_per_s=c.time.tokens_per_s, mfu=c.time.mfu, terms=c.time.terms)
+        return out
 
     best = result.best
     return {

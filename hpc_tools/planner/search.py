@@ -3,8 +3,9 @@ recipe rules, rank by predicted step time.
 
 Held fixed: the model, the cluster, the backend kind and the global batch (tokens per step; changing it would change
 the training, not just its speed). Turned: TP (inside a node, dividing heads and query groups), PP (dividing the
-layers), VPP, DP (what is left), micro batch, sequence parallelism, recomputation, and the distributed optimizer
-(Megatron) or ZeRO stage and offload (DeepSpeed). Candidates are scored with the same memory and step-time model as
+layers), VPP, DP (what is left), micro batch, recomputation, and the distributed optimizer (Megatron) or ZeRO
+stage and offload (DeepSpeed); sequence parallelism is on whenever TP > 1 allows it (it dominates: same time in the
+model, less memory). Candidates are scored with the same memory and step-time model as
 ``plan``; the recipe rules (``hpc_tools.recipe.rules.check_recipe``) are run on candidates in rank order, lazily,
 because every enumerated layout already satisfies the divisibility rules by construction.
 """
@@ -12,12 +13,12 @@ because every enumerated layout already satisfies the divisibility rules by cons
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
 from hpc_tools.errors import UserError, Violation
 from hpc_tools.layout import ParallelLayout
-from hpc_tools.planner.arch import Arch
+from hpc_tools.planner.arch import arch_for
 from hpc_tools.planner.hardware import GB, Hardware, hardware_for
 from hpc_tools.planner.knobs import Knobs
 from hpc_tools.planner.memory import estimate_memory
@@ -34,11 +35,11 @@ class Candidate:
     knobs: Knobs
     memory_bytes: float
     peak_stage: int
-    time: StepTime
+    time: StepTime | None  # None for candidates that do not fit (not scored)
 
     @property
     def step_s(self) -> float:
-        return self.time.total_s
+        return self.time.total_s if self.time else float("inf")
 
 
 @dataclass
@@ -74,7 +75,9 @@ def enumerate_knobs(recipe: "Recipe", base: Knobs) -> Iterator[Knobs]:
         tensors = [1]
     recomputes = ("none", "selective", "full") if megatron else ("none", "full")
     for t in tensors:
-        sps = (True, False) if t > 1 and m.seq_length % t == 0 else (False,)
+        # Sequence parallelism is on whenever it can be: same TP traffic, smaller activations and p2p messages, so
+        # the model never ranks "off" ahead of "on" (Korthikanti et al.).
+        sps = (True,) if t > 1 and m.seq_length % t == 0 else (False,)
         for p in _divisors(m.num_layers):
             if world % (t * p):
                 continue
@@ -95,8 +98,20 @@ def enumerate_knobs(recipe: "Recipe", base: Knobs) -> Iterator[Knobs]:
                                                 sequence_parallel=sp, micro_batch_size=b, global_batch_size=batch)
                         for rc in recomputes:
                             for opt in opts:
-                                yield replace(base, layout=layout, recompute=rc, recompute_method="uniform",
-                                              recompute_num_layers=1, **opt)
+                                yield _knobs(base, layout, rc, opt)
+
+
+def _knobs(base: Knobs, layout: ParallelLayout, recompute: str, opt: dict) -> Knobs:
+    """``replace(base, ...)`` spelled out: dataclasses.replace costs more than the scoring itself."""
+    return Knobs(backend=base.backend, layout=layout, precision=base.precision, recompute=recompute,
+                 recompute_method="uniform", recompute_num_layers=1,
+                 distributed_optimizer=opt.get("distributed_optimizer", base.distributed_optimizer),
+                 overlap_grad_reduce=base.overlap_grad_reduce, overlap_param_gather=base.overlap_param_gather,
+                 zero_stage=opt.get("zero_stage", base.zero_stage),
+                 offload_optimizer=opt.get("offload_optimizer", base.offload_optimizer),
+                 offload_param=opt.get("offload_param", base.offload_param),
+                 ds_overlap_comm=opt.get("ds_overlap_comm", base.ds_overlap_comm), ds_bucket_elems=base.ds_bucket_elems,
+                 flash=base.flash)
 
 
 def _optimizer_options(base: Knobs, p: int, d: int) -> Iterator[dict]:
@@ -144,23 +159,22 @@ def search(recipe: "Recipe", top: int = 5, losers: int = 5, efficiency: float | 
         raise UserError(f"cluster.gpu_type={recipe.cluster.gpu_type} has no peak FLOP/s to rank configurations by "
                         "(use a GPU type from the hardware table, or set cluster.gpu_peak_tflops)")
     eff = resolve_efficiency(recipe, efficiency, use_calibration=use_calibration)[0] or DEFAULT_EFFICIENCY
-    arch, base = Arch.from_model(recipe.model), Knobs.from_recipe(recipe)
+    arch, base = arch_for(recipe), Knobs.from_recipe(recipe)
     result = SearchResult(ranked=[], top=top, mem_bytes=hw.mem_bytes)
     flops_cache: dict[tuple[str, int], tuple[float, float]] = {}
     scored: list[Candidate] = []
     for k in enumerate_knobs(recipe, base):
         result.enumerated += 1
         mem = estimate_memory(arch, k, hw.is_gpu)
-        key = (k.recompute, k.layout.tensor_size)
-        if key not in flops_cache:
-            flops_cache[key] = step_flops(recipe.model, k, recipe.profiling.flops_convention)
-        cand = Candidate(k, mem.total, mem.peak.stage, estimate_step_time(arch, k, hw, flops_cache[key], eff))
         if hw.mem_bytes is not None and mem.total > hw.mem_bytes:
             result.too_big += 1
             if result.smallest_too_big is None or mem.total < result.smallest_too_big.memory_bytes:
-                result.smallest_too_big = cand
+                result.smallest_too_big = Candidate(k, mem.total, mem.peak.stage, None)
             continue
-        scored.append(cand)
+        key = (k.recompute, k.layout.tensor_size)
+        if key not in flops_cache:
+            flops_cache[key] = step_flops(recipe.model, k, recipe.profiling.flops_convention)
+        scored.append(Candidate(k, mem.total, mem.peak.stage, estimate_step_time(arch, k, hw, flops_cache[key], eff)))
     result.fitting = len(scored)
     scored.sort(key=lambda c: (c.step_s, c.memory_bytes))
     for cand in scored[:MAX_RULE_CHECKS]:

@@ -56,7 +56,7 @@ def step_flops(model_cfg: "ModelConfig", k: Knobs, convention: str) -> tuple[flo
     """(model FLOPs, hardware FLOPs) of one step, over the vocabulary the job pads to."""
     from profiling.flops import hardware_flops_per_step, model_flops_per_step
 
-    vocab = model_cfg.padded_vocab_size(k.layout.tensor_size)
+    vocab = model_cfg.padded_vocab_size(k.layout.tensor_size) if k.backend == "megatron" else model_cfg.vocab_size
     recompute = "none" if k.backend == "deepspeed" and k.recompute == "selective" else k.recompute
     batch = k.layout.global_batch_size
     return (model_flops_per_step(model_cfg, batch, convention=convention, vocab_size=vocab),

@@ -1,0 +1,168 @@
+"""Memory model against the published examples: the ZeRO paper's 7.5B / 64-GPU table, Megatron's bytes per
+parameter, Korthikanti et al. Table 2 for every configuration, and the pipeline in-flight rules."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from hpc_tools.layout import ParallelLayout
+from hpc_tools.planner.arch import Arch
+from hpc_tools.planner.knobs import Knobs
+from hpc_tools.planner.memory import (
+    ACTIVATIONS, layer_activation_bytes, megatron_state_bytes, stage_activation_bytes, stage_memory, zero_state_bytes)
+
+GB = 1e9
+
+
+# --- ZeRO paper (Rajbhandari et al. 2019): Psi = 7.5 B, N_d = 64: 120 GB -> 31.4 -> 16.6 -> 1.9 -------------------
+
+@pytest.mark.parametrize("stage, published_gb, exact_bytes", [
+    (0, 120.0, 16 * 7.5e9),
+    (1, 31.4, 4 * 7.5e9 + 12 * 7.5e9 / 64),
+    (2, 16.6, 2 * 7.5e9 + 14 * 7.5e9 / 64),
+    (3, 1.9, 16 * 7.5e9 / 64),
+])
+def test_zero_paper_table(stage, published_gb, exact_bytes):
+    total = sum(zero_state_bytes(7.5e9, 64, stage, "bf16"))
+    assert total == pytest.approx(exact_bytes, rel=1e-15)
+    assert round(total / GB, 1) == published_gb
+
+
+def test_zero_offload_moves_states_off_the_gpu():
+    params, grads, optim = zero_state_bytes(7.5e9, 64, 3, "bf16", offload_optimizer="cpu", offload_param="cpu")
+    assert (params, optim) == (0.0, 0.0) and grads == pytest.approx(2 * 7.5e9 / 64)
+    assert zero_state_bytes(1e9, 8, 2, "bf16", offload_optimizer="cpu")[2] == 0.0
+
+
+def test_megatron_bytes_per_parameter():
+    assert sum(megatron_state_bytes(1, 8, "bf16", distributed_optimizer=False)) == 18
+    for d in (1, 2, 8, 64):
+        assert sum(megatron_state_bytes(1, d, "bf16", distributed_optimizer=True)) == pytest.approx(6 + 12 / d)
+        assert sum(megatron_state_bytes(1, d, "fp32", distributed_optimizer=True)) == pytest.approx(8 + 8 / d)
+
+
+# --- Korthikanti et al. 2022, Table 2 (bytes per layer, 16-bit activations) -----------------------------------------
+
+TABLE2 = {
+    "no parallelism": (dict(t=1), lambda s, b, h, a, t: s * b * h * (34 + 5 * a * s / h)),
+    "tensor parallel": (dict(), lambda s, b, h, a, t: s * b * h * (10 + 24 / t + 5 * a * s / (h * t))),
+    "tensor + sequence parallel": (dict(sp=True), lambda s, b, h, a, t: s * b * h / t * (34 + 5 * a * s / h)),
+    "tensor parallel + selective recompute": (dict(recompute="selective"),
+                                              lambda s, b, h, a, t: s * b * h * (10 + 24 / t)),
+    "tensor + sequence parallel + selective recompute": (dict(sp=True, recompute="selective"),
+                                                         lambda s, b, h, a, t: 34 * s * b * h / t),
+    "full recompute": (dict(recompute="full"), lambda s, b, h, a, t: 2 * s * b * h),
+}
+# GPT-3 175B and the paper's 22B / 530B / 1T configurations (its Table 3), plus a small odd one.
+SHAPES = [(2048, 1, 12288, 96, 8), (2048, 4, 6144, 64, 8), (2048, 1, 20480, 128, 8), (2048, 1, 25600, 160, 8),
+          (1024, 3, 1536, 12, 2)]
+
+
+@pytest.mark.parametrize("config", list(TABLE2))
+@pytest.mark.parametrize("s, b, h, a, t", SHAPES)
+def test_korthikanti_table2(config, s, b, h, a, t):
+    options, formula = TABLE2[config]
+    kwargs = {k: v for k, v in options.items() if k != "t"}
+    t = options.get("t", t)
+    got = layer_activation_bytes(s, b, h, a, t, **kwargs)  # MHA, GELU, ffn 4h, dropout, explicit attention
+    assert got == pytest.approx(formula(s, b, h, a, t), rel=1e-12)
+
+
+def test_fused_attention_drops_exactly_the_s2_terms():
+    s, b, h, a, t = 2048, 2, 4096, 32, 4
+    explicit = layer_activation_bytes(s, b, h, a, t)
+    assert explicit - layer_activation_bytes(s, b, h, a, t, flash=True) == pytest.approx(5 * a * s * s * b / t)
+
+
+def test_generalisations_change_only_their_terms():
+    s, b, h, a, t = 1024, 1, 4096, 32, 2
+    base = layer_activation_bytes(s, b, h, a, t, flash=True)
+    # GQA with 8 groups: K and V shrink from 2sbh each to 2sbh * g/a each (sharded by t)
+    gqa = layer_activation_bytes(s, b, h, a, t, groups=8, flash=True)
+    assert base - gqa == pytest.approx(2 * 2 * s * b * h * (1 - 8 / a) / t)
+    # SwiGLU with ffn f: fc1 output 2f + silu f + product f, 2 bytes each, instead of GELU's f + f
+    f = 11008
+    swiglu = layer_activation_bytes(s, b, h, a, t, ffn=f, gated=True, flash=True)
+    gelu = layer_activation_bytes(s, b, h, a, t, ffn=f, flash=True)
+    assert swiglu - gelu == pytest.approx(2 * 2 * s * b * f / t)
+    # no dropout: the two 1-byte sbh masks vanish (and with explicit attention the mask + dropout output, 3as^2b)
+    assert base - layer_activation_bytes(s, b, h, a, t, flash=True, hidden_dropout=False) == pytest.approx(2 * s * b * h)
+    explicit = layer_activation_bytes(s, b, h, a, t)
+    no_attn_dropout = layer_activation_bytes(s, b, h, a, t, attention_dropout=False)
+    assert explicit - no_attn_dropout == pytest.approx(3 * a * s * s * b / t)
+
+
+def test_megatron_implementation_details():
+    s, b, h, a, t = 512, 2, 1024, 16, 2
+    plain = layer_activation_bytes(s, b, h, a, t, attention_dropout=False)
+    fp32 = layer_activation_bytes(s, b, h, a, t, attention_dropout=False, softmax_fp32=True)
+    assert fp32 - plain == pytest.approx(4 * a * s * s * b / t)  # fp32 softmax (4) + 16-bit copy (2) instead of 2
+    dropped = layer_activation_bytes(s, b, h, a, t, softmax_fp32=True) - layer_activation_bytes(s, b, h, a, t)
+    assert dropped == pytest.approx(2 * a * s * s * b / t)  # fp32 softmax (4) instead of 2; mask + output as before
+    gqa = layer_activation_bytes(s, b, h, a, t, groups=4, attention_dropout=False)
+    expanded = layer_activation_bytes(s, b, h, a, t, groups=4, attention_dropout=False, expand_kv=True)
+    assert expanded - gqa == pytest.approx(2 * 2 * s * b * (h / a) * (a - 4) / t)  # K and V at a heads, not 4
+    assert layer_activation_bytes(s, b, h, a, t, groups=4, flash=True, expand_kv=True) == pytest.approx(
+        layer_activation_bytes(s, b, h, a, t, groups=4, flash=True))  # fused attention reads the groups directly
+    f = 2816
+    glu = layer_activation_bytes(s, b, h, a, t, ffn=f, gated=True, flash=True, glu_offset_copy=True)
+    assert glu - layer_activation_bytes(s, b, h, a, t, ffn=f, gated=True, flash=True) == pytest.approx(2 * s * b * f / t)
+
+
+# --- pipeline: in-flight microbatches, interleaving -----------------------------------------------------------------
+
+def _arch(layers=32, hidden=1024, heads=16):
+    return Arch(layers=layers, hidden=hidden, heads=heads, groups=heads, head_dim=hidden // heads, ffn=4 * hidden,
+                seq=1024, vocab=50257, gated=False, norm_params_per_h=2, bias=True, learned_positions=True, tied=True,
+                hidden_dropout=True, attention_dropout=True)
+
+
+def _knobs(t=1, p=1, v=None, d=1, b=1, batch=64, recompute="none", **kw):
+    lay = ParallelLayout(nodes=1, ranks_per_node=t * p * d, tensor_size=t, pipeline_size=p, data_size=d,
+                         virtual_pipeline_size=v, sequence_parallel=t > 1, micro_batch_size=b, global_batch_size=batch)
+    return Knobs(backend="megatron", layout=lay, precision="bf16", recompute=recompute, flash=True, **kw)
+
+
+def test_first_stage_holds_p_microbatches_of_its_layers():
+    arch = _arch()
+    per_layer = layer_activation_bytes(1024, 1, 1024, 16, 2, sp=True, flash=True)
+    for p in (2, 4, 8):
+        acts, _ = stage_activation_bytes(arch, _knobs(t=2, p=p, batch=64), 0)
+        assert acts == pytest.approx(arch.layers * per_layer)  # (L/p layers) x p microbatches
+        last, _ = stage_activation_bytes(arch, _knobs(t=2, p=p, batch=64), p - 1)
+        assert last == pytest.approx(arch.layers / p * per_layer)  # one microbatch
+    few, _ = stage_activation_bytes(arch, _knobs(t=2, p=8, batch=2), 0)  # m = 2 < p: only 2 in flight
+    assert few == pytest.approx(arch.layers / 8 * 2 * per_layer)
+
+
+@pytest.mark.parametrize("p, v", [(2, 2), (4, 2), (4, 4), (8, 2)])
+def test_interleaving_multiplies_by_korthikanti_factor(p, v):
+    arch = _arch()
+    plain, _ = stage_activation_bytes(arch, _knobs(t=2, p=p, batch=64), 0)
+    inter, _ = stage_activation_bytes(arch, _knobs(t=2, p=p, v=v, batch=64), 0)
+    assert inter / plain == pytest.approx(1 + (p - 1) / (p * v))
+
+
+def test_full_recompute_keeps_layer_inputs_plus_one_group():
+    arch = _arch()
+    k = _knobs(t=2, p=1, recompute="full")
+    acts, working = stage_activation_bytes(arch, k, 0)
+    assert acts == pytest.approx(arch.layers * 2 * 1024 * 1024 / 2)  # 2sbh/t per layer (SP)
+    assert working == pytest.approx(layer_activation_bytes(1024, 1, 1024, 16, 2, sp=True, flash=True))
+    grouped, working4 = stage_activation_bytes(arch, replace(k, recompute_num_layers=4), 0)
+    assert grouped == pytest.approx(acts / 4) and working4 == pytest.approx(4 * working)
+    block, _ = stage_activation_bytes(arch, replace(k, recompute_method="block", recompute_num_layers=8), 0)
+    full_layer = layer_activation_bytes(1024, 1, 1024, 16, 2, sp=True, flash=True)
+    assert block == pytest.approx(8 * 1024 * 1024 + 24 * full_layer)
+
+
+def test_stage_memory_puts_embeddings_first_and_output_last():
+    arch = replace(_arch(), tied=False)
+    k = _knobs(p=4, batch=64)
+    first, last = stage_memory(arch, k, 0), stage_memory(arch, k, 3)
+    assert first.terms[ACTIVATIONS] > last.terms[ACTIVATIONS]
+    assert first.params - last.params == arch.padded_vocab(1) * arch.hidden + arch.seq * arch.hidden - (
+        arch.padded_vocab(1) * arch.hidden + 2 * arch.hidden)  # word + positions vs output layer + final norm
+    assert first.total == pytest.approx(sum(first.terms.values()))

@@ -1,0 +1,95 @@
+"""The configuration search: what it keeps, how it ranks, and what submit --auto gets from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpc_tools.errors import UserError
+from hpc_tools.planner import auto_configure, fit_violations, plan_recipe, search
+from hpc_tools.planner.knobs import Knobs
+from hpc_tools.planner.search import apply_knobs, why_slower
+from hpc_tools.recipe.load import load_recipe
+from hpc_tools.recipe.rules import check_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+BIG = ["model.num_layers=48", "model.hidden_size=8192", "model.num_attention_heads=64",
+       "parallel.virtual_pipeline_size=null", "cluster.nodes=4"]
+
+
+def recipe(name: str, *overrides: str):
+    return load_recipe(REPO / "recipes" / name, list(overrides), check=False)
+
+
+@pytest.fixture(scope="module")
+def big_result():
+    return search(recipe("gpt_3d.yaml", *BIG), top=5, losers=5, use_calibration=False)
+
+
+def test_ranked_fit_keep_rules_and_are_sorted(big_result):
+    r = recipe("gpt_3d.yaml", *BIG)
+    res = big_result
+    assert len(res.ranked) == 10 and res.too_big > 0 and res.enumerated == res.too_big + res.fitting
+    times = [c.step_s for c in res.ranked]
+    assert times == sorted(times)
+    for c in res.ranked:
+        assert c.memory_bytes <= res.mem_bytes
+        applied = apply_knobs(r, c.knobs)
+        assert check_recipe(applied) == [] and fit_violations(applied) == []
+        assert c.knobs.layout.global_batch_size == 256  # tokens per step are held fixed
+
+
+def test_scores_equal_the_plan_of_the_applied_recipe(big_result):
+    r = recipe("gpt_3d.yaml", *BIG)
+    best = big_result.best
+    via_overrides = load_recipe(REPO / "recipes/gpt_3d.yaml", BIG + best.knobs.overrides())
+    plan = plan_recipe(via_overrides, use_calibration=False)
+    assert plan.time.total_s == pytest.approx(best.step_s)
+    assert plan.memory.total == pytest.approx(best.memory_bytes)
+    assert Knobs.from_recipe(via_overrides).describe() == best.knobs.describe()
+    assert plan_recipe(r, use_calibration=False).fits is False  # the recipe as written does not fit; the search fixes it
+
+
+def test_losers_are_explained(big_result):
+    best = big_result.best
+    for c in big_result.ranked[1:]:
+        reason = why_slower(c, best)
+        assert "slower" in reason or "same step time" in reason
+
+
+def test_rule_breakers_are_pruned():
+    # overlap_param_gather needs the distributed optimizer: every candidate without it must be dropped by the rules
+    res = search(recipe("gpt_3d.yaml"), top=3, losers=20, use_calibration=False)
+    assert all(c.knobs.distributed_optimizer for c in res.ranked)
+    assert res.broke_rules and all(not c.knobs.distributed_optimizer for c, _ in res.broke_rules)
+    assert all(v.path == "backend.megatron.overlap_param_gather" for _, v in res.broke_rules)
+
+
+def test_deepspeed_search_respects_pipeline_and_stages():
+    res = search(recipe("gpt_zero.yaml"), top=5, losers=30, use_calibration=False)
+    assert res.ranked
+    for c in res.ranked:
+        lay = c.knobs.layout
+        assert lay.tensor_size == 1 and not lay.sequence_parallel and c.knobs.recompute != "selective"
+        assert lay.pipeline_size == 1 or c.knobs.zero_stage <= 1
+
+
+def test_auto_configure_returns_a_valid_recipe():
+    r = recipe("gpt_3d.yaml", *BIG)
+    chosen, overrides, best = auto_configure(r, efficiency=0.5)
+    assert check_recipe(chosen) == [] and fit_violations(chosen) == []
+    assert chosen.model == r.model and chosen.cluster == r.cluster
+    assert Knobs.from_recipe(chosen).describe() == best.knobs.describe()
+    assert all("=" in o for o in overrides)
+
+
+def test_nothing_fits_is_a_user_error():
+    r = recipe("gpt_3d.yaml", *BIG, "cluster.nodes=1", "cluster.gpus_per_node=1", "training.global_batch_size=8")
+    with pytest.raises(UserError, match="none of the .* configurations .* fits"):
+        auto_configure(r)
+
+
+def test_cpu_recipe_cannot_be_ranked():
+    with pytest.raises(UserError, match="gpu_peak_tflops"):
+        search(load_recipe(REPO / "recipes/gpt_3d.yaml", profile="local"))
