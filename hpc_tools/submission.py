@@ -50,13 +50,22 @@ def choose_executor(requested: str) -> tuple[str, str]:
 
 
 def plan_submission(recipe_path: str | Path, overrides: Iterable[str] = (), profile: str | None = None,
-                    executor: str = "auto", check_fit: bool = True) -> Plan:
-    """Resolve and check a recipe for the executor that will run it. Raises RecipeError/UserError; writes nothing."""
+                    executor: str = "auto", check_fit: bool = True, auto: bool = False) -> Plan:
+    """Resolve and check a recipe for the executor that will run it. Raises RecipeError/UserError; writes nothing.
+
+    With ``auto`` the planner's search picks the layout (TP/PP/VPP/DP, micro batch, recompute, ZeRO / distributed
+    optimizer) for the recipe's cluster; its choice is applied as overrides on top of the user's.
+    """
     raw = read_yaml(recipe_path)
     chosen, note = choose_executor(executor)
     if profile is None and chosen == "local" and raw.get("local") is not None:
         profile = "local"
     recipe = resolve(raw, overrides, profile, str(recipe_path))
+    if auto:
+        from hpc_tools.planner import auto_configure
+
+        recipe, chosen_overrides, _ = auto_configure(recipe)
+        note = "; ".join(x for x in (note, "planner chose: " + " ".join(chosen_overrides)) if x)
     if check_fit:
         violations = fit_violations(recipe)
         if violations:

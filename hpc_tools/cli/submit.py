@@ -26,6 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where to run (default auto: Slurm if it answers, else local)")
     p.add_argument("--wait", action="store_true", help="on Slurm, wait for the job to end (local runs always wait)")
     p.add_argument("--force", action="store_true", help="submit even if the planner predicts it does not fit")
+    p.add_argument("--auto", action="store_true",
+                   help="let the planner choose the layout (see `python -m hpc_tools plan --search`)")
     p.add_argument("--dry-run", action="store_true", help="validate and print the script; write and submit nothing")
     add_runs_dir(p)
     add_json(p)
@@ -34,7 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from hpc_tools.submission import launch, plan_submission
 
-    plan = plan_submission(args.recipe, args.overrides, args.profile, args.executor, check_fit=not args.force)
+    plan = plan_submission(args.recipe, args.overrides, args.profile, args.executor, check_fit=not args.force,
+                           auto=args.auto)
+    if plan.note and not args.json:
+        say(plan.note)
     if args.dry_run:
         from hpc_tools.render.sbatch import render_sbatch
 
@@ -44,9 +49,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             sys.stdout.write(render_sbatch(plan.recipe, plan.source))
         return 0
-    if plan.note and not args.json:
-        say(plan.note)
-    if not args.overrides and plan.profile is None:
+    if not args.overrides and plan.profile is None and not args.auto:
         _refresh_jobs_script(args.recipe, plan)
     echo = None if args.json else sys.stdout.buffer
     run, result = launch(plan, args.runs_dir, echo=echo)
