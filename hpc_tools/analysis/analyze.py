@@ -53,15 +53,16 @@ def warmup_for(inp: RunInput, warmup: int | None) -> int:
 
 
 def planner_prediction(recipe) -> float | None:
-    """The planner's predicted step time for this recipe, when a planner is installed (optional)."""
+    """The planner's predicted step time (s) for this recipe; None without a planner or a time model for it."""
     try:
-        from hpc_tools.planner import predict  # type: ignore[attr-defined]
-
-        pred = predict(recipe)
-    except Exception:  # no planner, or it cannot model this recipe: the column stays empty
+        from hpc_tools.planner import plan_recipe
+    except ImportError:
         return None
-    value = pred.get("step_time_s") if isinstance(pred, dict) else getattr(pred, "step_time_s", None)
-    return float(value) if value is not None else None
+    try:
+        plan = plan_recipe(recipe)
+    except Exception:  # the planner cannot model this recipe (e.g. comm_check): the column stays empty
+        return None
+    return float(plan.time.total_s) if plan.time is not None else None
 
 
 def analyse_run(inp: RunInput, warmup: int | None = None) -> tuple[dict, pd.DataFrame, pd.DataFrame, RunRecords]:

@@ -40,12 +40,16 @@ class RunInput:
 
 def load_recipe_of(run: RunFolder):
     """The run's resolved recipe, read without the rule check (analysis must not refuse an old run)."""
-    from hpc_tools.recipe.load import parse_yaml, resolve
+    import yaml
 
+    from hpc_tools.recipe.load import resolve
+
+    # The C loader when built: a sweep of many runs otherwise spends most of its fixed cost parsing recipes.
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:
-        return resolve(parse_yaml(run.recipe_path.read_text(), str(run.recipe_path)), source=str(run.recipe_path),
-                       check=False)
-    except (OSError, UserError):
+        raw = yaml.load(run.recipe_path.read_text(), Loader=loader)
+        return resolve(raw, source=str(run.recipe_path), check=False) if isinstance(raw, dict) else None
+    except (OSError, UserError, yaml.YAMLError):
         return None
 
 

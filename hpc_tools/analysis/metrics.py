@@ -6,12 +6,13 @@ Definitions (stated once, used by every table and plot):
 - tokens/s = tokens per step (global batch x sequence length, from the records) / median step time;
   per GPU = that / world size.
 - TFLOP/s per GPU = model FLOPs per step (the records' ``model_flops``, under the recipe's flops_convention) /
-  median step time / world size / 1e12; MFU = that / the per-GPU peak (cluster.gpu_peak_tflops, else the peak the
-  records' own tflops_per_gpu / mfu imply). Null when the records carry no FLOPs (e.g. comm_check).
+  median step time / world size / 1e12; MFU = that / the per-GPU peak (the peak the records' own tflops_per_gpu / mfu
+  imply, i.e. the device the job ran on; else profiling.peaks for the recipe). Null when the records carry no FLOPs
+  (e.g. comm_check) or the peak is unknown (CPU ranks).
 - data / communication / bubble shares = sum(part) / sum(step time) over the steps where the part was measured, per
   rank, then the mean over ranks.
 - per-rank skew = (slowest - fastest rank median) / median of rank medians; a straggler is a rank whose median step
-  time exceeds the median of rank medians by more than ``straggler_threshold``.
+  time exceeds the median of rank medians by more than STRAGGLER_THRESHOLD (5 %), in runs of 3+ ranks.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def rank_table(rec: RunRecords, run_id: str) -> pd.DataFrame:
     df.insert(0, "run_id", run_id)
     med = float(df["step_time_median_s"].median())
     df["slowdown_vs_median"] = df["step_time_median_s"] / med - 1.0 if med > 0 else np.nan
-    df["straggler"] = df["slowdown_vs_median"] > STRAGGLER_THRESHOLD
+    # With one or two ranks there is no majority to be slower than.
+    df["straggler"] = (df["slowdown_vs_median"] > STRAGGLER_THRESHOLD) & (len(df) >= 3)
     df["peak_mem_gb"] = df["peak_mem_bytes"] / GB
     return df
 
@@ -52,6 +54,19 @@ def step_table(rec: RunRecords, run_id: str) -> pd.DataFrame:
             loss[: idx.size] = np.where(rec.loss_count[idx] > 0, rec.loss_sum[idx] / rec.loss_count[idx], np.nan)
     return pd.DataFrame({"run_id": run_id, "step": steps, "step_time_s": st[steps], "loss": loss,
                          "warmup": steps <= rec.warmup_steps})
+
+
+def _recipe_peak(recipe) -> float | None:
+    """profiling.peaks' dense peak for the recipe's GPU and precision (None on CPU ranks or an unknown GPU)."""
+    if recipe is None:
+        return None
+    import warnings
+
+    from profiling.peaks import peak_for_recipe
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an unknown GPU already leaves MFU empty; the table says so
+        return peak_for_recipe(recipe)
 
 
 def _mean_of(df: pd.DataFrame, col: str) -> float | None:
@@ -95,7 +110,7 @@ def run_metrics(inp: RunInput, rec: RunRecords, ranks: pd.DataFrame) -> dict[str
     row["tokens_per_s_per_gpu"] = row["tokens_per_s"] / world if row["tokens_per_s"] else None
     flops = rec.model_flops_per_step
     row["tflops_per_gpu"] = flops / med / world / 1e12 if flops and med else None
-    peak = (recipe.cluster.gpu_peak_tflops if recipe else None) or rec.peak_tflops
+    peak = rec.peak_tflops or _recipe_peak(recipe)
     row["peak_tflops_per_gpu"] = peak
     row["mfu"] = row["tflops_per_gpu"] / peak if row["tflops_per_gpu"] and peak else None
     mem = ranks["peak_mem_bytes"].max() if not ranks.empty and ranks["peak_mem_bytes"].notna().any() else None

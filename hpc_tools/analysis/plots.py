@@ -89,8 +89,9 @@ def breakdown(a: Analysis, out: Path) -> list[Path]:
         return []
     plt = _plt()
     fig, ax = plt.subplots(figsize=(max(6.4, 0.6 * len(runs) + 2), 4.2))
-    labels = [f"{r.layout.split(' on ')[0] if isinstance(r.layout, str) else ''}\n{r.world_size} GPUs r{r.repeat}"
-              for r in runs.itertuples()]
+    # Numbered: two runs may share a layout and GPU count (2 nodes x 1 vs 1 node x 2, or repeats).
+    labels = [f"#{i}\n{r.layout.split(' on ')[0] if isinstance(r.layout, str) else ''}\n"
+              f"{r.nodes}x{r.ranks_per_node} r{r.repeat}" for i, r in enumerate(runs.itertuples())]
     total = runs["step_time_median_s"].to_numpy()
     parts = {name: runs[col].fillna(0).to_numpy() * total for name, col in
              (("data loading", "data_share"), ("communication", "comm_share"), ("pipeline bubble", "bubble_measured"))}

@@ -82,7 +82,8 @@ def read_columns(path: Path) -> dict[str, np.ndarray]:
         import pyarrow.parquet as pq
 
         pf = pq.ParquetFile(path)
-        names = [c for c in COLUMNS if c in pf.schema_arrow.names]
+        present = set(pf.schema_arrow.names)
+        names = [c for c in COLUMNS if c in present]
         table = pf.read(columns=names)
         return {c: table.column(c).to_numpy(zero_copy_only=False).astype(np.float64, copy=False) for c in names}
     from profiling.records import read_jsonl
@@ -170,8 +171,8 @@ def read_run(records_dir: Path, warmup: int, max_step: int | None = None) -> Run
         if loss is not None and not np.all(np.isnan(loss)):
             out.loss_sum, out.loss_count = _grow(out.loss_sum, n, 0.0), _grow(out.loss_count, n, 0.0)
             ok = ~np.isnan(loss)
-            np.add.at(out.loss_sum, steps[ok], loss[ok])
-            np.add.at(out.loss_count, steps[ok], 1.0)
+            out.loss_sum[steps[ok]] += loss[ok]  # steps are unique after dedupe: plain indexing is exact
+            out.loss_count[steps[ok]] += 1.0
         stats = rank_stats(rank, cols, warmup)
         if stats is not None:
             out.ranks.append(stats)

@@ -82,7 +82,9 @@ def _scaling_sections(a: Analysis) -> list[tuple[str, str, pd.DataFrame | None, 
                      f"{s.amdahl.t1_s:.4g} s), speedup limit {limit}. The projection also gives Gustafson's scaled "
                      "speedup n - f(n-1): what the same serial fraction allows when work per GPU is held fixed.")
         if s.gustafson_serial is not None:
-            text += f" Gustafson fit: serial fraction s = {s.gustafson_serial:.4f}."
+            text += f" Gustafson fit: serial fraction s = {s.gustafson_serial:.4f}"
+            text += "." if 0 <= s.gustafson_serial <= 1 else (" (outside 0..1: the runs do not follow Gustafson's "
+                                                              "model, so there is no projection)." )
         out.append((f"Scaling: {s.kind} ({series})", text, s.table, s.projection))
     return out
 

@@ -60,14 +60,24 @@ def fit_gustafson(gpus: np.ndarray, scaled_speedup: np.ndarray) -> float:
 
 
 def series_of(runs: pd.DataFrame) -> list[tuple[dict, pd.DataFrame]]:
-    """Runs grouped by everything but the GPU count; each with 2+ GPU counts is a scaling series."""
+    """Runs grouped by everything but the GPU count; each with 2+ GPU counts is a scaling series.
+
+    When one GPU count was reached with different shapes (2 nodes x 1 vs 1 node x 2), the series is split by ranks
+    per node: scaling over nodes is then read at a fixed node shape.
+    """
     usable = runs[runs["step_time_median_s"].notna()].copy()
     keys = [k for k in SERIES_KEYS if k in usable]
     out = []
-    for key, group in usable.groupby([usable[k].astype(str) for k in keys], sort=True, dropna=False):
-        if group["world_size"].nunique() >= 2:
-            named = dict(zip(keys, key if isinstance(key, tuple) else (key,)))
-            out.append(({k: v for k, v in named.items() if v not in ("nan", "None")}, group))
+    # As text, with one spelling for "not set" (pandas keeps NaN through astype(str)).
+    labels = [usable[k].map(lambda v: "none" if pd.isna(v) else str(v)) for k in keys]
+    for key, group in usable.groupby(labels, sort=True):
+        named = dict(zip(keys, key if isinstance(key, tuple) else (key,)))
+        named = {k: v for k, v in named.items() if v != "none"}
+        shapes = group.groupby("world_size")["ranks_per_node"].nunique()
+        parts = group.groupby("ranks_per_node") if (shapes > 1).any() else [(None, group)]
+        for rpn, part in parts:
+            if part["world_size"].nunique() >= 2:
+                out.append(((named | {"ranks_per_node": int(rpn)}) if rpn is not None else named, part))
     return out
 
 
@@ -168,9 +178,10 @@ def analyse_scaling(runs: pd.DataFrame, requested: str = "auto", project_factors
         else:
             res.gustafson_serial = fit_gustafson(table["world_size"].to_numpy() / table["world_size"].iloc[0],
                                                  table["speedup"].to_numpy())
-            n = np.asarray(targets, dtype=float) / float(table["world_size"].iloc[0])
             s = res.gustafson_serial
-            res.projection = pd.DataFrame({"world_size": targets, "scaled_speedup": n - s * (n - 1),
-                                           "efficiency": (n - s * (n - 1)) / n})
+            if 0.0 <= s <= 1.0:  # outside it Gustafson's model does not describe the runs: no projection
+                n = np.asarray(targets, dtype=float) / float(table["world_size"].iloc[0])
+                res.projection = pd.DataFrame({"world_size": targets, "scaled_speedup": n - s * (n - 1),
+                                               "efficiency": (n - s * (n - 1)) / n})
         results.append(res)
     return results

@@ -78,7 +78,8 @@ def _start(args, recipe_path: str) -> int:
     from hpc_tools.sweep.runner import create_sweep, require_cells, submit_cells, summary
 
     raw = read_yaml(recipe_path)
-    executor, note = choose_executor(args.executor)
+    # A dry run for Slurm lists the cells without asking a controller (plan on a laptop, submit on the cluster).
+    executor, note = ("slurm", "") if args.dry_run and args.executor == "slurm" else choose_executor(args.executor)
     profile = args.profile or ("local" if executor == "local" and raw.get("local") is not None else None)
     plan = expand(raw, args.overrides, profile, recipe_path)
     if note and not args.json:

@@ -92,19 +92,36 @@ def sweep_config(raw: dict[str, Any], source: str = "recipe") -> SweepConfig:
 
 def expand(raw: dict[str, Any], overrides: Iterable[str] = (), profile: str | None = None,
            source: str = "recipe") -> SweepPlan:
-    """Every cell of the recipe's grid, resolved with ``--set`` overrides first and the cell's own after them."""
+    """Every cell of the recipe's grid, resolved with the cell's values first and ``--set`` overrides after them.
+
+    --set beats the recipe (its sweep grid included), as everywhere else; a --set that pins a grid axis makes some
+    cells identical, and the repeats are dropped with the reason rather than run twice.
+    """
+    from hpc_tools.recipe.load import dump_resolved
+    from hpc_tools.submission import fit_violations
+
     config = sweep_config(raw, source)
     base = list(overrides)
-    cells = []
+    cells, seen = [], {}
     for index, params in enumerate(cell_params(config)):
         cell_overrides = [f"{k}={_show(v)}" for k, v in params.items()]
         cell = Cell(index=index, params=params, overrides=cell_overrides)
         try:
-            cell.recipe = resolve(raw, base + cell_overrides, profile, source)
+            cell.recipe = resolve(raw, cell_overrides + base, profile, source)
         except RecipeError as exc:
             cell.reasons = [str(v) for v in exc.violations]
         except UserError as exc:  # e.g. an axis that names a value as if it were a section
             cell.reasons = [str(exc)]
+        if cell.recipe is not None:
+            fit = fit_violations(cell.recipe)  # the planner's memory verdict, as `submit` applies it
+            if fit:
+                cell.recipe, cell.reasons = None, [str(v) for v in fit]
+        if cell.recipe is not None:
+            text = dump_resolved(cell.recipe)
+            if text in seen:
+                cell.recipe, cell.reasons = None, [f"is the same recipe as cell {seen[text]} after the --set overrides"]
+            else:
+                seen[text] = index
         cells.append(cell)
     return SweepPlan(name=str(raw.get("name", "sweep")), config=config, cells=cells, base_overrides=base,
                      profile=profile)
