@@ -105,7 +105,7 @@ def build(raw: dict[str, Any], source: str = "recipe") -> Recipe:
     try:
         return Recipe.model_validate(raw)
     except ValidationError as exc:
-        raise RecipeError([_violation(err, raw) for err in exc.errors()], source) from None
+        raise RecipeError([violation_from_pydantic(err, raw) for err in exc.errors()], source) from None
 
 
 def load_recipe(path: str | Path, overrides: Iterable[str] = (), profile: str | None = None,
@@ -138,7 +138,8 @@ def dump_resolved(recipe: Recipe) -> str:
 
 # --- pydantic errors -> one-line violations ---------------------------------------------------------------------------
 
-def _violation(err: dict[str, Any], raw: dict[str, Any]) -> Violation:
+def violation_from_pydantic(err: dict[str, Any], raw: dict[str, Any]) -> Violation:
+    """One pydantic error as a one-line Violation (unknown keys get the nearest valid key)."""
     loc = [str(x) for x in err["loc"] if not str(x).startswith("function-after")]
     path = ".".join(loc) or "recipe"
     kind = err["type"]
