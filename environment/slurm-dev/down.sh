@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck disable=SC2317  # the steps are called through "$step" in main
 # Stop the dev Slurm cluster that up.sh started, and undo what it changed outside
 # its state dir. Only touches what up.sh recorded (pids in $STATE/pids, the
 # namespaces/bridge/hosts lines/slurm.conf in $STATE/owned). Safe to run twice, or
@@ -65,14 +66,13 @@ kill_wait() {
 # up.sh tags every daemon with HPC_TOOLS_SLURM_DEV=$STATE (inherited by slurmstepd);
 # job tasks carry SLURM_CLUSTER_NAME=$CLUSTER_NAME from slurmstepd.
 stop_leftovers() {
-    local p pids=() self=$$
-    for p in /proc/[0-9]*; do
-        p=${p#/proc/}
-        ((p == self || p == PPID)) && continue
-        if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null |
-            grep -qxF -e "HPC_TOOLS_SLURM_DEV=$STATE" -e "SLURM_CLUSTER_NAME=$CLUSTER_NAME"; then
-            pids+=("$p")
-        fi
+    local f p pids=()
+    # One grep over all environ files (-z: NUL-separated entries): cheap even on a busy box.
+    # shellcheck disable=SC2013  # /proc/N/environ paths have no spaces
+    for f in $(grep -lszxF -e "HPC_TOOLS_SLURM_DEV=$STATE" -e "SLURM_CLUSTER_NAME=$CLUSTER_NAME" /proc/[0-9]*/environ); do
+        p=${f#/proc/}
+        p=${p%/environ}
+        ((p == $$ || p == PPID)) || pids+=("$p")
     done
     ((${#pids[@]})) || return 0
     say "stopping ${#pids[@]} leftover process(es) of the cluster: $(for p in "${pids[@]}"; do cat "/proc/$p/comm" 2>/dev/null; done | sort | uniq -c | tr -s ' \n' ' ')"
@@ -84,7 +84,7 @@ remove_network() {
     local ns
     if [[ -f $OWNED_DIR/netns ]]; then
         while read -r ns; do
-            [[ -n $ns ]] && ip netns del "$ns" 2>/dev/null || true
+            if [[ -n $ns ]]; then ip netns del "$ns" 2>/dev/null || true; fi
         done <"$OWNED_DIR/netns"
         rm -f "$OWNED_DIR/netns"
     fi
@@ -127,11 +127,12 @@ main() {
     mkdir -p "$LOG_DIR"
     exec > >(tee -a "$LOG_DIR/down.log") 2>&1
     say "down.sh ($(date -Is)), state dir $STATE"
-    cancel_jobs || true
-    stop_daemons || true
-    stop_leftovers || true
-    remove_network || true
-    remove_files_outside_state || true
+    local step t
+    for step in cancel_jobs stop_daemons stop_leftovers remove_network remove_files_outside_state; do
+        t=$(now)
+        "$step" || warn "$step failed (ignored)"
+        say "$(printf '%-34s %6ss' "$step" "$(elapsed "$t")")"
+    done
     rm -f "$STATE/cluster.env"
     say "$(printf '%-34s %6ss' "down.sh total" "$(elapsed "$t0")")"
 }

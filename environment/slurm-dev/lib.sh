@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034
 # Shared by up.sh and down.sh (sourced, not executed).
 # Everything the dev cluster owns lives under $STATE; the few things it has to
 # put elsewhere (/etc/slurm/slurm.conf, /etc/hosts lines, network namespaces,
@@ -6,6 +7,8 @@
 STATE=${HPC_TOOLS_SLURM_STATE:-/var/tmp/hpc-tools-slurm}
 MARK="hpc-tools-slurm-dev"            # tag on lines/files we write outside $STATE
 SLURM_CONF_PATH=/etc/slurm/slurm.conf # Debian's compiled-in default: clients, submitit and tests find it with no env var
+# A SLURM_CONF inherited from the caller would send our daemons and clients elsewhere.
+export SLURM_CONF=$SLURM_CONF_PATH
 CLUSTER_NAME=hpctools
 SUBNET=${HPC_TOOLS_SLURM_SUBNET:-10.77.0}   # private /24, exists only on this machine (multi-node mode)
 BRIDGE=hpcslurm0
@@ -32,14 +35,17 @@ pid_alive() {
     [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" == "$comm" ]]
 }
 
-# wait_until TIMEOUT_S CMD...: poll CMD (quietly) every 0.2 s.
+# wait_until TIMEOUT_S CMD...: poll CMD (quietly) every 0.2 s. On timeout, the last
+# output of CMD is left in WAIT_LAST (for the error message).
+WAIT_LAST=""
 wait_until() {
     local timeout=$1; shift
     local end=$(($(date +%s) + timeout))
-    until "$@" >/dev/null 2>&1; do
+    until WAIT_LAST=$("$@" 2>&1); do
         (($(date +%s) < end)) || return 1
         sleep 0.2
     done
+    WAIT_LAST=""
 }
 
 # Remove the lines carrying $MARK from /etc/hosts. Rewritten in place (cat >) rather

@@ -46,8 +46,8 @@ t_hostname() {
 }
 
 t_latency() {
-    local n=10 i id t0 sum=0 dt all=()
-    for i in $(seq 1 "$n"); do
+    local n=10 id t0 sum=0 dt all=()
+    for _ in $(seq 1 "$n"); do
         t0=$(now)
         id=$(sbatch --parsable -o /dev/null --wrap true)
         wait_state "$id" COMPLETED 30 || { bad "latency job $id"; return; }
@@ -73,38 +73,48 @@ t_cancel() {
 }
 
 t_requeue() {
-    # The batch shell traps USR2 (sent 30 s before --time=1 ends, may come ~30 s early:
-    # FACTS) and requeues itself; the second run sees SLURM_RESTART_COUNT=1.
-    # B: sends the signal to the batch shell (plain USR2@ signals job steps only).
-    cat >"$WORK/requeue.sh" <<'EOF'
-#!/bin/bash
+    # Two jobs, --time=1 --requeue: the trap on USR2 (sent 30 s before the limit, may come
+    # ~30 s early since limits are checked every ~30 s: FACTS) requeues the job; the second
+    # run sees SLURM_RESTART_COUNT=1.
+    #   batch: --signal=B:USR2@30, trap in the batch shell (without B: only steps get it)
+    #   step:  --signal=USR2@30, trap in a task launched by srun (what submitit does)
+    cat >"$WORK/requeue-body.sh" <<'EOF'
 echo "start restart=${SLURM_RESTART_COUNT:-0} t=$(date +%s.%N) host=$(hostname)"
 if [ "${SLURM_RESTART_COUNT:-0}" -ge 1 ]; then echo "second run done"; exit 0; fi
-trap 'echo "USR2 t=$(date +%s.%N)"; scontrol requeue $SLURM_JOB_ID; exit 0' USR2
 sleep 200 &
+trap 'echo "USR2 t=$(date +%s.%N)"; kill $!; scontrol requeue $SLURM_JOB_ID; exit 0' USR2
 wait
 EOF
-    local id t0 out
+    printf '#!/bin/bash\nsource %s\n' "$WORK/requeue-body.sh" >"$WORK/requeue-batch.sh"
+    printf '#!/bin/bash\nsrun bash %s\n' "$WORK/requeue-body.sh" >"$WORK/requeue-step.sh"
+    local t0 id_b id_s
     t0=$(now)
-    id=$(sbatch --parsable --time=1 --signal=B:USR2@30 --requeue --open-mode=append -o "$WORK/requeue-%j.out" "$WORK/requeue.sh")
+    local common=(--parsable --time=1 --requeue --open-mode=append -o "$WORK/requeue-%j.out")
+    id_b=$(sbatch "${common[@]}" --signal=B:USR2@30 "$WORK/requeue-batch.sh")
+    id_s=$(sbatch "${common[@]}" --signal=USR2@30 "$WORK/requeue-step.sh")
+    requeue_report "batch shell, --signal=B:USR2@30" "$id_b" "$t0"
+    requeue_report "srun step, --signal=USR2@30" "$id_s" "$t0"
+}
+
+requeue_report() {
+    local what=$1 id=$2 t0=$3 out t_sig t_back
     local end=$(($(date +%s) + 150))
     until grep -q "second run done" "$WORK/requeue-$id.out" 2>/dev/null; do
-        (($(date +%s) < end)) || { bad "requeue: no second run in 150 s: $(cat "$WORK/requeue-$id.out" 2>/dev/null | tr '\n' '|')"; return; }
+        (($(date +%s) < end)) || { bad "requeue ($what): no second run in 150 s: $(tr '\n' '|' <"$WORK/requeue-$id.out" 2>/dev/null)"; return; }
         sleep 0.2
     done
     out=$(cat "$WORK/requeue-$id.out")
-    local t_sig t_back
     t_sig=$(sed -n 's/^USR2 t=//p' <<<"$out" | head -1)
     t_back=$(sed -n 's/^start restart=1 t=\([0-9.]*\).*/\1/p' <<<"$out" | head -1)
-    ok "requeue on USR2: restart count 0 -> 1; signal at +$(awk -v a="$t0" -v b="$t_sig" 'BEGIN{printf "%.1f", b-a}') s after submit, running again $(awk -v a="$t_sig" -v b="$t_back" 'BEGIN{printf "%.1f", b-a}') s after requeue; total $(elapsed "$t0") s"
+    ok "requeue ($what): SLURM_RESTART_COUNT 0 -> 1; USR2 at +$(awk -v a="$t0" -v b="$t_sig" 'BEGIN{printf "%.1f", b-a}') s, running again $(awk -v a="$t_sig" -v b="$t_back" 'BEGIN{printf "%.1f", b-a}') s after the requeue"
 }
 
 t_multinode_srun() {
     local id out
-    id=$(sbatch --parsable -N "$NODES" --ntasks-per-node=2 -o "$WORK/srun-%j.out" --wrap 'srun hostname | sort')
+    id=$(sbatch --parsable -N "$NODES" --ntasks-per-node=2 -o "$WORK/srun-%j.out" --wrap 'srun bash -c "echo \$SLURMD_NODENAME/\$(hostname)" | sort')
     if wait_state "$id" COMPLETED 60; then
         out=$(sort -u "$WORK/srun-$id.out" | tr '\n' ' ')
-        ok "sbatch -N$NODES --ntasks-per-node=2 --wrap 'srun hostname' -> $(wc -l <"$WORK/srun-$id.out") lines, hosts: $out"
+        ok "sbatch -N$NODES --ntasks-per-node=2 --wrap 'srun ...' -> $(wc -l <"$WORK/srun-$id.out") tasks, node/hostname: $out"
     else
         bad "multi-node srun job $id: $(cat "$WORK/srun-$id.out" 2>/dev/null)"
     fi
@@ -112,7 +122,7 @@ t_multinode_srun() {
 
 t_allreduce() {
     if ! python3 -c 'import torch' 2>/dev/null; then skip "gloo all_reduce: torch not importable"; return; fi
-    local ntasks=$((NODES * 2)) id t0
+    local id t0
     t0=$(now)
     id=$(sbatch --parsable -N "$NODES" --ntasks-per-node=2 -o "$WORK/ar-%j.out" \
         --wrap "srun python3 $HERE/allreduce.py")
@@ -154,4 +164,4 @@ fi
 t_submitit
 if ((QUICK)); then skip "requeue (--quick)"; else t_requeue; fi
 echo "selftest: $FAILS failure(s)"
-((FAILS == 0))
+if ((FAILS == 0)); then rm -rf "$WORK"; else echo "selftest: outputs kept in $WORK"; exit 1; fi

@@ -53,12 +53,21 @@ die() {
     {
         echo "up.sh: FAILED (phase: $CURRENT_PHASE): $msg"
         local f
+        local shown=0
+        if [[ -n $WAIT_LAST ]]; then
+            echo "----- last output of the readiness probe"
+            tail -n 10 <<<"$WAIT_LAST"
+            shown=1
+        fi
         for f in "$@"; do
             [[ -s $f ]] || continue
             echo "----- tail of $f"
             tail -n 25 "$f"
+            shown=1
         done
-        echo "up.sh: FAILED (phase: $CURRENT_PHASE): $msg  (logs: $LOG_DIR; clean up with down.sh)"
+        # Repeat the one-liner last, where CI logs are usually read from.
+        ((shown)) && echo "up.sh: FAILED (phase: $CURRENT_PHASE): $msg"
+        echo "up.sh: logs in $LOG_DIR; clean up with: bash $HERE/down.sh"
     } >&2
     exit 1
 }
@@ -105,7 +114,9 @@ install_packages() {
         export DEBIAN_FRONTEND=noninteractive
         local apt_opts=(-y -q --no-install-recommends -o Dpkg::Options::=--force-confdef
             -o Dpkg::Options::=--force-confold -o DPkg::Lock::Timeout=300)
-        apt-get update -q && apt-get install "${apt_opts[@]}" "${PACKAGES[@]}"
+        # One retry: a mirror hiccup on a fresh CI machine should not fail the whole run.
+        apt-get update -q && apt-get install "${apt_opts[@]}" "${PACKAGES[@]}" ||
+            { sleep 5 && apt-get update -q && apt-get install "${apt_opts[@]}" "${PACKAGES[@]}"; }
     } >>"$LOG_DIR/apt.log" 2>&1 || rc=$?
     ((made_policy)) && rm -f /usr/sbin/policy-rc.d
     ((rc == 0)) || die "apt-get install failed (rc=$rc)" "$LOG_DIR/apt.log"
@@ -141,7 +152,7 @@ prepare_state() {
     fi
     # Fresh dynamic state every bring-up: job ids restart at 1 and no stale accounting
     # records (FACTS: they mislead submitit). Logs of the previous run are kept as *.prev.
-    rm -rf "$STATE/spool" "$STATE/mysql" "$STATE/etc" "$STATE/run" "$PIDS_DIR"
+    rm -rf "${STATE:?}/spool" "${STATE:?}/mysql" "${STATE:?}/etc" "${STATE:?}/run" "${PIDS_DIR:?}"
     mkdir -p "$STATE"/{spool/slurmctld,mysql,etc,run} "$PIDS_DIR" "$OWNED_DIR" "$LOG_DIR"
     local f
     for f in "$LOG_DIR"/*.log; do
@@ -152,6 +163,7 @@ prepare_state() {
 
 # ---------------------------------------------------------------- cgroups
 ensure_cgroup_fs() {
+    CURRENT_PHASE="cgroup filesystem"
     # FACTS: slurmd 22.05 still needs a cgroup filesystem at /sys/fs/cgroup, even
     # with proctrack/linuxproc + task/none. Containers usually have one; mount a
     # cgroup2 only when nothing is there (and let down.sh unmount it).
@@ -169,43 +181,67 @@ ensure_cgroup_fs() {
 # Multi-node mode: one network namespace per slurmd, veth into a bridge carrying a
 # private /24 with no default route (FACTS). The host end of the bridge ($SUBNET.1)
 # is where slurmctld/slurmdbd are reached from the nodes.
+# Fallback when namespaces cannot be made (or HPC_TOOLS_SLURM_NETNS=0): Debian's
+# multiple-slurmd mode, every node on 127.0.0.1 with its own slurmd port (FACTS).
 setup_network() {
-    phase "network namespaces ($NODES nodes)"
+    phase "network ($NODES nodes)"
+    local i
+    if [[ ${HPC_TOOLS_SLURM_NETNS:-1} != 0 ]] && setup_netns; then
+        NET_MODE=netns
+        CTL_ADDR=$SUBNET.1
+        for i in $(seq 1 "$NODES"); do NODE_ADDRS+=("$SUBNET.$((10 + i))"); done
+    else
+        [[ ${HPC_TOOLS_SLURM_NETNS:-1} == 0 ]] || warn "network namespaces failed (see $LOG_DIR/netns.log): falling back to multiple-slurmd mode on 127.0.0.1"
+        bash "$HERE/down.sh" >/dev/null 2>&1 || true # drop a half-made bridge/namespaces
+        NET_MODE=multiple-slurmd
+        CTL_ADDR=127.0.0.1
+        for i in $(seq 1 "$NODES"); do NODE_ADDRS+=(127.0.0.1); done
+    fi
+    say "node network: $NET_MODE"
+    phase_done
+}
+
+# setup_netns: returns 1 (instead of exiting) on failure so that setup_network can fall back.
+setup_netns() {
     if ip -o -4 addr show | grep -v " $BRIDGE " | grep -q " inet $SUBNET\."; then
         die "subnet $SUBNET.0/24 is already used on this machine; set HPC_TOOLS_SLURM_SUBNET=a.b.c"
     fi
-    ip link del "$BRIDGE" 2>/dev/null || true
-    echo "$BRIDGE" >"$OWNED_DIR/bridge"
-    ip link add "$BRIDGE" type bridge
-    ip addr add "$SUBNET.1/24" dev "$BRIDGE"
-    ip link set "$BRIDGE" up
-    : >"$OWNED_DIR/netns"
-    local i node ns veth
-    for i in $(seq 1 "$NODES"); do
-        node=${NODE_NAMES[i - 1]}
-        ns=$NS_PREFIX$node
-        veth=hsv$i-$node
-        veth=${veth:0:15}
-        ip netns del "$ns" 2>/dev/null || true
-        ip link del "$veth" 2>/dev/null || true
-        echo "$ns" >>"$OWNED_DIR/netns"
-        ip netns add "$ns"
-        ip link add "$veth" type veth peer name eth0 netns "$ns"
-        ip link set "$veth" master "$BRIDGE" up
-        ip -n "$ns" link set lo up
-        ip -n "$ns" addr add "$SUBNET.$((10 + i))/24" dev eth0
-        ip -n "$ns" link set eth0 up
-    done
-    phase_done
+    local log=$LOG_DIR/netns.log i node ns veth
+    {
+        ip link del "$BRIDGE" 2>/dev/null || true
+        echo "$BRIDGE" >"$OWNED_DIR/bridge"
+        ip link add "$BRIDGE" type bridge &&
+            ip addr add "$SUBNET.1/24" dev "$BRIDGE" &&
+            ip link set "$BRIDGE" up || return 1
+        : >"$OWNED_DIR/netns"
+        for i in $(seq 1 "$NODES"); do
+            node=${NODE_NAMES[i - 1]}
+            ns=$NS_PREFIX$node
+            veth=hsv$i-$node
+            veth=${veth:0:15}
+            ip netns del "$ns" 2>/dev/null || true
+            ip link del "$veth" 2>/dev/null || true
+            echo "$ns" >>"$OWNED_DIR/netns"
+            ip netns add "$ns" &&
+                ip link add "$veth" type veth peer name eth0 netns "$ns" &&
+                ip link set "$veth" master "$BRIDGE" up &&
+                ip -n "$ns" link set lo up &&
+                ip -n "$ns" addr add "$SUBNET.$((10 + i))/24" dev eth0 &&
+                ip -n "$ns" link set eth0 up || return 1
+        done
+        # The nodes must reach the controller's bridge address (br_netfilter/iptables could drop it).
+        nsenter --net="/run/netns/$NS_PREFIX${NODE_NAMES[0]}" ip route get "$SUBNET.1" || return 1
+    } >>"$log" 2>&1
 }
 
 # /etc/hosts: node names must resolve everywhere (slurmctld, srun, MASTER_ADDR in jobs).
 setup_hosts() {
+    CURRENT_PHASE="/etc/hosts"
     hosts_remove_marked
     local lines=() i
     if ((NODES > 1)); then
         for i in $(seq 1 "$NODES"); do
-            lines+=("$SUBNET.$((10 + i)) ${NODE_NAMES[i - 1]}  # $MARK")
+            lines+=("${NODE_ADDRS[i - 1]} ${NODE_NAMES[i - 1]}  # $MARK")
         done
     elif ! getent hosts "$HOST_SHORT" >/dev/null; then
         lines+=("127.0.1.1 $HOST_SHORT  # $MARK")
@@ -222,13 +258,17 @@ write_configs() {
     if ((NODES == 1)); then
         node_lines="NodeName=$HOST_SHORT NodeAddr=127.0.0.1 CPUs=$CPUS_PER_NODE RealMemory=$MEM_PER_NODE State=UNKNOWN"
     else
+        local extra
         for i in $(seq 1 "$NODES"); do
-            node_lines+="NodeName=${NODE_NAMES[i - 1]} NodeAddr=$SUBNET.$((10 + i)) CPUs=$CPUS_PER_NODE RealMemory=$MEM_PER_NODE State=UNKNOWN"$'\n'
+            extra=""
+            # multiple-slurmd: same host, one port per slurmd (slurmd -N picks its line).
+            [[ $NET_MODE == netns ]] || extra=" NodeHostname=$HOST_SHORT Port=$((17000 + i))"
+            node_lines+="NodeName=${NODE_NAMES[i - 1]} NodeAddr=${NODE_ADDRS[i - 1]}$extra CPUs=$CPUS_PER_NODE RealMemory=$MEM_PER_NODE State=UNKNOWN"$'\n'
         done
     fi
     cat >"$STATE/etc/slurm.conf" <<EOF
 # $MARK: written by hpc_tools environment/slurm-dev/up.sh ($(date -Is)); removed by down.sh.
-# Mode: $NODES node(s). State dir: $STATE
+# Mode: $NODES node(s), node network: $NET_MODE. State dir: $STATE
 ClusterName=$CLUSTER_NAME
 SlurmctldHost=$HOST_SHORT($CTL_ADDR)
 SlurmUser=root
@@ -311,6 +351,7 @@ EOF
 # $MARK: the cluster up.sh brought up (sourceable)
 HPC_TOOLS_SLURM_NODES=$NODES
 HPC_TOOLS_SLURM_NODE_NAMES="${NODE_NAMES[*]}"
+HPC_TOOLS_SLURM_NET_MODE=$NET_MODE
 HPC_TOOLS_SLURM_CPUS_PER_NODE=$CPUS_PER_NODE
 HPC_TOOLS_SLURM_MEM_PER_NODE=$MEM_PER_NODE
 HPC_TOOLS_SLURM_PARTITION=debug
@@ -320,6 +361,22 @@ EOF
 }
 
 # ---------------------------------------------------------------- daemons
+# A Slurm/MariaDB not started from this state dir would make the daemons fail with
+# obscure errors later: say it plainly now.
+check_ports_free() {
+    CURRENT_PHASE="check ports"
+    local ports=(6817 6819 "$DB_PORT") i
+    [[ $NET_MODE == netns ]] || ports+=(6818)
+    if [[ $NET_MODE == multiple-slurmd ]]; then
+        for i in $(seq 1 "$NODES"); do ports+=($((17000 + i))); done
+    fi
+    for i in "${ports[@]}"; do
+        if (exec 3<>"/dev/tcp/127.0.0.1/$i") 2>/dev/null; then
+            die "port $i is already in use by a process up.sh did not start (another Slurm/MariaDB?): ss -ltnp | grep :$i"
+        fi
+    done
+}
+
 start_munge() {
     phase "munged"
     if munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then
@@ -351,9 +408,6 @@ start_mariadb() {
     local mariadbd
     mariadbd=$(command -v mariadbd || command -v mysqld)
     local sock=$STATE/run/mysqld.sock
-    if (exec 3<>"/dev/tcp/127.0.0.1/$DB_PORT") 2>/dev/null; then
-        die "port $DB_PORT is already in use; set HPC_TOOLS_SLURM_DB_PORT"
-    fi
     mariadb-install-db --no-defaults --user=root --datadir="$STATE/mysql" --auth-root-authentication-method=socket \
         --skip-test-db >"$LOG_DIR/mariadb-install-db.log" 2>&1 ||
         die "mariadb-install-db failed" "$LOG_DIR/mariadb-install-db.log"
@@ -397,7 +451,7 @@ start_slurmds() {
     local node
     for node in "${NODE_NAMES[@]}"; do
         mkdir -p "$STATE/spool/slurmd-$node"
-        if ((NODES == 1)); then
+        if [[ $NET_MODE != netns ]]; then
             start_daemon "slurmd-$node" "$LOG_DIR/slurmd-$node.stderr.log" slurmd -D -N "$node"
         else
             # FACTS: `ip netns exec` remounts /sys and slurmd then fails on cgroups; nsenter
@@ -442,14 +496,17 @@ main() {
 
     HOST_SHORT=$(hostname -s 2>/dev/null || cat /proc/sys/kernel/hostname)
     HOST_SHORT=${HOST_SHORT%%.*}
+    # Single node: the host itself. Several: n1..nN (set up by setup_network).
+    NET_MODE=host
+    CTL_ADDR=127.0.0.1
+    NODE_NAMES=()
+    NODE_ADDRS=()
     if ((NODES == 1)); then
         NODE_NAMES=("$HOST_SHORT")
-        CTL_ADDR=127.0.0.1
+        NODE_ADDRS=(127.0.0.1)
     else
-        NODE_NAMES=()
         local i
         for i in $(seq 1 "$NODES"); do NODE_NAMES+=("$NODE_PREFIX$i"); done
-        CTL_ADDR=$SUBNET.1
     fi
 
     install_packages
@@ -457,6 +514,7 @@ main() {
     ensure_cgroup_fs
     if ((NODES > 1)); then setup_network; fi
     setup_hosts
+    check_ports_free
     write_configs
     start_munge
     start_mariadb
@@ -467,7 +525,7 @@ main() {
 
     CURRENT_PHASE=total
     say "$(printf '%-34s %6ss' "up.sh total" "$(elapsed "$t0")")"
-    say "cluster '$CLUSTER_NAME' UP: partition 'debug', nodes ${NODE_NAMES[*]}, $CPUS_PER_NODE CPUs and ${MEM_PER_NODE} MB each; conf $SLURM_CONF_PATH"
+    say "cluster '$CLUSTER_NAME' UP: partition 'debug', nodes ${NODE_NAMES[*]}, $CPUS_PER_NODE CPUs and ${MEM_PER_NODE} MB each; node network: $NET_MODE; conf $SLURM_CONF_PATH"
     sinfo
 }
 
