@@ -1,70 +1,203 @@
-"""The collector both trainers call around every step.
+"""The collector both trainers call around every step; configured by the recipe's ``profiling:`` section.
 
 Usage on every rank::
 
     collector = StepCollector.for_rank(ctx, tp_rank=..., pp_rank=..., dp_rank=...)
     for step in range(start, end + 1):
         collector.start_step(step)
+        with collector.data_timer():        # or collector.add_data_time(seconds)
+            batch = next(data)
         ...                                 # forward/backward/optimizer
         collector.end_step(step, loss=..., lr=..., grad_norm=...)
     collector.close()
+
+What it measures (each optional part switched by ``profiling.*``):
+
+* step time: CUDA events on GPU, ``perf_counter`` on CPU. The one host-GPU synchronisation is in ``end_step``: it
+  waits for the step-end event (the work queued so far); a trainer that already called ``loss.item()`` pays nothing.
+* tokens/s (job and per GPU), model TFLOP/s per GPU, MFU and HFU (recomputation counted) under
+  ``profiling.flops_convention``; MFU is null when the peak is unknown (``profiling.peaks``).
+* memory: ``max_memory_allocated``/``reserved`` over the step (peak reset at ``start_step``), RSS.
+* communication (``comm.py``): on every ``communication_sample_interval``-th step, time and bytes per collective kind
+  into the step record and ``records/comm_rank<R>.jsonl`` (with bus bandwidth).
+* pipeline bubble: with pipeline_size > 1, time stalled in pipeline p2p on every step (``pp_wait_s``), over the step
+  time (``bubble_fraction``), next to the theory ``(p-1)/(v m)`` in the summaries.
+* GPU telemetry (``telemetry.py``), a torch.profiler window (``trace.py``), summaries (``summary.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
+from profiling import comm as comm_mod
+from profiling.clock import Clock
 from profiling.records import RecordWriter
 from profiling.schema import SCHEMA_VERSION
+from profiling.summary import RankSummary, format_line, merge, write_rank
+
+SUMMARY_MERGE_WAIT_S = 10.0
 
 
-def _rss_bytes() -> int | None:
-    try:
-        import psutil
+def comm_path(records_dir: Path, rank: int) -> Path:
+    return Path(records_dir) / f"comm_rank{rank:05d}.jsonl"
 
-        return psutil.Process().memory_info().rss
-    except Exception:  # psutil missing: RSS is optional
-        return None
+
+class _Rss:
+    """Resident set size: /proc/self/statm read with one pread (~5 us), psutil elsewhere."""
+
+    def __init__(self):
+        import os
+
+        self._os, self._fd, self._proc = os, None, None
+        try:
+            self._fd = os.open("/proc/self/statm", os.O_RDONLY)
+            self._page = os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            try:
+                import psutil
+
+                self._proc = psutil.Process()
+            except Exception:  # psutil missing: RSS is optional
+                pass
+
+    def __call__(self) -> int | None:
+        if self._fd is not None:
+            return int(self._os.pread(self._fd, 128, 0).split()[1]) * self._page
+        return self._proc.memory_info().rss if self._proc is not None else None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            self._os.close(self._fd)
+            self._fd = None
 
 
 class StepCollector:
     def __init__(self, *, run_id: str, records_dir, rank: int, world_size: int, job_id: str | None, restart: int,
                  tokens_per_step: int, coords: dict[str, int], enabled: bool = True, summary_interval: int = 10,
-                 log=None):
+                 log=None, config=None, cuda: bool = False, model_flops: float | None = None,
+                 hardware_flops: float | None = None, peak_tflops: float | None = None,
+                 flops_convention: str = "megatron", pipeline_size: int = 1, theory_bubble: float | None = None,
+                 run_dir=None, device_index: int = 0, header: dict[str, Any] | None = None):
+        from hpc_tools.recipe.profiling import ProfilingConfig
+
+        self.cfg = config if config is not None else ProfilingConfig(enabled=enabled, summary_interval=summary_interval)
         self.run_id, self.rank, self.world_size = run_id, rank, world_size
         self.job_id, self.restart = job_id, restart
         self.tokens_per_step = tokens_per_step
         self.coords = coords
-        self.enabled = enabled
-        self.summary_interval = summary_interval
+        self.enabled = enabled and self.cfg.enabled
+        self.summary_interval = self.cfg.summary_interval
         self.log = log
         self.node = socket.gethostname()
-        self.writer = RecordWriter(records_dir, rank) if enabled else None
-        self._t0 = 0.0
+        self.records_dir = Path(records_dir)
+        self.run_dir = Path(run_dir) if run_dir is not None else self.records_dir.parent
+        self.cuda = cuda
+        self.clock = Clock(cuda)
+        self.model_flops, self.hardware_flops, self.peak_tflops = model_flops, hardware_flops, peak_tflops
+        self.convention = flops_convention
+        self.theory_bubble = theory_bubble
+        self._rss = _Rss() if self.cfg.memory else None
+        self._t0 = None
         self._data_s = 0.0
+        self._comm_file = None
+        self._measure_bubble = False
+        self.writer = self.tracer = self.telemetry = self.trace = None
+        self.summary = RankSummary(self.cfg.warmup_steps, {
+            "run_id": run_id, "rank": rank, **coords, "world_size": world_size, "job_id": job_id, "restart": restart,
+            "flops_convention": flops_convention, "peak_tflops_per_gpu": peak_tflops, "model_flops_per_step": model_flops,
+            "hardware_flops_per_step": hardware_flops, "tokens_per_step": tokens_per_step, "bubble_theory": theory_bubble,
+            "timing": "cuda-events" if cuda else "perf_counter", **(header or {})})
+        if not self.enabled:
+            return
+        self.writer = RecordWriter(self.records_dir, rank)
+        measure_bubble = self._measure_bubble = self.cfg.pipeline_bubble and pipeline_size > 1
+        if self.cfg.communication or measure_bubble:
+            self.tracer = comm_mod.CommTracer(self.clock, p2p_every_step=measure_bubble)
+            comm_mod.install(self.tracer)
+        if self.cfg.gpu_telemetry and cuda:
+            from profiling.telemetry import TelemetrySampler
+
+            self.telemetry = TelemetrySampler(self.records_dir, rank, device_index, self.cfg.telemetry_interval_s).start()
+        tp = self.cfg.torch_profiler
+        if tp.enabled and rank in tp.ranks:
+            from profiling.trace import TraceWindow
+
+            self.trace = TraceWindow(self.run_dir / "profiler", rank, tp.start_step, tp.num_steps, cuda)
 
     @classmethod
     def for_rank(cls, ctx, *, tp_rank: int = 0, pp_rank: int = 0, dp_rank: int | None = None) -> "StepCollector":
-        r = ctx.recipe
+        """The collector for this rank, configured from ``ctx.recipe.profiling`` (FLOPs, peak, hooks)."""
+        from profiling.flops import hardware_flops_per_step, model_flops_per_step
+        from profiling.peaks import peak_for_recipe
+
+        r, layout = ctx.recipe, ctx.layout
+        cuda = ctx.device_type == "cuda"
+        device_name, device_index = None, 0
+        if cuda:
+            import torch
+
+            device_index = torch.cuda.current_device()
+            device_name = torch.cuda.get_device_name(device_index)
+        model_flops = hardware_flops = peak = None
+        if r.backend.kind != "comm_check":
+            conv = r.profiling.flops_convention
+            # Megatron pads the vocabulary for TP; the padded logits are computed, so they count.
+            vocab = r.model.padded_vocab_size(layout.tensor_size) if r.backend.kind == "megatron" else r.model.vocab_size
+            model_flops = model_flops_per_step(r.model, layout.global_batch_size, convention=conv, vocab_size=vocab)
+            hardware_flops = hardware_flops_per_step(r.model, layout.global_batch_size,
+                                                     r.training.recompute_granularity, convention=conv, vocab_size=vocab)
+            # A recipe's gpu_type says nothing about CPU ranks: a peak only for real GPUs or an explicit override.
+            if cuda or r.cluster.gpu_peak_tflops is not None:
+                peak = peak_for_recipe(r, device_name)
         return cls(run_id=ctx.run.run_id, records_dir=ctx.run.records_dir, rank=ctx.rank,
                    world_size=ctx.dist.world_size, job_id=ctx.dist.job_id, restart=ctx.dist.restart_count,
-                   tokens_per_step=ctx.layout.global_batch_size * r.model.seq_length,
+                   tokens_per_step=layout.global_batch_size * r.model.seq_length,
                    coords={"tp_rank": tp_rank, "pp_rank": pp_rank, "dp_rank": ctx.rank if dp_rank is None else dp_rank},
-                   enabled=r.profiling.enabled, summary_interval=r.profiling.summary_interval,
-                   log=ctx.info)
+                   enabled=r.profiling.enabled, log=ctx.info, config=r.profiling, cuda=cuda, model_flops=model_flops,
+                   hardware_flops=hardware_flops, peak_tflops=peak, flops_convention=r.profiling.flops_convention,
+                   pipeline_size=layout.pipeline_size,
+                   theory_bubble=layout.bubble_fraction if layout.pipeline_size > 1 else None,
+                   run_dir=ctx.run.path, device_index=device_index,
+                   header={"layout": layout.describe(), "gpu": device_name or ("cpu" if not cuda else None),
+                           "recompute": r.training.recompute_granularity, "backend": r.backend.kind})
 
+    # -- per step ------------------------------------------------------------------------------------------------------
     def start_step(self, step: int) -> None:
         self._data_s = 0.0
-        self._t0 = time.perf_counter()
+        if self.trace is not None:
+            self.trace.start_step(step)
+        if self.cuda and self.cfg.memory and self.enabled:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+        if self.tracer is not None:
+            self.tracer.begin_step(self.cfg.communication and step % self.cfg.communication_sample_interval == 0)
+        if self.telemetry is not None:
+            self.telemetry.step = step
+        self._t0 = self.clock.mark()
 
     def add_data_time(self, seconds: float) -> None:
         self._data_s += seconds
 
+    @contextlib.contextmanager
+    def data_timer(self):
+        """Time the enclosed batch loading as data time (host clock: loading is host work)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._data_s += time.perf_counter() - t0
+
     def end_step(self, step: int, *, loss: float | None = None, lr: float | None = None,
                  grad_norm: float | None = None, skipped: bool | None = None) -> dict[str, Any]:
-        dt = time.perf_counter() - self._t0
+        end = self.clock.mark()
+        self.clock.wait(end)  # the collectors' one host-GPU synchronisation (see the module docstring)
+        dt = self.clock.seconds(self._t0, end) if self._t0 is not None else 0.0
         tps = self.tokens_per_step / dt if dt > 0 else 0.0
         record = {
             "schema_version": SCHEMA_VERSION, "run_id": self.run_id, "job_id": self.job_id, "restart": self.restart,
@@ -72,16 +205,95 @@ class StepCollector:
             "step_time_s": dt, "data_time_s": self._data_s, "tokens": self.tokens_per_step, "tokens_per_s": tps,
             "tokens_per_s_per_gpu": tps / self.world_size,
             "loss": None if loss is None else float(loss), "lr": None if lr is None else float(lr),
-            "grad_norm": None if grad_norm is None else float(grad_norm), "rss_bytes": _rss_bytes(),
-            "skipped": skipped,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "rss_bytes": self._rss() if self._rss is not None else None, "skipped": skipped,
         }
-        if self.writer is not None:
-            self.writer.write(record)
+        if not self.enabled:
+            return record
+        record.update(self._flops_fields(dt))
+        if self.cuda and self.cfg.memory:
+            import torch
+
+            record["mem_allocated_max_bytes"] = torch.cuda.max_memory_allocated()
+            record["mem_reserved_max_bytes"] = torch.cuda.max_memory_reserved()
+        comm_rows = self._comm_fields(step, dt, record) if self.tracer is not None else None
+        self.writer.write(record)
+        self.summary.add(record, comm_rows)
+        if self.trace is not None:
+            self.trace.end_step(step)
         if self.log and step % self.summary_interval == 0:
-            loss_s = f" loss {loss:.4f}" if loss is not None else ""
-            self.log("step %d%s | %.3f s/step | %.0f tok/s", step, loss_s, dt, tps)
+            self.log("%s", format_line(step, record["loss"], self.summary.window(self.summary_interval) if
+                                       self.summary.rows else record, self.convention, self.theory_bubble,
+                                       comm_rows, record.get("mem_allocated_max_bytes") or record.get("rss_bytes")))
         return record
 
+    def _flops_fields(self, dt: float) -> dict[str, Any]:
+        from profiling.peaks import hfu, mfu
+
+        if self.model_flops is None or dt <= 0:
+            return {}
+        return {"model_flops": self.model_flops, "hardware_flops": self.hardware_flops,
+                "tflops_per_gpu": self.model_flops / dt / self.world_size / 1e12,
+                "mfu": mfu(self.model_flops, dt, self.world_size, self.peak_tflops),
+                "hfu": hfu(self.hardware_flops, dt, self.world_size, self.peak_tflops)}
+
+    def _comm_fields(self, step: int, dt: float, record: dict[str, Any]) -> list[dict[str, Any]] | None:
+        sampled = self.tracer.sampling
+        ops = self.tracer.end_step()
+        if self._measure_bubble:
+            p2p = [op for op in ops if op.kind == "p2p"]
+            record["pp_wait_s"] = sum(comm_mod.stalled_s(op, self.clock) for op in p2p)
+            record["bubble_fraction"] = record["pp_wait_s"] / dt if dt > 0 else None
+        if not sampled:
+            return None
+        rows = comm_mod.per_kind(ops, self.clock)
+        record["comm_time_s"] = sum(r["time_s"] for r in rows)
+        record["comm_bytes"] = sum(r["bytes"] for r in rows)
+        if self._comm_file is None:
+            self._comm_file = open(comm_path(self.records_dir, self.rank), "a", buffering=1)
+        for row in rows:
+            self._comm_file.write(json.dumps({"step": step, "rank": self.rank, "restart": self.restart, **row},
+                                             separators=(",", ":")) + "\n")
+        return rows
+
+    # -- end -----------------------------------------------------------------------------------------------------------
+    def summary_dict(self) -> dict[str, Any]:
+        return self.summary.to_dict()
+
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        """Stop the hooks and threads, compact this rank's records, write its summary; rank 0 merges the job summary."""
+        if not self.enabled or self.writer is None:
+            return
+        if self.tracer is not None:
+            comm_mod.uninstall(self.tracer)
+        if self.telemetry is not None:
+            self.telemetry.stop()
+        if self.trace is not None:
+            self.trace.close()
+        if self._comm_file is not None:
+            self._comm_file.close()
+        if self._rss is not None:
+            self._rss.close()
+        self.writer.close()
+        self.writer = None
+        write_rank(self.records_dir, self.rank, self.summary.to_dict())
+        if self.rank == 0:
+            job = merge(self.run_dir, self.world_size, wait_s=SUMMARY_MERGE_WAIT_S if self.world_size > 1 else 0.0,
+                        restart=self.restart)
+            if self.log and job:
+                self.log("summary: %s", _job_line(job))
+
+
+def _job_line(job: dict[str, Any]) -> str:
+    st, mfu = job.get("step_time_s"), job.get("mfu")
+    parts = [f"{job['world_size']} ranks", f"{st:.4f} s/step" if st else "no steps after warm-up"]
+    if job.get("tokens_per_s"):
+        parts.append(f"{job['tokens_per_s']:.0f} tok/s ({job['tokens_per_s_per_gpu']:.0f}/gpu)")
+    if job.get("tflops_per_gpu") is not None:
+        parts.append(f"{job['tflops_per_gpu']:.3g} TFLOP/s/gpu [{job['flops_convention']}]")
+        parts.append(f"MFU {100 * mfu:.1f}%" if mfu is not None else "MFU n/a (unknown peak)")
+    if job.get("bubble_measured_per_stage"):
+        stages = ", ".join(f"{k}: {100 * v:.0f}%" for k, v in job["bubble_measured_per_stage"].items())
+        parts.append(f"pp wait per stage {stages}, bubble {100 * job['bubble_measured']:.0f}% of the step "
+                     f"(theory {100 * job['bubble_theory_of_step']:.0f}%)")
+    return " | ".join(parts)

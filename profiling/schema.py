@@ -43,6 +43,7 @@ STEP_FIELDS: tuple[Field, ...] = (
     Field("lr", "float", False, "learning rate used in the step"),
     Field("grad_norm", "float", False, "global gradient norm before clipping"),
     Field("model_flops", "float", False, "model FLOPs of the whole step, under flops_convention"),
+    Field("hardware_flops", "float", False, "FLOPs executed in the step counting recomputation (for hfu)"),
     Field("tflops_per_gpu", "float", False, "model TFLOP/s per GPU"),
     Field("mfu", "float", False, "model FLOPs utilisation (0-1); null when the peak is unknown"),
     Field("hfu", "float", False, "hardware FLOPs utilisation counting recomputation (0-1)"),

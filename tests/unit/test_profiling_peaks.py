@@ -30,7 +30,7 @@ def test_published_dense_figures_never_sparse():
         if "fp8" in table:  # fp8 is twice bf16 on every part that has it; a sparse figure would be 4x
             assert table["fp8"] == pytest.approx(2 * table["bf16"], rel=0.02)
         if "tf32" in table:
-            assert table["tf32"] == pytest.approx(table["bf16"] / 2, rel=0.02)
+            assert table["tf32"] == pytest.approx(table["bf16"] / 2, rel=0.03)  # B200: 1.1 vs 2.25 PF
 
 
 def test_unknown_gpu_gives_none_and_one_warning():

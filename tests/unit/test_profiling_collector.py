@@ -1,0 +1,176 @@
+"""Collector pieces without processes: schema round trip, comm hooks (install, unwrap, restore), summaries,
+telemetry absent on CPU, a disabled collector."""
+
+import json
+import sys
+import types
+import warnings
+
+import pandas as pd
+import pytest
+
+from profiling import comm
+from profiling.clock import Clock
+from profiling.records import RecordWriter, compact_rank, jsonl_path
+from profiling.schema import FIELD_NAMES, REQUIRED, STEP_FIELDS, arrow_schema, validate_record
+from profiling.summary import format_line, merge, write_rank
+
+SAMPLE = {"int": 7, "float": 1.5, "str": "x", "bool": True}
+
+
+def _full_record(step):
+    rec = {f.name: SAMPLE[f.type] for f in STEP_FIELDS}
+    rec.update(step=step, schema_version=1, restart=0 if step < 3 else 1)
+    return rec
+
+
+def test_schema_round_trip_jsonl_parquet_pandas(tmp_path):
+    w = RecordWriter(tmp_path, 3)
+    for step in (1, 2):
+        w.write(_full_record(step))
+    w.close()
+    sparse = {k: _full_record(3)[k] for k in REQUIRED}  # optional fields absent -> null
+    w2 = RecordWriter(tmp_path, 3)  # a requeue appends
+    w2.write(sparse)
+    w2.close()
+    df = pd.read_parquet(tmp_path / "rank00003.parquet")
+    assert list(df.columns) == list(FIELD_NAMES) and df["step"].tolist() == [1, 2, 3]
+    kinds = {"int": "i", "float": "f", "bool": "b"}
+    for f in STEP_FIELDS:
+        if f.type in kinds and f.required:
+            assert df[f.name].dtype.kind == kinds[f.type], f.name
+        if f.name not in ("step", "schema_version", "restart"):
+            assert df[f.name].iloc[0] == SAMPLE[f.type], f.name
+    assert df["mfu"].isna().tolist() == [False, False, True]
+    assert arrow_schema().field("hardware_flops").nullable
+
+
+def test_schema_rejects_bad_records():
+    rec = _full_record(1)
+    with pytest.raises(ValueError, match="step_time_s"):
+        validate_record({**rec, "step_time_s": "fast"})
+    with pytest.raises(ValueError, match="unknown fields"):
+        validate_record({**rec, "mystery": 1})
+    with pytest.raises(ValueError, match="run_id"):
+        validate_record({k: v for k, v in rec.items() if k != "run_id"})
+    with pytest.raises(ValueError, match="skipped"):
+        validate_record({**rec, "skipped": 1})
+
+
+def test_torn_last_line_is_skipped(tmp_path):
+    w = RecordWriter(tmp_path, 0)
+    w.write(_full_record(1))
+    w.close(compact=False)
+    with open(jsonl_path(tmp_path, 0), "a") as f:
+        f.write('{"step": 2, "run')  # killed mid-write
+    compact_rank(tmp_path, 0)
+    assert pd.read_parquet(tmp_path / "rank00000.parquet")["step"].tolist() == [1]
+
+
+@pytest.fixture
+def world1():
+    """A one-rank gloo group in this process (no subprocess): enough for hooks and P2POp construction."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist
+    dist.destroy_process_group()
+
+
+def test_hooks_patch_library_bindings_and_restore(world1):
+    dist = world1
+    orig_all_reduce, orig_cm, orig_p2p = dist.all_reduce, dist._coalescing_manager, dist.P2POp
+    fake = types.ModuleType("megatron._hpc_fake")
+    fake.dist_all_reduce, fake._coalescing_manager, fake.P2POp = orig_all_reduce, orig_cm, orig_p2p
+    sys.modules[fake.__name__] = fake
+    tracer = comm.CommTracer(Clock())
+    try:
+        comm.install(tracer)
+        assert dist.all_reduce is not orig_all_reduce and fake.dist_all_reduce is dist.all_reduce
+        assert fake._coalescing_manager is dist._coalescing_manager is not orig_cm
+        # c10d checks ``op in [isend, irecv]`` and ``op.op is isend``: our P2POp hands it the real isend.
+        import torch
+
+        op = dist.P2POp(dist.isend, torch.ones(2), 0)
+        assert op.op is dist.distributed_c10d.isend and isinstance(op, orig_p2p)
+        buf = torch.ones(10)
+        tracer.begin_step(sample=False)
+        dist.all_reduce(buf)
+        assert tracer.end_step() == []  # unsampled: nothing traced
+        tracer.begin_step(sample=True)
+        work = dist.all_reduce(buf, async_op=True)
+        work.wait()
+        with dist._coalescing_manager(async_ops=True) as cm:
+            dist.all_reduce(torch.ones(3))
+            dist.all_reduce(torch.ones(5))
+        cm.wait()
+        ops = tracer.end_step()
+        assert [(o.kind, o.nbytes, len(o.waits)) for o in ops] == [("all_reduce", 40, 1), ("all_reduce", 32, 1)]
+        rows = comm.per_kind(ops, tracer.clock)
+        assert rows[0]["calls"] == 2 and rows[0]["bytes"] == 72 and rows[0]["busbw_gbps"] == 0.0  # n=1 moves nothing
+    finally:
+        comm.uninstall(tracer)
+        del sys.modules[fake.__name__]
+    assert dist.all_reduce is orig_all_reduce and fake.dist_all_reduce is orig_all_reduce
+    assert dist._coalescing_manager is orig_cm and dist.P2POp is orig_p2p
+
+
+def test_nbytes_and_busbw_factors():
+    import torch
+
+    assert comm.nbytes(torch.ones(10, dtype=torch.bfloat16)) == 20
+    assert comm.nbytes([torch.ones(3), torch.ones(5)]) == 32
+    assert comm.busbw_factor("all_reduce", 4) == 1.5 and comm.busbw_factor("reduce_scatter", 4) == 0.75
+    assert comm.busbw_factor("all_to_all", 2) == 0.5 and comm.busbw_factor("broadcast", 16) == 1.0
+
+
+def test_telemetry_absent_on_cpu_without_noise(tmp_path):
+    from profiling.telemetry import TelemetrySampler
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert TelemetrySampler(tmp_path, 0, 0, 0.1).start() is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def _rank_summary(rank, pp, bubble, step_s, restart=0):
+    return {"run_id": "r", "rank": rank, "pp_rank": pp, "world_size": 4, "restart": restart, "tokens_per_step": 1000,
+            "model_flops_per_step": 4e12, "hardware_flops_per_step": 5e12, "peak_tflops_per_gpu": 2.0,
+            "flops_convention": "korthikanti", "bubble_theory": 0.25, "median_step_time_s": step_s,
+            "median_bubble_fraction": bubble, "last_loss": 2.0,
+            "comm": [{"kind": "all_reduce", "group_size": 2, "calls": 1, "bytes": 10**9, "time_s": 0.5, "span_s": 0.5}]}
+
+
+def test_merge_job_summary(tmp_path):
+    records = tmp_path / "records"
+    for rank, (pp, bubble, st) in enumerate([(0, 0.30, 1.0), (0, 0.32, 1.0), (1, 0.20, 1.2), (1, 0.22, 1.1)]):
+        write_rank(records, rank, _rank_summary(rank, pp, bubble, st))
+    write_rank(records, 9, _rank_summary(9, 0, 0.9, 9.0, restart=1))  # another start's file is left out
+    job = merge(tmp_path, 4, restart=0)
+    assert job["ranks_reporting"] == [0, 1, 2, 3]
+    assert job["step_time_s"] == 1.2  # the slowest rank ends the step
+    assert job["mfu"] == pytest.approx(4e12 / 1.2 / 4 / 2e12) and job["hfu"] == pytest.approx(5e12 / 1.2 / 4 / 2e12)
+    assert job["bubble_measured_per_stage"] == {"0": pytest.approx(0.31), "1": pytest.approx(0.21)}
+    assert job["bubble_measured"] == pytest.approx(0.21) and job["bubble_theory_of_step"] == pytest.approx(0.2)
+    assert job["comm"][0]["bytes"] == 4 * 10**9 and job["comm"][0]["busbw_gbps"] == pytest.approx(2.0 * 2 * 1 / 2)
+    assert json.loads((tmp_path / "summary.json").read_text())["step_time_s"] == 1.2
+
+
+def test_summary_line_names_convention_and_unknown_peak():
+    w = {"step_time_s": 0.5, "data_time_s": 0.05, "tokens_per_s": 20000.0, "tokens_per_s_per_gpu": 2500.0,
+         "tflops_per_gpu": 123.0, "mfu": None, "hfu": None, "bubble_fraction": 0.2}
+    line = format_line(10, 3.25, w, "korthikanti", 0.25)
+    assert line.startswith("step 10 | loss 3.2500 | 0.500 s/step (data 10%) | 20.0k tok/s, 2.5k/gpu")
+    assert "MFU n/a (unknown peak) [korthikanti]" in line and "pp wait 20% (theory 20%)" in line
+
+
+def test_disabled_collector_writes_nothing(tmp_path):
+    from profiling.collector import StepCollector
+
+    c = StepCollector(run_id="r", records_dir=tmp_path / "records", rank=0, world_size=1, job_id=None, restart=0,
+                      tokens_per_step=100, coords={"tp_rank": 0, "pp_rank": 0, "dp_rank": 0}, enabled=False)
+    c.start_step(1)
+    rec = c.end_step(1, loss=1.0)
+    c.close()
+    assert rec["step_time_s"] > 0 and rec["tokens_per_s"] > 0
+    assert not (tmp_path / "records").exists() and comm._TRACER is None
