@@ -35,12 +35,12 @@ class StopAfter:
 
 
 def launch(variants: list[dict[str, Any]], world_size: int, workdir: str | Path, timeout_s: float = 540,
-           env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run the variants on ``world_size`` local ranks; the results rank 0 collected, by variant name."""
+           env: dict[str, str] | None = None, backend: str = "gloo") -> dict[str, Any]:
+    """Run the variants on ``world_size`` local ranks (``backend`` nccl for GPU recipes); rank 0's results by name."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     spec, out = workdir / "matrix_spec.json", workdir / "matrix_result.json"
-    spec.write_text(json.dumps({"variants": variants, "root": str(workdir / "runs")}))
+    spec.write_text(json.dumps({"variants": variants, "root": str(workdir / "runs"), "backend": backend}))
     root = str(Path(__file__).resolve().parents[3])
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
@@ -127,7 +127,11 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {os.environ['RANK']}] %(message)s")
     spec = json.loads(Path(args.spec).read_text())
-    dist.init_process_group("gloo")
+    if spec["backend"] == "nccl":
+        import torch
+
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(spec["backend"])
     results = {}
     for variant in spec["variants"]:
         results[variant["name"]] = run_variant(variant, Path(spec["root"]))

@@ -8,6 +8,7 @@ visible only once complete), records through ``StepCollector``.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from hpc_tools.train.deepspeed.schedule import lr_at
 from profiling.collector import StepCollector
 
 RNG_FILE = "rng_rank{rank:05d}.pt"
+log = logging.getLogger("hpc_tools")
 
 
 def run(ctx: RankContext) -> None:
@@ -78,9 +80,11 @@ class DeepSpeedJob:
         import deepspeed
         from torch.optim.lr_scheduler import LambdaLR
 
+        t0 = time.perf_counter()
         if self.ctx.is_rank0:
             write_ds_config(self.config, self.ctx.run_dir)
         model, self._keepalive = build_model(self.recipe, self.config)
+        t_model = time.perf_counter() - t0
         if self.pipeline:
             from hpc_tools.train.deepspeed.pipeline import build_pipeline
 
@@ -95,6 +99,12 @@ class DeepSpeedJob:
                                                                                    if p.requires_grad],
                                                     config=self.config, lr_scheduler=schedule,
                                                     dist_init_required=False)
+        self.ctx.info("engine ready in %.1f s (model %.1f s)", time.perf_counter() - t0, t_model)
+        if self.ctx.is_rank0 and self.recipe.backend.deepspeed.zero_stage == 0 and \
+                self.recipe.training.precision != "fp32":
+            log.warning("backend.deepspeed.zero_stage=0 with %s: DeepSpeed updates the %s weights directly, without "
+                          "fp32 master weights (use zero_stage >= 1 to keep them)", self.recipe.training.precision,
+                          self.recipe.training.precision)
 
     def coords(self) -> dict[str, int]:
         if self.pipeline:
@@ -104,8 +114,6 @@ class DeepSpeedJob:
 
     # -- the loop -------------------------------------------------------------------------------------------------------
     def train(self) -> None:
-        import torch
-
         self.build_engine()
         samples = build_samples(self.recipe)
         start = self.resume() + 1
@@ -122,8 +130,11 @@ class DeepSpeedJob:
                 batches = microbatches_for_step(samples, step, coords["dp_rank"], self.layout)
                 collector.add_data_time(time.perf_counter() - t0)
                 lr = self.engine.get_lr()[0]
-                loss = self.pipeline_step(batches) if self.pipeline else self.step(batches)
-                collector.end_step(step, loss=loss, lr=lr, grad_norm=_float(self.engine.get_global_grad_norm()))
+                loss, grad_norm = self.pipeline_step(batches) if self.pipeline else self.step(batches)
+                if grad_norm is None:
+                    grad_norm = _float(self.engine.get_global_grad_norm())
+                skipped = None if self.recipe.training.precision != "fp16" else not self.engine.was_step_applied()
+                collector.end_step(step, loss=loss, lr=lr, grad_norm=grad_norm, skipped=skipped)
                 self.ctx.heartbeat(step)
                 interval = self.recipe.checkpoint.interval_iters
                 if (interval and step % interval == 0) or step == end:
@@ -138,11 +149,29 @@ class DeepSpeedJob:
                 self.ctx.info("nothing to do: the checkpoint is at step %d >= training.train_iters=%d", start - 1, end)
         finally:
             collector.close()
-            if torch.distributed.is_initialized():
-                torch.distributed.barrier()
+            self.close()
 
-    def step(self, batches: list[dict[str, Any]]) -> float:
-        """Forward/backward every microbatch, one optimizer step; the step's mean loss over all DP ranks."""
+    def close(self) -> None:
+        """Release the engine and DeepSpeed's cached process groups (a later engine in this process builds its own)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+        if self.engine is not None:
+            self.engine.destroy()
+            self.engine = None
+        self._keepalive = None
+        try:
+            from deepspeed.utils import groups
+
+            # Private, but the only reset there is: without it a pipeline engine's topology leaks into the next
+            # engine built in the same process (the matrix runs many).
+            groups._release_process_group_references()
+        except (ImportError, AttributeError):
+            pass
+
+    def step(self, batches: list[dict[str, Any]]) -> tuple[float, float | None]:
+        """Forward/backward every microbatch, one optimizer step: (mean loss over all DP ranks, grad norm or None)."""
         import torch
         import torch.distributed as dist
 
@@ -150,20 +179,35 @@ class DeepSpeedJob:
 
         device = self.engine.device
         total = torch.zeros(1, dtype=torch.float64, device=device)
-        for mb in batches:
+        grad_norm = None
+        for i, mb in enumerate(batches):
             logits = self.engine(input_ids=mb["tokens"].to(device)).logits
             loss = causal_lm_loss(logits, mb["labels"].to(device))
             self.engine.backward(loss)
+            if i == len(batches) - 1 and self.engine.zero_optimization_stage() == 0 and \
+                    self.recipe.training.precision == "fp32":
+                grad_norm = self.averaged_grad_norm()
             self.engine.step()
             total += loss.detach().double()
         total /= len(batches)
         dist.all_reduce(total)  # every rank saw its own share of the global batch
-        return total.item() / self.layout.data_size
+        return total.item() / self.layout.data_size, grad_norm
 
-    def pipeline_step(self, batches: list[dict[str, Any]]) -> float:
+    def averaged_grad_norm(self) -> float:
+        """Global gradient norm before clipping, for ZeRO-0 in fp32 where the engine keeps none.
+
+        At the accumulation boundary the engine has already averaged the gradients over DP, so every rank holds all
+        of them and the norm needs no communication.
+        """
+        import torch
+
+        grads = [p.grad.detach().float() for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+
+    def pipeline_step(self, batches: list[dict[str, Any]]) -> tuple[float, None]:
         """One pipelined step through DeepSpeed's schedule; its loss is already averaged over microbatches and DP."""
         data = iter([(mb["tokens"], mb["labels"]) for mb in batches])
-        return float(self.engine.train_batch(data_iter=data))
+        return float(self.engine.train_batch(data_iter=data)), None
 
     def agreed_stop(self) -> bool:
         """Every rank stops at the same step when any rank received a stop signal."""
