@@ -200,6 +200,41 @@ def deepspeed_offload(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
                         "give a local NVMe folder, e.g. /local_nvme")
 
 
+# The Hugging Face class behind each family under backend.kind=deepspeed fixes these shapes.
+HF_FAMILY_SHAPE = {
+    "gpt": {"normalization": "LayerNorm", "activation": "gelu", "position_embedding": "learned_absolute"},
+    "llama": {"normalization": "RMSNorm", "activation": "swiglu", "position_embedding": "rope"},
+}
+
+
+@rule
+def deepspeed_model_expressible(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """DeepSpeed jobs build Hugging Face GPT-2 / LLaMA classes: the model section must be one they can express."""
+    if r.backend.kind != "deepspeed":
+        return
+    if r.training.recompute_granularity == "selective":
+        yield Violation("training.recompute_granularity", "selective", "is a Megatron feature",
+                        "use full or none with backend.kind=deepspeed")
+    if r.backend.deepspeed.pretrained_path:  # the architecture is the folder's
+        return
+    m = r.model
+    for key, needed in HF_FAMILY_SHAPE[m.family].items():
+        if getattr(m, key) != needed:
+            yield Violation(f"model.{key}", getattr(m, key),
+                            f"is not available for model.family={m.family} with backend.kind=deepspeed",
+                            f"its Hugging Face class uses {needed}; use that, the other family, or backend.kind: megatron")
+    if m.family == "gpt" and m.num_query_groups != m.num_attention_heads:
+        yield Violation("model.num_query_groups", m.num_query_groups,
+                        "needs model.family=llama with backend.kind=deepspeed", "GPT-2 has plain multi-head attention; set it null")
+    if m.family == "gpt" and not m.add_bias_linear:
+        yield Violation("model.add_bias_linear", False, "is not available for model.family=gpt with backend.kind=deepspeed",
+                        "GPT-2 always has biases; use family: llama")
+    if m.family == "llama" and m.hidden_dropout > 0:
+        yield Violation("model.hidden_dropout", m.hidden_dropout,
+                        "is not available for model.family=llama with backend.kind=deepspeed",
+                        "LlamaForCausalLM has no hidden dropout; set it 0")
+
+
 @rule
 def megatron_overlap(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """overlap_param_gather needs the distributed optimizer and overlap_grad_reduce."""

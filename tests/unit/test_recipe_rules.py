@@ -48,6 +48,10 @@ CASES = {
     "deepspeed_offload": (["backend.kind=deepspeed", "parallel.tensor_size=1", "parallel.pipeline_size=1",
                            "backend.deepspeed.zero_stage=2", "backend.deepspeed.offload_param=cpu"],
                           "backend.deepspeed.offload_param=cpu needs zero_stage 3", "set backend.deepspeed.zero_stage: 3"),
+    "deepspeed_model_expressible": (["backend.kind=deepspeed", "parallel.tensor_size=1", "parallel.pipeline_size=1",
+                                     "model.num_query_groups=2", "training.global_batch_size=8"],
+                                    "model.num_query_groups=2 needs model.family=llama with backend.kind=deepspeed",
+                                    "set it null"),
     "megatron_overlap": (["backend.megatron.overlap_param_gather=true"],
                          "backend.megatron.overlap_param_gather=true needs distributed_optimizer: true and "
                          "overlap_grad_reduce: true", "enable both"),

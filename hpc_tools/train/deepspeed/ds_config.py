@@ -6,12 +6,12 @@ batch triple: micro x accumulation x data-parallel size is decided once, by the 
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_tools.errors import UserError
+from hpc_tools.recipe.load import deep_merge
 from hpc_tools.registry import atomic_write
 
 if TYPE_CHECKING:
@@ -67,17 +67,7 @@ def merge_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[s
             raise UserError(f"backend.deepspeed.config_overrides.{key}={overrides[key]} cannot change the batch triple "
                             f"(the layout gives {key}={config[key]}; set training.micro_batch_size, "
                             "training.global_batch_size or the parallel sizes instead)")
-    return _deep_merge(config, overrides)
-
-
-def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in top.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
+    return deep_merge(config, overrides)
 
 
 def render(config: dict[str, Any]) -> str:

@@ -21,33 +21,18 @@ if TYPE_CHECKING:
 
 ATTENTION = "sdpa"
 """Causal masking comes from sdpa's is_causal when no mask is given (the pipeline stages rely on it)."""
-FAMILY_SHAPE = {
-    "gpt": {"normalization": "LayerNorm", "activation": "gelu", "position_embedding": "learned_absolute"},
-    "llama": {"normalization": "RMSNorm", "activation": "swiglu", "position_embedding": "rope"},
-}
 
 
 def check_expressible(recipe: "Recipe") -> None:
-    """Refuse model options the family's Hugging Face class cannot represent (one line naming the field)."""
-    m = recipe.model
-    for key, needed in FAMILY_SHAPE[m.family].items():
-        if getattr(m, key) != needed:
-            raise UserError(f"model.{key}={getattr(m, key)} is not available for model.family={m.family} with "
-                            f"backend.kind=deepspeed (its Hugging Face class uses {needed}; use that, or the other "
-                            "family, or backend.kind: megatron)")
-    if m.family == "gpt":
-        if m.num_query_groups != m.num_attention_heads:
-            raise UserError(f"model.num_query_groups={m.num_query_groups} needs model.family=llama with "
-                            "backend.kind=deepspeed (GPT-2 has plain multi-head attention; set it null)")
-        if not m.add_bias_linear:
-            raise UserError("model.add_bias_linear=false is not available for model.family=gpt with "
-                            "backend.kind=deepspeed (GPT-2 always has biases; use family: llama)")
-    if m.family == "llama" and m.hidden_dropout > 0:
-        raise UserError(f"model.hidden_dropout={m.hidden_dropout} is not available for model.family=llama with "
-                        "backend.kind=deepspeed (LlamaForCausalLM has no hidden dropout; set it 0)")
-    if recipe.training.recompute_granularity == "selective":
-        raise UserError("training.recompute_granularity=selective is a Megatron feature (use full or none with "
-                        "backend.kind=deepspeed)")
+    """Refuse model options the family's Hugging Face class cannot represent (the rule lives in recipe.rules, so
+    `validate` reports it before anything is queued; this re-check guards recipes built in code)."""
+    from hpc_tools.errors import RecipeError
+    from hpc_tools.layout import ParallelLayout
+    from hpc_tools.recipe.rules import deepspeed_model_expressible
+
+    violations = list(deepspeed_model_expressible(recipe, ParallelLayout.from_recipe(recipe)))
+    if violations:
+        raise RecipeError(violations)
 
 
 def hf_config(recipe: "Recipe"):
@@ -129,10 +114,8 @@ def build_model(recipe: "Recipe", ds_config: dict[str, Any]):
 
 
 def check_expressible_options(recipe: "Recipe") -> None:
-    """With a pretrained folder only the training options matter (the architecture is the folder's)."""
-    if recipe.training.recompute_granularity == "selective":
-        raise UserError("training.recompute_granularity=selective is a Megatron feature (use full or none with "
-                        "backend.kind=deepspeed)")
+    """With a pretrained folder only the training options matter (the rule skips the architecture checks then)."""
+    check_expressible(recipe)
 
 
 def _model_class(cfg):

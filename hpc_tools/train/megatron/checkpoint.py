@@ -33,7 +33,8 @@ def layout_meta(engine: "Engine") -> dict[str, Any]:
     return {"tensor_size": lay.tensor_size, "pipeline_size": lay.pipeline_size,
             "virtual_pipeline_size": lay.virtual_pipeline_size if lay.interleaved else None,
             "data_size": lay.data_size, "distributed_optimizer": mg.distributed_optimizer,
-            "precision": engine.recipe.training.precision}
+            "precision": engine.recipe.training.precision,
+            "padded_vocab_size": engine.recipe.model.padded_vocab_size(lay.tensor_size)}
 
 
 def inner_optimizers(optimizer) -> list:
@@ -83,6 +84,9 @@ def save(engine: "Engine", dirs: CheckpointDirs, step: int, *, model_only: bool 
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    _in_process_results_queue()
+    # Before the first step the optimizer has no state to save (the distributed optimizer refuses): model only.
+    model_only = model_only or step - engine.skipped_steps <= 0
     if dist.get_rank() == 0:
         dirs.begin(step)
     dist.barrier()
@@ -97,6 +101,21 @@ def save(engine: "Engine", dirs: CheckpointDirs, step: int, *, model_only: bool 
                                 "optimizer_steps": step - engine.skipped_steps, "layout": layout_meta(engine)})
     dist.barrier()
     return dirs.final_path(step)
+
+
+def _in_process_results_queue() -> None:
+    """Give torch_dist's writer a plain in-process queue instead of a spawned multiprocessing Manager.
+
+    The Manager only matters for asynchronous saves (results travel from a background process); our saves are
+    synchronous, so the writer's results are put and read in this process. Skipping it saves seconds per rank at the
+    first save and the spawn's re-import of __main__.
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 # -- load ---------------------------------------------------------------------------------------------------------------
@@ -114,6 +133,7 @@ def load(engine: "Engine", path: str | Path) -> int:
         raise UserError(f"checkpoint {path} was not written by the megatron backend (format {meta.get('format')!r}; "
                         "point checkpoint.load_path at a megatron checkpoint)")
     saved, here = meta["layout"], layout_meta(engine)
+    check_vocab(path, saved, here, engine.recipe.model.vocab_size)
     with_optimizer = not meta["model_only"] and optimizer_reshardable(saved, here)
     with_rng = with_optimizer and all(saved[k] == here[k] for k in
                                       ("tensor_size", "pipeline_size", "virtual_pipeline_size", "data_size"))
@@ -129,7 +149,10 @@ def load(engine: "Engine", path: str | Path) -> int:
     for i, chunk in enumerate(engine.chunks):
         unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
     if with_optimizer:
-        engine.optimizer.load_state_dict(loaded["optimizer"])
+        import torch
+
+        with torch.no_grad():  # fp32 shards are views of leaf params: copying into them must not be recorded
+            engine.optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_steps(engine, int(meta["optimizer_steps"]))
         engine.skipped_steps = int(meta["step"]) - int(meta["optimizer_steps"])
     else:
@@ -144,6 +167,19 @@ def load(engine: "Engine", path: str | Path) -> int:
     return int(meta["step"])
 
 
+def check_vocab(path: Path, saved: dict[str, Any], here: dict[str, Any], vocab_size: int) -> None:
+    """The embedding's global shape must match: Megatron pads the vocabulary to a multiple of 128 x tensor_size."""
+    from hpc_tools.errors import UserError
+
+    old, new = saved.get("padded_vocab_size"), here["padded_vocab_size"]
+    if old is not None and old != new:
+        multiple = 128 * saved["tensor_size"] * here["tensor_size"]
+        raise UserError(f"model.vocab_size={vocab_size} pads to {new} rows under parallel.tensor_size="
+                        f"{here['tensor_size']} but checkpoint {path} (tensor_size={saved['tensor_size']}) has {old} "
+                        f"(train with a vocab_size that is a multiple of {multiple} to change tensor_size, or keep "
+                        f"tensor_size={saved['tensor_size']})")
+
+
 def optimizer_reshardable(saved: dict[str, Any], here: dict[str, Any]) -> bool:
     """Whether optimizer state saved under layout ``saved`` can be loaded under ``here``."""
     if saved["distributed_optimizer"] != here["distributed_optimizer"] or saved["precision"] != here["precision"]:
@@ -154,11 +190,19 @@ def optimizer_reshardable(saved: dict[str, Any], here: dict[str, Any]) -> bool:
 
 
 def _prefill_optimizer(engine: "Engine") -> None:
-    # A fresh torch AdamW has no state tensors to load into; allocate them (FACTS: otherwise losses drift).
+    # A fresh torch AdamW has no state tensors to load into; allocate them, with a placeholder step that the
+    # distributed optimizer's state_dict() insists on (FACTS: without the pre-fill, losses drift).
+    import torch
+
     for opt in inner_optimizers(engine.optimizer):
         init = getattr(opt, "init_state_fn", None)
         if init is not None:
             init(opt.optimizer, opt.config)
+        for group in opt.optimizer.param_groups:
+            for param in group["params"]:
+                state = opt.optimizer.state[param]
+                if "exp_avg" in state and "step" not in state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
 
 
 def _restore_adam_steps(engine: "Engine", steps: int) -> None:

@@ -61,8 +61,15 @@ class Engine:
         from hpc_tools.train.megatron.model import build_chunks
 
         if device_type == "cpu":
+            import torch
+
             from hpc_tools.train.megatron import cpu_compat
 
+            if torch.cuda.is_available():  # Megatron would put its buffers on the GPU beside CPU params
+                from hpc_tools.errors import UserError
+
+                raise UserError("cluster.gpu_type=cpu but this node has CUDA GPUs: Megatron-core ranks use the GPU "
+                                "when torch sees one (set cluster.gpu_type to the GPU model, e.g. H100-SXM)")
             cpu_compat.install()
         self.recipe, self.layout, self.device_type = recipe, layout, device_type
         self.coords = init_parallel(layout, recipe.training.seed)

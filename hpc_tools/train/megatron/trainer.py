@@ -109,6 +109,10 @@ def agreed_stop(ctx: RankContext) -> bool:
 
 
 def _quiet_megatron() -> None:
-    # Megatron logs every bucket's parameter list and its whole config at INFO; keep rank logs readable.
+    # Megatron logs every bucket's parameter list and its whole config at INFO, and warns at import that apex and
+    # Transformer Engine are missing (expected on CPU); keep rank logs readable.
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     for name in ("megatron.core", "megatron.core.distributed", "megatron.core.optimizer"):
         logging.getLogger(name).setLevel(logging.WARNING)
