@@ -27,7 +27,7 @@ def transformer_config(recipe: "Recipe", layout: "ParallelLayout", device_type: 
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    m, t, mg = recipe.model, recipe.training, recipe.backend.megatron
+    m, t = recipe.model, recipe.training
     dtype = params_dtype(recipe)
     on_gpu = device_type == "cuda"
     recompute = None if t.recompute_granularity == "none" else t.recompute_granularity

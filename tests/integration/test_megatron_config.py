@@ -1,0 +1,87 @@
+"""Recipe -> Megatron-core configuration, the learning-rate schedule and the resharding rule (no processes)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from hpc_tools.layout import ParallelLayout
+from hpc_tools.recipe.load import load_recipe
+from hpc_tools.train.megatron.checkpoint import optimizer_reshardable
+from hpc_tools.train.megatron.schedule import lr_at
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.megatron
+
+
+def recipe(*sets: str, name: str = "gpt_3d.yaml", profile: str | None = None):
+    return load_recipe(REPO / "recipes" / name, overrides=list(sets), profile=profile)
+
+
+def test_lr_warmup_then_cosine_to_min():
+    t = recipe("training.train_iters=100", "training.lr_warmup_iters=10", "training.lr=1.0",
+               "training.min_lr=0.1").training
+    assert lr_at(1, t) == pytest.approx(0.1) and lr_at(10, t) == pytest.approx(1.0)
+    assert lr_at(55, t) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(100, t) == pytest.approx(0.1) and lr_at(150, t) == pytest.approx(0.1)
+    values = [lr_at(s, t) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(values, values[1:])), "cosine decay must not rise"
+
+
+@pytest.mark.parametrize("style,mid", [("linear", 0.55), ("constant", 1.0)])
+def test_lr_other_decays(style, mid):
+    t = recipe("training.train_iters=100", "training.lr_warmup_iters=0", "training.lr=1.0", "training.min_lr=0.1",
+               f"training.lr_decay_style={style}").training
+    assert lr_at(50, t) == pytest.approx(mid)
+
+
+def test_transformer_config_carries_the_layout():
+    from hpc_tools.train.megatron.config import transformer_config
+
+    r = recipe()  # the 2 x 8 H100 recipe: TP2 x PP2 x VPP2, SP, selective recompute, bf16
+    lay = ParallelLayout.from_recipe(r)
+    c = transformer_config(r, lay, "cpu")
+    assert (c.tensor_model_parallel_size, c.pipeline_model_parallel_size,
+            c.virtual_pipeline_model_parallel_size) == (2, 2, 2)
+    assert c.sequence_parallel and c.bf16 and not c.fp16 and c.recompute_granularity == "selective"
+    assert c.batch_p2p_comm is False, "interleaved PP=2 must not batch p2p on gloo (silently wrong losses)"
+    assert (c.num_layers, c.hidden_size, c.num_attention_heads) == (24, 2048, 16)
+    assert not c.gated_linear_unit and c.normalization == "LayerNorm"
+
+
+def test_transformer_config_llama_and_full_recompute():
+    from hpc_tools.train.megatron.config import transformer_config
+
+    r = recipe("backend.kind=megatron", "training.recompute_granularity=full", "training.recompute_num_layers=2",
+               "training.recompute_method=block", name="gpt_zero.yaml", profile="local")
+    c = transformer_config(r, ParallelLayout.from_recipe(r), "cpu")
+    assert c.gated_linear_unit and c.normalization == "RMSNorm" and not c.add_bias_linear
+    assert (c.num_query_groups, c.ffn_hidden_size) == (2, 176)
+    assert (c.recompute_granularity, c.recompute_method, c.recompute_num_layers) == ("full", "block", 2)
+    assert c.batch_p2p_comm is True
+
+
+def test_optimizer_resharding_rule():
+    base = {"tensor_size": 2, "pipeline_size": 2, "virtual_pipeline_size": None, "data_size": 1,
+            "distributed_optimizer": True, "precision": "fp32"}
+    assert optimizer_reshardable(base, {**base, "data_size": 2})
+    assert not optimizer_reshardable(base, {**base, "tensor_size": 1})
+    plain = {**base, "distributed_optimizer": False}
+    assert optimizer_reshardable(plain, {**plain, "tensor_size": 1, "pipeline_size": 4})
+    assert not optimizer_reshardable(plain, base)
+    assert not optimizer_reshardable(base, {**base, "precision": "bf16"})
+
+
+def test_vocab_padding_mismatch_is_a_one_line_user_error(tmp_path):
+    from hpc_tools.errors import UserError
+    from hpc_tools.train.megatron.checkpoint import check_vocab
+
+    saved = {"tensor_size": 1, "padded_vocab_size": 50304}
+    check_vocab(tmp_path, saved, {"tensor_size": 1, "padded_vocab_size": 50304}, 50257)
+    with pytest.raises(UserError) as err:
+        check_vocab(tmp_path, saved, {"tensor_size": 2, "padded_vocab_size": 50432}, 50257)
+    message = str(err.value)
+    assert "\n" not in message and "model.vocab_size=50257" in message and "multiple of 256" in message

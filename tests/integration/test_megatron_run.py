@@ -1,0 +1,129 @@
+"""The Megatron backend through the real entry point: run folder -> local executor -> hpc_tools.runtime.rank -> trainer.
+
+recipes/gpt_3d.yaml's local profile (TP2 x PP2 with sequence parallelism, selective recompute, distributed optimizer)
+on 4 CPU ranks: the loss falls, every rank writes its records, checkpoints are kept as the recipe says and the
+manifest ends COMPLETED. Then the same run hit by a stop signal (SIGUSR2, what Slurm sends before the time limit)
+checkpoints, stops, and a second launch resumes it to the same losses as the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_tools.executors.local import run_local
+from hpc_tools.layout import ParallelLayout
+from hpc_tools.recipe.load import load_recipe
+from hpc_tools.train.checkpoint_dirs import CheckpointDirs
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "recipes" / "gpt_3d.yaml"
+STOP_AFTER_STEP = 4
+
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+
+
+def prepare(root: Path):
+    from hpc_tools.submission import prepare_run
+
+    recipe = load_recipe(RECIPE, profile="local")
+    return recipe, prepare_run(recipe, root, "local", source=str(RECIPE))
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    """step -> loss from the records of the ranks that compute it (every such rank must agree exactly)."""
+    found: dict[int, float] = {}
+    for path in sorted((run_dir / "records").glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec["loss"] is None:
+                continue
+            assert found.setdefault(rec["step"], rec["loss"]) == rec["loss"], f"ranks disagree on step {rec['step']}"
+    return found
+
+
+def rank_pids(run_dir: Path) -> list[int]:
+    """The rank processes run_local started for this run folder (found by their --run-dir argument)."""
+    import psutil
+
+    pids = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if "hpc_tools.runtime.rank" in cmd and str(run_dir) in cmd:
+            pids.append(proc.info["pid"])
+    return pids
+
+
+@pytest.fixture(scope="module")
+def completed_run(tmp_path_factory):
+    recipe, run = prepare(tmp_path_factory.mktemp("mg_e2e"))
+    layout = ParallelLayout.from_recipe(recipe)
+    t0 = time.monotonic()
+    code = run_local(run, layout.world_size)
+    return recipe, layout, run, code, time.monotonic() - t0
+
+
+def test_local_profile_trains_end_to_end(completed_run):
+    recipe, layout, run, code, wall_s = completed_run
+    log0 = (run.logs_dir / "rank00000.out").read_text()[-3000:]
+    assert code == 0, log0
+    assert run.manifest()["state"] == "COMPLETED"
+    assert (layout.tensor_size, layout.pipeline_size, layout.world_size) == (2, 2, 4)
+    iters = recipe.training.train_iters
+    for rank in range(layout.world_size):
+        steps = [json.loads(line)["step"] for line in (run.records_dir / f"rank{rank:05d}.jsonl").read_text().splitlines()]
+        assert steps == list(range(1, iters + 1)), f"rank {rank} records"
+        assert (run.records_dir / f"rank{rank:05d}.parquet").is_file()
+    losses = losses_by_step(run.path)
+    assert sorted(losses) == list(range(1, iters + 1))
+    first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (iters - 2, iters - 1, iters)) / 3
+    assert last < first - 0.2, f"loss did not fall: {first:.3f} -> {last:.3f}"
+    kept = [s for s, _ in CheckpointDirs(run.checkpoints_dir).complete()]
+    interval = recipe.checkpoint.interval_iters
+    expected = sorted({*range(interval, iters + 1, interval), iters})[-recipe.checkpoint.keep_last:]
+    assert kept == expected
+    print(f"\ne2e gpt_3d local: {iters} steps in {wall_s:.1f} s, loss {losses[1]:.4f} -> {losses[iters]:.4f}")
+
+
+def test_stop_signal_checkpoints_and_resumes_to_the_same_losses(completed_run, tmp_path):
+    recipe, layout, reference, code, _ = completed_run
+    assert code == 0
+    _, run = prepare(tmp_path)
+    records0 = run.records_dir / "rank00000.jsonl"
+    signalled: list[int] = []
+
+    def send_stop_signal():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if records0.exists() and len(records0.read_text().splitlines()) >= STOP_AFTER_STEP:
+                for pid in rank_pids(run.path):
+                    os.kill(pid, signal.SIGUSR2)
+                    signalled.append(pid)
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=send_stop_signal, daemon=True)
+    watcher.start()
+    assert run_local(run, layout.world_size) == 0, (run.logs_dir / "rank00000.out").read_text()[-3000:]
+    watcher.join()
+    assert len(signalled) == layout.world_size
+    manifest = run.manifest()
+    assert manifest["state"] == "PREEMPTED", manifest["events"][-3:]  # not under Slurm: no requeue
+    stopped_at = manifest["last_step"]
+    assert STOP_AFTER_STEP <= stopped_at < recipe.training.train_iters
+    assert CheckpointDirs(run.checkpoints_dir).newest_step() == stopped_at
+
+    assert run_local(run, layout.world_size) == 0, (run.logs_dir / "rank00000.out").read_text()[-3000:]
+    assert run.manifest()["state"] == "COMPLETED"
+    steps0 = [json.loads(line)["step"] for line in records0.read_text().splitlines()]
+    assert steps0 == list(range(1, recipe.training.train_iters + 1)), "records must continue, never repeat"
+    resumed, uninterrupted = losses_by_step(run.path), losses_by_step(reference.path)
+    assert resumed == uninterrupted, {s: (resumed.get(s), uninterrupted[s]) for s in uninterrupted
+                                      if resumed.get(s) != uninterrupted[s]}
+    print(f"\nstopped at step {stopped_at}, resumed, {len(resumed)} losses equal to the uninterrupted run")
