@@ -37,7 +37,8 @@ class TrainingConfig(Section):
     clip_grad: float = Field(default=1.0, ge=0.0)
     """Clip the global gradient norm to this value; 0 = no clipping."""
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
-    """Parameter/compute precision; bf16/fp16 keep fp32 master weights."""
+    """Parameter/compute precision; bf16/fp16 keep fp32 master weights (except DeepSpeed ZeRO-0 with bf16, which
+    updates the bf16 weights directly)."""
     seed: int = 1234
     """Seed for initialisation, data order and dropout."""
     recompute_granularity: Literal["none", "selective", "full"] = "none"

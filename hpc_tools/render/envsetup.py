@@ -16,6 +16,8 @@ def setup_lines(cluster: ClusterConfig) -> list[str]:
         lines += ['eval "$(conda shell.bash hook)"', f"conda activate {shlex.quote(s.conda_env)}"]
     if s.venv:
         lines.append(f"source {shlex.quote(s.venv.rstrip('/') + '/bin/activate')}")
+    if "OMP_NUM_THREADS" not in s.env:  # one thread pool per rank sized to its CPUs, not to the whole node
+        lines.append(f"export OMP_NUM_THREADS={cluster.cpus_per_task}")
     lines += [f"export {name}={shlex.quote(value)}" for name, value in s.env.items()]
     return lines
 

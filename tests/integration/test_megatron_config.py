@@ -10,7 +10,7 @@ import pytest
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.train.megatron.checkpoint import optimizer_reshardable
-from hpc_tools.train.megatron.schedule import lr_at
+from hpc_tools.train.schedule import lr_at
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,10 +24,10 @@ def recipe(*sets: str, name: str = "gpt_3d.yaml", profile: str | None = None):
 def test_lr_warmup_then_cosine_to_min():
     t = recipe("training.train_iters=100", "training.lr_warmup_iters=10", "training.lr=1.0",
                "training.min_lr=0.1").training
-    assert lr_at(1, t) == pytest.approx(0.1) and lr_at(10, t) == pytest.approx(1.0)
-    assert lr_at(55, t) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
-    assert lr_at(100, t) == pytest.approx(0.1) and lr_at(150, t) == pytest.approx(0.1)
-    values = [lr_at(s, t) for s in range(10, 101)]
+    assert lr_at(t, 1) == pytest.approx(0.1) and lr_at(t, 10) == pytest.approx(1.0)
+    assert lr_at(t, 55) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(t, 100) == pytest.approx(0.1) and lr_at(t, 150) == pytest.approx(0.1)
+    values = [lr_at(t, s) for s in range(10, 101)]
     assert all(a >= b for a, b in zip(values, values[1:])), "cosine decay must not rise"
 
 
@@ -35,7 +35,7 @@ def test_lr_warmup_then_cosine_to_min():
 def test_lr_other_decays(style, mid):
     t = recipe("training.train_iters=100", "training.lr_warmup_iters=0", "training.lr=1.0", "training.min_lr=0.1",
                f"training.lr_decay_style={style}").training
-    assert lr_at(50, t) == pytest.approx(mid)
+    assert lr_at(t, 50) == pytest.approx(mid)
 
 
 def test_transformer_config_carries_the_layout():

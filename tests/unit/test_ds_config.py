@@ -10,7 +10,7 @@ from hpc_tools.errors import UserError
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import resolve
 from hpc_tools.train.deepspeed.ds_config import BATCH_KEYS, build_ds_config, render, write_ds_config
-from hpc_tools.train.deepspeed.schedule import lr_at
+from hpc_tools.train.schedule import lr_at
 
 
 def make_recipe(*, ranks=2, pipeline=1, micro=2, global_batch=16, stage=1, precision="bf16", offload_opt="none",

@@ -69,7 +69,9 @@ def test_shell_lines_quote_every_value(tmp_path):
     bad = hostile(tmp_path / "pwned")
     lines = setup_lines(c)
     assert [shlex.split(ln)[-1] for ln in lines if ln.startswith("module load")] == bad
-    assert [shlex.split(ln)[1].split("=", 1)[1] for ln in lines if ln.startswith("export")] == bad
+    exports = [shlex.split(ln)[1].split("=", 1) for ln in lines if ln.startswith("export")]
+    assert exports[0] == ["OMP_NUM_THREADS", str(c.cpus_per_task)]
+    assert [value for _, value in exports[1:]] == bad
     venv = resolve({**hostile_recipe(tmp_path / "pwned", "python3"),
                     "cluster": {"gpu_type": "cpu", "setup": {"venv": bad[2]}}}).cluster
     assert shlex.split(setup_lines(venv)[0]) == ["source", bad[2] + "/bin/activate"]

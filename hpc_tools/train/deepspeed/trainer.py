@@ -22,7 +22,7 @@ from hpc_tools.train.checkpoint_dirs import CheckpointDirs
 from hpc_tools.train.data import build_samples, microbatches_for_step
 from hpc_tools.train.deepspeed.ds_config import build_ds_config, write_ds_config
 from hpc_tools.train.deepspeed.model import build_model
-from hpc_tools.train.deepspeed.schedule import lr_at
+from hpc_tools.train.schedule import lr_at
 from profiling.collector import StepCollector
 
 RNG_FILE = "rng_rank{rank:05d}.pt"

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hpc_tools.train.megatron.schedule import apply_lr, lr_at
+from hpc_tools.train.megatron.schedule import apply_lr
+from hpc_tools.train.schedule import lr_at
 
 if TYPE_CHECKING:
     from hpc_tools.layout import ParallelLayout
@@ -97,7 +98,7 @@ class Engine:
         import torch
 
         t = self.recipe.training
-        lr = lr_at(step, t)
+        lr = lr_at(t, step)
         apply_lr(self.optimizer, lr, t.weight_decay)
         for chunk in self.chunks:
             chunk.zero_grad_buffer()

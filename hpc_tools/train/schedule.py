@@ -1,4 +1,5 @@
-"""The learning-rate schedule of ``training:``: linear warm-up, then cosine/linear/constant decay to min_lr."""
+"""The learning-rate schedule of ``training:`` for every trainer: linear warm-up, then cosine/linear/constant decay to
+min_lr. A pure function of the step, so the step number is the whole scheduler state a checkpoint needs."""
 
 from __future__ import annotations
 
