@@ -65,6 +65,21 @@ class RankContext:
         """This rank received a stop signal (trainers must agree across ranks before acting)."""
         return self.stop.requested
 
+    def agree_stop(self, device=None) -> bool:
+        """Collective: True on every rank when any rank received a stop signal (all-reduce MAX of the flag).
+
+        Then every rank marks itself stopped, so rank 0 records the run as preempted even if it was not signalled.
+        """
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if self.stop.requested else 0.0], device=device or "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            self.stop.requested = True
+            return True
+        return False
+
     def heartbeat(self, step: int) -> None:
         if self.watchdog is not None:
             self.watchdog.beat(step)

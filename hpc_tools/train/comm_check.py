@@ -45,18 +45,10 @@ def run(ctx: RankContext) -> None:
             ctx.heartbeat(step)
             if step % ctx.recipe.training.log_interval == 0 or step == iters:
                 ctx.info("all_reduce %8d bytes: %.3f ms, busbw %.3f GB/s", size, dt * 1e3, busbw)
-            if _agreed_stop(ctx, dist, device):
+            if ctx.agree_stop(device):
                 ctx.finish_preempted(step)
                 break
         collector.close()
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def _agreed_stop(ctx: RankContext, dist, device) -> bool:
-    import torch
-
-    flag = torch.tensor([1.0 if ctx.stop_requested else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() > 0

@@ -140,7 +140,7 @@ class DeepSpeedJob:
                 if (interval and step % interval == 0) or step == end:
                     self.save(step)
                     last_saved = step
-                if self.agreed_stop():
+                if self.ctx.agree_stop(self.engine.device):
                     if last_saved != step:
                         self.save(step)
                     self.ctx.finish_preempted(step)
@@ -208,15 +208,6 @@ class DeepSpeedJob:
         """One pipelined step through DeepSpeed's schedule; its loss is already averaged over microbatches and DP."""
         data = iter([(mb["tokens"], mb["labels"]) for mb in batches])
         return float(self.engine.train_batch(data_iter=data)), None
-
-    def agreed_stop(self) -> bool:
-        """Every rank stops at the same step when any rank received a stop signal."""
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.tensor([1.0 if self.ctx.stop_requested else 0.0], device=self.engine.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() > 0
 
     # -- checkpoints ----------------------------------------------------------------------------------------------------
     def save(self, step: int) -> Path:

@@ -82,7 +82,7 @@ def train(ctx: RankContext, engine) -> None:
             result = engine.train_step(step, batches)
             collector.end_step(step, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm, skipped=result.skipped)
             ctx.heartbeat(step)
-            stop = agreed_stop(ctx)
+            stop = ctx.agree_stop(_device(ctx))
             if stop or step == last or (interval and step % interval == 0):
                 checkpoint.save(engine, dirs, step)
             if stop:
@@ -94,18 +94,10 @@ def train(ctx: RankContext, engine) -> None:
         collector.close()
 
 
-def agreed_stop(ctx: RankContext) -> bool:
-    """All ranks stop together when any received a stop signal (all-reduce MAX of the flag)."""
+def _device(ctx: RankContext):
     import torch
-    import torch.distributed as dist
 
-    device = torch.device("cuda", torch.cuda.current_device()) if ctx.device_type == "cuda" else torch.device("cpu")
-    flag = torch.tensor([1.0 if ctx.stop_requested else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() > 0:
-        ctx.stop.requested = True  # so that every rank (rank 0 included) reports the run as stopped, not completed
-        return True
-    return False
+    return torch.device("cuda", torch.cuda.current_device()) if ctx.device_type == "cuda" else torch.device("cpu")
 
 
 def _quiet_megatron() -> None:
