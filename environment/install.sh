@@ -7,7 +7,7 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(dirname "$here")"
 py="${PYTHON:-python3}"
-pip_install() { "$py" -m pip install --disable-pip-version-check -q "$@"; }
+pip_install() { "$py" -m pip install --disable-pip-version-check --root-user-action=ignore -q "$@"; }
 
 start=$SECONDS
 # shellcheck disable=SC2086  # HPC_TOOLS_TORCH may carry an --index-url
