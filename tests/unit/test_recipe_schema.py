@@ -113,3 +113,22 @@ def test_slurm_strings_cannot_carry_options():
     with pytest.raises(RecipeError) as exc:
         resolve({**MINIMAL, "cluster": {**MINIMAL["cluster"], "partition": "gpu\n#SBATCH --uid=0"}})
     assert messages(exc.value)[0].startswith("cluster.partition=") and "valid Slurm name" in messages(exc.value)[0]
+
+
+@pytest.mark.parametrize("override,start,fix", [
+    ("cluster.gpus_per_node=0", "cluster.gpus_per_node=0 input should be greater than 0", "choose a value in range"),
+    ("cluster.time_limit=4h", "cluster.time_limit=4h is not in Slurm's --time format", "e.g. 04:00:00"),
+    ("cluster.setup.env={'BAD-NAME': x}", "cluster.setup.env=", "use letters, digits and _"),
+    ("name='two words'", "name='two words' is not a valid job name", "use 1-64 letters"),
+    ("parallel.tensor_size=0", "parallel.tensor_size=0 input should be greater than 0", "choose a value in range"),
+])
+def test_field_constraints_name_field_and_fix(override, start, fix):
+    with pytest.raises(RecipeError) as exc:
+        resolve(MINIMAL, [override])
+    (msg,) = messages(exc.value)
+    assert msg.startswith(start) and fix in msg, msg
+
+
+def test_time_limit_in_minutes_as_a_yaml_integer():
+    recipe = resolve(MINIMAL, ["cluster.time_limit=90"])
+    assert recipe.cluster.time_limit == "90" and recipe.cluster.time_limit_min == 90
