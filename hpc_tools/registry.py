@@ -84,6 +84,17 @@ def package_versions() -> dict[str, str]:
     return found
 
 
+@contextlib.contextmanager
+def file_lock(folder: Path) -> Iterator[None]:
+    """An exclusive lock on ``folder/.lock`` for read-modify-write of the files in it (across processes)."""
+    with open(Path(folder) / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 class RunFolder:
     """A run folder on disk. Create with ``RunFolder.create``; open an existing one with ``RunFolder(path)``."""
 
@@ -152,18 +163,9 @@ class RunFolder:
             raise UserError(f"{self.path} is not a run folder (no {MANIFEST}); see `python -m hpc_tools list`") from None
 
     # -- updating -------------------------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        with open(self.path / ".lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-
     def update(self, event: str | None = None, **fields: Any) -> dict[str, Any]:
         """Read-modify-write the manifest under a lock; ``event`` is appended to its event log with a timestamp."""
-        with self._locked():
+        with file_lock(self.path):
             data = self.manifest()
             data.update(fields)
             if event:

@@ -26,6 +26,19 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
                           capture_output=True, timeout=timeout, input=input)
 
 
+def wait_for(predicate, timeout_s: float = 120, what: str = "", poll_s: float = 0.5):
+    """Poll ``predicate`` until it returns something truthy (returned), or fail after ``timeout_s``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what or predicate}")
+
+
 @pytest.fixture
 def cli():
     return run_cli

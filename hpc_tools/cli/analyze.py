@@ -13,7 +13,8 @@ COLUMNS = ("world_size", "label", "repeat", "status", "step_time_median_s", "tok
            "mfu", "peak_mem_gb", "comm_share", "rank_skew", "stragglers")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments `analyze` and `report` share."""
     p.add_argument("refs", nargs="+", metavar="RUN_OR_SWEEP",
                    help="run folders, sweep folders, folders of runs, run ids or Slurm job ids")
     p.add_argument("--warmup", type=int, default=None, metavar="N",
@@ -24,14 +25,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_json(p)
 
 
-def run(args: argparse.Namespace) -> int:
+def analysed(args: argparse.Namespace):
+    """The analysis of the runs the arguments name."""
     from hpc_tools.analysis.analyze import analyse
-    from hpc_tools.analysis.report import markdown_table
     from hpc_tools.errors import UserError
 
     if args.warmup is not None and args.warmup < 0:
         raise UserError(f"--warmup {args.warmup} must be >= 0 (steps excluded from the statistics)")
-    result = analyse(args.refs, args.warmup, args.runs_dir, args.scaling)
+    return analyse(args.refs, args.warmup, args.runs_dir, args.scaling)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_analysis_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpc_tools.analysis.report import markdown_table
+
+    result = analysed(args)
     if args.json:
         emit_json({"ok": True, **result.to_json()})
         return 0

@@ -7,7 +7,6 @@ import sys
 import time
 
 from hpc_tools.cli._common import add_json, add_recipe_args, add_runs_dir, emit_json, say
-from hpc_tools.errors import UserError
 
 NAME = "submit"
 ORDER = 30

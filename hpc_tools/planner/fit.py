@@ -41,7 +41,7 @@ def fit_violations(recipe: "Recipe") -> list[Violation]:
     rule = (f"gives {hw.mem_bytes / GB:.1f} GB per GPU but the plan needs {plan.total / GB:.1f} GB{where} ({terms})")
     fixes = [f"{' and '.join(change)} ({total / GB:.1f} GB)"
              for change, total in fitting_changes(recipe, arch, knobs, hw.mem_bytes)]
-    search = f"`python -m hpc_tools plan RECIPE --search` finds the fastest layout that fits"
+    search = "`python -m hpc_tools plan RECIPE --search` finds the fastest layout that fits"
     fix = (f"try {' or '.join(fixes[:3])}; {search}" if fixes else
            f"no single change fits: combine tensor/pipeline parallelism and recomputation, or add nodes; {search}")
     return [Violation(path, value, rule, fix)]

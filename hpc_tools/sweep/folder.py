@@ -7,14 +7,13 @@ and every dropped cell with its reasons. It is rewritten atomically under a lock
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 from pathlib import Path
 from typing import Any, Iterator
 
 from hpc_tools.errors import UserError
-from hpc_tools.registry import atomic_write, new_run_id, now_iso, runs_root
+from hpc_tools.registry import atomic_write, file_lock, new_run_id, now_iso, runs_root
 
 SWEEP_FILE = "sweep.json"
 
@@ -60,14 +59,10 @@ class SweepFolder:
     @contextlib.contextmanager
     def edit(self) -> Iterator[dict[str, Any]]:
         """Read-modify-write sweep.json under a lock (the local runner and `sweep status` may overlap)."""
-        with open(self.path / ".lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                data = self.read()
-                yield data
-                atomic_write(self.path / SWEEP_FILE, json.dumps(data, indent=2, default=str))
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        with file_lock(self.path):
+            data = self.read()
+            yield data
+            atomic_write(self.path / SWEEP_FILE, json.dumps(data, indent=2, default=str))
 
     def update_cell(self, cell_id: str, **fields: Any) -> None:
         with self.edit() as data:

@@ -6,14 +6,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from hpc_tools.registry import RunFolder, list_runs
-from tests.conftest import RECIPES, REPO, run_cli
+from tests.conftest import RECIPES, REPO, run_cli, wait_for
 
 pytestmark = pytest.mark.slurm
 COMM = "recipes/comm_check.yaml"
@@ -30,16 +29,6 @@ def sbatch(script: Path, cwd: Path, *args: str, env: dict | None = None) -> tupl
     out = subprocess.run(["sbatch", "--parsable", *args, str(script)], cwd=cwd, capture_output=True, text=True,
                          timeout=600, env={**os.environ, **(env or {})})
     return out.stdout.strip().split(";")[0], out
-
-
-def wait_for(predicate, timeout_s: float = 120, poll_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {predicate}")
 
 
 def test_submit_through_submitit_and_get_the_result(slurm, runs_dir):

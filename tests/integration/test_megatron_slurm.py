@@ -26,6 +26,7 @@ from hpc_tools.executors.slurm import sacct_state
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.registry import RunFolder
+from tests.conftest import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "gpt_3d.yaml"
@@ -43,16 +44,6 @@ def losses(run_dir: Path) -> dict[int, float]:
             if rec["loss"] is not None:
                 found[rec["step"]] = rec["loss"]
     return found
-
-
-def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def steps_done(run: RunFolder) -> int:
