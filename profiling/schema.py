@@ -39,7 +39,7 @@ STEP_FIELDS: tuple[Field, ...] = (
     Field("tokens", "int", True, "tokens consumed by the whole job in this step (global batch x sequence length)"),
     Field("tokens_per_s", "float", True, "tokens / step_time_s for the whole job"),
     Field("tokens_per_s_per_gpu", "float", True, "tokens_per_s / world size"),
-    Field("loss", "float", False, "mean training loss of the step (ranks that compute it)"),
+    Field("loss", "float", False, "mean training loss of the step (ranks that know it; Megatron broadcasts it to all)"),
     Field("lr", "float", False, "learning rate used in the step"),
     Field("grad_norm", "float", False, "global gradient norm before clipping"),
     Field("model_flops", "float", False, "model FLOPs of the whole step, under flops_convention"),

@@ -138,18 +138,23 @@ class Engine:
 
         return output, loss_func
 
-    def _global_loss(self, losses: list[dict]) -> float | None:
-        """Mean over microbatches and data-parallel ranks, on last-stage ranks (the same on every layout)."""
+    def _global_loss(self, losses: list[dict]) -> float:
+        """Mean over microbatches and data-parallel ranks, computed on the last stage (the same on every layout) and
+        broadcast along the pipeline, so every rank's record and rank 0's progress line carry the loss."""
         import torch
         from megatron.core import parallel_state as ps
 
-        if not self.coords.is_last_stage or not losses:
-            return None
-        local = torch.stack([d["lm loss"].float() for d in losses]).mean()
-        if self.layout.data_size > 1:
-            torch.distributed.all_reduce(local, group=ps.get_data_parallel_group())
-            local /= self.layout.data_size
-        return float(local)
+        device = torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else torch.device("cpu")
+        loss = torch.zeros(1, dtype=torch.float32, device=device)
+        if self.coords.is_last_stage and losses:
+            loss = torch.stack([d["lm loss"].float() for d in losses]).mean().reshape(1).to(device)
+            if self.layout.data_size > 1:
+                torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
+                loss /= self.layout.data_size
+        if self.layout.pipeline_size > 1:
+            torch.distributed.broadcast(loss, src=ps.get_pipeline_model_parallel_last_rank(),
+                                        group=ps.get_pipeline_model_parallel_group())
+        return float(loss)
 
     def close(self) -> None:
         """Tear down Megatron's parallel state (the torch.distributed world stays up)."""
