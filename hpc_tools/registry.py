@@ -31,7 +31,9 @@ MANIFEST = "manifest.json"
 RECIPE = "recipe.yaml"
 SCRIPT = "job.sbatch"
 SUBDIRS = ("logs", "records", "checkpoints")
-TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "HANG", "PREEMPTED_DONE")
+# A run's life ends in one terminal state; only a live state (a requeued job starting again) can follow it.
+TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "HANG", "PREEMPTED")
+LIVE_STATES = ("CREATED", "PENDING", "STARTING", "RUNNING", "REQUEUED")
 
 
 def now_iso() -> str:
@@ -164,9 +166,15 @@ class RunFolder:
 
     # -- updating -------------------------------------------------------------------------------------------------------
     def update(self, event: str | None = None, **fields: Any) -> dict[str, Any]:
-        """Read-modify-write the manifest under a lock; ``event`` is appended to its event log with a timestamp."""
+        """Read-modify-write the manifest under a lock; ``event`` is appended to its event log with a timestamp.
+
+        The first terminal state of a life stands: a late writer (a rank reporting its stop after Slurm already
+        said CANCELLED) cannot replace it; a live state (the requeued job starting again) can.
+        """
         with file_lock(self.path):
             data = self.manifest()
+            if data.get("state") in TERMINAL_STATES and fields.get("state") not in (None, *LIVE_STATES):
+                fields = {k: v for k, v in fields.items() if k != "state"}
             data.update(fields)
             if event:
                 data.setdefault("events", []).append({"time": now_iso(), "event": event,

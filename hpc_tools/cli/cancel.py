@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 
 from hpc_tools.cli._common import add_json, add_runs_dir, emit_json, say
 from hpc_tools.errors import UserError
@@ -21,17 +22,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpc_tools.cli.status import resolve_run
+    from hpc_tools.cli.status import refresh, resolve_run
+    from hpc_tools.executors.slurm import SLURM_TERMINAL
     from hpc_tools.registry import TERMINAL_STATES, now_iso
 
     r = resolve_run(args.run, args.runs_dir)
-    manifest = r.manifest()
-    if manifest.get("state") in TERMINAL_STATES:
-        raise UserError(f"run {r.run_id} already ended ({manifest['state']}); nothing to cancel")
+    manifest = refresh(r)
+    if manifest.get("state") in TERMINAL_STATES or manifest.get("slurm_state") in SLURM_TERMINAL:
+        ended = manifest.get("state") if manifest.get("state") in TERMINAL_STATES else manifest["slurm_state"]
+        raise UserError(f"run {r.run_id} already ended ({ended}); nothing to cancel")
     if manifest.get("executor") in ("slurm", "sbatch"):
         from hpc_tools.executors.slurm import cancel
 
-        cancel(str(manifest["job_id"]))
+        try:
+            cancel(str(manifest["job_id"]))
+        except subprocess.CalledProcessError as exc:
+            raise UserError(f"scancel {manifest['job_id']} failed: {(exc.stderr or '').strip() or exc} "
+                            "(check the job with `squeue` / `sacct`)") from None
     else:
         pids = manifest.get("pids") or []
         if not pids:

@@ -27,9 +27,8 @@ def refresh(run) -> dict:
         info = sacct_state(str(job_id))
         if info and info["state"] and info["state"] != manifest.get("slurm_state"):
             fields = {"slurm_state": info["state"], "slurm_exit_code": info["exit_code"], "elapsed": info["elapsed"]}
-            if info["state"] in ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL") and \
-                    manifest.get("state") not in ("COMPLETED",):
-                fields["state"] = info["state"]
+            if info["state"] in ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL"):
+                fields["state"] = info["state"]  # the manifest keeps its first terminal state (RunFolder.update)
             manifest = run.update(event=f"slurm {info['state']}", **fields)
     return manifest
 

@@ -85,13 +85,10 @@ def _refresh_jobs_script(recipe_path: str, plan) -> None:
 def _wait(run, job_id: str, poll_s: float = 2.0) -> str:
     """Poll sacct until the job ends (submitit's own wait can hang without accounting); returns the final state."""
     from hpc_tools.cli.status import refresh
+    from hpc_tools.executors.slurm import SLURM_TERMINAL
 
     while True:
         manifest = refresh(run)
-        if manifest.get("slurm_state") in SLURM_DONE:
+        if manifest.get("slurm_state") in SLURM_TERMINAL:
             return manifest["slurm_state"]
         time.sleep(poll_s)
-
-
-SLURM_DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
-              "PREEMPTED"}

@@ -36,7 +36,6 @@ MANIFEST = {
     "RUNNING": "running", "LAUNCHED": "running",
     "COMPLETED": "completed", "FAILED": "failed", "CANCELLED": "cancelled", "TIMEOUT": "timeout",
     "OUT_OF_MEMORY": "out_of_memory", "NODE_FAIL": "node_failure", "HANG": "hang", "PREEMPTED": "cancelled",
-    "PREEMPTED_DONE": "cancelled",
 }
 LOG_PATTERNS = (
     ("out_of_memory", re.compile(r"CUDA out of memory|OutOfMemoryError|out-of-memory|oom[-_]kill|Out Of Memory|"

@@ -81,23 +81,30 @@ def test_status_logs_and_cancel_on_a_real_job(slurm, runs_dir):
     assert out.returncode == 0, out.stderr
     job = json.loads(out.stdout)
     run = RunFolder(job["run_dir"])
-    wait_for(lambda: run.manifest().get("state") == "RUNNING" and (run.records_dir / "rank00000.jsonl").exists())
-    follower = subprocess.Popen([sys.executable, "-m", "hpc_tools", "logs", job["job_id"], "-f", "--runs-dir",
-                                 str(runs_dir)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    status = json.loads(run_cli("status", run.run_id, "--json", "--runs-dir", str(runs_dir)).stdout)
-    assert status["state"] == "RUNNING" and status["slurm_state"] == "RUNNING" and status["last_step"]["step"] >= 1
-    logs = run_cli("logs", run.run_id, "--runs-dir", str(runs_dir))
-    assert "rendezvous ok: 2 ranks" in logs.stdout
-    cancel = run_cli("cancel", run.run_id, "--runs-dir", str(runs_dir))
-    assert cancel.returncode == 0, cancel.stderr
-    final = wait_for(lambda: (m := json.loads(run_cli("status", run.run_id, "--json", "--runs-dir",
-                                                      str(runs_dir)).stdout)).get("slurm_state") == "CANCELLED" and m,
-                     timeout_s=60)
-    assert final["state"] == "CANCELLED"
-    stdout, _ = follower.communicate(timeout=60)
-    assert follower.returncode == 0 and "rendezvous ok" in stdout
-    again = run_cli("cancel", run.run_id, "--runs-dir", str(runs_dir))
-    assert again.returncode == 2 and "already ended (CANCELLED)" in again.stderr
+    try:
+        wait_for(lambda: run.manifest().get("state") == "RUNNING" and (run.records_dir / "rank00000.jsonl").exists())
+        follower = subprocess.Popen([sys.executable, "-m", "hpc_tools", "logs", job["job_id"], "-f", "--runs-dir",
+                                     str(runs_dir)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # sacct can lag the job's own start by a poll or two
+        status = wait_for(lambda: (s := json.loads(run_cli("status", run.run_id, "--json", "--runs-dir",
+                                                            str(runs_dir)).stdout))["slurm_state"] == "RUNNING" and s,
+                          timeout_s=60)
+        assert status["state"] == "RUNNING" and status["last_step"]["step"] >= 1
+        logs = run_cli("logs", run.run_id, "--runs-dir", str(runs_dir))
+        assert "rendezvous ok: 2 ranks" in logs.stdout
+        cancel = run_cli("cancel", run.run_id, "--runs-dir", str(runs_dir))
+        assert cancel.returncode == 0, cancel.stderr
+        final = wait_for(lambda: (m := json.loads(run_cli("status", run.run_id, "--json", "--runs-dir",
+                                                          str(runs_dir)).stdout)).get("slurm_state") == "CANCELLED" and m,
+                         timeout_s=60)
+        assert final["state"] == "CANCELLED"
+        stdout, _ = follower.communicate(timeout=60)
+        assert follower.returncode == 0 and "rendezvous ok" in stdout
+        again = run_cli("cancel", run.run_id, "--runs-dir", str(runs_dir))
+        assert again.returncode == 2 and "already ended (CANCELLED)" in again.stderr
+        assert run.manifest()["state"] == "CANCELLED"  # the ranks' late stop report did not replace it
+    finally:
+        subprocess.run(["scancel", job["job_id"]], timeout=30)  # never leave a runaway job behind
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)

@@ -53,3 +53,14 @@ def test_find_run_by_prefix_and_job_id(tmp_path):
     with pytest.raises(UserError, match="no run matches"):
         find_run("beta", tmp_path)
     assert Path(find_run("alpha-2", tmp_path).path).name == "alpha-2"
+
+
+def test_first_terminal_state_of_a_life_stands(tmp_path):
+    run = RunFolder.create(tmp_path, "r", "x: 1\n", "", {})
+    run.update(event="slurm CANCELLED", state="CANCELLED")
+    run.update(event="preempted", state="PREEMPTED", last_step=4)  # a rank reporting its stop afterwards
+    manifest = run.manifest()
+    assert manifest["state"] == "CANCELLED" and manifest["last_step"] == 4
+    assert [e["event"] for e in manifest["events"]] == ["slurm CANCELLED", "preempted"]
+    run.update(event="started", state="RUNNING")  # a requeued job starts a new life
+    assert run.manifest()["state"] == "RUNNING"
