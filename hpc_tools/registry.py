@@ -169,11 +169,14 @@ class RunFolder:
         """Read-modify-write the manifest under a lock; ``event`` is appended to its event log with a timestamp.
 
         The first terminal state of a life stands: a late writer (a rank reporting its stop after Slurm already
-        said CANCELLED) cannot replace it; a live state (the requeued job starting again) can.
+        said CANCELLED) cannot replace it; a live state (the requeued job starting again) can. PREEMPTED, the ranks'
+        own report that a signal stopped them, is the weakest: Slurm's verdict (CANCELLED, TIMEOUT, ...) replaces it.
         """
         with file_lock(self.path):
             data = self.manifest()
-            if data.get("state") in TERMINAL_STATES and fields.get("state") not in (None, *LIVE_STATES):
+            current, new = data.get("state"), fields.get("state")
+            if current in TERMINAL_STATES and new not in (None, *LIVE_STATES) and \
+                    not (current == "PREEMPTED" and new != "PREEMPTED"):
                 fields = {k: v for k, v in fields.items() if k != "state"}
             data.update(fields)
             if event:

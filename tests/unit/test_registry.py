@@ -64,3 +64,11 @@ def test_first_terminal_state_of_a_life_stands(tmp_path):
     assert [e["event"] for e in manifest["events"]] == ["slurm CANCELLED", "preempted"]
     run.update(event="started", state="RUNNING")  # a requeued job starts a new life
     assert run.manifest()["state"] == "RUNNING"
+
+
+def test_slurms_verdict_replaces_the_ranks_stop_report(tmp_path):
+    run = RunFolder.create(tmp_path, "r", "x: 1\n", "", {})
+    run.update(event="preempted", state="PREEMPTED")  # SIGTERM reached the ranks first
+    run.update(event="slurm CANCELLED", state="CANCELLED")
+    run.update(event="exited", state="COMPLETED")
+    assert run.manifest()["state"] == "CANCELLED"
