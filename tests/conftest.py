@@ -39,6 +39,18 @@ def wait_for(predicate, timeout_s: float = 120, what: str = "", poll_s: float = 
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what or predicate}")
 
 
+def step_records(run_dir: Path) -> dict[int, list[dict]]:
+    """rank -> its step records (records/rank<R>.jsonl), read with the project's own reader."""
+    from profiling.records import read_jsonl
+
+    return {int(p.stem[4:]): list(read_jsonl(p)) for p in sorted((Path(run_dir) / "records").glob("rank*.jsonl"))}
+
+
+def loss_curve(run_dir: Path) -> dict[int, float]:
+    """step -> loss, from whichever ranks recorded one."""
+    return {r["step"]: r["loss"] for recs in step_records(run_dir).values() for r in recs if r["loss"] is not None}
+
+
 @pytest.fixture
 def cli():
     return run_cli

@@ -51,10 +51,9 @@ class Arch:
     def padded_vocab(self, tensor: int, divisible_by: int = 128) -> int:
         """The vocabulary the job allocates: ``ModelConfig.padded_vocab_size`` (a multiple of divisible_by x TP) for
         Megatron, the plain vocabulary for the Hugging Face models of DeepSpeed jobs."""
-        if not self.pad_vocab:
-            return self.vocab
-        multiple = divisible_by * tensor
-        return -(-self.vocab // multiple) * multiple
+        from hpc_tools.recipe.model import pad_vocab
+
+        return pad_vocab(self.vocab, tensor, divisible_by) if self.pad_vocab else self.vocab
 
 
 def arch_for(recipe: "Recipe") -> Arch:

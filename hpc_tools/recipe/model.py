@@ -24,6 +24,12 @@ def default_ffn_hidden_size(hidden_size: int, activation: str) -> int:
     return 4 * hidden_size
 
 
+def pad_vocab(vocab_size: int, tensor_size: int, divisible_by: int = 128) -> int:
+    """Megatron's padded vocabulary: ``vocab_size`` rounded up to a multiple of ``divisible_by * tensor_size``."""
+    multiple = divisible_by * tensor_size
+    return -(-vocab_size // multiple) * multiple
+
+
 class ModelConfig(Section):
     family: Literal["gpt", "llama"] = "gpt"
     """Architecture preset: `gpt` (LayerNorm, GELU, learned positions, tied embeddings) or `llama` (RMSNorm, SwiGLU, RoPE, untied)."""
@@ -79,5 +85,4 @@ class ModelConfig(Section):
 
     def padded_vocab_size(self, tensor_size: int, divisible_by: int = 128) -> int:
         """Vocabulary padded as Megatron pads it: up to a multiple of ``divisible_by * tensor_size``."""
-        multiple = divisible_by * tensor_size
-        return -(-self.vocab_size // multiple) * multiple
+        return pad_vocab(self.vocab_size, tensor_size, divisible_by)

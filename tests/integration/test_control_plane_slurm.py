@@ -12,17 +12,10 @@ from pathlib import Path
 import pytest
 
 from hpc_tools.registry import RunFolder, list_runs
-from tests.conftest import RECIPES, REPO, run_cli, wait_for
+from tests.conftest import RECIPES, REPO, run_cli, step_records, wait_for
 
 pytestmark = pytest.mark.slurm
 COMM = "recipes/comm_check.yaml"
-
-
-def records(run: RunFolder) -> dict[int, list[dict]]:
-    out = {}
-    for path in sorted(run.records_dir.glob("rank*.jsonl")):
-        out[int(path.stem[4:])] = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
-    return out
 
 
 def sbatch(script: Path, cwd: Path, *args: str, env: dict | None = None) -> tuple[str, subprocess.CompletedProcess]:
@@ -40,7 +33,7 @@ def test_submit_through_submitit_and_get_the_result(slurm, runs_dir):
     manifest = run.manifest()
     assert result["state"] == "COMPLETED" and manifest["executor"] == "slurm" and manifest["job_id"] == result["job_id"]
     assert manifest["state"] == "COMPLETED" and manifest["slurm_state"] == "COMPLETED"
-    recs = records(run)
+    recs = step_records(run.path)
     assert sorted(recs) == [0, 1] and all(len(r) == 5 for r in recs.values())
     assert {r["job_id"] for rs in recs.values() for r in rs} == {result["job_id"]}
 
@@ -67,7 +60,7 @@ def test_two_node_job_allreduces_across_nodes(slurm_multinode, tmp_path):
     job_id, out = sbatch(script, tmp_path, "--wait", env={"HPC_TOOLS_RUNS_DIR": str(tmp_path / "runs")})
     assert out.returncode == 0, out.stderr
     run = RunFolder(tmp_path / "runs" / f"comm_check-j{job_id}")
-    recs = records(run)
+    recs = step_records(run.path)
     assert sorted(recs) == [0, 1, 2, 3]
     nodes = {rs[0]["node"] for rs in recs.values()}
     assert len(nodes) == 2, f"ranks ran on {nodes}, expected two nodes"

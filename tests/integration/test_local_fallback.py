@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 from hpc_tools.registry import list_runs
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, step_records
 
 COMM = "recipes/comm_check.yaml"
-
-
-def records(run):
-    return {int(p.stem[4:]): [json.loads(ln) for ln in p.read_text().splitlines() if ln.strip()]
-            for p in sorted(run.records_dir.glob("rank*.jsonl"))}
 
 
 def test_local_fallback_when_no_slurm_answers(tmp_path):
@@ -27,5 +21,5 @@ def test_local_fallback_when_no_slurm_answers(tmp_path):
     assert len(notes) == 1 and "--executor slurm" in notes[0]
     (run,) = list_runs(tmp_path / "runs")
     assert run.manifest()["state"] == "COMPLETED" and run.manifest()["executor"] == "local"
-    assert sorted(records(run)) == [0, 1]
+    assert sorted(step_records(run.path)) == [0, 1]
 

@@ -11,26 +11,13 @@ from pathlib import Path
 import pytest
 
 from hpc_tools.registry import RunFolder, list_runs
-from tests.conftest import run_cli
+from tests.conftest import loss_curve, run_cli, step_records
 
 pytestmark = pytest.mark.slow
 
 
-def loss_curve(run: RunFolder) -> dict[int, float]:
-    found = {}
-    for path in run.records_dir.glob("rank*.jsonl"):
-        for rec in map(json.loads, path.read_text().splitlines()):
-            if rec["loss"] is not None:
-                found[rec["step"]] = rec["loss"]
-    return found
-
-
 def nodes_of(run: RunFolder) -> dict[int, str]:
-    out = {}
-    for path in run.records_dir.glob("rank*.jsonl"):
-        first = json.loads(path.read_text().splitlines()[0])
-        out[first["rank"]] = first["node"]
-    return out
+    return {rank: recs[0]["node"] for rank, recs in step_records(run.path).items()}
 
 
 CASES = {
@@ -60,7 +47,7 @@ def test_recipe_trains_across_two_nodes_through_the_rendered_script(slurm_multin
     assert run.manifest()["state"] == "COMPLETED"
     placement = nodes_of(run)
     assert sorted(placement) == list(range(ranks)) and len(set(placement.values())) == 2, placement
-    curve = loss_curve(run)
+    curve = loss_curve(run.path)
     assert sorted(curve) == list(range(1, 9)) and curve[8] < curve[1], curve
 
 
@@ -72,5 +59,5 @@ def test_submit_on_the_local_default_trains_with_a_falling_loss(tmp_path, recipe
     result = json.loads(out.stdout)
     run = RunFolder(result["run_dir"])
     assert result["state"] == "COMPLETED" and run.manifest()["profile"] == "local"
-    curve = loss_curve(run)
+    curve = loss_curve(run.path)
     assert sorted(curve) == list(range(1, 9)) and curve[8] < curve[1], curve
