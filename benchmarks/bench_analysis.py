@@ -24,8 +24,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpc_tools.analysis.analyze import analyse  # noqa: E402
-from hpc_tools.analysis.records import COLUMNS, rank_files  # noqa: E402
-from hpc_tools.analysis.synthetic import synthetic_run  # noqa: E402
+from hpc_tools.testing.synthetic import synthetic_run  # noqa: E402
+from profiling.figures import COLUMNS  # noqa: E402
+from profiling.records import rank_files  # noqa: E402
 
 
 def generate(root: Path, runs: int, ranks: int, steps: int, seed: int = 0) -> list[Path]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from profiling.workload import launch  # noqa: E402
+from hpc_tools.testing.workload import launch  # noqa: E402
 
 GOALS = {"default": 1.01, "everything": 1.05}
 
@@ -42,7 +42,8 @@ def main() -> int:
             print(f"{name:<12} {rank:>4} {median * 1e3:>10.3f}ms {ratio:>7.4f} {goal:>6} "
                   f"{inside * 1e6:>15.1f}us {mean * 1e6:>10.1f}us {100 * mean / median:>6.3f}%")
     print("ratio: median step time over 'off' (end to end, sensitive to machine load); collector/step: host time "
-          "inside start_step + end_step (mean includes sampled steps and the profiler window), share = mean / median step")
+          "inside start_step + end_step (mean includes sampled steps and the profiler window), "
+          "share = mean / median step")
     return 0
 
 

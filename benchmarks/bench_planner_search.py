@@ -77,8 +77,8 @@ def bench_narayanan() -> list[dict]:
                 "backend.megatron.overlap_param_gather=false"]
         plan = make_plan(load_recipe(REPO / "recipes/gpt_3d.yaml", sets))
         predicted = plan.time.hardware_flops / plan.time.total_s / gpus / 1e12
-        rows.append({"billions": billions, "tp": t, "pp": p, "gpus": gpus, "batch": batch, "published_tflops": published,
-                     "predicted_tflops": predicted, "ratio": predicted / published,
+        rows.append({"billions": billions, "tp": t, "pp": p, "gpus": gpus, "batch": batch,
+                     "published_tflops": published, "predicted_tflops": predicted, "ratio": predicted / published,
                      "memory_gb": plan.memory.total / 1e9, "fits_80gb": plan.fits})
     return rows
 

@@ -37,7 +37,8 @@ class Violation:
         return f"{where} {self.rule} ({self.fix})"
 
     def as_dict(self) -> dict[str, str]:
-        return {"path": self.path, "value": None if self.value is Ellipsis else show(self.value), "rule": self.rule, "fix": self.fix, "message": str(self)}
+        return {"path": self.path, "value": None if self.value is Ellipsis else show(self.value), "rule": self.rule,
+                "fix": self.fix, "message": str(self)}
 
 
 class UserError(Exception):
@@ -53,5 +54,7 @@ class RecipeError(UserError):
         self.violations = list(violations)
         self.source = source
         first = str(self.violations[0]) if self.violations else "invalid recipe"
-        more = f" (+{len(self.violations) - 1} more; run `python -m hpc_tools validate` to list all)" if len(self.violations) > 1 else ""
+        recipe = source if source.endswith((".yaml", ".yml")) else "RECIPE"
+        more = (f" (+{len(self.violations) - 1} more; `python -m hpc_tools validate {recipe}` with the same --set "
+                "options lists all)") if len(self.violations) > 1 else ""
         super().__init__(f"{source}: {first}{more}")

@@ -26,14 +26,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hpc_tools.errors import UserError
+from hpc_tools.runstate import LIVE_STATES, TERMINAL_STATES  # the run-state vocabulary's owner
+from profiling.files import atomic_write  # the one atomic write, re-exported to the rest of hpc_tools
 
 MANIFEST = "manifest.json"
 RECIPE = "recipe.yaml"
 SCRIPT = "job.sbatch"
 SUBDIRS = ("logs", "records", "checkpoints")
-# A run's life ends in one terminal state; only a live state (a requeued job starting again) can follow it.
-TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "HANG", "PREEMPTED")
-LIVE_STATES = ("CREATED", "PENDING", "STARTING", "RUNNING", "REQUEUED")
 
 
 def now_iso() -> str:
@@ -48,22 +47,6 @@ def runs_root(explicit: str | Path | None = None) -> Path:
 def new_run_id(name: str) -> str:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     return f"{name}-{stamp}-{secrets.token_hex(3)}"
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write-then-rename, so readers see the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def git_sha(cwd: Path | None = None) -> str | None:
@@ -103,7 +86,7 @@ class RunFolder:
     def __init__(self, path: str | Path):
         self.path = Path(path).absolute()
 
-    # -- creation -------------------------------------------------------------------------------------------------------
+    # -- creation ------------------------------------------------------------------------------------------------------
     @classmethod
     def create(cls, root: Path, run_id: str, recipe_text: str, script_text: str, manifest: dict[str, Any],
                check_recipe=None) -> "RunFolder":
@@ -134,7 +117,7 @@ class RunFolder:
             raise
         return cls(final)
 
-    # -- reading --------------------------------------------------------------------------------------------------------
+    # -- reading -------------------------------------------------------------------------------------------------------
     @property
     def run_id(self) -> str:
         return self.path.name
@@ -162,9 +145,10 @@ class RunFolder:
         try:
             return json.loads((self.path / MANIFEST).read_text())
         except FileNotFoundError:
-            raise UserError(f"{self.path} is not a run folder (no {MANIFEST}); see `python -m hpc_tools list`") from None
+            raise UserError(f"{self.path} is not a run folder (no {MANIFEST}); "
+                            "see `python -m hpc_tools list`") from None
 
-    # -- updating -------------------------------------------------------------------------------------------------------
+    # -- updating ------------------------------------------------------------------------------------------------------
     def update(self, event: str | None = None, **fields: Any) -> dict[str, Any]:
         """Read-modify-write the manifest under a lock; ``event`` is appended to its event log with a timestamp.
 
@@ -194,7 +178,8 @@ def find_run(ref: str, root: Path) -> RunFolder:
     if (root / ref / MANIFEST).is_file():
         return RunFolder(root / ref)
     runs = list_runs(root)
-    matches = [r for r in runs if r.run_id.startswith(ref)] or [r for r in runs if str(r.manifest().get("job_id")) == ref]
+    matches = [r for r in runs if r.run_id.startswith(ref)] or \
+        [r for r in runs if str(r.manifest().get("job_id")) == ref]
     if len(matches) == 1:
         return matches[0]
     if not matches:
@@ -207,3 +192,14 @@ def list_runs(root: Path) -> list[RunFolder]:
         return []
     runs = [RunFolder(p) for p in root.iterdir() if not p.name.startswith(".") and (p / MANIFEST).is_file()]
     return sorted(runs, key=lambda r: r.manifest().get("created", ""))
+
+
+def resolve_run(ref: str | None, runs_dir: str | Path | None = None) -> RunFolder:
+    """The run a command names (folder, run id or unique prefix, Slurm job id), or the latest under the runs root."""
+    root = runs_root(runs_dir)
+    if ref:
+        return find_run(ref, root)
+    runs = list_runs(root)
+    if not runs:
+        raise UserError(f"no runs under {root} (submit one with `python -m hpc_tools submit RECIPE`)")
+    return runs[-1]

@@ -22,7 +22,8 @@ What it measures (each optional part switched by ``profiling.*``):
   into the step record and ``records/comm_rank<R>.jsonl`` (with bus bandwidth).
 * pipeline bubble: with pipeline_size > 1, time stalled in pipeline p2p on every step (``pp_wait_s``), over the step
   time (``bubble_fraction``), next to the theory ``(p-1)/(v m)`` in the summaries.
-* GPU telemetry (``telemetry.py``), a torch.profiler window (``trace.py``), summaries (``summary.py``).
+* GPU telemetry (``telemetry.py``), a torch.profiler window (``trace.py``), summaries (``summary.py``, whose figures
+  ``figures.py`` defines for the summary, ``analyze`` and the calibration alike).
 """
 
 from __future__ import annotations
@@ -36,15 +37,11 @@ from typing import Any
 
 from profiling import comm as comm_mod
 from profiling.clock import Clock
-from profiling.records import RecordWriter
+from profiling.records import RecordWriter, comm_path
 from profiling.schema import SCHEMA_VERSION
-from profiling.summary import RankSummary, format_line, merge, write_rank
+from profiling.summary import RankSummary, format_job_line, format_line, merge, write_rank
 
 SUMMARY_MERGE_WAIT_S = 10.0
-
-
-def comm_path(records_dir: Path, rank: int) -> Path:
-    return Path(records_dir) / f"comm_rank{rank:05d}.jsonl"
 
 
 class _Rss:
@@ -109,8 +106,9 @@ class StepCollector:
         self.writer = self.tracer = self.telemetry = self.trace = None
         self.summary = RankSummary(self.cfg.warmup_steps, {
             "run_id": run_id, "rank": rank, **coords, "world_size": world_size, "job_id": job_id, "restart": restart,
-            "flops_convention": flops_convention, "peak_tflops_per_gpu": peak_tflops, "model_flops_per_step": model_flops,
-            "hardware_flops_per_step": hardware_flops, "tokens_per_step": tokens_per_step, "bubble_theory": theory_bubble,
+            "flops_convention": flops_convention, "peak_tflops_per_gpu": peak_tflops,
+            "model_flops_per_step": model_flops, "hardware_flops_per_step": hardware_flops,
+            "tokens_per_step": tokens_per_step, "bubble_theory": theory_bubble,
             "timing": "cuda-events" if cuda else "perf_counter", **(header or {})})
         if not self.enabled:
             return
@@ -122,7 +120,8 @@ class StepCollector:
         if self.cfg.gpu_telemetry and cuda:
             from profiling.telemetry import TelemetrySampler
 
-            self.telemetry = TelemetrySampler(self.records_dir, rank, device_index, self.cfg.telemetry_interval_s).start()
+            self.telemetry = TelemetrySampler(self.records_dir, rank, device_index,
+                                              self.cfg.telemetry_interval_s).start()
         tp = self.cfg.torch_profiler
         if tp.enabled and rank in tp.ranks:
             from profiling.trace import TraceWindow
@@ -147,10 +146,12 @@ class StepCollector:
         if r.backend.kind != "comm_check":
             conv = r.profiling.flops_convention
             # Megatron pads the vocabulary for TP; the padded logits are computed, so they count.
-            vocab = r.model.padded_vocab_size(layout.tensor_size) if r.backend.kind == "megatron" else r.model.vocab_size
+            vocab = (r.model.padded_vocab_size(layout.tensor_size) if r.backend.kind == "megatron"
+                     else r.model.vocab_size)
             model_flops = model_flops_per_step(r.model, layout.global_batch_size, convention=conv, vocab_size=vocab)
             hardware_flops = hardware_flops_per_step(r.model, layout.global_batch_size,
-                                                     r.training.recompute_granularity, convention=conv, vocab_size=vocab)
+                                                     r.training.recompute_granularity, convention=conv,
+                                                     vocab_size=vocab)
             # A recipe's gpu_type says nothing about CPU ranks: a peak only for real GPUs or an explicit override.
             if cuda or r.cluster.gpu_peak_tflops is not None:
                 peak = peak_for_recipe(r, device_name)
@@ -281,19 +282,4 @@ class StepCollector:
             job = merge(self.run_dir, self.world_size, wait_s=SUMMARY_MERGE_WAIT_S if self.world_size > 1 else 0.0,
                         restart=self.restart)
             if self.log and job:
-                self.log("summary: %s", _job_line(job))
-
-
-def _job_line(job: dict[str, Any]) -> str:
-    st, mfu = job.get("step_time_s"), job.get("mfu")
-    parts = [f"{job['world_size']} ranks", f"{st:.4f} s/step" if st else "no steps after warm-up"]
-    if job.get("tokens_per_s"):
-        parts.append(f"{job['tokens_per_s']:.0f} tok/s ({job['tokens_per_s_per_gpu']:.0f}/gpu)")
-    if job.get("tflops_per_gpu") is not None:
-        parts.append(f"{job['tflops_per_gpu']:.3g} TFLOP/s/gpu [{job['flops_convention']}]")
-        parts.append(f"MFU {100 * mfu:.1f}%" if mfu is not None else "MFU n/a (unknown peak)")
-    if job.get("bubble_measured_per_stage"):
-        stages = ", ".join(f"{k}: {100 * v:.0f}%" for k, v in job["bubble_measured_per_stage"].items())
-        parts.append(f"pp wait per stage {stages}, bubble {100 * job['bubble_measured']:.0f}% of the step "
-                     f"(theory {100 * job['bubble_theory_of_step']:.0f}%)")
-    return " | ".join(parts)
+                self.log("summary: %s", format_job_line(job))

@@ -216,7 +216,7 @@ def per_kind(ops: list[Op], clock: Clock) -> list[dict[str, Any]]:
     return list(rows.values())
 
 
-# --- installing the wrappers -------------------------------------------------------------------------------------------
+# --- installing the wrappers ------------------------------------------------------------------------------------------
 
 _TRACER: CommTracer | None = None
 _PATCHES: list[tuple[Any, str, Any]] = []

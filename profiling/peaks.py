@@ -29,6 +29,8 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H200-NVL": {"bf16": 835.5, "fp16": 835.5, "fp8": 1670.5, "tf32": 417.5, "fp32": 60.0},
     "GH200": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "tf32": 494.7, "fp32": 66.9},
     "B200": {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "tf32": 1100.0},
+    # GB200 NVL72 datasheet: 180 PF dense FP16/BF16 for 72 GPUs; the B200 of an HGX board is clocked lower.
+    "GB200": {"bf16": 2500.0, "fp16": 2500.0, "fp8": 5000.0, "tf32": 1250.0},
     "MI300X": {"bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9, "tf32": 653.7, "fp32": 163.4},
     "MI325X": {"bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9, "tf32": 653.7, "fp32": 163.4},
     "L40S": {"bf16": 362.05, "fp16": 362.05, "fp8": 733.0, "tf32": 183.0, "fp32": 91.6},
@@ -50,6 +52,7 @@ _NAME_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"h100", "H100-SXM"),  # "NVIDIA H100 80GB HBM3" is the SXM part
     (r"a100.*40", "A100-40GB"),
     (r"a100", "A100-80GB"),
+    (r"gb200", "GB200"),  # before b200, which it contains
     (r"b200", "B200"),
     (r"mi300x", "MI300X"),
     (r"mi325x", "MI325X"),
@@ -64,11 +67,21 @@ PRECISION_DTYPE = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 _warned: set[tuple[str, str]] = set()
 
 
+# A MIG slice ("NVIDIA A100-SXM4-40GB MIG 3g.20gb") has a fraction of the parent's SMs: its peak is not in the table.
+_MIG = re.compile(r"(^|[^a-z0-9])mig([^a-z0-9]|$)")
+
+
 def canonical_gpu(name: str) -> str | None:
-    """Table key for a recipe ``gpu_type`` or a device name (``NVIDIA H100 80GB HBM3`` -> ``H100-SXM``); None if unknown."""
+    """Table key for a recipe ``gpu_type`` or a device name (``NVIDIA H100 80GB HBM3`` -> ``H100-SXM``);
+    None if unknown.
+
+    A MIG slice is unknown (None): the full GPU's peak would overstate its MFU by up to 7x.
+    """
     if name in PEAK_TFLOPS:
         return name
     key = re.sub(r"[\s_]+", "-", name.strip().lower())
+    if _MIG.search(key):
+        return None
     for known in PEAK_TFLOPS:
         if key == known.lower():
             return known
@@ -88,7 +101,12 @@ def peak_tflops(gpu_type: str, dtype: str) -> float | None:
     value = PEAK_TFLOPS.get(key, {}).get(dtype) if key else None
     if value is None and (gpu_type, dtype) not in _warned:
         _warned.add((gpu_type, dtype))
-        why = f"{key} has no dense {dtype} figure" if key else f"GPU {gpu_type!r} is not in profiling.peaks.PEAK_TFLOPS"
+        if key:
+            why = f"{key} has no dense {dtype} figure"
+        elif _MIG.search(gpu_type.lower()):
+            why = f"{gpu_type!r} is a MIG slice, whose peak is a fraction of the full GPU's"
+        else:
+            why = f"GPU {gpu_type!r} is not in profiling.peaks.PEAK_TFLOPS"
         warnings.warn(f"{why}: MFU/HFU left empty; set cluster.gpu_peak_tflops in the recipe to the dense "
                       f"{dtype} TFLOP/s of this GPU", stacklevel=2)
     return value

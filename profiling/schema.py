@@ -2,8 +2,9 @@
 
 Versioned: a change that renames or retypes a field bumps SCHEMA_VERSION; adding an optional field does not.
 Records are appended as JSON lines to ``records/rank<RANK>.jsonl`` during the run (a requeued job appends to the same
-file) and compacted into ``records/steps.parquet`` at the end. Optional fields are null when not measured on that
-step or rank (e.g. ``loss`` off the last pipeline stage, communication on unsampled steps, GPU fields on CPU).
+file) and compacted into ``records/rank<RANK>.parquet`` at the end (``profiling.records`` owns the file names and the
+reading). Optional fields are null when not measured on that step or rank (e.g. ``loss`` off the last pipeline stage,
+communication on unsampled steps, GPU fields on CPU). What the figures made from them mean: ``profiling.figures``.
 """
 
 from __future__ import annotations
@@ -60,6 +61,15 @@ STEP_FIELDS: tuple[Field, ...] = (
 FIELD_NAMES = tuple(f.name for f in STEP_FIELDS)
 REQUIRED = tuple(f.name for f in STEP_FIELDS if f.required)
 _PY_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool}
+
+
+def fields(*names: str) -> tuple[str, ...]:
+    """``names`` checked against the schema: a reader's column list that names a field the writer never writes would
+    silently read nothing, so a typo fails at import instead."""
+    unknown = [n for n in names if n not in FIELD_NAMES]
+    if unknown:
+        raise ValueError(f"{unknown} are not step record fields (profiling.schema.STEP_FIELDS)")
+    return tuple(names)
 
 
 def validate_record(record: dict[str, Any]) -> None:

@@ -1,14 +1,11 @@
 """Run summaries: the line rank 0 prints every ``summary_interval`` steps, and the summary files written at close.
 
-Each rank writes ``records/summary_rank<R>.json`` (no collective at close: a rank that fails or a trainer that closes
-on some ranks only cannot hang the others). Rank 0 then merges the rank files present within a few seconds into
-``<run>/summary.json``; ``merge(run_dir, world_size)`` rebuilds it later from whatever rank files exist.
-Figures are medians over the steps after ``warmup_steps``.
-
-Pipeline bubble: each stage's ``pp_wait_s / step_time_s`` is listed per stage; the job's ``bubble_measured`` is the
-smallest of them. In 1F1B every stage ideally waits (p-1)(t_f+t_b) per step; a stage that waits more is waiting on
-a slower stage (imbalance, a descheduled CPU rank), so the least-waiting stage shows the schedule's own bubble. It is
-compared with the theory as a share of the step, b / (1 + b) for b = (p-1)/(v m) (``bubble_theory_of_step``).
+Each rank writes ``records/summary_rank<R>.json``: this start's header (layout, FLOPs convention, peak, ...) and the
+rank's own figures over this start's records (no collective at close: a rank that fails or a trainer that closes on
+some ranks only cannot hang the others). Rank 0 then waits a few seconds for the rank files of this start and writes
+``<run>/summary.json``: the job's figures over every step record of the run (all starts), reduced by
+``profiling.figures`` exactly as ``analyze`` and the calibration reduce them (the definitions are stated there, once).
+``merge(run_dir, world_size)`` rebuilds it later from whatever files exist.
 """
 
 from __future__ import annotations
@@ -16,13 +13,19 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from array import array
+from collections import deque
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 
-_MEDIAN_FIELDS = ("step_time_s", "data_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "hfu",
+from profiling import figures
+
+# Fields of the periodic line: medians over the last ``summary_interval`` measured steps of this rank.
+WINDOW_MAX = 10_000  # the longest window kept (the line's window is summary_interval steps)
+_WINDOW_FIELDS = ("step_time_s", "data_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "hfu",
                   "pp_wait_s", "bubble_fraction")
-_MAX_FIELDS = ("mem_allocated_max_bytes", "mem_reserved_max_bytes", "rss_bytes")
 
 
 def summary_rank_path(records_dir: Path, rank: int) -> Path:
@@ -35,48 +38,45 @@ def _median(values: list) -> float | None:
 
 
 class RankSummary:
-    """Accumulates this rank's step records (after warm-up) and sampled communication rows."""
+    """This rank's records of this start, reduced at the end by ``profiling.figures``; the window of the periodic line
+    skips the warm-up steps by the same rule (``figures.is_warmup``)."""
 
     def __init__(self, warmup_steps: int, header: dict[str, Any]):
         self.warmup_steps = warmup_steps
-        self.header = header
-        self.rows: list[dict[str, Any]] = []
-        self.comm: dict[tuple[str, int], dict[str, Any]] = {}
+        self.header = {**header, "warmup_steps": warmup_steps}
+        self.rows: deque[dict[str, Any]] = deque(maxlen=WINDOW_MAX)  # the last measured steps, for the line
+        self._columns = {c: array("d") for c in figures.COLUMNS}  # 8 bytes a value: a long run stays small
+        self._comm: list[dict[str, Any]] = []
         self.first_step: int | None = None
 
     def add(self, record: dict[str, Any], comm_rows: list[dict[str, Any]] | None = None) -> None:
         if self.first_step is None:
             self.first_step = record["step"]
-        if record["step"] - self.first_step < self.warmup_steps:
+        for c, values in self._columns.items():
+            value = record.get(c)
+            values.append(np.nan if value is None else value)
+        if figures.is_warmup(record["step"], self.first_step, self.warmup_steps):
             return
-        self.rows.append({k: record.get(k) for k in ("step", "loss", *_MEDIAN_FIELDS, *_MAX_FIELDS)})
-        for row in comm_rows or ():
-            acc = self.comm.setdefault((row["kind"], row["group_size"]), {
-                "kind": row["kind"], "group_size": row["group_size"], "calls": 0, "bytes": 0, "time_s": 0.0,
-                "span_s": 0.0, "sampled_steps": 0})
-            for key in ("calls", "bytes", "time_s", "span_s"):
-                acc[key] += row[key]
-            acc["sampled_steps"] += 1
+        self.rows.append({k: record.get(k) for k in _WINDOW_FIELDS})
+        self._comm += [{**row, "step": record["step"], "restart": record.get("restart", 0)} for row in comm_rows or ()]
 
     def window(self, n: int) -> dict[str, Any]:
-        """Medians over the last ``n`` steps (for the periodic summary line)."""
-        rows = self.rows[-n:]
-        return {k: _median([r[k] for r in rows]) for k in _MEDIAN_FIELDS}
+        """Medians over the last ``n`` measured steps (for the periodic summary line)."""
+        rows = list(self.rows)[-n:]
+        return {k: _median([r[k] for r in rows]) for k in _WINDOW_FIELDS}
 
     def to_dict(self) -> dict[str, Any]:
-        from profiling.comm import busbw_factor
-
-        comm = []
-        for acc in self.comm.values():
-            algbw = acc["bytes"] / acc["span_s"] / 1e9 if acc["span_s"] > 0 else None
-            comm.append({**acc, "algbw_gbps": algbw,
-                         "busbw_gbps": None if algbw is None else algbw * busbw_factor(acc["kind"], acc["group_size"])})
-        out = {**self.header, "steps_summarised": len(self.rows),
-               "steps": [self.rows[0]["step"], self.rows[-1]["step"]] if self.rows else None,
-               **{f"median_{k}": _median([r[k] for r in self.rows]) for k in _MEDIAN_FIELDS},
-               **{f"max_{k}": max((r[k] for r in self.rows if r[k] is not None), default=None) for k in _MAX_FIELDS},
-               "last_loss": next((r["loss"] for r in reversed(self.rows) if r["loss"] is not None), None),
-               "comm": comm}
+        """Header, this rank's figures over this start (``figures.RankFigures``) and its sampled collectives."""
+        cols = {c: np.frombuffer(v, dtype=np.float64).copy() for c, v in self._columns.items()}
+        out = {**self.header, "steps": None, "comm": figures.sum_comm(self._comm)}
+        out.update(dict.fromkeys(f for f in figures.RankFigures.__dataclass_fields__ if f != "rank"))
+        if cols["step"].size:
+            cols, measured = figures.prepare_rank(cols, self.warmup_steps)
+            found = figures.rank_figures(self.header.get("rank", 0), cols, measured)
+            if found is not None:
+                out.update({k: v for k, v in found.as_dict().items() if k != "rank"})
+                steps = cols["step"][measured]
+                out["steps"] = [int(steps[0]), int(steps[-1])]
         return out
 
 
@@ -98,17 +98,30 @@ def format_line(step: int, loss: float | None, w: dict[str, Any], convention: st
     if mem_bytes:
         parts.append(f"mem {mem_bytes / 2**30:.2f} GiB")
     if w.get("bubble_fraction") is not None:
-        theory = f" (theory {100 * _of_step(theory_bubble):.0f}%)" if theory_bubble is not None else ""
-        parts.append(f"pp wait {100 * w['bubble_fraction']:.0f}%{theory}")
+        theory = figures.bubble_share_theory(theory_bubble)
+        parts.append(f"pp wait {100 * w['bubble_fraction']:.0f}%"
+                     + (f" (theory {100 * theory:.0f}%)" if theory is not None else ""))
     for row in comm_rows or ():
         if row["kind"] != "p2p" and row.get("busbw_gbps") is not None:
             parts.append(f"{row['kind']}x{row['group_size']} {row['busbw_gbps']:.2f} GB/s busbw")
     return " | ".join(parts)
 
 
-def _of_step(bubble: float | None) -> float | None:
-    """(p-1)/(v m) is relative to the ideal compute time; as a share of the whole step it is b / (1 + b)."""
-    return None if bubble is None else bubble / (1 + bubble)
+def format_job_line(job: dict[str, Any]) -> str:
+    """The one line rank 0 logs at the end: ``2 ranks | 0.1234 s/step | ... | MFU 41.0% | pp wait per stage ...``."""
+    st, mfu = job.get("step_time_median_s"), job.get("mfu")
+    parts = [f"{job['world_size']} ranks", f"{st:.4f} s/step" if st else "no steps after warm-up"]
+    if job.get("tokens_per_s"):
+        parts.append(f"{job['tokens_per_s']:.0f} tok/s ({job['tokens_per_s_per_gpu']:.0f}/gpu)")
+    if job.get("tflops_per_gpu") is not None:
+        parts.append(f"{job['tflops_per_gpu']:.3g} TFLOP/s/gpu [{job.get('flops_convention')}]")
+        parts.append(f"MFU {100 * mfu:.1f}%" if mfu is not None else "MFU n/a (unknown peak)")
+    if job.get("bubble_share_per_stage"):
+        stages = ", ".join(f"{k}: {100 * v:.0f}%" for k, v in job["bubble_share_per_stage"].items())
+        theory = job.get("bubble_share_theory")
+        parts.append(f"pp wait per stage {stages}, bubble {100 * job['bubble_share']:.0f}% of the step"
+                     + (f" (theory {100 * theory:.0f}%)" if theory is not None else ""))
+    return " | ".join(parts)
 
 
 def _k(x: float | None) -> str:
@@ -118,24 +131,26 @@ def _k(x: float | None) -> str:
 
 
 def write_rank(records_dir: Path, rank: int, summary: dict[str, Any]) -> Path:
-    from hpc_tools.registry import atomic_write
+    from profiling.files import atomic_write
 
     path = summary_rank_path(records_dir, rank)
     atomic_write(path, json.dumps(summary, indent=2, sort_keys=True))
     return path
 
 
+# Header fields the job summary takes from the rank files (what the job was, not what it measured).
+_HEADER = ("run_id", "layout", "flops_convention", "gpu", "timing", "backend", "recompute")
+
+
 def merge(run_dir: Path, world_size: int, wait_s: float = 0.0, restart: int | None = None) -> dict[str, Any]:
-    """Job summary from the per-rank files (waiting up to ``wait_s`` for all of them), written to <run>/summary.json.
+    """Job summary written to <run>/summary.json, once the rank summary files of this start are there (waiting up to
+    ``wait_s`` for all of them; with ``restart``, only files of that start count).
 
-    With ``restart``, only rank files of that start count (a requeued job does not mix in the previous start's).
-
-    Job-level figures: step time = the slowest rank's median (the step ends when the last rank does); tokens/s,
-    TFLOP/s and MFU from that step time; the measured bubble per pipeline stage (mean over its ranks); collectives
-    summed over ranks per (kind, group size).
+    The figures (``profiling.figures.JOB_FIGURES``) come from the step records of every start, reduced by
+    ``profiling.figures``: the same numbers ``analyze`` gives for this run folder. ``ranks`` holds the per-rank
+    figures, ``comm`` the sampled collectives per (kind, group size).
     """
-    from hpc_tools.registry import atomic_write
-    from profiling.comm import busbw_factor
+    from profiling.files import atomic_write
 
     records = Path(run_dir) / "records"
     deadline = time.monotonic() + wait_s
@@ -148,42 +163,12 @@ def merge(run_dir: Path, world_size: int, wait_s: float = 0.0, restart: int | No
     if not ranks:
         return {}
     head = ranks[0]
-    step_times = [r["median_step_time_s"] for r in ranks if r.get("median_step_time_s")]
-    step_s = max(step_times) if step_times else None
-    flops, peak = head.get("model_flops_per_step"), head.get("peak_tflops_per_gpu")
-    hw = head.get("hardware_flops_per_step")
+    warmup = int(head.get("warmup_steps") or 0)
     n = head.get("world_size", world_size)
-    stages: dict[int, list[float]] = {}
-    for r in ranks:
-        if r.get("median_bubble_fraction") is not None:
-            stages.setdefault(r["pp_rank"], []).append(r["median_bubble_fraction"])
-    comm: dict[tuple[str, int], dict[str, Any]] = {}
-    for r in ranks:
-        for row in r.get("comm", ()):
-            acc = comm.setdefault((row["kind"], row["group_size"]), {"kind": row["kind"], "group_size": row["group_size"],
-                                                                     "calls": 0, "bytes": 0, "time_s": 0.0, "span_s": 0.0})
-            for key in ("calls", "bytes", "time_s", "span_s"):
-                acc[key] += row[key]
-    for acc in comm.values():
-        acc["busbw_gbps"] = (acc["bytes"] / acc["span_s"] / 1e9 * busbw_factor(acc["kind"], acc["group_size"])
-                             if acc["span_s"] > 0 else None)
-    job = {
-        "run_id": head.get("run_id"), "world_size": n, "ranks_reporting": [r["rank"] for r in ranks],
-        "layout": head.get("layout"), "flops_convention": head.get("flops_convention"), "gpu": head.get("gpu"),
-        "peak_tflops_per_gpu": peak, "tokens_per_step": head.get("tokens_per_step"),
-        "model_flops_per_step": flops, "hardware_flops_per_step": hw, "step_time_s": step_s,
-        "tokens_per_s": head["tokens_per_step"] / step_s if step_s else None,
-        "tokens_per_s_per_gpu": head["tokens_per_step"] / step_s / n if step_s else None,
-        "tflops_per_gpu": flops / step_s / n / 1e12 if step_s and flops else None,
-        "mfu": flops / step_s / n / (peak * 1e12) if step_s and flops and peak else None,
-        "hfu": hw / step_s / n / (peak * 1e12) if step_s and hw and peak else None,
-        "bubble_theory": head.get("bubble_theory"),
-        "bubble_theory_of_step": _of_step(head.get("bubble_theory")),
-        "bubble_measured_per_stage": {str(k): statistics.mean(v) for k, v in sorted(stages.items())} or None,
-        "bubble_measured": min(statistics.mean(v) for v in stages.values()) if stages else None,
-        "comm": sorted(comm.values(), key=lambda a: (a["kind"], a["group_size"])),
-        "last_loss": next((r["last_loss"] for r in reversed(ranks) if r.get("last_loss") is not None), None),
-        "ranks": ranks,
-    }
+    reducer = figures.reduce_records(records, warmup)
+    job = {k: head.get(k) for k in _HEADER}
+    job.update(world_size=n, restart=head.get("restart"), ranks_reporting=[r["rank"] for r in ranks],
+               **reducer.figures(n, head.get("bubble_theory")), comm=figures.comm_table(records, warmup),
+               ranks=[r.as_dict() for r in reducer.ranks])
     atomic_write(Path(run_dir) / "summary.json", json.dumps(job, indent=2, sort_keys=True))
     return job

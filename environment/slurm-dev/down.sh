@@ -12,7 +12,7 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=lib.sh
 source "$HERE/lib.sh"
 
-# FACTS: cancel jobs first, so slurmd/slurmstepd get to kill the job processes
+# Cancel jobs first, so slurmd/slurmstepd get to kill the job processes
 # (KillWait=5) before the daemons go away.
 cancel_jobs() {
     [[ -f $PIDS_DIR/slurmctld ]] && pid_alive "$PIDS_DIR/slurmctld" || return 0
@@ -27,7 +27,7 @@ cancel_jobs() {
     wait_until 15 bash -c '[[ -z $(timeout 5 squeue -h -o %i) ]]' || warn "jobs still listed after 15 s; stopping anyway"
 }
 
-# FACTS: each daemon takes 1.4-3 s to exit on SIGTERM: signal them all at once,
+# Each daemon takes 1.4-3 s to exit on SIGTERM: signal them all at once,
 # then SIGKILL whatever is still there after a few seconds.
 stop_daemons() {
     local f pids=() names=()

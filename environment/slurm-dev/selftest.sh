@@ -74,7 +74,7 @@ t_cancel() {
 
 t_requeue() {
     # Two jobs, --time=1 --requeue: the trap on USR2 (sent 30 s before the limit, may come
-    # ~30 s early since limits are checked every ~30 s: FACTS) requeues the job; the second
+    # ~30 s early since Slurm checks limits every ~30 s) requeues the job; the second
     # run sees SLURM_RESTART_COUNT=1.
     #   batch: --signal=B:USR2@30, trap in the batch shell (without B: only steps get it)
     #   step:  --signal=USR2@30, trap in a task launched by srun (what submitit does)

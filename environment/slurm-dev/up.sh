@@ -7,8 +7,8 @@
 #   bash environment/slurm-dev/up.sh --nodes 4 --cpus-per-node 4 --mem-per-node 8000
 #
 # A cluster that is already up (from an earlier up.sh) is stopped first, so
-# running it again is how you switch modes. Pitfalls cited as "FACTS" refer to
-# /work/shared/FACTS.md, section "A real Slurm cluster on this machine".
+# running it again is how you switch modes. Why it does what it does (Slurm
+# without systemd): docs/slurm-dev-cluster.md in the repository.
 set -Eeuo pipefail
 set +m # setsid must not fork, so that $! is the daemon's pid (see start_daemon)
 
@@ -23,7 +23,7 @@ PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server mariadb-cl
 CURRENT_PHASE=startup
 
 usage() {
-    sed -n '2,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit "${1:-0}"
 }
 
@@ -101,8 +101,8 @@ install_packages() {
         return
     fi
     say "missing: $missing-> apt-get install ${PACKAGES[*]} (log: $LOG_DIR/apt.log)"
-    # FACTS: package scripts may try to start daemons; a policy-rc.d that exits 101
-    # forbids it. Only remove it afterwards if we are the ones who created it.
+    # Package scripts try to start daemons (there is no init system to refuse); a
+    # policy-rc.d that exits 101 forbids it. Only remove it afterwards if we are the ones who created it.
     local made_policy=0
     if [[ ! -e /usr/sbin/policy-rc.d ]]; then
         printf '#!/bin/sh\n# %s: no daemon starts during package install\nexit 101\n' "$MARK" >/usr/sbin/policy-rc.d
@@ -151,7 +151,7 @@ prepare_state() {
         bash "$HERE/down.sh" || die "down.sh failed while stopping the previous cluster"
     fi
     # Fresh dynamic state every bring-up: job ids restart at 1 and no stale accounting
-    # records (FACTS: they mislead submitit). Logs of the previous run are kept as *.prev.
+    # records (an old job with a reused id misleads submitit and sacct). Logs of the previous run are kept as *.prev.
     rm -rf "${STATE:?}/spool" "${STATE:?}/mysql" "${STATE:?}/etc" "${STATE:?}/run" "${PIDS_DIR:?}"
     mkdir -p "$STATE"/{spool/slurmctld,mysql,etc,run} "$PIDS_DIR" "$OWNED_DIR" "$LOG_DIR"
     local f
@@ -164,7 +164,7 @@ prepare_state() {
 # ---------------------------------------------------------------- cgroups
 ensure_cgroup_fs() {
     CURRENT_PHASE="cgroup filesystem"
-    # FACTS: slurmd 22.05 still needs a cgroup filesystem at /sys/fs/cgroup, even
+    # slurmd 22.05 still needs a cgroup filesystem at /sys/fs/cgroup, even
     # with proctrack/linuxproc + task/none. Containers usually have one; mount a
     # cgroup2 only when nothing is there (and let down.sh unmount it).
     if [[ -e /sys/fs/cgroup/cgroup.controllers ]] || compgen -G "/sys/fs/cgroup/*/tasks" >/dev/null ||
@@ -179,10 +179,10 @@ ensure_cgroup_fs() {
 
 # ---------------------------------------------------------------- network
 # Multi-node mode: one network namespace per slurmd, veth into a bridge carrying a
-# private /24 with no default route (FACTS). The host end of the bridge ($SUBNET.1)
+# private /24 with no default route, so nothing leaves the machine. The host end of the bridge ($SUBNET.1)
 # is where slurmctld/slurmdbd are reached from the nodes.
 # Fallback when namespaces cannot be made (or HPC_TOOLS_SLURM_NETNS=0): Debian's
-# multiple-slurmd mode, every node on 127.0.0.1 with its own slurmd port (FACTS).
+# multiple-slurmd mode, every node on 127.0.0.1 with its own slurmd port.
 setup_network() {
     phase "network ($NODES nodes)"
     local i
@@ -277,9 +277,9 @@ SlurmctldPort=6817
 SlurmdPort=6818
 AuthType=auth/munge
 CredType=cred/munge
-# FACTS: the default 120 s credential lifetime keeps a requeued job pending ~136 s; 5 is the minimum.
+# The default 120 s credential lifetime keeps a requeued job pending ~136 s; 5 is the minimum.
 AuthInfo=cred_expire=5
-# FACTS: no MTA here.
+# No MTA here (the default /bin/mail does not exist).
 MailProg=/bin/true
 StateSaveLocation=$STATE/spool/slurmctld
 SlurmdSpoolDir=$STATE/spool/slurmd-%n
@@ -289,25 +289,25 @@ SlurmctldLogFile=$LOG_DIR/slurmctld.log
 SlurmdLogFile=$LOG_DIR/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
-# FACTS: no cgroup-based tracking/affinity in this container.
+# No cgroup-based tracking/affinity in this container (no delegated cgroup tree).
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
-# FACTS: advertise more CPUs than the machine has (ranks > cores).
+# Advertise more CPUs than the machine has (ranks > cores) without the node being drained.
 SlurmdParameters=config_overrides
 JobAcctGatherType=jobacct_gather/linux
 JobAcctGatherFrequency=30
-# FACTS: without slurmdbd, sacct exits 1 and submitit's job.result() can hang forever.
+# Without slurmdbd, sacct exits 1 and submitit's job.result() can hang forever.
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=$CTL_ADDR
 AccountingStoragePort=6819
 JobCompType=jobcomp/none
 MpiDefault=none
 SchedulerType=sched/backfill
-# FACTS: sbatch -> COMPLETED 0.64 s instead of 2.5 s.
+# Fast test turnaround: sbatch -> COMPLETED 0.64 s instead of 2.5 s.
 SchedulerParameters=batch_sched_delay=0,sched_min_interval=0,bf_interval=1,sched_interval=1
-# FACTS: submitit ignores SIGTERM, so every cancel waits KillWait out.
+# submitit ignores SIGTERM, so every cancel waits KillWait out (30 s by default).
 KillWait=5
 OverTimeLimit=0
 MinJobAge=30
@@ -454,7 +454,7 @@ start_slurmds() {
         if [[ $NET_MODE != netns ]]; then
             start_daemon "slurmd-$node" "$LOG_DIR/slurmd-$node.stderr.log" slurmd -D -N "$node"
         else
-            # FACTS: `ip netns exec` remounts /sys and slurmd then fails on cgroups; nsenter
+            # `ip netns exec` remounts /sys and slurmd then fails on cgroups; nsenter
             # only switches the network namespace. unshare --uts gives the node its own hostname
             # (so `hostname` in a job prints the node name).
             start_daemon "slurmd-$node" "$LOG_DIR/slurmd-$node.stderr.log" \

@@ -15,6 +15,7 @@ from hpc_tools.analysis.inputs import RunInput, discover
 from hpc_tools.analysis.metrics import rank_table, run_metrics, step_table
 from hpc_tools.analysis.records import RunRecords, read_run
 from hpc_tools.analysis.scaling import ScalingResult, analyse_scaling
+from profiling.figures import JOB_FIGURES
 
 
 @dataclass
@@ -69,11 +70,12 @@ def analyse_run(inp: RunInput, warmup: int | None = None) -> tuple[dict, pd.Data
     w = warmup_for(inp, warmup)
     max_step = inp.recipe.training.train_iters if inp.recipe is not None else None
     rec = read_run(inp.run.records_dir, w, max_step)
+    row = run_metrics(inp, rec)
     ranks = rank_table(rec, inp.run_id)
-    row = run_metrics(inp, rec, ranks)
     predicted = planner_prediction(inp.recipe) if inp.recipe is not None else None
     row["predicted_step_time_s"] = predicted
-    row["predicted_vs_measured"] = predicted / row["step_time_median_s"] if predicted and row["step_time_median_s"] else None
+    measured = row["step_time_median_s"]
+    row["predicted_vs_measured"] = predicted / measured if predicted and measured else None
     return row, ranks, step_table(rec, inp.run_id), rec
 
 
@@ -99,10 +101,10 @@ def analyse(refs: list[str], warmup: int | None = None, root: str | Path | None 
                     sweeps=sweeps)
 
 
-NUMERIC = ("step_time_median_s", "step_time_p10_s", "step_time_p90_s", "step_time_mean_s", "tokens_per_step",
-           "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "peak_tflops_per_gpu", "mfu", "peak_mem_gb",
-           "bubble_measured", "bubble_theory", "comm_share", "data_share", "rank_skew", "predicted_step_time_s",
-           "predicted_vs_measured")
+# The figures that are floats (counts, labels and text stay as they are).
+NUMERIC = tuple(f for f in JOB_FIGURES if f not in ("ranks_measured", "steps_measured", "warmup_steps", "slowest_rank",
+                                                    "peak_mem_kind", "stragglers", "bubble_share_per_stage")) + (
+    "predicted_step_time_s", "predicted_vs_measured")
 
 
 def _numeric(runs: pd.DataFrame) -> pd.DataFrame:

@@ -41,7 +41,8 @@ def throughput(a: Analysis, out: Path) -> list[Path]:
         if t["tokens_per_s"].isna().all():
             continue
         name = ", ".join(f"{k}={v}" for k, v in s.series.items() if k in ("tensor_size", "pipeline_size")) or "runs"
-        ax.errorbar(t["world_size"], t["tokens_per_s"], yerr=t["tokens_per_s"] * t["step_time_std_s"] / t["step_time_s"],
+        ax.errorbar(t["world_size"], t["tokens_per_s"],
+                    yerr=t["tokens_per_s"] * t["step_time_std_s"] / t["step_time_s"],
                     marker="o", capsize=3, label=f"measured ({s.kind}; {name})")
         base = t["tokens_per_s"].iloc[0] / t["world_size"].iloc[0]
         ax.plot(t["world_size"], base * t["world_size"], "--", color="grey", label="ideal (linear)")
@@ -94,7 +95,7 @@ def breakdown(a: Analysis, out: Path) -> list[Path]:
               f"{r.nodes}x{r.ranks_per_node} r{r.repeat}" for i, r in enumerate(runs.itertuples())]
     total = runs["step_time_median_s"].to_numpy()
     parts = {name: runs[col].fillna(0).to_numpy() * total for name, col in
-             (("data loading", "data_share"), ("communication", "comm_share"), ("pipeline bubble", "bubble_measured"))}
+             (("data loading", "data_share"), ("communication", "comm_share"), ("pipeline bubble", "bubble_share"))}
     bottom = np.zeros(len(runs))
     for name, values in parts.items():
         ax.bar(labels, values, bottom=bottom, label=name)

@@ -10,12 +10,13 @@ from pathlib import Path
 import pandas as pd
 
 from hpc_tools.analysis.analyze import Analysis
-from hpc_tools.analysis.metrics import __doc__ as METRIC_DEFINITIONS
 from hpc_tools.analysis.plots import all_plots
+from hpc_tools.analysis.scaling import __doc__ as SCALING_METHOD
+from profiling.figures import definitions_text
 
 RUN_COLUMNS = ("run_id", "label", "status", "layout", "world_size", "repeat", "steps_measured", "step_time_median_s",
                "step_time_p10_s", "step_time_p90_s", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu",
-               "peak_mem_gb", "bubble_measured", "bubble_theory", "comm_share", "data_share", "rank_skew",
+               "peak_mem_gb", "bubble_share", "bubble_share_theory", "comm_share", "data_share", "rank_skew",
                "stragglers", "predicted_step_time_s")
 SCALING_COLUMNS = ("scaling", "world_size", "nodes", "repeats", "global_batch_size", "step_time_s", "step_time_std_s",
                    "spread", "tokens_per_s", "speedup", "ideal_speedup", "efficiency", "karp_flatt")
@@ -61,7 +62,7 @@ def write_tables(a: Analysis, out: Path) -> list[Path]:
         if df is None or df.empty:
             continue
         df = df.copy()
-        for col in df.columns[df.dtypes == object]:  # mixed-type parameter columns: parquet needs one type
+        for col in df.columns[df.dtypes == "object"]:  # mixed-type parameter columns: parquet needs one type
             df[col] = df[col].map(lambda v: None if v is None else str(v))
         df.to_csv(out / f"{name}.csv", index=False)
         df.to_parquet(out / f"{name}.parquet", index=False)
@@ -89,6 +90,13 @@ def _scaling_sections(a: Analysis) -> list[tuple[str, str, pd.DataFrame | None, 
     return out
 
 
+def method_text() -> str:
+    """The report's method section: every figure's definition (``profiling.figures.DEFINITIONS``, the same text the
+    code that computes them states) and how scaling is read."""
+    return ("Figures (the run summary, analyze and the calibration compute them the same way, in profiling.figures):\n"
+            + definitions_text() + "\n\nScaling:\n" + (SCALING_METHOD or "").strip())
+
+
 def render_markdown(a: Analysis, images: list[Path], title: str) -> str:
     parts = [f"# {title}\n", f"{len(a.runs)} run(s){' in sweep ' + ', '.join(a.sweeps) if a.sweeps else ''}.\n",
              "## Runs\n", markdown_table(a.runs, RUN_COLUMNS)]
@@ -100,7 +108,7 @@ def render_markdown(a: Analysis, images: list[Path], title: str) -> str:
     parts += ["## Stragglers\n", markdown_table(stragglers, ("run_id", "rank", "step_time_median_s",
                                                              "slowdown_vs_median"))]
     parts += ["## Plots\n"] + [f"![{p.stem}]({p.name})\n" for p in images]
-    parts += ["## Definitions\n", "```\n" + (METRIC_DEFINITIONS or "").strip() + "\n```\n"]
+    parts += ["## Method\n", "```\n" + method_text() + "\n```\n"]
     return "\n".join(parts)
 
 
@@ -126,7 +134,7 @@ def render_html(a: Analysis, images: list[Path], title: str) -> str:
         data = base64.b64encode(p.read_bytes()).decode("ascii")
         parts.append(f"<figure><img alt='{html.escape(p.stem)}' src='data:image/png;base64,{data}'>"
                      f"<figcaption>{html.escape(p.stem)}</figcaption></figure>")
-    parts += ["<h2>Definitions</h2>", f"<pre>{html.escape((METRIC_DEFINITIONS or '').strip())}</pre></body></html>"]
+    parts += ["<h2>Method</h2>", f"<pre>{html.escape(method_text())}</pre></body></html>"]
     return "\n".join(parts)
 
 

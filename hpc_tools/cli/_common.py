@@ -9,9 +9,10 @@ from typing import Any
 
 
 def add_recipe_args(p: argparse.ArgumentParser, nargs: str | None = None) -> None:
-    p.add_argument("recipe", nargs=nargs, help="recipe YAML file" + ("s" if nargs == "+" else ""))
+    p.add_argument("recipe", nargs=nargs, help="recipe YAML file" + ("s" if nargs in ("+", "*") else ""))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a recipe value (repeatable; the value is read as YAML), e.g. --set parallel.tensor_size=4")
+                   help="override a recipe value (repeatable; the value is read as YAML), "
+                        "e.g. --set parallel.tensor_size=4")
     p.add_argument("--profile", choices=["local"], default=None,
                    help="apply the recipe's local profile (small model and CPU layout)")
 

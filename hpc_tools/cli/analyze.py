@@ -18,7 +18,7 @@ def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("refs", nargs="+", metavar="RUN_OR_SWEEP",
                    help="run folders, sweep folders, folders of runs, run ids or Slurm job ids")
     p.add_argument("--warmup", type=int, default=None, metavar="N",
-                   help="steps excluded from statistics (default: each recipe's profiling.warmup_steps)")
+                   help="warm-up steps of every start excluded from the figures (default: profiling.warmup_steps)")
     p.add_argument("--scaling", choices=["auto", "strong", "weak", "none"], default=None,
                    help="how to read the runs as a scaling series (default: the sweep's setting, else auto)")
     add_runs_dir(p)

@@ -22,15 +22,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpc_tools.cli.status import refresh, resolve_run
-    from hpc_tools.executors.slurm import SLURM_TERMINAL
-    from hpc_tools.registry import TERMINAL_STATES, now_iso
+    from hpc_tools.registry import now_iso, resolve_run
+    from hpc_tools.runstate import end_state, refresh
 
     r = resolve_run(args.run, args.runs_dir)
     manifest = refresh(r)
-    if manifest.get("state") in TERMINAL_STATES or manifest.get("slurm_state") in SLURM_TERMINAL:
-        ended = manifest.get("state") if manifest.get("state") in TERMINAL_STATES else manifest["slurm_state"]
-        raise UserError(f"run {r.run_id} already ended ({ended}); nothing to cancel")
+    if end_state(manifest):
+        raise UserError(f"run {r.run_id} already ended ({end_state(manifest)}); nothing to cancel")
     if manifest.get("executor") in ("slurm", "sbatch"):
         from hpc_tools.executors.slurm import cancel
 
@@ -52,5 +50,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"ok": True, "run_dir": str(r.path), "job_id": manifest.get("job_id")})
     else:
-        say(f"cancel requested for {r.run_id}" + (f" (Slurm job {manifest['job_id']})" if manifest.get("job_id") else ""))
+        job = f" (Slurm job {manifest['job_id']})" if manifest.get("job_id") else ""
+        say(f"cancel requested for {r.run_id}{job}")
     return 0

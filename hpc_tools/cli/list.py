@@ -8,7 +8,7 @@ from hpc_tools.cli._common import add_json, add_runs_dir, emit_json
 
 NAME = "list"
 ORDER = 70
-HELP = "list runs (state, executor, job id, layout)"
+HELP = "list runs (status, executor, job id, layout)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,20 +19,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hpc_tools.registry import list_runs, runs_root
+    from hpc_tools.runstate import classify, refresh_all
 
+    runs = list_runs(runs_root(args.runs_dir))[-args.limit:]
     rows = []
-    for r in list_runs(runs_root(args.runs_dir))[-args.limit:]:
-        m = r.manifest()
-        rows.append({"run_id": r.run_id, "state": m.get("state"), "executor": m.get("executor"),
-                     "job_id": m.get("job_id"), "created": m.get("created"), "layout": m.get("layout")})
+    for r, (m, job) in zip(runs, refresh_all(runs)):  # one sacct call for every Slurm run listed
+        rows.append({"run_id": r.run_id, "state": m.get("state"), **classify(r, job, m).as_dict(),
+                     "executor": m.get("executor"), "job_id": m.get("job_id"), "created": m.get("created"),
+                     "layout": m.get("layout")})
     if args.json:
         emit_json(rows)
         return 0
     if not rows:
         print("no runs")
         return 0
-    print(f"{'RUN':<44} {'STATE':<11} {'EXECUTOR':<8} {'JOB':<8} LAYOUT")
+    print(f"{'RUN':<44} {'STATUS':<13} {'EXECUTOR':<8} {'JOB':<8} LAYOUT")
     for row in rows:
-        print(f"{row['run_id']:<44} {row['state'] or '':<11} {row['executor'] or '':<8} {str(row['job_id'] or '-'):<8} "
+        print(f"{row['run_id']:<44} {row['status']:<13} {row['executor'] or '':<8} {str(row['job_id'] or '-'):<8} "
               f"{row['layout'] or ''}")
     return 0

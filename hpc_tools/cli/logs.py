@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import glob
 import sys
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 from hpc_tools.cli._common import add_runs_dir
 
@@ -22,42 +22,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_runs_dir(p)
 
 
-def log_files(run, rank: int) -> list[Path]:
-    """Log files of one rank, in the order they were written (Slurm runs: submitit's per-task files or the batch log)."""
-    manifest = run.manifest()
-    local = run.logs_dir / f"rank{rank:05d}.out"
-    if local.is_file():
-        return [local]
-    pattern = manifest.get("log_glob")
-    if pattern:
-        return [Path(p) for p in sorted(glob.glob(pattern)) if f"_{rank}_log." in Path(p).name]
-    if manifest.get("batch_log") and Path(manifest["batch_log"]).is_file():  # plain sbatch: one log for all ranks
-        return [Path(manifest["batch_log"])]
-    return sorted(run.logs_dir.glob("*.out"))
+def copy_new(run, rank: int, offsets: dict[Path, int], out: BinaryIO) -> None:
+    """Write what the rank's log files gained since ``offsets`` (updated in place)."""
+    from hpc_tools.runstate import log_files
+
+    for path in log_files(run, rank):
+        with open(path, "rb") as f:
+            f.seek(offsets.get(path, 0))
+            out.write(f.read())
+            offsets[path] = f.tell()
+    out.flush()
+
+
+def follow(run, rank: int, out: BinaryIO, poll_s: float = 1.0) -> None:
+    """Print the log as it grows until the run ends: the shared terminal test (``runstate.ended``) on the manifest
+    refreshed from Slurm, so every terminal Slurm state (TIMEOUT, DEADLINE, BOOT_FAIL, ...) ends it."""
+    from hpc_tools.runstate import ended, refresh
+
+    offsets: dict[Path, int] = {}
+    while True:
+        copy_new(run, rank, offsets, out)
+        if ended(refresh(run)):
+            copy_new(run, rank, offsets, out)  # drain what was written last
+            return
+        time.sleep(poll_s)
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpc_tools.cli.status import refresh, resolve_run
-    from hpc_tools.registry import TERMINAL_STATES
+    from hpc_tools.registry import resolve_run
 
     r = resolve_run(args.run, args.runs_dir)
-    offsets: dict[Path, int] = {}
-    while True:
-        for path in log_files(r, args.rank):
-            with open(path, "rb") as f:
-                f.seek(offsets.get(path, 0))
-                chunk = f.read()
-                offsets[path] = f.tell()
-            sys.stdout.buffer.write(chunk)
-        sys.stdout.flush()
-        if not args.follow:
-            return 0
-        manifest = refresh(r)
-        if manifest.get("state") in TERMINAL_STATES or manifest.get("slurm_state") in TERMINAL_STATES:
-            for path in log_files(r, args.rank):  # drain what was written last
-                with open(path, "rb") as f:
-                    f.seek(offsets.get(path, 0))
-                    sys.stdout.buffer.write(f.read())
-            sys.stdout.flush()
-            return 0
-        time.sleep(1.0)
+    if args.follow:
+        follow(r, args.rank, sys.stdout.buffer)
+    else:
+        copy_new(r, args.rank, {}, sys.stdout.buffer)
+    return 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from hpc_tools.cli._common import add_json, add_recipe_args, add_runs_dir, emit_json, say
 
@@ -64,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         say(f"submitted Slurm job {job_id}; run folder {run.path}")
         say(f"follow it with: python -m hpc_tools logs {run.run_id} -f")
-    state = _wait(run, job_id) if args.wait else "PENDING"
+    state = _wait(run) if args.wait else "PENDING"
     if args.json:
         emit_json({"ok": state in ("PENDING", "COMPLETED"), "run_dir": str(run.path), "executor": "slurm",
                    "job_id": job_id, "state": state})
@@ -82,13 +81,8 @@ def _refresh_jobs_script(recipe_path: str, plan) -> None:
         atomic_write(out, render_sbatch(plan.recipe, plan.source))
 
 
-def _wait(run, job_id: str, poll_s: float = 2.0) -> str:
-    """Poll sacct until the job ends (submitit's own wait can hang without accounting); returns the final state."""
-    from hpc_tools.cli.status import refresh
-    from hpc_tools.executors.slurm import SLURM_TERMINAL
+def _wait(run, poll_s: float = 2.0) -> str:
+    """Poll sacct until the job ends (submitit's own wait can hang without accounting); returns Slurm's final state."""
+    from hpc_tools.runstate import wait
 
-    while True:
-        manifest = refresh(run)
-        if manifest.get("slurm_state") in SLURM_TERMINAL:
-            return manifest["slurm_state"]
-        time.sleep(poll_s)
+    return wait(run, poll_s)["slurm_state"]

@@ -16,8 +16,8 @@ Three forms:
       <runs root>/sweeps/<name>-<stamp>/ with sweep.json and one run folder per cell x repeat, and submit them
       (cells with equal Slurm resources as one job array; without Slurm, locally one after another).
   python -m hpc_tools sweep status SWEEP [--json]
-      classify every cell: pending, running, completed, failed, out_of_memory, timeout, hang, node_failure,
-      cancelled (from sacct, the run manifest, HANG markers and logs).
+      classify every cell, with a one-line reason: pending, running, completed, failed, out_of_memory, timeout,
+      hang, node_failure, preempted, cancelled (from sacct, the run manifest, HANG markers and logs).
   python -m hpc_tools sweep rerun SWEEP --failed [--status S ...] [--executor ...] [--dry-run] [--json]
       resubmit only the failed cells (failed, out_of_memory, timeout, hang, node_failure; add cancelled with
       --status cancelled) as new run folders; earlier attempts stay listed in sweep.json.
@@ -124,7 +124,9 @@ def _status(args, ref: str) -> int:
     print(f"sweep {folder.sweep_id} ({data.get('executor')}): "
           + ", ".join(f"{k} {v}" for k, v in sorted(summary(data).items())))
     for c in data["cells"]:
-        print(f"  {c['id']:10s} {c['status']:13s} job {str(c.get('job_id') or '-'):10s} {c['label']}")
+        explain = c["status"] not in ("completed", "running", "pending") and c.get("reason")
+        reason = f"  ({c['reason']})" if explain else ""
+        print(f"  {c['id']:10s} {c['status']:13s} job {str(c.get('job_id') or '-'):10s} {c['label']}{reason}")
     for c in data.get("invalid", []):
         print(f"  dropped    cell {c['cell']} ({c['label']}): {'; '.join(c['reasons'])}")
     return 0
@@ -132,17 +134,17 @@ def _status(args, ref: str) -> int:
 
 def _rerun(args, ref: str) -> int:
     from hpc_tools.errors import UserError
+    from hpc_tools.runstate import FAILURE_STATUSES, STATUSES
     from hpc_tools.submission import choose_executor
     from hpc_tools.sweep.folder import SweepFolder
     from hpc_tools.sweep.runner import rerun
-    from hpc_tools.sweep.status import RERUN_DEFAULT, STATUSES
 
     if not args.failed and not args.statuses:
         raise UserError("sweep rerun needs --failed or --status STATUS (e.g. `sweep rerun SWEEP --failed`)")
     bad = [s for s in args.statuses if s not in STATUSES]
     if bad:
         raise UserError(f"--status {bad[0]} is not a cell status (use one of {', '.join(STATUSES)})")
-    statuses = tuple(dict.fromkeys((RERUN_DEFAULT if args.failed else ()) + tuple(args.statuses)))
+    statuses = tuple(dict.fromkeys((FAILURE_STATUSES if args.failed else ()) + tuple(args.statuses)))
     folder = SweepFolder.find(ref, args.runs_dir)
     executor, note = choose_executor(args.executor) if not args.dry_run else (folder.read().get("executor"), "")
     if note and not args.json:

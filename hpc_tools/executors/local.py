@@ -13,11 +13,35 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
 from hpc_tools.registry import RunFolder, now_iso
 from hpc_tools.runtime.distenv import free_port
+
+LOCAL_ADDR = "127.0.0.1"
+# Set when this process runs inside a Slurm allocation: a local rank is not a Slurm step and must not look like one.
+SLURM_STEP_VARS = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NODELIST")
+
+
+def rank_env(rank: int, world_size: int, port: int, extra: Mapping[str, str] | None = None,
+             base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment local rank ``rank`` of ``world_size`` starts with: the one owner of what a local rank gets.
+
+    ``base`` (default: this process's environment) without the Slurm step variables, torchrun-style rendezvous on
+    127.0.0.1:``port``, one OpenMP thread unless OMP_NUM_THREADS is already set (ranks share this machine's cores),
+    unbuffered output, then ``extra``, then the rank's own RANK / LOCAL_RANK. Used by ``run_local`` and by the test
+    harnesses' spawner (``hpc_tools.testing.spawn``).
+    """
+    source = os.environ if base is None else base
+    env = {**source, "MASTER_ADDR": LOCAL_ADDR, "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
+           "LOCAL_WORLD_SIZE": str(world_size), "HPC_TOOLS_EXECUTOR": "local", "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": source.get("OMP_NUM_THREADS", "1"), **(extra or {})}
+    for key in SLURM_STEP_VARS:
+        env.pop(key, None)
+    env.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
+    return env
 
 
 def rank_command(run_dir: Path) -> list[str]:
@@ -35,15 +59,10 @@ def run_local(run: RunFolder, world_size: int, echo: IO[bytes] | None = None, ex
               poll_s: float = 0.2) -> int:
     """Run all ranks to completion; returns the first non-zero rank exit code, or 0."""
     port = free_port()
-    base_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
-                "LOCAL_WORLD_SIZE": str(world_size), "HPC_TOOLS_EXECUTOR": "local", "PYTHONUNBUFFERED": "1",
-                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(extra_env or {})}
-    for key in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NODELIST"):  # not a Slurm step
-        base_env.pop(key, None)
     run.update(event="launched", state="RUNNING", executor="local", launched=now_iso(), world_size=world_size)
     procs, pumps, logs = [], [], []
     for rank in range(world_size):
-        env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        env = rank_env(rank, world_size, port, extra_env)
         log = open(run.logs_dir / f"rank{rank:05d}.out", "ab")
         logs.append(log)
         proc = subprocess.Popen(rank_command(run.path), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -60,12 +79,12 @@ def run_local(run: RunFolder, world_size: int, echo: IO[bytes] | None = None, ex
             failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
             if failed:
                 code = failed[0]
-                _terminate(procs)
+                stop_ranks(procs)
                 break
             time.sleep(poll_s)
         code = code or next((p.returncode for p in procs if p.returncode), 0)
     except KeyboardInterrupt:
-        _terminate(procs)
+        stop_ranks(procs)
         code = 130
     finally:
         for pump in pumps:
@@ -80,7 +99,8 @@ def run_local(run: RunFolder, world_size: int, echo: IO[bytes] | None = None, ex
     return code
 
 
-def _terminate(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+def stop_ranks(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM every running rank's process group (started with ``start_new_session``), SIGKILL after ``grace_s``."""
     for p in procs:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGTERM)

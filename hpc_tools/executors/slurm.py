@@ -2,6 +2,7 @@
 
 Resources come from ``SlurmSpec`` (the same flags the rendered sbatch script carries), the environment set-up from
 ``render.envsetup``. Slurm is "available" when ``sbatch`` is on PATH and ``scontrol ping`` reports a controller UP.
+Job states (sacct) are read by ``hpc_tools.runstate``, not here.
 """
 
 from __future__ import annotations
@@ -16,9 +17,6 @@ from hpc_tools.registry import RunFolder, now_iso
 from hpc_tools.render.envsetup import launch_prefix, setup_lines, srun_args
 from hpc_tools.render.slurm_params import SlurmSpec
 
-SLURM_TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
-                  "BOOT_FAIL", "DEADLINE"}
-
 
 def slurm_available(timeout_s: float = 5.0) -> tuple[bool, str]:
     """(True, "") when a Slurm controller answers; else (False, why)."""
@@ -29,14 +27,16 @@ def slurm_available(timeout_s: float = 5.0) -> tuple[bool, str]:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, f"scontrol ping failed ({exc})"
     if out.returncode != 0 or " is UP" not in out.stdout:
-        return False, f"scontrol ping: {(out.stdout or out.stderr).strip().splitlines()[0] if (out.stdout or out.stderr).strip() else 'no answer'}"
+        said = (out.stdout or out.stderr).strip()
+        return False, f"scontrol ping: {said.splitlines()[0] if said else 'no answer'}"
     return True, ""
 
 
 def make_executor(recipe: Recipe, folder: Path):
     import submitit
 
-    executor = submitit.SlurmExecutor(folder=str(folder), python=shlex.join(launch_prefix(recipe.cluster) + [recipe.cluster.python]))
+    python = shlex.join(launch_prefix(recipe.cluster) + [recipe.cluster.python])
+    executor = submitit.SlurmExecutor(folder=str(folder), python=python)
     params = SlurmSpec.from_recipe(recipe).submitit_parameters()
     executor.update_parameters(**params, setup=setup_lines(recipe.cluster), srun_args=["--kill-on-bad-exit=1",
                                                                                           *srun_args(recipe.cluster)])
@@ -70,19 +70,6 @@ def submit_array(runs: list[RunFolder], recipe: Recipe) -> list:
     return jobs
 
 
-def sacct_state(job_id: str) -> dict[str, str] | None:
-    """State, exit code, elapsed time and nodes of a job from sacct (None when sacct does not know it)."""
-    try:
-        out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode,Elapsed,NodeList"],
-                             capture_output=True, text=True, timeout=15)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    line = next((ln for ln in out.stdout.splitlines() if ln.strip()), None)
-    if out.returncode != 0 or line is None:
-        return None
-    state, exit_code, elapsed, nodes = (line.split("|") + ["", "", "", ""])[:4]
-    return {"state": state.split()[0] if state else "", "exit_code": exit_code, "elapsed": elapsed, "nodelist": nodes}
-
-
 def cancel(job_id: str) -> None:
+    """scancel the job (its state is read back through ``hpc_tools.runstate``)."""
     subprocess.run(["scancel", job_id], check=True, capture_output=True, text=True, timeout=15)

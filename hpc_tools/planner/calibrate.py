@@ -1,7 +1,8 @@
 """Calibration: predicted vs measured memory and step time of finished runs, and a per-cluster efficiency factor.
 
-A run folder holds the resolved ``recipe.yaml`` and per-rank step records (``records/rank*.jsonl``, schema in
-profiling/schema.py). The fit keeps the communication and bubble model and solves for the compute efficiency e in
+A run folder holds the resolved ``recipe.yaml`` and per-rank step records (schema in profiling/schema.py), reduced
+to figures by ``profiling.figures`` exactly as the run summary and ``analyze`` reduce them. The fit keeps the
+communication and bubble model and solves for the compute efficiency e in
 
     measured step time = A / e + R,   A = hardware FLOPs per GPU x (1 + bubble fraction) / peak,  R = communication
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,41 +77,37 @@ def resolve_efficiency(recipe: "Recipe", efficiency: float | None = None,
 
 @dataclass(frozen=True, slots=True)
 class Measured:
+    """A run's recipe and the figures the calibration fits against (``profiling.figures``: the same reduction as the
+    run summary and ``analyze``)."""
+
     run: str
     recipe: "Recipe"
-    steps: int
-    step_time_s: float | None  # median over steps after warm-up of the slowest rank's step time
-    mem_allocated_max_bytes: int | None
-    mem_reserved_max_bytes: int | None
+    steps: int  # measured steps (after warm-up)
+    step_time_s: float | None  # step_time_median_s: median over measured steps of the slowest rank's step time
+    mem_allocated_max_bytes: int | None  # mem_allocated_peak_bytes: over every step and rank
+    mem_reserved_max_bytes: int | None  # mem_reserved_peak_bytes
 
 
 def read_run(run_dir: str | Path) -> Measured:
     """The recipe and the measured figures of one run folder."""
+    from hpc_tools.layout import ParallelLayout
     from hpc_tools.recipe.load import parse_yaml, resolve
-    from profiling.records import read_jsonl
+    from profiling.figures import reduce_records
+    from profiling.records import rank_files
 
     run = Path(run_dir)
     recipe_file = run / "recipe.yaml"
     if not recipe_file.is_file():
         raise UserError(f"{run} has no recipe.yaml (give run folders, e.g. runs/<run_id>)")
     recipe = resolve(parse_yaml(recipe_file.read_text(), str(recipe_file)), source=str(recipe_file), check=False)
-    files = sorted((run / "records").glob("rank*.jsonl"))
-    if not files:
-        raise UserError(f"{run}/records has no rank*.jsonl step records (did the run start?)")
-    per_step: dict[int, float] = {}
-    alloc = reserved = None
-    for f in files:
-        for rec in read_jsonl(f):
-            step = rec.get("step")
-            if isinstance(step, int) and rec.get("step_time_s") is not None and step > recipe.profiling.warmup_steps:
-                per_step[step] = max(per_step.get(step, 0.0), float(rec["step_time_s"]))
-            if rec.get("mem_allocated_max_bytes") is not None:
-                alloc = max(alloc or 0, int(rec["mem_allocated_max_bytes"]))
-            if rec.get("mem_reserved_max_bytes") is not None:
-                reserved = max(reserved or 0, int(rec["mem_reserved_max_bytes"]))
-    return Measured(run=run.name, recipe=recipe, steps=len(per_step),
-                    step_time_s=statistics.median(per_step.values()) if per_step else None,
-                    mem_allocated_max_bytes=alloc, mem_reserved_max_bytes=reserved)
+    if not rank_files(run / "records"):
+        raise UserError(f"{run}/records has no rank<R>.jsonl or rank<R>.parquet step records (did the run start?)")
+    layout = ParallelLayout.from_recipe(recipe)
+    fig = reduce_records(run / "records", recipe.profiling.warmup_steps).figures(layout.world_size)
+    alloc, reserved = fig["mem_allocated_peak_bytes"], fig["mem_reserved_peak_bytes"]
+    return Measured(run=run.name, recipe=recipe, steps=fig["steps_measured"], step_time_s=fig["step_time_median_s"],
+                    mem_allocated_max_bytes=None if alloc is None else int(alloc),
+                    mem_reserved_max_bytes=None if reserved is None else int(reserved))
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +122,8 @@ class Comparison:
     def as_dict(self) -> dict[str, Any]:
         m = self.measured
         return {"run": m.run, "cluster": self.key, "steps": m.steps, "measured_step_s": m.step_time_s,
-                "predicted_step_s": self.predicted_step_s, "measured_mem_allocated_max_bytes": m.mem_allocated_max_bytes,
+                "predicted_step_s": self.predicted_step_s,
+                "measured_mem_allocated_max_bytes": m.mem_allocated_max_bytes,
                 "measured_mem_reserved_max_bytes": m.mem_reserved_max_bytes,
                 "predicted_mem_allocated_bytes": self.predicted_allocated_bytes}
 
@@ -180,7 +177,8 @@ def calibrate(run_dirs: list[str | Path], store: Path | None = None, save: bool 
         row = c.as_dict()
         eff = fitted.get(c.key, {}).get("efficiency")
         row["fitted_efficiency"] = eff
-        row["predicted_step_s_after_fit"] = (c.compute_at_peak_s / eff + c.rest_s) if eff and c.compute_at_peak_s else None
+        after_fit = c.compute_at_peak_s / eff + c.rest_s if eff and c.compute_at_peak_s else None
+        row["predicted_step_s_after_fit"] = after_fit
         rows.append(row)
     path = store or default_path()
     if save and fitted:

@@ -79,7 +79,8 @@ def make_plan(recipe: "Recipe", knobs: Knobs | None = None, efficiency: float | 
     arch = arch_for(recipe)
     eff = DEFAULT_EFFICIENCY if efficiency is None else efficiency
     convention = recipe.profiling.flops_convention
-    time = estimate_step_time(arch, knobs, hw, step_flops(recipe.model, knobs, convention), eff) if hw.peak_flops else None
+    time = (estimate_step_time(arch, knobs, hw, step_flops(recipe.model, knobs, convention), eff)
+            if hw.peak_flops else None)
     return Plan(name=recipe.name, arch=arch, knobs=knobs, hardware=hw, memory=estimate_memory(arch, knobs, hw.is_gpu),
                 time=time, efficiency=eff, efficiency_source=efficiency_source, convention=convention,
                 parameters=total_parameters(arch))

@@ -89,7 +89,8 @@ def _single_changes(recipe: "Recipe", k: Knobs) -> Iterator[tuple[list[str], Kno
     else:
         for stage in range(k.zero_stage + 1, 4):
             if lay.pipeline_size == 1 or stage <= 1:
-                yield [f"backend.deepspeed.zero_stage={stage}"], replace(k, zero_stage=stage, ds_overlap_comm=stage == 3)
+                yield ([f"backend.deepspeed.zero_stage={stage}"],
+                       replace(k, zero_stage=stage, ds_overlap_comm=stage == 3))
         if k.zero_stage >= 1 and k.offload_optimizer == "none":
             yield ["backend.deepspeed.offload_optimizer=cpu"], replace(k, offload_optimizer="cpu")
     for p in (lay.pipeline_size * 2, lay.pipeline_size * 4):

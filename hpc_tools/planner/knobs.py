@@ -42,7 +42,8 @@ class Knobs:
         ds_zero = (be.deepspeed.config_overrides.get("zero_optimization") or {}) if be.kind == "deepspeed" else {}
         stage = be.deepspeed.zero_stage
         if be.kind == "megatron":
-            flash = be.megatron.use_flash_attention and recipe.cluster.uses_gpus and be.megatron.transformer_impl != "local"
+            flash = (be.megatron.use_flash_attention and recipe.cluster.uses_gpus
+                     and be.megatron.transformer_impl != "local")
         else:
             flash = recipe.cluster.uses_gpus  # Hugging Face SDPA picks the flash / memory-efficient kernel on GPU
         return cls(backend=be.kind, layout=ParallelLayout.from_recipe(recipe), precision=t.precision,

@@ -1,6 +1,6 @@
 """Memory per GPU: model states, activations and stated overheads, for Megatron-core and DeepSpeed jobs.
 
-Sources (see /work/shared/REFERENCE.md): model states from the ZeRO paper (16 bytes/param with mixed-precision Adam,
+Sources (docs/formulas.md states each): model states from the ZeRO paper (16 bytes/param with mixed-precision Adam,
 stage 1/2/3 partitioning) and Megatron-LM's distributed-optimizer notes (18 bytes/param, 6 + 12/d); activations from
 Korthikanti et al. 2022, Table 2, generalised term by term to GQA, SwiGLU, no dropout and fused attention; pipeline
 in-flight microbatches from the 1F1B and interleaved schedules. Every term carries a note that says what it assumes
@@ -26,7 +26,8 @@ GATHERED, BUCKETS, CONTEXT = "ZeRO-3 gathered parameters", "communication buffer
 
 # --- model states ---------------------------------------------------------------------------------------------------
 
-def megatron_state_bytes(n_params: float, data: int, precision: str, distributed_optimizer: bool) -> tuple[float, float, float]:
+def megatron_state_bytes(n_params: float, data: int, precision: str,
+                         distributed_optimizer: bool) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer) bytes on one GPU holding ``n_params`` parameters.
 
     16-bit training: 2 (16-bit params) + 4 (fp32 main grads) + 12 (fp32 master params, Adam m and v) = 18 bytes/param;
@@ -231,7 +232,8 @@ def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
         n = f" / N (N = d = {d})"
         p16 = "4" if k.precision == "fp32" else "2"
         params = f"{p16} bytes/param{n if k.zero_stage >= 3 else ''} (ZeRO-{k.zero_stage})"
-        grads = f"{p16} bytes/param{n if k.zero_stage >= 2 else ''} (ZeRO-{k.zero_stage}; 16-bit grads as in the ZeRO paper)"
+        grads = (f"{p16} bytes/param{n if k.zero_stage >= 2 else ''} "
+                 f"(ZeRO-{k.zero_stage}; 16-bit grads as in the ZeRO paper)")
         optim = (f"{'8' if k.precision == 'fp32' else '12'} bytes/param{n if k.zero_stage >= 1 else ''}: "
                  f"{'' if k.precision == 'fp32' else 'fp32 master, '}Adam m and v (ZeRO paper K)")
         if k.offload_optimizer != "none":
@@ -246,10 +248,12 @@ def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
             params, grads = "4 bytes/param (fp32)", "4 bytes/param (fp32 main grads)"
             optim = f"8 bytes/param{shard}: Adam m and v; model states {'8 + 8/d' if shard else '16'} bytes/param"
         else:
-            params, grads = "2 bytes/param (16-bit)", "4 bytes/param: fp32 main grads (Megatron accumulates and reduces in fp32)"
+            params = "2 bytes/param (16-bit)"
+            grads = "4 bytes/param: fp32 main grads (Megatron accumulates and reduces in fp32)"
             optim = (f"12 bytes/param{shard}: fp32 master params, Adam m and v; model states "
                      f"{'6 + 12/d' if shard else '18'} bytes/param")
-    swiglu = "SwiGLU fc1 2f + silu f + product f" + (" + Megatron's unfused offset copy f" if k.backend == "megatron" else "")
+    swiglu = "SwiGLU fc1 2f + silu f + product f" + (
+        " + Megatron's unfused offset copy f" if k.backend == "megatron" else "")
     tied = "tied: last stage keeps its own copy of the word embedding" if arch.tied and lay.pipeline_size > 1 else (
         "tied (counted once)" if arch.tied else "untied output layer on the last stage")
     attn = ("fused/flash attention: no s^2 terms" if k.flash else
@@ -262,12 +266,14 @@ def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
              f"{'dropout masks 1 byte' if arch.hidden_dropout else 'no dropout masks (dropout 0)'}; {attn}; "
              f"TP{t}{' + SP' if lay.sequence_parallel else ''}; norm statistics not counted")
     if k.recompute == "full":
-        layer += f"; full recompute keeps each {'group of ' + str(k.recompute_num_layers) + ' layers' if k.recompute_num_layers > 1 else 'layer'}'s input (2sbh{'/t' if lay.sequence_parallel else ''})"
+        kept = f"group of {k.recompute_num_layers} layers" if k.recompute_num_layers > 1 else "layer"
+        layer += f"; full recompute keeps each {kept}'s input (2sbh{'/t' if lay.sequence_parallel else ''})"
     p, v = lay.pipeline_size, k.virtual
     chunks = (f"first stage holds min(p, m) = {min(p, lay.num_microbatches)} microbatches in flight (1F1B)"
               + (f" x (1 + (p-1)/(p v)) = {1 + (p - 1) / (p * v):.3f} (interleaved)" if v > 1 else "")
               if p > 1 else "one microbatch at a time (gradient accumulation frees the rest)")
-    hf = " (Hugging Face layers assumed to store what Megatron's do; their fp32 RMSNorm upcast is not counted)" if k.backend == "deepspeed" else ""
+    hf = (" (Hugging Face layers assumed to store what Megatron's do; their fp32 RMSNorm upcast is not counted)"
+          if k.backend == "deepspeed" else "")
     notes = {
         PARAMETERS: f"{params}; the stage's parameters per GPU, TP{t}-sharded as Megatron does (norms and "
                     f"row-parallel biases replicated); embeddings on the first stage, {tied}; vocab padded to "

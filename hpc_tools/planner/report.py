@@ -160,8 +160,9 @@ def print_calibration(report: dict[str, Any]) -> None:
                       num(pred_mem and pred_mem / GB, ".2f"), r["cluster"])
     con.print(table)
     if not report["fitted"]:
-        con.print("No efficiency fitted: runs need a GPU peak (cluster.gpu_type in the table or cluster.gpu_peak_tflops)"
-                  " and measured step times longer than the modelled communication.", highlight=False)
+        con.print("No efficiency fitted: runs need a GPU peak (cluster.gpu_type in the table or "
+                  "cluster.gpu_peak_tflops) and measured step times longer than the modelled communication.",
+                  highlight=False)
     for key, entry in report["fitted"].items():
         con.print(f"{key}: efficiency {entry['efficiency']:.3f} (default {report['default_efficiency']:.2f}) from "
                   f"{len(entry['runs'])} run(s)", highlight=False)

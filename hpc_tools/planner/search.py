@@ -94,8 +94,9 @@ def enumerate_knobs(recipe: "Recipe", base: Knobs) -> Iterator[Knobs]:
                 for v in vs:
                     for sp in sps:
                         layout = ParallelLayout(nodes=c.nodes, ranks_per_node=c.gpus_per_node, tensor_size=t,
-                                                pipeline_size=p, data_size=d, virtual_pipeline_size=v if v > 1 else None,
-                                                sequence_parallel=sp, micro_batch_size=b, global_batch_size=batch)
+                                                pipeline_size=p, data_size=d,
+                                                virtual_pipeline_size=v if v > 1 else None, sequence_parallel=sp,
+                                                micro_batch_size=b, global_batch_size=batch)
                         for rc in recomputes:
                             for opt in opts:
                                 yield _knobs(base, layout, rc, opt)

@@ -154,14 +154,16 @@ def time_notes(k: Knobs, hw: Hardware, efficiency: float, efficiency_source: str
     lay = k.layout
     gb = 1e9
     return {
-        COMPUTE: f"hardware FLOPs ({convention} convention, recompute={k.recompute}) / (peak {hw.peak_flops / 1e12:.0f} "
-                 f"TFLOP/s x efficiency {efficiency:.2f}, {efficiency_source})" if hw.peak_flops else "no peak",
+        COMPUTE: f"hardware FLOPs ({convention} convention, recompute={k.recompute}) / "
+                 f"(peak {hw.peak_flops / 1e12:.0f} TFLOP/s x efficiency {efficiency:.2f}, {efficiency_source})"
+                 if hw.peak_flops else "no peak",
         BUBBLE: f"compute x (p-1)/(v m) = {lay.bubble_fraction:.3f}",
         TP_COMM: f"{6 if k.recompute == 'full' else 4} x b s h per layer per microbatch, all-reduce busbw "
                  f"{hw.link_bw(lay.tensor_size > hw.gpus_per_node) / gb:.0f} GB/s, not overlapped",
         PP_COMM: f"2 x b s h{'/t' if lay.sequence_parallel else ''} per microbatch{' x v' if lay.interleaved else ''}, "
                  f"p2p at {hw.link_bw(lay.nodes > 1) / gb:.0f} GB/s, exposed",
-        DP_COMM: (f"fp32 grads {'reduce-scatter + 16-bit param all-gather' if k.distributed_optimizer else 'all-reduce'}"
+        DP_COMM: ("fp32 grads "
+                  f"{'reduce-scatter + 16-bit param all-gather' if k.distributed_optimizer else 'all-reduce'}"
                   f"{' (overlapped with the last backward)' if k.overlap_grad_reduce else ''} at "
                   if k.backend == "megatron" else f"ZeRO-{k.zero_stage} collectives at ")
                  + f"{hw.link_bw(lay.tensor_size * lay.data_size > hw.gpus_per_node) / gb:.0f} GB/s",

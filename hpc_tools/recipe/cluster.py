@@ -63,7 +63,8 @@ class EnvironmentSetup(Section):
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
         for name in value:
             if not ENV_NAME_RE.match(name):
-                raise ValueError(f"has the invalid variable name {name!r} -- use letters, digits and _ (not starting with a digit)")
+                raise ValueError(f"has the invalid variable name {name!r} -- use letters, digits and _ "
+                                 "(not starting with a digit)")
         return value
 
 

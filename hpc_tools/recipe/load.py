@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import copy
 import difflib
-import types
-import typing
 from pathlib import Path
 from typing import Any, Iterable
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from hpc_tools.errors import RecipeError, UserError, Violation
+from hpc_tools.recipe.fields import field_at, schema_path, valid_keys
 from hpc_tools.recipe.schema import Recipe
 
 PROFILES = ("local",)
@@ -42,7 +41,8 @@ def parse_yaml(text: str, source: str = "recipe") -> dict[str, Any]:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise UserError(f"{source}:{where} is not valid YAML: {problem} (fix the syntax there)") from None
     if not isinstance(raw, dict):
-        raise UserError(f"{source} must be a YAML mapping with sections name, model, parallel, ... (got {type(raw).__name__})")
+        raise UserError(f"{source} must be a YAML mapping with sections name, model, parallel, ... "
+                        f"(got {type(raw).__name__})")
     return raw
 
 
@@ -144,7 +144,7 @@ def violation_from_pydantic(err: dict[str, Any], raw: dict[str, Any]) -> Violati
     path = ".".join(loc) or "recipe"
     kind = err["type"]
     if kind == "extra_forbidden":
-        keys = _valid_keys(loc[:-1])
+        keys = valid_keys(loc[:-1])
         near = difflib.get_close_matches(loc[-1], keys, n=1, cutoff=0.5)
         hint = f"did you mean {near[0]!r}? " if near else ""
         return Violation(path, err.get("input"), "is not a known key", f"{hint}valid keys: {', '.join(keys)}")
@@ -158,54 +158,23 @@ def violation_from_pydantic(err: dict[str, Any], raw: dict[str, Any]) -> Violati
     if kind.startswith("literal_error"):
         expected = err.get("ctx", {}).get("expected", "")
         return Violation(path, err.get("input"), "is not one of the allowed values", f"use one of {expected}")
-    return Violation(path, err.get("input"), _lower_first(message), _fix_for(kind, err))
+    return Violation(path, err.get("input"), _lower_first(message), _fix_for(kind, path))
 
 
-def _fix_for(kind: str, err: dict[str, Any]) -> str:
-    ctx = err.get("ctx") or {}
+def _fix_for(kind: str, path: str) -> str:
     if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
         return "choose a value in range"
     if kind.endswith("_parsing") or kind.endswith("_type"):
         noun = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
                 "list": "a list", "dict": "a mapping", "model": "a mapping"}.get(kind.split("_")[0], kind.split("_")[0])
         return f"give {noun}"
-    if ctx:
-        return "see the field documentation with `python -m hpc_tools validate --explain`"
-    return "see `python -m hpc_tools validate --explain` for the field"
+    return f"see `python -m hpc_tools validate --explain {schema_path(path)}`"
 
 
 def _lower_first(text: str) -> str:
     return text[:1].lower() + text[1:]
 
 
-def _model_at(loc: list[str]) -> type[BaseModel] | None:
-    model: type[BaseModel] | None = Recipe
-    for part in loc:
-        if model is None or part not in model.model_fields:
-            return None
-        model = _unwrap_model(model.model_fields[part].annotation)
-    return model
-
-
-def _unwrap_model(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(annotation):
-            found = _unwrap_model(arg)
-            if found is not None:
-                return found
-    return None
-
-
-def _valid_keys(loc: list[str]) -> list[str]:
-    model = _model_at(loc)
-    return list(model.model_fields) if model else []
-
-
 def _field_doc(loc: list[str]) -> str:
-    model = _model_at(loc[:-1])
-    if model is None or loc[-1] not in model.model_fields:
-        return ""
-    return (model.model_fields[loc[-1]].description or "").split("\n")[0]
+    info = field_at(loc)
+    return (info.description or "").split("\n")[0] if info else ""

@@ -32,7 +32,8 @@ def pad_vocab(vocab_size: int, tensor_size: int, divisible_by: int = 128) -> int
 
 class ModelConfig(Section):
     family: Literal["gpt", "llama"] = "gpt"
-    """Architecture preset: `gpt` (LayerNorm, GELU, learned positions, tied embeddings) or `llama` (RMSNorm, SwiGLU, RoPE, untied)."""
+    """Architecture preset: `gpt` (LayerNorm, GELU, learned positions, tied embeddings) or `llama` (RMSNorm, SwiGLU,
+    RoPE, untied)."""
     num_layers: int = Field(gt=0)
     """Number of transformer layers (L)."""
     hidden_size: int = Field(gt=0)

@@ -26,9 +26,11 @@ class ProfilingConfig(Section):
     summary_interval: int = Field(default=10, gt=0)
     """Rank 0 prints a summary line every N steps."""
     warmup_steps: int = Field(default=2, ge=0)
-    """Steps excluded from summaries (compilation, allocator warm-up)."""
+    """Steps at the beginning of every start of the job (and of each requeue) excluded from the time and throughput
+    figures (compilation, allocator warm-up); the rule is stated in profiling/figures.py."""
     flops_convention: Literal["megatron", "korthikanti"] = "megatron"
-    """FLOPs formula for TFLOP/s and MFU: Megatron-LM's current one (causal attention halved) or Korthikanti et al. eq. 7."""
+    """FLOPs formula for TFLOP/s and MFU: Megatron-LM's current one (causal attention halved) or Korthikanti et al.
+    eq. 7 (docs/formulas.md)."""
     memory: bool = True
     """Record peak memory per step (GPU allocated/reserved, or RSS on CPU)."""
     communication: bool = True

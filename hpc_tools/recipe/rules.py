@@ -11,6 +11,7 @@ from typing import Callable, Iterator
 
 from hpc_tools.errors import Violation
 from hpc_tools.layout import ParallelLayout
+from hpc_tools.recipe.reads import fields_read
 from hpc_tools.recipe.schema import Recipe
 
 RuleFn = Callable[[Recipe, ParallelLayout], Iterator[Violation]]
@@ -21,6 +22,11 @@ class Rule:
     name: str
     doc: str
     fn: RuleFn
+
+    @property
+    def reads(self) -> frozenset[str]:
+        """The recipe fields this rule reads, found in its source (``hpc_tools.recipe.reads``)."""
+        return fields_read(self.fn)
 
 
 RULES: list[Rule] = []
@@ -45,7 +51,7 @@ def _try(values: list[int], limit: int = 8) -> str:
     return f"try {shown}{', ...' if len(values) > limit else ''}"
 
 
-# --- layout -------------------------------------------------------------------------------------------------------------
+# --- layout -----------------------------------------------------------------------------------------------------------
 
 @rule
 def layout_fills_world(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
@@ -156,7 +162,7 @@ def recompute_layers_fit(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
                         f"exceeds the {per_chunk} layers of one pipeline chunk", f"use 1..{per_chunk}")
 
 
-# --- backends -----------------------------------------------------------------------------------------------------------
+# --- backends ---------------------------------------------------------------------------------------------------------
 
 @rule
 def deepspeed_layout(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
@@ -222,12 +228,15 @@ def deepspeed_model_expressible(r: Recipe, lay: ParallelLayout) -> Iterator[Viol
         if getattr(m, key) != needed:
             yield Violation(f"model.{key}", getattr(m, key),
                             f"is not available for model.family={m.family} with backend.kind=deepspeed",
-                            f"its Hugging Face class uses {needed}; use that, the other family, or backend.kind: megatron")
+                            f"its Hugging Face class uses {needed}; use that, the other family, or "
+                            "backend.kind: megatron")
     if m.family == "gpt" and m.num_query_groups != m.num_attention_heads:
         yield Violation("model.num_query_groups", m.num_query_groups,
-                        "needs model.family=llama with backend.kind=deepspeed", "GPT-2 has plain multi-head attention; set it null")
+                        "needs model.family=llama with backend.kind=deepspeed",
+                        "GPT-2 has plain multi-head attention; set it null")
     if m.family == "gpt" and not m.add_bias_linear:
-        yield Violation("model.add_bias_linear", False, "is not available for model.family=gpt with backend.kind=deepspeed",
+        yield Violation("model.add_bias_linear", False,
+                        "is not available for model.family=gpt with backend.kind=deepspeed",
                         "GPT-2 always has biases; use family: llama")
     if m.family == "llama" and m.hidden_dropout > 0:
         yield Violation("model.hidden_dropout", m.hidden_dropout,
@@ -239,9 +248,11 @@ def deepspeed_model_expressible(r: Recipe, lay: ParallelLayout) -> Iterator[Viol
 def megatron_overlap(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """overlap_param_gather needs the distributed optimizer and overlap_grad_reduce."""
     mg = r.backend.megatron
-    if r.backend.kind == "megatron" and mg.overlap_param_gather and not (mg.distributed_optimizer and mg.overlap_grad_reduce):
+    needs_both = not (mg.distributed_optimizer and mg.overlap_grad_reduce)
+    if r.backend.kind == "megatron" and mg.overlap_param_gather and needs_both:
         yield Violation("backend.megatron.overlap_param_gather", True,
-                        "needs distributed_optimizer: true and overlap_grad_reduce: true", "enable both or set it false")
+                        "needs distributed_optimizer: true and overlap_grad_reduce: true",
+                        "enable both or set it false")
 
 
 @rule
@@ -252,7 +263,7 @@ def precision_on_device(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
                         "use bf16 or fp32")
 
 
-# --- training, data, cluster --------------------------------------------------------------------------------------------
+# --- training, data, cluster ------------------------------------------------------------------------------------------
 
 @rule
 def lr_schedule(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
@@ -270,7 +281,8 @@ def lr_schedule(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
 def data_sources(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """source: files needs paths; the byte tokenizer needs vocab_size >= 257."""
     if r.data.source == "files" and not r.data.paths:
-        yield Violation("data.paths", [], "is empty but data.source=files", "list local files or folders, or use source: synthetic")
+        yield Violation("data.paths", [], "is empty but data.source=files",
+                        "list local files or folders, or use source: synthetic")
     if r.data.tokenizer == "byte" and r.model.vocab_size < 257:
         yield Violation("model.vocab_size", r.model.vocab_size, "is below the byte tokenizer's 257 tokens",
                         "use vocab_size >= 257")

@@ -24,6 +24,8 @@ PROFILE_SECTIONS = ("model", "parallel", "training", "backend", "data", "checkpo
 
 
 class Recipe(Section):
+    """A whole recipe: one typed section per concern (`validate --explain SECTION` lists a section's fields)."""
+
     name: str
     """Job name: letters, digits, `_ . -` (used for the Slurm job name and the run folder)."""
     description: str = ""
@@ -54,7 +56,8 @@ class Recipe(Section):
     @classmethod
     def _name(cls, value: str) -> str:
         if not NAME_RE.match(value):
-            raise ValueError("is not a valid job name -- use 1-64 letters, digits, '_', '.', '-', starting with a letter or digit")
+            raise ValueError("is not a valid job name -- use 1-64 letters, digits, '_', '.', '-', "
+                             "starting with a letter or digit")
         return value
 
     @field_validator("local")

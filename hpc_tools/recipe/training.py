@@ -44,7 +44,8 @@ class TrainingConfig(Section):
     recompute_granularity: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: none, selective (attention core only) or full (whole layers)."""
     recompute_method: Literal["uniform", "block"] = "uniform"
-    """With full recomputation: `uniform` recomputes groups of recompute_num_layers, `block` the first recompute_num_layers per stage."""
+    """With full recomputation: `uniform` recomputes groups of recompute_num_layers, `block` the first
+    recompute_num_layers per stage."""
     recompute_num_layers: int = Field(default=1, gt=0)
     """With full recomputation: layers per group (uniform) or layers recomputed per stage (block)."""
     log_interval: int = Field(default=1, gt=0)

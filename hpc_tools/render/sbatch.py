@@ -13,7 +13,6 @@ from hpc_tools.recipe.load import dump_resolved
 from hpc_tools.recipe.schema import Recipe
 from hpc_tools.render.envsetup import rank_argv, setup_lines, srun_args
 from hpc_tools.render.slurm_params import STOP_SIGNAL, SlurmSpec
-from hpc_tools.runtime.distenv import PORT_BASE, PORT_SPAN
 
 _ENV = jinja2.Environment(loader=jinja2.PackageLoader("hpc_tools.render", "templates"), trim_blocks=True,
                           lstrip_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined,
@@ -31,7 +30,7 @@ def render_sbatch(recipe: Recipe, source: str = "a recipe") -> str:
         name=recipe.name, source=source, layout=ParallelLayout.from_recipe(recipe).describe(),
         sbatch_lines=SlurmSpec.from_recipe(recipe).sbatch_lines(), setup=setup_lines(recipe.cluster),
         python=shlex.quote(recipe.cluster.python), recipe_yaml=recipe_yaml, delimiter=delimiter,
-        port_base=PORT_BASE, port_span=PORT_SPAN, signal_delay_s=recipe.cluster.signal_delay_s,
+        signal_delay_s=recipe.cluster.signal_delay_s,
         stop_signal=STOP_SIGNAL, launch=shlex.join(launch))
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import signal
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.schema import Recipe
@@ -14,16 +16,19 @@ from hpc_tools.runtime.distenv import DistEnv
 from hpc_tools.runtime.preemption import StopFlag, requeue_self
 from hpc_tools.runtime.watchdog import Watchdog
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger("hpc_tools")
 
 
 @dataclass
 class RankContext:
-    """Everything a trainer needs: the resolved recipe, the layout, this rank's place, and the run folder.
+    """Everything a trainer needs: the resolved recipe, the layout, this rank's place and device, and the run folder.
 
-    Trainers must: call ``heartbeat(step)`` after every step (hang watchdog); check ``stop_requested`` at step
-    boundaries (agreeing across ranks, e.g. an all-reduce MAX of the flag), then save a checkpoint and call
-    ``finish_preempted()``; write per-step records through ``profiling``.
+    The duties it serves (``heartbeat(step)`` after every step, ``agree_stop()`` at every step boundary, then a
+    checkpoint and ``finish_preempted(step)``) are kept in one place for every backend: the loop of
+    ``hpc_tools.train.loop``.
     """
 
     recipe: Recipe
@@ -49,12 +54,20 @@ class RankContext:
     def checkpoint_dir(self) -> Path:
         return Path(self.recipe.checkpoint.dir) if self.recipe.checkpoint.dir else self.run.checkpoints_dir
 
-    @property
-    def device_type(self) -> str:
-        """`cuda` when the recipe asks for GPUs and torch sees one; otherwise `cpu`."""
+    @cached_property
+    def device(self) -> "torch.device":
+        """This rank's device, decided once: ``cuda:<local rank>`` when the recipe asks for GPUs and torch sees one
+        (the launcher starts one rank per GPU of the node), otherwise ``cpu``."""
         import torch
 
-        return "cuda" if self.recipe.cluster.uses_gpus and torch.cuda.is_available() else "cpu"
+        if self.recipe.cluster.uses_gpus and torch.cuda.is_available():
+            return torch.device("cuda", self.dist.local_rank)
+        return torch.device("cpu")
+
+    @property
+    def device_type(self) -> str:
+        """``cuda`` or ``cpu``: the type of ``device``."""
+        return self.device.type
 
     @property
     def dist_backend(self) -> str:
@@ -65,15 +78,16 @@ class RankContext:
         """This rank received a stop signal (trainers must agree across ranks before acting)."""
         return self.stop.requested
 
-    def agree_stop(self, device=None) -> bool:
-        """Collective: True on every rank when any rank received a stop signal (all-reduce MAX of the flag).
+    def agree_stop(self) -> bool:
+        """Collective: True on every rank when any rank received a stop signal (all-reduce MAX of the flag, on this
+        rank's device: nccl reduces only CUDA tensors).
 
         Then every rank marks itself stopped, so rank 0 records the run as preempted even if it was not signalled.
         """
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1.0 if self.stop.requested else 0.0], device=device or "cpu")
+        flag = torch.tensor([1.0 if self.stop.requested else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() > 0:
             self.stop.requested = True
@@ -90,12 +104,13 @@ class RankContext:
             log.info(msg, *args)
 
     def finish_preempted(self, step: int) -> None:
-        """After the checkpoint is saved: rank 0 records the event and asks Slurm to requeue the job."""
+        """After the agreed stop (and the checkpoint of ``step``, for a backend that keeps them): rank 0 records the
+        event and asks Slurm to requeue the job."""
         if not self.is_rank0:
             return
         # Only the time-limit signal requeues: SIGTERM comes from scancel (the user wants it stopped) or from Slurm's
         # own preemption, which requeues by itself when the partition says so.
         requeued = self.stop.signum == signal.SIGUSR2 and self.recipe.cluster.requeue and requeue_self()
         self.run.update(event="preempted", state="REQUEUED" if requeued else "PREEMPTED", last_step=step)
-        log.warning("checkpoint saved at step %d; %s", step,
-                    "job requeued, it will resume from it" if requeued else "not requeued (not under Slurm or requeue off)")
+        log.warning("stopped after step %d; %s", step, "job requeued, it will resume from its checkpoint" if requeued
+                    else "not requeued (not under Slurm or requeue off)")

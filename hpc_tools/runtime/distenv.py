@@ -1,14 +1,21 @@
 """Rank, world and rendezvous from the launcher's environment: Slurm's srun (SLURM_*) or the local launcher (RANK...).
 
-The one place the rendezvous address and port are decided, for every executor.
+Who decides the rendezvous (MASTER_ADDR, MASTER_PORT):
+- Slurm jobs: ``slurm_rendezvous`` here: the first host of SLURM_JOB_NODELIST and a port derived from the job id.
+  The rendered sbatch script exports it before ``srun`` by running ``python -m hpc_tools.runtime.distenv``; under
+  submitit (no script) every rank computes the same values in ``DistEnv.from_environ``.
+- Local runs: ``hpc_tools.executors.local`` picks 127.0.0.1 and one ``free_port()`` (from here) for all its ranks and
+  passes them in the environment, as torchrun would; ``DistEnv.from_environ`` reads them back.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 
 PORT_BASE, PORT_SPAN = 20000, 20000
@@ -37,6 +44,11 @@ def port_for_job(job_id: str | int | None) -> int:
     if job_id is None:
         return free_port()
     return PORT_BASE + int(str(job_id).split("_")[0]) % PORT_SPAN
+
+
+def slurm_rendezvous(env: dict[str, str]) -> tuple[str, int]:
+    """(MASTER_ADDR, MASTER_PORT) of a Slurm job: its first node and a port derived from its job id."""
+    return first_host(env["SLURM_JOB_NODELIST"]), port_for_job(env.get("SLURM_JOB_ID"))
 
 
 def free_port() -> int:
@@ -69,21 +81,46 @@ class DistEnv:
                        local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
                        local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
                        node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", "0"))),
-                       master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", "29500")),
+                       master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                       master_port=int(env.get("MASTER_PORT", "29500")),
                        job_id=job_id, restart_count=restarts, executor=env.get("HPC_TOOLS_EXECUTOR", "local"))
         if "SLURM_PROCID" in env:
             ntasks = int(env["SLURM_NTASKS"])
             nodes = int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
+            # The sbatch script exported the rendezvous already; under submitit each rank derives the same one.
+            addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+            if not (addr and port):
+                derived = slurm_rendezvous(env)
+                addr, port = addr or derived[0], port or derived[1]
             return cls(rank=int(env["SLURM_PROCID"]), world_size=ntasks, local_rank=int(env.get("SLURM_LOCALID", "0")),
                        local_world_size=ntasks // max(nodes, 1), node_rank=int(env.get("SLURM_NODEID", "0")),
-                       master_addr=env.get("MASTER_ADDR") or first_host(env["SLURM_JOB_NODELIST"]),
-                       master_port=int(env.get("MASTER_PORT") or port_for_job(env.get("SLURM_JOB_ID"))),
+                       master_addr=addr, master_port=int(port),
                        job_id=job_id, restart_count=restarts, executor=env.get("HPC_TOOLS_EXECUTOR", "slurm"))
         return cls(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, master_addr="127.0.0.1",
                    master_port=free_port(), job_id=job_id, restart_count=restarts, executor="local")
 
     def export(self) -> None:
         """Set the variables torch.distributed's env:// rendezvous and DeepSpeed read."""
-        os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
+        os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+                           "LOCAL_RANK": str(self.local_rank),
                            "LOCAL_WORLD_SIZE": str(self.local_world_size), "MASTER_ADDR": self.master_addr,
                            "MASTER_PORT": str(self.master_port)})
+
+
+def main(env: dict[str, str] | None = None) -> int:
+    """Print the Slurm job's rendezvous as shell exports, for the batch script to ``eval`` before ``srun``.
+
+    Values inherited from the submitting shell are ignored: the allocation decides.
+    """
+    env = dict(os.environ if env is None else env)
+    if "SLURM_JOB_NODELIST" not in env:
+        print("error: python -m hpc_tools.runtime.distenv runs inside a Slurm job (SLURM_JOB_NODELIST is not set)",
+              file=sys.stderr)
+        return 2
+    addr, port = slurm_rendezvous(env)
+    print(f"export MASTER_ADDR={shlex.quote(addr)} MASTER_PORT={port}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

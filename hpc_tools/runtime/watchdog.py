@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 HANG_EXIT_CODE = 86
+MARKER_GLOB = "HANG-rank*.txt"  # one per hung rank, in the run folder
 
 
 class Watchdog:
@@ -41,7 +42,8 @@ class Watchdog:
             idle = time.monotonic() - self._last
             if idle > self.timeout_s:
                 with open(self.path, "w") as f:
-                    f.write(f"no step completed for {idle:.0f} s (timeout {self.timeout_s:.0f} s); last step {self._step}\n")
+                    f.write(f"no step completed for {idle:.0f} s (timeout {self.timeout_s:.0f} s); "
+                            f"last step {self._step}\n")
                     faulthandler.dump_traceback(file=f, all_threads=True)
                 faulthandler.dump_traceback(all_threads=True)
                 os._exit(HANG_EXIT_CODE)

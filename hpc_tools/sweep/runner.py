@@ -5,7 +5,6 @@ refreshing each cell's status, and resubmitting failed cells.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 from pathlib import Path
@@ -16,10 +15,10 @@ from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import parse_yaml, resolve
 from hpc_tools.recipe.schema import Recipe
 from hpc_tools.registry import RunFolder, now_iso
+from hpc_tools.runstate import FAILURE_STATUSES, READER, SlurmJob, Verdict, classify
+from hpc_tools.runstate import refresh as refresh_run
 from hpc_tools.sweep.folder import SweepFolder, pid_alive
 from hpc_tools.sweep.grid import SweepPlan
-from hpc_tools.sweep.status import RERUN_DEFAULT, combine, from_logs, from_manifest, from_sacct, refine_failure, \
-    sacct_states
 
 Say = Callable[[str], None]
 
@@ -81,7 +80,8 @@ def _submit_slurm(folder, cells, runs, recipes, say: Say) -> None:
         groups.setdefault(resource_key(recipes[c["id"]]), []).append(c["id"])
     for ids in groups.values():
         group_runs = [runs[i] for i in ids]
-        jobs = submit_array(group_runs, recipes[ids[0]]) if len(ids) > 1 else [submit_run(group_runs[0], recipes[ids[0]])]
+        recipe = recipes[ids[0]]
+        jobs = submit_array(group_runs, recipe) if len(ids) > 1 else [submit_run(group_runs[0], recipe)]
         with folder.edit() as data:
             by_id = {c["id"]: c for c in data["cells"]}
             for cid, job in zip(ids, jobs):
@@ -101,39 +101,35 @@ def _run_local(folder, cells, runs, recipes, say: Say) -> None:
         world = ParallelLayout.from_recipe(recipes[cid]).world_size
         say(f"[{cid}] {c['label']}: {world} local rank(s) -> {runs[cid].path}")
         code = run_local(runs[cid], world)
-        status = classify_run(runs[cid], None, None)
-        folder.update_cell(cid, status=status, exit_code=code, ended=now_iso())
-        say(f"[{cid}] {status} (exit {code})")
+        verdict = classify_run(runs[cid], None, None)
+        folder.update_cell(cid, status=verdict.status, reason=verdict.reason, exit_code=code, ended=now_iso())
+        why = "" if verdict.status == "completed" else f": {verdict.reason}"
+        say(f"[{cid}] {verdict.status} (exit {code}){why}")
 
 
-def classify_run(run: RunFolder | None, sacct: tuple[str, str] | None, local_pid: int | None,
-                 executor: str = "local") -> str:
-    """One cell's status from sacct (state, exit code), its manifest, HANG markers and logs."""
-    if run is None or not run.exists():
-        return combine(from_sacct(*sacct) if sacct else None)
-    manifest = run.manifest()
-    hang = any(run.path.glob("HANG-rank*.txt"))
-    logs = list(run.logs_dir.glob("*")) if run.logs_dir.is_dir() else []
-    if manifest.get("log_glob"):
-        logs += [Path(p) for p in sorted(glob.glob(manifest["log_glob"]))]
-    status = combine(from_sacct(*sacct) if sacct else None, from_manifest(manifest), hang=hang)
-    if status in ("failed", "cancelled"):
-        status = refine_failure(status, from_logs(logs))
-    if status == "running" and executor == "local" and local_pid is not None and not pid_alive(local_pid):
-        return "failed"  # the local sweep process died mid-run: nobody will ever finish this rank
-    return status
+def classify_run(run: RunFolder | None, job: SlurmJob | None, local_pid: int | None, executor: str = "local",
+                 manifest: dict | None = None) -> Verdict:
+    """One cell's status and reason: the run's classification (``hpc_tools.runstate.classify``), except that a local
+    cell still running after its sweep process died has failed: nobody will ever finish its ranks."""
+    verdict = classify(run, job, manifest)
+    if verdict.status == "running" and executor == "local" and local_pid is not None and not pid_alive(local_pid):
+        return Verdict("failed", f"the local sweep process {local_pid} died while this cell ran")
+    return verdict
 
 
 def refresh(folder: SweepFolder) -> dict[str, Any]:
-    """Re-classify every cell (one sacct call for all job ids) and store the statuses in sweep.json."""
+    """Re-classify every cell (one sacct call for all job ids, merged into each run's manifest) and store the
+    statuses and reasons in sweep.json."""
     data = folder.read()
-    states = sacct_states([c["job_id"] for c in data["cells"] if c.get("job_id")]) \
-        if data.get("executor") == "slurm" else {}
+    jobs = READER.jobs([c["job_id"] for c in data["cells"] if c.get("job_id")]) if data.get("executor") == "slurm" \
+        else {}
     with folder.edit() as data:
         for c in data["cells"]:
             run = RunFolder(folder.path / c["run_dir"]) if c.get("run_dir") else None
-            c["status"] = classify_run(run, states.get(str(c.get("job_id"))), data.get("local_pid"),
-                                       data.get("executor", "local"))
+            job = jobs.get(str(c.get("job_id")))
+            manifest = refresh_run(run, job) if run is not None and run.exists() and job else None
+            verdict = classify_run(run, job, data.get("local_pid"), data.get("executor", "local"), manifest)
+            c.update(status=verdict.status, reason=verdict.reason)
         return data
 
 
@@ -142,7 +138,7 @@ def rerun(folder: SweepFolder, statuses: tuple[str, ...], executor: str, say: Sa
     from hpc_tools.submission import prepare_run
 
     data = refresh(folder)
-    chosen = [c for c in data["cells"] if c["status"] in (statuses or RERUN_DEFAULT)]
+    chosen = [c for c in data["cells"] if c["status"] in (statuses or FAILURE_STATUSES)]
     if dry_run or not chosen:
         return [c["id"] for c in chosen]
     with folder.edit() as d:

@@ -18,7 +18,8 @@ Protocol of one save, the same on every backend (``rank0`` = global rank 0; the 
     barrier()
 
 So a kill at any moment leaves either the previous checkpoints untouched or the new one complete. Resuming reads
-``dirs.newest()``: the ``latest`` pointer when it names a complete folder, else the highest complete ``iter_N``.
+``dirs.newest()``: the ``latest`` pointer when it names a complete folder, else the highest complete ``iter_N``;
+``resume_source`` decides which checkpoint a run starts from (its own newest, else ``checkpoint.load_path``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpc_tools.errors import UserError
 from hpc_tools.registry import atomic_write
 
 PREFIX = "iter_"
@@ -73,16 +75,16 @@ class CheckpointDirs:
         self.root = Path(root)
         self.keep_last = keep_last
 
-    # -- paths ----------------------------------------------------------------------------------------------------------
+    # -- paths ---------------------------------------------------------------------------------------------------------
     def final_path(self, step: int) -> Path:
         return self.root / dir_name(step)
 
     def partial_path(self, step: int) -> Path:
         return self.root / (dir_name(step) + PARTIAL_SUFFIX)
 
-    # -- reading (any rank) ---------------------------------------------------------------------------------------------
+    # -- reading (any rank) --------------------------------------------------------------------------------------------
     def is_complete(self, path: Path) -> bool:
-        """A folder named ``iter_N`` holding the meta file (a rename makes it visible only after the meta is written)."""
+        """A folder named ``iter_N`` holding the meta file (a rename makes it visible only once the meta is written)."""
         return path.is_dir() and parse_step(path.name) is not None and (path / META).is_file()
 
     def complete(self) -> list[tuple[int, Path]]:
@@ -121,7 +123,7 @@ class CheckpointDirs:
         """The meta record a complete checkpoint folder was committed with."""
         return json.loads((Path(path) / META).read_text())
 
-    # -- writing (global rank 0) ----------------------------------------------------------------------------------------
+    # -- writing (global rank 0) ---------------------------------------------------------------------------------------
     def begin(self, step: int) -> Path:
         """Create an empty partial folder for ``step`` (removing a stale one left by a killed save); returns it."""
         self.root.mkdir(parents=True, exist_ok=True)
@@ -165,3 +167,23 @@ class CheckpointDirs:
         for p in removed:
             shutil.rmtree(p, ignore_errors=True)
         return removed
+
+
+def resume_source(dirs: CheckpointDirs, *, resume: bool, load_path: str | None) -> Path | None:
+    """The checkpoint a run starts from, or None for a fresh start.
+
+    With ``resume`` (checkpoint.resume) the newest complete checkpoint under ``dirs`` (the run's own, after a stop or
+    a requeue); failing that ``load_path`` (checkpoint.load_path): a complete ``iter_N`` folder, or a folder of them
+    (its newest). A ``load_path`` that holds no complete checkpoint is a user error.
+    """
+    source = dirs.newest() if resume else None
+    if source is not None or not load_path:
+        return source
+    given = Path(load_path).expanduser()
+    if CheckpointDirs(given.parent).is_complete(given):
+        return given
+    newest = CheckpointDirs(given).newest()
+    if newest is None:
+        raise UserError(f"checkpoint.load_path={load_path} holds no complete checkpoint (give an iter_N folder "
+                        "written by hpc_tools, or the folder holding them)")
+    return newest

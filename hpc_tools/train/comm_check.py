@@ -1,54 +1,74 @@
 """backend.kind: comm_check — no model; every rank joins the process group, checks an all-reduce result and times
 all-reduces of growing size (bus bandwidth in the nccl-tests convention). A cluster smoke test that still writes
-the standard step records, one per size.
+the standard step records, one per size, through the same loop as the trainers (``hpc_tools.train.loop``).
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from hpc_tools.runtime.context import RankContext
-from profiling.collector import StepCollector
+from hpc_tools.train import loop
 
 SIZES_BYTES = (1 << 10, 1 << 16, 1 << 20, 1 << 22)
 
 
 def run(ctx: RankContext) -> None:
-    import torch
-    import torch.distributed as dist
+    """Check and time all-reduces on this rank."""
+    loop.run(ctx, CommCheck)
 
-    device = torch.device("cuda", ctx.dist.local_rank) if ctx.device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(ctx.dist_backend, rank=ctx.rank, world_size=ctx.dist.world_size)
-    try:
-        n = ctx.dist.world_size
-        check = torch.tensor([float(ctx.rank)], device=device)
+
+class CommCheck:
+    """``loop.Engine`` without a model: a step is one all-reduce of the next size of ``SIZES_BYTES``."""
+
+    checkpoints = False
+
+    def __init__(self, ctx: RankContext):
+        import torch
+        import torch.distributed as dist
+
+        self.ctx, self.device, self.world = ctx, ctx.device, ctx.dist.world_size
+        n = self.world
+        check = torch.tensor([float(ctx.rank)], device=self.device)
         dist.all_reduce(check)
         expected = n * (n - 1) / 2
         if check.item() != expected:
             raise RuntimeError(f"all-reduce of ranks gave {check.item()}, expected {expected}")
         ctx.info("rendezvous ok: %d ranks on %s, all-reduce sum %.0f", n, ctx.dist.master_addr, check.item())
-        collector = StepCollector.for_rank(ctx)
-        iters = ctx.recipe.training.train_iters
-        for step in range(1, iters + 1):
-            size = SIZES_BYTES[(step - 1) % len(SIZES_BYTES)]
-            buf = torch.ones(size // 4, dtype=torch.float32, device=device)
-            collector.start_step(step)
-            t0 = time.perf_counter()
-            dist.all_reduce(buf)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            busbw = size / dt * 2 * (n - 1) / n / 1e9 if n > 1 else 0.0
-            collector.end_step(step, loss=None)
-            ctx.heartbeat(step)
-            if step % ctx.recipe.training.log_interval == 0 or step == iters:
-                ctx.info("all_reduce %8d bytes: %.3f ms, busbw %.3f GB/s", size, dt * 1e3, busbw)
-            if ctx.agree_stop(device):
-                ctx.finish_preempted(step)
-                break
-        collector.close()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        # One buffer per size, allocated here so that no step times an allocation. The values do not matter (only
+        # the bytes moved): the sums grow with every reuse, up to inf in float32, which reduces at the same speed.
+        self.buffers = [torch.ones(size // 4, dtype=torch.float32, device=self.device) for size in SIZES_BYTES]
+
+    def describe(self) -> str:
+        return f"comm_check: all-reduce of {SIZES_BYTES[0]}..{SIZES_BYTES[-1]} bytes on {self.world} ranks"
+
+    def coords(self) -> dict[str, int]:
+        return {}
+
+    def resume(self, source: Path) -> int:
+        raise NotImplementedError("comm_check keeps no checkpoints")
+
+    def batch(self, step: int):
+        """The buffer of this step's size: the sizes take turns, smallest first."""
+        return self.buffers[(step - 1) % len(SIZES_BYTES)]
+
+    def step(self, step: int, batch) -> loop.StepResult:
+        """Time one all-reduce of ``batch``; the note carries its time and bus bandwidth."""
+        import torch
+        import torch.distributed as dist
+
+        n, size = self.world, batch.numel() * batch.element_size()
+        t0 = time.perf_counter()
+        dist.all_reduce(batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        busbw = size / dt * 2 * (n - 1) / n / 1e9 if n > 1 else 0.0
+        return loop.StepResult(note=f"all_reduce {size:8d} bytes: {dt * 1e3:.3f} ms, busbw {busbw:.3f} GB/s")
+
+    def save(self, step: int) -> Path:
+        raise NotImplementedError("comm_check keeps no checkpoints")
+
+    def close(self) -> None:
+        self.buffers = []

@@ -70,7 +70,7 @@ def _permutation(seed: int, epoch: int, length: int) -> np.ndarray:
     return np.random.default_rng([seed, 0x5EED, epoch]).permutation(length)
 
 
-# --- building ----------------------------------------------------------------------------------------------------------
+# --- building -----------------------------------------------------------------------------------------------------
 
 def build_samples(recipe: "Recipe") -> Samples:
     """The training samples of a recipe: synthetic (seeded) or tokenized local files. Deterministic per seed."""
@@ -117,7 +117,7 @@ def windows(tokens: np.ndarray, seq_length: int, seed: int, source: str = "token
     return Samples(length=count, seq_length=seq_length, seed=seed, get=get, source=source)
 
 
-# --- files -------------------------------------------------------------------------------------------------------------
+# --- files --------------------------------------------------------------------------------------------------------
 
 def resolve_files(paths: list[str], fmt: str) -> list[tuple[Path, str]]:
     """(file, format) for every listed file and every known-format file under listed folders, in a stable order."""
@@ -132,7 +132,8 @@ def resolve_files(paths: list[str], fmt: str) -> list[tuple[Path, str]]:
         elif path.is_file():
             files = [path]
         else:
-            raise UserError(f"data.paths[{i}]={raw} does not exist (give local files or folders; nothing is downloaded)")
+            raise UserError(f"data.paths[{i}]={raw} does not exist "
+                            "(give local files or folders; nothing is downloaded)")
         for f in files:
             kind = fmt if fmt != "auto" else EXTENSIONS.get(f.suffix.lower())
             if kind is None:
@@ -180,7 +181,7 @@ def _offline_datasets():
     return datasets
 
 
-# --- batches -----------------------------------------------------------------------------------------------------------
+# --- batches ------------------------------------------------------------------------------------------------------
 
 def global_batch_indices(samples: Samples, step: int, global_batch_size: int) -> np.ndarray:
     """Sample indices of the whole global batch of a (1-based) step, wrapping around epochs."""

@@ -53,7 +53,8 @@ class HFTokenizer:
         except Exception as exc:  # transformers raises several types for a bad folder
             raise UserError(f"data.tokenizer={folder} could not be loaded as a Hugging Face tokenizer "
                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}) "
-                            "(give a local folder written by tokenizer.save_pretrained, or use tokenizer: byte)") from None
+                            "(give a local folder written by tokenizer.save_pretrained, or use tokenizer: byte)"
+                            ) from None
         eos = self._tok.eos_token_id
         if eos is None:
             eos = self._tok.sep_token_id

@@ -2,8 +2,8 @@
 
     python tests/integration/megatron_driver.py --out results.json [--only NAME ...]
 
-Without RANK in the environment it starts 4 copies of itself (RANK/WORLD_SIZE/MASTER_* like the local executor) and
-waits. Each rank then, in one torch.distributed world:
+Without RANK in the environment it starts 4 copies of itself (``hpc_tools.testing.spawn``: the local executor's rank
+environment) and waits. Each rank then, in one torch.distributed world:
 
 1. builds the TP1xPP1 model of each model family and saves it (model only) as the shared initial checkpoint;
 2. for every case of CASES: re-initialises Megatron's parallel state for the case's layout, loads that checkpoint,
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -174,25 +173,20 @@ def rank_main(out: Path, only: list[str]) -> None:
 
 
 def launch(out: Path, only: list[str], timeout_s: float = 900) -> int:
-    """Start WORLD ranks of this script and wait for them; returns the first non-zero exit code."""
-    from hpc_tools.runtime.distenv import free_port
+    """Start WORLD ranks of this script and wait for them; returns the first non-zero exit code (124: timed out)."""
+    from hpc_tools.testing.spawn import RanksFailed, spawn_ranks
 
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="mg_driver_") as work:
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD),
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MG_DRIVER_WORK": work, "PYTHONWARNINGS": "ignore"}
         args = [sys.executable, __file__, "--out", str(out), *sum((["--only", o] for o in only), [])]
-        procs = [subprocess.Popen(args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(WORLD)]
-        deadline = time.monotonic() + timeout_s
-        codes = []
-        for p in procs:
-            try:
-                codes.append(p.wait(timeout=max(deadline - time.monotonic(), 1)))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                return 124
-        return next((c for c in codes if c), 0)
+        try:
+            ranks = spawn_ranks(args, WORLD, env={"MG_DRIVER_WORK": work, "PYTHONWARNINGS": "ignore"},
+                                timeout_s=timeout_s, check=True)
+        except RanksFailed as failed:
+            print(failed, file=sys.stderr)
+            culprit = failed.ranks[failed.culprit]
+            return 124 if culprit.timed_out else culprit.returncode
+        print(ranks[0].log)
+        return 0
 
 
 def main() -> int:

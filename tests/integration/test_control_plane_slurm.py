@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from hpc_tools.recipe.load import load_recipe
 from hpc_tools.registry import RunFolder, list_runs
+from hpc_tools.submission import prepare_run
 from tests.conftest import RECIPES, REPO, run_cli, step_records, wait_for
 
 pytestmark = pytest.mark.slurm
@@ -77,7 +79,8 @@ def test_status_logs_and_cancel_on_a_real_job(slurm, runs_dir):
     try:
         wait_for(lambda: run.manifest().get("state") == "RUNNING" and (run.records_dir / "rank00000.jsonl").exists())
         follower = subprocess.Popen([sys.executable, "-m", "hpc_tools", "logs", job["job_id"], "-f", "--runs-dir",
-                                     str(runs_dir)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     str(runs_dir)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True)
         # sacct can lag the job's own start by a poll or two
         status = wait_for(lambda: (s := json.loads(run_cli("status", run.run_id, "--json", "--runs-dir",
                                                             str(runs_dir)).stdout))["slurm_state"] == "RUNNING" and s,
@@ -87,9 +90,8 @@ def test_status_logs_and_cancel_on_a_real_job(slurm, runs_dir):
         assert "rendezvous ok: 2 ranks" in logs.stdout
         cancel = run_cli("cancel", run.run_id, "--runs-dir", str(runs_dir))
         assert cancel.returncode == 0, cancel.stderr
-        final = wait_for(lambda: (m := json.loads(run_cli("status", run.run_id, "--json", "--runs-dir",
-                                                          str(runs_dir)).stdout)).get("slurm_state") == "CANCELLED" and m,
-                         timeout_s=60)
+        final = wait_for(lambda: (m := json.loads(run_cli("status", run.run_id, "--json", "--runs-dir", str(runs_dir))
+                                                  .stdout)).get("slurm_state") == "CANCELLED" and m, timeout_s=60)
         assert final["state"] == "CANCELLED"
         stdout, _ = follower.communicate(timeout=60)
         assert follower.returncode == 0 and "rendezvous ok" in stdout
@@ -98,6 +100,28 @@ def test_status_logs_and_cancel_on_a_real_job(slurm, runs_dir):
         assert run.manifest()["state"] == "CANCELLED"  # the ranks' late stop report did not replace it
     finally:
         subprocess.run(["scancel", job["job_id"]], timeout=30)  # never leave a runaway job behind
+
+
+def test_logs_follow_returns_when_slurm_drops_the_job_at_its_deadline(slurm, runs_dir):
+    # A job that cannot end before its --deadline never starts: Slurm ends it DEADLINE (no terminal state the ranks
+    # could report). The rendered script runs in the run folder made for it, as `submit` would make it.
+    recipe = load_recipe(REPO / COMM, profile="local")
+    run = prepare_run(recipe, runs_dir, "sbatch")
+    script = run.path / "job.sbatch"
+    job_id, out = sbatch(script, run.path, "--time=10", "--deadline=now+1minute",
+                         env={"HPC_TOOLS_RUN_DIR": str(run.path)})
+    assert out.returncode == 0, out.stderr
+    run.update(event="submitted", state="PENDING", job_id=job_id)
+    try:
+        follow = run_cli("logs", run.run_id, "-f", "--runs-dir", str(runs_dir), timeout=120)
+        assert follow.returncode == 0, follow.stderr
+        status = json.loads(run_cli("status", run.run_id, "--json", "--runs-dir", str(runs_dir)).stdout)
+        assert status["slurm_state"] == "DEADLINE" and status["state"] == "TIMEOUT" and status["status"] == "timeout"
+        assert status["reason"].startswith("Slurm DEADLINE"), status["reason"]
+        again = run_cli("cancel", run.run_id, "--runs-dir", str(runs_dir))
+        assert again.returncode == 2 and "already ended (TIMEOUT)" in again.stderr
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)

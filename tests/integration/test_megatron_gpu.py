@@ -31,7 +31,8 @@ def test_bf16_nccl_on_local_gpus(tmp_path):
     tp, pp = (2, 2) if world == 4 else (world, 1)
     recipe = load_recipe(REPO / "recipes" / "gpt_3d.yaml", profile="local", overrides=[
         "cluster.gpu_type=H100-SXM", f"cluster.gpus_per_node={world}", "training.precision=bf16",
-        f"parallel.tensor_size={tp}", f"parallel.pipeline_size={pp}", f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",
+        f"parallel.tensor_size={tp}", f"parallel.pipeline_size={pp}",
+        f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",
         "training.train_iters=20", "checkpoint.interval_iters=10", "model.hidden_size=256", "model.seq_length=256"])
     run = prepare_run(recipe, tmp_path / "runs", "local", source="gpu-test")
     code = run_local(run, ParallelLayout.from_recipe(recipe).world_size)

@@ -77,7 +77,8 @@ def test_local_profile_trains_end_to_end(completed_run):
     assert (layout.tensor_size, layout.pipeline_size, layout.world_size) == (2, 2, 4)
     iters = recipe.training.train_iters
     for rank in range(layout.world_size):
-        steps = [json.loads(line)["step"] for line in (run.records_dir / f"rank{rank:05d}.jsonl").read_text().splitlines()]
+        lines = (run.records_dir / f"rank{rank:05d}.jsonl").read_text().splitlines()
+        steps = [json.loads(line)["step"] for line in lines]
         assert steps == list(range(1, iters + 1)), f"rank {rank} records"
         assert (run.records_dir / f"rank{rank:05d}.parquet").is_file()
     losses = losses_by_step(run.path)

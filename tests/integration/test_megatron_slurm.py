@@ -22,17 +22,16 @@ from pathlib import Path
 import pytest
 
 from hpc_tools.executors.local import run_local
-from hpc_tools.executors.slurm import sacct_state
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.registry import RunFolder
+from hpc_tools.runstate import READER
 from tests.conftest import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "gpt_3d.yaml"
 SETS = ['cluster.setup.env.OMP_NUM_THREADS="1"', "cluster.hang_timeout_min=5"]
 SIGNAL_AT_STEP = 3
-FAILED_STATES = {"FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE"}
 
 pytestmark = [pytest.mark.slurm, pytest.mark.megatron, pytest.mark.slow]
 
@@ -55,10 +54,10 @@ def finished(run: RunFolder, job_id: str) -> str | None:
     state = run.manifest()["state"]
     if state == "COMPLETED":
         return state
-    slurm = (sacct_state(job_id) or {}).get("state")
-    if slurm in FAILED_STATES:
+    job = READER.job(job_id)
+    if job and job.terminal and job.run_state != "COMPLETED":
         logs = "\n".join(p.read_text()[-1500:] for p in sorted((run.path / "submitit").glob("*_0_log.*")))
-        raise AssertionError(f"job {job_id} ended {slurm}:\n{logs}")
+        raise AssertionError(f"job {job_id} ended {job.state}:\n{logs}")
     return None
 
 

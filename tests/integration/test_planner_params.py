@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -54,8 +53,9 @@ def _megatron_count(recipe) -> int:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     m = recipe.model
-    cfg = TransformerConfig(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-                            num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size,
+    cfg = TransformerConfig(num_layers=m.num_layers, hidden_size=m.hidden_size,
+                            num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+                            ffn_hidden_size=m.ffn_hidden_size,
                             kv_channels=m.head_dim, normalization=m.normalization, add_bias_linear=m.add_bias_linear,
                             gated_linear_unit=m.activation == "swiglu",
                             activation_func=F.silu if m.activation == "swiglu" else F.gelu,
@@ -78,8 +78,9 @@ def _hf_count(recipe) -> int:
         cfg = GPT2Config(n_positions=m.seq_length, n_embd=m.hidden_size, n_layer=m.num_layers,
                          n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size, **common)
     else:
-        cfg = LlamaConfig(hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
-                          num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_query_groups,
+        cfg = LlamaConfig(hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+                          num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                          num_key_value_heads=m.num_query_groups,
                           max_position_embeddings=m.seq_length, attention_bias=m.add_bias_linear,
                           mlp_bias=m.add_bias_linear, **common)
     model = AutoModelForCausalLM.from_config(cfg)
@@ -96,7 +97,7 @@ def _layer_saved_bytes(s: int, b: int, h: int, a: int, g: int, f: int, swiglu: b
 
     from hpc_tools.train.megatron import cpu_compat
 
-    cpu_compat.install()  # Megatron's CUDA-only calls routed to the CPU (FACTS)
+    cpu_compat.install()  # Megatron's CUDA-only calls routed to the CPU (docs/megatron-on-cpu.md)
     tensor_parallel.model_parallel_cuda_manual_seed(1)
     # the trainer's settings that change what is saved: fp32 softmax, no bias-activation fusion
     cfg = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=a, num_query_groups=g, ffn_hidden_size=f,
@@ -141,19 +142,14 @@ def child() -> None:
 
 # --- the test -------------------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def real_counts() -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("COUNTS ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    from hpc_tools.testing.spawn import spawn_ranks
+
+    [child_rank] = spawn_ranks([sys.executable, __file__], 1, env={"HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"},
+                               timeout_s=300)
+    lines = [line for line in child_rank.log.splitlines() if line.startswith("COUNTS ")]
+    assert child_rank.ok and lines, child_rank.log[-3000:]
     return json.loads(lines[-1].removeprefix("COUNTS "))
 
 
@@ -187,9 +183,10 @@ def test_layer_activations_equal_what_autograd_saves(real_counts, name, s, b, h,
 
 def test_plan_command_never_imports_torch():
     code = ("import json, sys\nfrom hpc_tools.cli import main\n"
-            "rcs = [main(['plan', 'recipes/gpt_3d.yaml', '--json']), main(['plan', 'recipes/gpt_zero.yaml', '--search', "
-            "'--json', '--no-calibration'])]\n"
-            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'deepspeed', 'transformers'))\n"
+            "rcs = [main(['plan', 'recipes/gpt_3d.yaml', '--json']), "
+            "main(['plan', 'recipes/gpt_zero.yaml', '--search', '--json', '--no-calibration'])]\n"
+            "heavy = sorted(m for m in sys.modules "
+            "if m.split('.')[0] in ('torch', 'megatron', 'deepspeed', 'transformers'))\n"
             "print('RESULT ' + json.dumps({'rcs': rcs, 'heavy': heavy}))\n")
     env = {**os.environ, "PYTHONPATH": str(REPO), "HPC_TOOLS_CALIBRATION": "/nonexistent/calibration.json"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

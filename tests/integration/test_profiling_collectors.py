@@ -1,15 +1,15 @@
-"""The collectors in real multi-rank gloo jobs (profiling/workload.py): records on every rank, communication bytes and
-time on sampled steps, bus bandwidth, a requeue appending to the records, summaries, a torch.profiler trace, and the
-pipeline bubble of Megatron-core's own 1F1B schedule."""
+"""The collectors in real multi-rank gloo jobs (hpc_tools/testing/workload.py): records on every rank, communication
+bytes and time on sampled steps, bus bandwidth, a requeue appending to the records, summaries, a torch.profiler trace,
+and the pipeline bubble of Megatron-core's own 1F1B schedule."""
 
 import json
 
 import pandas as pd
 import pytest
 
+from hpc_tools.testing.workload import launch
 from profiling.comm import busbw_factor
 from profiling.schema import FIELD_NAMES
-from profiling.workload import launch
 
 WORLD = 2
 STEPS, INTERVAL = 6, 2  # then a requeued collector runs steps 7-8 with restart=1
@@ -69,9 +69,10 @@ def test_summaries_line_and_trace(comm_run):
     run, results = comm_run
     job = json.loads((run / "summary.json").read_text())
     assert job["ranks_reporting"] == [0, 1] and job["flops_convention"] == "megatron"
-    assert all(r["restart"] == 1 for r in job["ranks"])  # the requeued start's summary, not a mix
-    assert job["tokens_per_s"] == pytest.approx(job["tokens_per_step"] / job["step_time_s"])
-    assert job["mfu"] == pytest.approx(job["model_flops_per_step"] / job["step_time_s"] / WORLD / 1e12)
+    assert job["restart"] == 1  # written by the requeued start, over the records of both starts
+    assert job["steps_measured"] == (STEPS - 1) + 1  # warm-up (1 step) per start: steps 2-6 and 8
+    assert job["tokens_per_s"] == pytest.approx(job["tokens_per_step"] / job["step_time_median_s"])
+    assert job["mfu"] == pytest.approx(job["model_flops_per_step"] / job["step_time_median_s"] / WORLD / 1e12)
     assert {c["kind"] for c in job["comm"]} == {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p"}
     for rank in range(WORLD):
         assert (run / "records" / f"summary_rank{rank:05d}.json").is_file()
@@ -92,8 +93,8 @@ def test_pipeline_bubble_measured_and_shrinks_with_microbatches(tmp_path):
     for r in results:
         assert r["bubble"]["2"] > 0 and r["bubble"]["16"] > 0, r["bubble"]
         assert r["theory"] == {"2": 0.5, "16": 1 / 16}
-    # The least-waiting stage shows the schedule's own bubble (see profiling/summary.py).
+    # The least-waiting stage shows the schedule's own bubble (see profiling/figures.py).
     jobs = {m: json.loads((tmp_path / f"m{m}" / "summary.json").read_text()) for m in (2, 16)}
-    assert jobs[16]["bubble_measured"] < jobs[2]["bubble_measured"]
-    assert set(jobs[2]["bubble_measured_per_stage"]) == {"0", "1"}
-    assert jobs[2]["bubble_theory_of_step"] == pytest.approx(1 / 3)
+    assert jobs[16]["bubble_share"] < jobs[2]["bubble_share"]
+    assert set(jobs[2]["bubble_share_per_stage"]) == {"0", "1"}
+    assert jobs[2]["bubble_share_theory"] == pytest.approx(1 / 3)

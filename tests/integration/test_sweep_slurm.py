@@ -32,7 +32,8 @@ def wait_until(sweep: str, done, timeout_s: float = 240) -> dict:
         if done(data):
             return data
         time.sleep(2)
-    raise AssertionError(f"sweep {sweep} not done after {timeout_s} s: {[(c['id'], c['status']) for c in data['cells']]}")
+    cells = [(c["id"], c["status"]) for c in data["cells"]]
+    raise AssertionError(f"sweep {sweep} not done after {timeout_s} s: {cells}")
 
 
 def test_sweep_over_one_and_two_nodes(slurm_multinode, tmp_path):

@@ -1,7 +1,8 @@
 """Slurm's own time-limit signal (--signal=USR2@delay, rendered from cluster.signal_delay_s) reaches every rank, the
 job records the preemption, requeues itself with `scontrol requeue`, and starts again with SLURM_RESTART_COUNT=1.
+Without that signal the job runs into its limit and ends TIMEOUT: `logs -f` returns and `status` says why.
 
-The job is comm_check (no model, seconds to start) with a 1-minute limit. Checkpoint/resume equality after such a
+The jobs are comm_check (no model, seconds to start) with a 1-minute limit. Checkpoint/resume equality after such a
 stop is tested with the Megatron and DeepSpeed trainers; here the signal path itself is real, end to end.
 """
 
@@ -14,9 +15,10 @@ import time
 import pytest
 
 from hpc_tools.registry import RunFolder
-from tests.conftest import run_cli
+from tests.conftest import run_cli, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+ENDLESS = ["--set", "training.train_iters=100000000", "--set", "training.log_interval=100000"]
 
 
 def record_restarts(run: RunFolder) -> set[int]:
@@ -26,9 +28,12 @@ def record_restarts(run: RunFolder) -> set[int]:
 
 
 def test_time_limit_signal_requeues_the_job(slurm, runs_dir):
+    # slurmctld checks time limits every 30 s and sends the warning once the time left is within delay + 30 s: a
+    # 15 s delay lands it 15-45 s into the job, after the ranks installed their handler (45 s could land it at start,
+    # where USR2's default action kills a rank that is still importing).
     out = run_cli("submit", "recipes/comm_check.yaml", "--profile", "local", "--executor", "slurm", "--json",
-                  "--runs-dir", str(runs_dir), "--set", "cluster.time_limit=1", "--set", "cluster.signal_delay_s=45",
-                  "--set", "training.train_iters=100000000", "--set", "training.log_interval=100000")
+                  "--runs-dir", str(runs_dir), "--set", "cluster.time_limit=1", "--set", "cluster.signal_delay_s=15",
+                  *ENDLESS)
     assert out.returncode == 0, out.stderr
     job = json.loads(out.stdout)
     run = RunFolder(job["run_dir"])
@@ -49,3 +54,27 @@ def test_time_limit_signal_requeues_the_job(slurm, runs_dir):
     preempted = next(e for e in manifest["events"] if e["event"] == "preempted")
     assert preempted["state"] == "REQUEUED"
     assert record_restarts(run) == {0, 1}  # the requeued job appended to the same record file
+
+
+def test_logs_follow_returns_when_the_job_times_out(slurm, runs_dir):
+    # --signal=USR2@0 (signal_delay_s=0): Slurm sends no warning signal before the limit, so the ranks run into it.
+    out = run_cli("submit", "recipes/comm_check.yaml", "--profile", "local", "--executor", "slurm", "--json",
+                  "--runs-dir", str(runs_dir), "--set", "cluster.time_limit=1", "--set", "cluster.signal_delay_s=0",
+                  "--set", "cluster.requeue=false", *ENDLESS)
+    assert out.returncode == 0, out.stderr
+    job = json.loads(out.stdout)
+    run = RunFolder(job["run_dir"])
+    try:
+        t0 = time.monotonic()
+        # Slurm enforces the limit on its 30 s check, then KillWait: the job ends 60-100 s after it starts.
+        follow = run_cli("logs", run.run_id, "-f", "--runs-dir", str(runs_dir), timeout=240)
+        assert follow.returncode == 0 and "rendezvous ok: 2 ranks" in follow.stdout, follow.stderr
+        assert time.monotonic() - t0 >= 55, "logs -f returned before the time limit"
+        status = wait_for(lambda: (s := json.loads(run_cli("status", run.run_id, "--json", "--runs-dir",
+                                                            str(runs_dir)).stdout))["slurm_state"] == "TIMEOUT" and s,
+                          timeout_s=60, what="sacct to report TIMEOUT")
+    finally:
+        subprocess.run(["scancel", job["job_id"]], timeout=30)
+    # The ranks' own report of the SIGTERM (PREEMPTED) gives way to Slurm's verdict.
+    assert status["state"] == "TIMEOUT" and status["status"] == "timeout", status
+    assert status["reason"].startswith("Slurm TIMEOUT after 00:01:"), status["reason"]

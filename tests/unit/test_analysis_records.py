@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hpc_tools.analysis.analyze import analyse
-from hpc_tools.analysis.synthetic import synthetic_run
+from hpc_tools.testing.synthetic import synthetic_run
 
 STEPS, RANKS = 20, 4
 

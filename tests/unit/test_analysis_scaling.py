@@ -7,7 +7,7 @@ import pytest
 
 from hpc_tools.analysis.analyze import analyse
 from hpc_tools.analysis.scaling import fit_amdahl, fit_gustafson
-from hpc_tools.analysis.synthetic import amdahl_times, synthetic_run
+from hpc_tools.testing.synthetic import amdahl_times, synthetic_run
 
 SERIAL = 0.05
 

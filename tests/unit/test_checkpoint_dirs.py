@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpc_tools.train.checkpoint_dirs import LATEST, META, CheckpointDirs, dir_name, parse_step
+from hpc_tools.errors import UserError
+from hpc_tools.train.checkpoint_dirs import LATEST, META, CheckpointDirs, dir_name, parse_step, resume_source
 
 
 def save(dirs: CheckpointDirs, step: int, payload: str = "x", **meta) -> None:
@@ -95,3 +96,25 @@ def test_keep_last_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="keep_last"):
         CheckpointDirs(tmp_path, keep_last=0)
     assert META.endswith(".json")
+
+
+def test_resume_source_prefers_the_runs_own_newest_then_load_path(tmp_path):
+    own, other = CheckpointDirs(tmp_path / "own"), CheckpointDirs(tmp_path / "other")
+    save(other, 7)
+    save(other, 9)
+    load = str(tmp_path / "other")
+    assert resume_source(own, resume=True, load_path=None) is None, "fresh start"
+    assert resume_source(own, resume=True, load_path=load) == other.final_path(9), "a root: its newest"
+    assert resume_source(own, resume=True, load_path=str(other.final_path(7))) == other.final_path(7)
+    save(own, 3)
+    assert resume_source(own, resume=True, load_path=load) == own.final_path(3), "a requeued run continues itself"
+    assert resume_source(own, resume=False, load_path=load) == other.final_path(9)
+    assert resume_source(own, resume=False, load_path=None) is None
+
+
+def test_resume_source_rejects_a_load_path_without_a_complete_checkpoint(tmp_path):
+    dirs = CheckpointDirs(tmp_path / "half")
+    dirs.begin(5)  # never committed
+    for bad in (tmp_path / "half", dirs.partial_path(5), tmp_path / "missing"):
+        with pytest.raises(UserError, match=rf"checkpoint.load_path={bad} holds no complete checkpoint"):
+            resume_source(CheckpointDirs(tmp_path / "own"), resume=True, load_path=str(bad))

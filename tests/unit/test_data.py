@@ -11,8 +11,15 @@ import pytest
 from hpc_tools.errors import UserError
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import resolve
-from hpc_tools.train.data import (SYNTHETIC_NOISE, build_samples, global_batch_indices, microbatches_for_step,
-                                  rank_batch_indices, synthetic_samples, windows)
+from hpc_tools.train.data import (
+    SYNTHETIC_NOISE,
+    build_samples,
+    global_batch_indices,
+    microbatches_for_step,
+    rank_batch_indices,
+    synthetic_samples,
+    windows,
+)
 from hpc_tools.train.tokenizer import BYTE_EOS_ID, ByteTokenizer, load_tokenizer
 
 
@@ -112,7 +119,7 @@ def test_steps_are_one_based():
         global_batch_indices(windows(np.arange(50), 10, 1), 0, 2)
 
 
-# --- tokenizers ----------------------------------------------------------------------------------------------------------
+# --- tokenizers ---------------------------------------------------------------------------------------------------
 
 def test_byte_tokenizer_round_trip():
     tok = ByteTokenizer()
@@ -152,7 +159,7 @@ def test_tokenizer_errors_name_the_field(tmp_path):
         load_tokenizer(str(tmp_path / "empty"))
 
 
-# --- local files ---------------------------------------------------------------------------------------------------------
+# --- local files --------------------------------------------------------------------------------------------------
 
 DOCS = ["First document about pipelines.", "Second one: ZeRO stage 3 shards parameters.", "Third, ünïcode ok."]
 

@@ -1,4 +1,4 @@
-"""recipe -> ds_config.json: the batch triple from the layout, overrides, and a round trip through DeepSpeed's parser."""
+"""recipe -> ds_config.json: the batch triple from the layout, overrides, a round trip through DeepSpeed's parser."""
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ def test_overrides_merge_last_but_cannot_change_the_batch():
     for key, value in (("train_batch_size", 32), ("gradient_accumulation_steps", 1),
                        ("train_micro_batch_size_per_gpu", 4)):
         bad = make_recipe(overrides={key: value})
-        with pytest.raises(UserError, match=rf"backend.deepspeed.config_overrides.{key}={value} cannot change the batch"):
+        with pytest.raises(UserError,
+                           match=rf"backend.deepspeed.config_overrides.{key}={value} cannot change the batch"):
             build_ds_config(bad, ParallelLayout.from_recipe(bad))
 
 

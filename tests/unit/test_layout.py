@@ -5,7 +5,6 @@ from __future__ import annotations
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe, resolve
 from hpc_tools.render.slurm_params import SlurmSpec
-
 from tests.conftest import REPO
 
 BASE = {"name": "t", "model": {"num_layers": 8, "hidden_size": 64, "num_attention_heads": 8, "seq_length": 32,
@@ -48,7 +47,8 @@ def test_slurm_resources_come_from_the_layout():
     lay, spec = ParallelLayout.from_recipe(recipe), SlurmSpec.from_recipe(recipe)
     assert (spec.nodes, spec.ntasks_per_node, spec.gpus_per_node) == (lay.nodes, lay.ranks_per_node, lay.ranks_per_node)
     params = spec.submitit_parameters()
-    assert (params["nodes"], params["ntasks_per_node"], params["gpus_per_node"]) == (2, 8, 8)
-    assert params["time"] == 240 and params["signal_delay_s"] == 180
+    assert (params["nodes"], params["ntasks_per_node"], params["gpus_per_node"]) == (lay.nodes, lay.ranks_per_node,
+                                                                                    lay.ranks_per_node)
+    assert params["time"] == recipe.cluster.time_limit_min and params["signal_delay_s"] == recipe.cluster.signal_delay_s
     cpu = SlurmSpec.from_recipe(load_recipe(REPO / "recipes/gpt_3d.yaml", profile="local"))
     assert cpu.gpus_per_node is None and "gpus-per-node" not in dict(cpu.sbatch_options())

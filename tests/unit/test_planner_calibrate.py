@@ -46,7 +46,8 @@ def write_run(root: Path, name: str, recipe, step_time_s: float, mem_bytes: int,
 @pytest.fixture()
 def runs(tmp_path):
     h100_a = load_recipe(REPO / "recipes/gpt_3d.yaml")
-    h100_b = load_recipe(REPO / "recipes/gpt_3d.yaml", ["training.micro_batch_size=4", "parallel.virtual_pipeline_size=null"])
+    h100_b = load_recipe(REPO / "recipes/gpt_3d.yaml",
+                         ["training.micro_batch_size=4", "parallel.virtual_pipeline_size=null"])
     a100 = load_recipe(REPO / "recipes/gpt_zero.yaml")
     truth = {"H100-SXM": 0.42, "A100-80GB": 0.55}
     out = []

@@ -15,9 +15,9 @@ NARAYANAN_TABLE1 = [(1.7, 24, 2304, 24), (3.6, 32, 3072, 30), (7.5, 32, 4096, 36
                     (529.6, 128, 20480, 105), (1008.0, 160, 25600, 128)]
 
 
-def eq2(l: int, h: int, V: int, s: int) -> int:
-    """12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)), multiplied out so that it stays an exact integer."""
-    return 12 * l * h * h + 13 * l * h + (V + s) * h
+def eq2(L: int, h: int, V: int, s: int) -> int:
+    """12 L h^2 (1 + 13/(12h) + (V+s)/(12 L h)), multiplied out so that it stays an exact integer."""
+    return 12 * L * h * h + 13 * L * h + (V + s) * h
 
 
 @pytest.mark.parametrize("published, heads, hidden, layers", NARAYANAN_TABLE1)

@@ -11,7 +11,13 @@ from hpc_tools.layout import ParallelLayout
 from hpc_tools.planner.arch import Arch
 from hpc_tools.planner.knobs import Knobs
 from hpc_tools.planner.memory import (
-    ACTIVATIONS, layer_activation_bytes, megatron_state_bytes, stage_activation_bytes, stage_memory, zero_state_bytes)
+    ACTIVATIONS,
+    layer_activation_bytes,
+    megatron_state_bytes,
+    stage_activation_bytes,
+    stage_memory,
+    zero_state_bytes,
+)
 
 GB = 1e9
 
@@ -88,7 +94,8 @@ def test_generalisations_change_only_their_terms():
     gelu = layer_activation_bytes(s, b, h, a, t, ffn=f, flash=True)
     assert swiglu - gelu == pytest.approx(2 * 2 * s * b * f / t)
     # no dropout: the two 1-byte sbh masks vanish (and with explicit attention the mask + dropout output, 3as^2b)
-    assert base - layer_activation_bytes(s, b, h, a, t, flash=True, hidden_dropout=False) == pytest.approx(2 * s * b * h)
+    no_dropout = layer_activation_bytes(s, b, h, a, t, flash=True, hidden_dropout=False)
+    assert base - no_dropout == pytest.approx(2 * s * b * h)
     explicit = layer_activation_bytes(s, b, h, a, t)
     no_attn_dropout = layer_activation_bytes(s, b, h, a, t, attention_dropout=False)
     assert explicit - no_attn_dropout == pytest.approx(3 * a * s * s * b / t)
@@ -108,7 +115,8 @@ def test_megatron_implementation_details():
         layer_activation_bytes(s, b, h, a, t, groups=4, flash=True))  # fused attention reads the groups directly
     f = 2816
     glu = layer_activation_bytes(s, b, h, a, t, ffn=f, gated=True, flash=True, glu_offset_copy=True)
-    assert glu - layer_activation_bytes(s, b, h, a, t, ffn=f, gated=True, flash=True) == pytest.approx(2 * s * b * f / t)
+    gated = layer_activation_bytes(s, b, h, a, t, ffn=f, gated=True, flash=True)
+    assert glu - gated == pytest.approx(2 * s * b * f / t)
 
 
 # --- pipeline: in-flight microbatches, interleaving -----------------------------------------------------------------

@@ -12,6 +12,7 @@ from hpc_tools.planner.knobs import Knobs
 from hpc_tools.planner.search import apply_knobs, why_slower
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.recipe.rules import check_recipe
+from tests.unit.inline_recipes import inline_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 BIG = ["model.num_layers=48", "model.hidden_size=8192", "model.num_attention_heads=64",
@@ -19,7 +20,8 @@ BIG = ["model.num_layers=48", "model.hidden_size=8192", "model.num_attention_hea
 
 
 def recipe(name: str, *overrides: str):
-    return load_recipe(REPO / "recipes" / name, list(overrides), check=False)
+    """The test's own copy of a production recipe (tests/unit/inline_recipes.py), rules not yet checked."""
+    return inline_recipe(name.removesuffix(".yaml"), *overrides, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -37,18 +39,19 @@ def test_ranked_fit_keep_rules_and_are_sorted(big_result):
         assert c.memory_bytes <= res.mem_bytes
         applied = apply_knobs(r, c.knobs)
         assert check_recipe(applied) == [] and fit_violations(applied) == []
-        assert c.knobs.layout.global_batch_size == 256  # tokens per step are held fixed
+        assert c.knobs.layout.global_batch_size == r.training.global_batch_size  # tokens per step are held fixed
 
 
 def test_scores_equal_the_plan_of_the_applied_recipe(big_result):
     r = recipe("gpt_3d.yaml", *BIG)
     best = big_result.best
-    via_overrides = load_recipe(REPO / "recipes/gpt_3d.yaml", BIG + best.knobs.overrides())
+    via_overrides = inline_recipe("gpt_3d", *BIG, *best.knobs.overrides())
     plan = plan_recipe(via_overrides, use_calibration=False)
     assert plan.time.total_s == pytest.approx(best.step_s)
     assert plan.memory.total == pytest.approx(best.memory_bytes)
     assert Knobs.from_recipe(via_overrides).describe() == best.knobs.describe()
-    assert plan_recipe(r, use_calibration=False).fits is False  # the recipe as written does not fit; the search fixes it
+    # the recipe as written does not fit; the search fixes it
+    assert plan_recipe(r, use_calibration=False).fits is False
 
 
 def test_losers_are_explained(big_result):

@@ -1,4 +1,7 @@
-"""Step-time model: each term against the formula it claims (REFERENCE.md), and the derived tokens/s and MFU."""
+"""Step-time model: each term against the formula it claims (docs/formulas.md), and the derived tokens/s and MFU.
+
+The numbers below are those of the test's own recipes (tests/unit/inline_recipes.py), not of recipes/*.yaml.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +14,25 @@ from hpc_tools.planner.arch import arch_for, stage_parameters
 from hpc_tools.planner.hardware import hardware_for
 from hpc_tools.planner.knobs import Knobs
 from hpc_tools.planner.steptime import (
-    BUBBLE, COMPUTE, DP_COMM, OFFLOAD, PP_COMM, TP_COMM, estimate_step_time, step_flops)
+    BUBBLE,
+    COMPUTE,
+    DP_COMM,
+    OFFLOAD,
+    PP_COMM,
+    TP_COMM,
+    estimate_step_time,
+    step_flops,
+)
 from hpc_tools.recipe.load import load_recipe
 from profiling.flops import hardware_flops_per_step, model_flops_per_step
+from tests.unit.inline_recipes import inline_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def gpt3d():
-    r = load_recipe(REPO / "recipes/gpt_3d.yaml")
+    r = inline_recipe("gpt_3d")
     return r, arch_for(r), Knobs.from_recipe(r), hardware_for(r.cluster, r.training.precision)
 
 
@@ -76,7 +88,7 @@ def test_throughput_and_mfu(gpt3d):
 
 
 def test_zero_stages_traffic_and_offload():
-    r = load_recipe(REPO / "recipes/gpt_zero.yaml")
+    r = inline_recipe("gpt_zero")
     arch, k, hw = arch_for(r), Knobs.from_recipe(r), hardware_for(r.cluster, r.training.precision)
     flops = step_flops(r.model, k, "megatron")
     n, d, m = stage_parameters(arch, 1, 1, 0), 16, 512 // (4 * 16)

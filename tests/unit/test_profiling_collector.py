@@ -11,7 +11,7 @@ import pytest
 
 from profiling import comm
 from profiling.clock import Clock
-from profiling.records import RecordWriter, compact_rank, jsonl_path
+from profiling.records import RecordWriter, comm_path, compact_rank, jsonl_path
 from profiling.schema import FIELD_NAMES, REQUIRED, STEP_FIELDS, arrow_schema, validate_record
 from profiling.summary import format_line, merge, write_rank
 
@@ -133,27 +133,45 @@ def test_telemetry_absent_on_cpu_without_noise(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def _rank_summary(rank, pp, bubble, step_s, restart=0):
-    return {"run_id": "r", "rank": rank, "pp_rank": pp, "world_size": 4, "restart": restart, "tokens_per_step": 1000,
-            "model_flops_per_step": 4e12, "hardware_flops_per_step": 5e12, "peak_tflops_per_gpu": 2.0,
-            "flops_convention": "korthikanti", "bubble_theory": 0.25, "median_step_time_s": step_s,
-            "median_bubble_fraction": bubble, "last_loss": 2.0,
-            "comm": [{"kind": "all_reduce", "group_size": 2, "calls": 1, "bytes": 10**9, "time_s": 0.5, "span_s": 0.5}]}
+def _write_rank(records, rank, pp, step_s, wait_s, steps=range(1, 6)):
+    """Records of one rank: every step takes ``step_s`` (10x in step 1, the warm-up), ``wait_s`` of it pipeline wait;
+    one all-reduce of 1 GB in 0.5 s sampled on every step."""
+    w = RecordWriter(records, rank)
+    comm_rows = []
+    for step in steps:
+        t = step_s * (10 if step == 1 else 1)
+        rec = {**_full_record(step), "restart": 0, "rank": rank, "pp_rank": pp, "step_time_s": t, "pp_wait_s": wait_s,
+               "tokens": 1000, "model_flops": 4e12, "hardware_flops": 5e12, "tflops_per_gpu": 4e12 / t / 4 / 1e12,
+               "mfu": 4e12 / t / 4 / 2e12, "mem_allocated_max_bytes": 100 + rank + (1000 if step == 1 else 0),
+               "loss": 2.0 + rank}
+        w.write(rec)
+        comm_rows.append({"step": step, "rank": rank, "restart": 0, "kind": "all_reduce", "group_size": 2, "calls": 1,
+                          "bytes": 10**9, "time_s": 0.5, "span_s": 0.5})
+    w.close()
+    with open(comm_path(records, rank), "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in comm_rows)
 
 
-def test_merge_job_summary(tmp_path):
+def test_merge_job_summary_reduces_the_records(tmp_path):
     records = tmp_path / "records"
-    for rank, (pp, bubble, st) in enumerate([(0, 0.30, 1.0), (0, 0.32, 1.0), (1, 0.20, 1.2), (1, 0.22, 1.1)]):
-        write_rank(records, rank, _rank_summary(rank, pp, bubble, st))
-    write_rank(records, 9, _rank_summary(9, 0, 0.9, 9.0, restart=1))  # another start's file is left out
+    header = {"run_id": "r", "world_size": 4, "flops_convention": "korthikanti", "bubble_theory": 0.25,
+              "warmup_steps": 1}
+    for rank, (pp, st, wait) in enumerate([(0, 1.0, 0.30), (0, 1.0, 0.32), (1, 1.2, 0.24), (1, 1.1, 0.242)]):
+        _write_rank(records, rank, pp, st, wait)
+        write_rank(records, rank, {**header, "rank": rank, "pp_rank": pp, "restart": 0})
+    write_rank(records, 9, {**header, "rank": 9, "restart": 1})  # another start's file is left out
     job = merge(tmp_path, 4, restart=0)
-    assert job["ranks_reporting"] == [0, 1, 2, 3]
-    assert job["step_time_s"] == 1.2  # the slowest rank ends the step
+    assert job["ranks_reporting"] == [0, 1, 2, 3] and job["flops_convention"] == "korthikanti"
+    assert job["steps_measured"] == 4 and job["warmup_steps"] == 1  # step 1 is warm-up
+    assert job["step_time_median_s"] == 1.2  # the slowest rank ends the step
     assert job["mfu"] == pytest.approx(4e12 / 1.2 / 4 / 2e12) and job["hfu"] == pytest.approx(5e12 / 1.2 / 4 / 2e12)
-    assert job["bubble_measured_per_stage"] == {"0": pytest.approx(0.31), "1": pytest.approx(0.21)}
-    assert job["bubble_measured"] == pytest.approx(0.21) and job["bubble_theory_of_step"] == pytest.approx(0.2)
-    assert job["comm"][0]["bytes"] == 4 * 10**9 and job["comm"][0]["busbw_gbps"] == pytest.approx(2.0 * 2 * 1 / 2)
-    assert json.loads((tmp_path / "summary.json").read_text())["step_time_s"] == 1.2
+    assert job["bubble_share_per_stage"] == {"0": pytest.approx(0.31), "1": pytest.approx(0.21)}
+    assert job["bubble_share"] == pytest.approx(0.21) and job["bubble_share_theory"] == pytest.approx(0.2)
+    assert job["mem_allocated_peak_bytes"] == 1103  # memory peaks count the warm-up step
+    assert job["last_loss"] == pytest.approx(3.5)
+    (row,) = job["comm"]  # 4 measured steps x 4 ranks
+    assert row["bytes"] == 16 * 10**9 and row["samples"] == 16 and row["busbw_gbps"] == pytest.approx(2.0 * 2 * 1 / 2)
+    assert json.loads((tmp_path / "summary.json").read_text())["step_time_median_s"] == 1.2
 
 
 def test_summary_line_names_convention_and_unknown_peak():

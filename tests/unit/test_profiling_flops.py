@@ -1,4 +1,4 @@
-"""FLOPs and parameter counts reproduce the published formulas (docs: /work/shared/REFERENCE.md)."""
+"""FLOPs and parameter counts reproduce the published formulas (docs/formulas.md)."""
 
 import math
 
@@ -24,15 +24,15 @@ GPT3 = gpt(96, 12288, 96)
 @pytest.mark.parametrize("billions,heads,hidden,layers", TABLE1)
 def test_parameters_match_narayanan_eq2_and_table1(billions, heads, hidden, layers):
     m = gpt(layers, hidden, heads)
-    l, h, V, s = layers, hidden, 51200, 2048
-    eq2 = 12 * l * h**2 * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))
+    h, V, s = hidden, 51200, 2048
+    eq2 = 12 * layers * h**2 * (1 + 13 / (12 * h) + (V + s) / (12 * layers * h))
     assert num_parameters(m) - 2 * h == pytest.approx(eq2, rel=1e-12)  # eq. 2 leaves out the final norm (2h)
     assert num_parameters(m) / 1e9 == pytest.approx(billions, abs=0.051)  # the table rounds to 0.1 B
 
 
 def test_gpt3_175b_full_recompute_is_narayanan_eq3_and_34_days():
-    B, s, l, h, V = 1536, 2048, 96, 12288, 51200
-    eq3 = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+    B, s, layers, h, V = 1536, 2048, 96, 12288, 51200
+    eq3 = 96 * B * s * layers * h**2 * (1 + s / (6 * h) + V / (16 * layers * h))
     got = hardware_flops_per_step(GPT3, B, "full", convention="korthikanti")
     assert got == pytest.approx(eq3, rel=1e-12)
     # The paper: 300 B tokens on 1024 A100 at 140 TFLOP/s each take about 34 days.
@@ -52,7 +52,8 @@ def test_korthikanti_eq7_and_eq8(layers, hidden, heads, seq, B):
     assert hardware_flops_per_step(m, B, "none", convention="korthikanti") == pytest.approx(eq7, rel=1e-12)
 
 
-@pytest.mark.parametrize("layers,hidden,heads,seq,V,B", [(24, 2048, 16, 2048, 50257, 256), (32, 4096, 32, 4096, 131072, 7)])
+@pytest.mark.parametrize("layers,hidden,heads,seq,V,B", [(24, 2048, 16, 2048, 50257, 256),
+                                                         (32, 4096, 32, 4096, 131072, 7)])
 def test_megatron_form_halves_causal_attention(layers, hidden, heads, seq, V, B):
     m = gpt(layers, hidden, heads, seq=seq, vocab=V)
     L, s, h = layers, seq, hidden

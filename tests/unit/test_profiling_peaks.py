@@ -12,8 +12,10 @@ from profiling.peaks import canonical_gpu, hfu, mfu, peak_for_recipe, peak_tflop
 @pytest.mark.parametrize("name,key", [
     ("NVIDIA H100 80GB HBM3", "H100-SXM"), ("NVIDIA H100 PCIe", "H100-PCIe"), ("NVIDIA H100 NVL", "H100-NVL"),
     ("NVIDIA H200", "H200"), ("NVIDIA H200 NVL", "H200-NVL"), ("NVIDIA GH200 480GB", "GH200"),
-    ("NVIDIA A100-SXM4-80GB", "A100-80GB"), ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("NVIDIA A100 80GB PCIe", "A100-80GB"),
-    ("NVIDIA B200", "B200"), ("AMD Instinct MI300X", "MI300X"), ("NVIDIA L40S", "L40S"), ("NVIDIA L4", "L4"),
+    ("NVIDIA A100-SXM4-80GB", "A100-80GB"), ("NVIDIA A100-SXM4-40GB", "A100-40GB"),
+    ("NVIDIA A100 80GB PCIe", "A100-80GB"), ("NVIDIA B200", "B200"), ("NVIDIA GB200", "GB200"),
+    ("NVIDIA A100-SXM4-40GB MIG 3g.20gb", None), ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", None),
+    ("AMD Instinct MI300X", "MI300X"), ("NVIDIA L40S", "L40S"), ("NVIDIA L4", "L4"),
     ("NVIDIA A10", "A10"), ("Tesla V100-SXM2-32GB", "V100-SXM"), ("h100-sxm", "H100-SXM"), ("A100-80GB", "A100-80GB"),
     ("NVIDIA GeForce RTX 3090", None), ("NVIDIA A10G", None), ("Mystery Accelerator", None),
 ])
@@ -22,7 +24,7 @@ def test_device_names(name, key):
 
 
 def test_published_dense_figures_never_sparse():
-    # REFERENCE.md: A100 312, H100 SXM 989, PCIe 756, NVL 835, H200 989, B200 2250, MI300X ~1300 (bf16, dense).
+    # docs/formulas.md: A100 312, H100 SXM 989, PCIe 756, NVL 835, H200 989, B200 2250, MI300X ~1300 (bf16, dense).
     for gpu, expected in [("A100-80GB", 312), ("H100-SXM", 989), ("H100-PCIe", 756), ("H100-NVL", 835),
                           ("H200", 989), ("B200", 2250), ("MI300X", 1300)]:
         assert peak_tflops(gpu, "bf16") == pytest.approx(expected, rel=0.01)
@@ -41,6 +43,8 @@ def test_unknown_gpu_gives_none_and_one_warning():
         warnings.simplefilter("error")  # the second ask is silent
         assert peak_tflops("NVIDIA GeForce RTX 3090", "bf16") is None
         assert peak_tflops("cpu", "bf16") is None  # CPU ranks: no peak, no warning
+    with pytest.warns(UserWarning, match="MIG slice"):
+        assert peak_tflops("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "bf16") is None
     with pytest.warns(UserWarning, match="no dense fp8"):
         assert peak_tflops("A100-80GB", "fp8") is None
     with pytest.raises(ValueError):

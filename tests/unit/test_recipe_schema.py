@@ -7,7 +7,6 @@ import yaml
 
 from hpc_tools.errors import RecipeError, UserError
 from hpc_tools.recipe.load import dump_resolved, load_recipe, parse_override, parse_yaml, resolve
-
 from tests.conftest import RECIPES
 
 MINIMAL = {"name": "t", "model": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
@@ -59,7 +58,8 @@ def test_wrong_type_and_literal_are_reported_together():
 
 def test_family_defaults_are_explicit_after_resolution():
     llama = resolve({**MINIMAL, "model": {**MINIMAL["model"], "family": "llama"}})
-    assert (llama.model.normalization, llama.model.activation, llama.model.position_embedding) == ("RMSNorm", "swiglu", "rope")
+    m = llama.model
+    assert (m.normalization, m.activation, m.position_embedding) == ("RMSNorm", "swiglu", "rope")
     assert llama.model.untie_embeddings is True and llama.model.num_query_groups == 4
     assert llama.model.ffn_hidden_size == 192  # 8*64/3 = 170.7 -> rounded up to a multiple of 64
     gpt = resolve(MINIMAL)

@@ -15,7 +15,6 @@ import yaml
 from hpc_tools.recipe.load import load_recipe, resolve
 from hpc_tools.render.envsetup import launch_prefix, setup_lines, srun_args
 from hpc_tools.render.sbatch import job_script_path, render_sbatch
-
 from tests.conftest import RECIPES, REPO
 
 
@@ -30,11 +29,14 @@ def test_committed_job_scripts_match_their_recipes(path):
 
 
 def test_script_shape():
-    text = render_sbatch(load_recipe(REPO / "recipes/gpt_3d.yaml"), "recipes/gpt_3d.yaml")
+    recipe = load_recipe(REPO / "recipes/gpt_3d.yaml")
+    c = recipe.cluster
+    text = render_sbatch(recipe, "recipes/gpt_3d.yaml")
     assert text.startswith("#!/bin/bash\n")
     sbatch = [ln for ln in text.splitlines() if ln.startswith("#SBATCH")]
-    assert "#SBATCH --nodes=2" in sbatch and "#SBATCH --ntasks-per-node=8" in sbatch
-    assert "#SBATCH --gpus-per-node=8" in sbatch and "#SBATCH --signal=USR2@180" in sbatch
+    assert f"#SBATCH --nodes={c.nodes}" in sbatch and f"#SBATCH --ntasks-per-node={c.gpus_per_node}" in sbatch
+    assert f"#SBATCH --gpus-per-node={c.gpus_per_node}" in sbatch
+    assert f"#SBATCH --signal=USR2@{c.signal_delay_s}" in sbatch
     assert "#SBATCH --requeue" in sbatch and "#SBATCH --output=%x-%j.out" in sbatch
     assert "srun --kill-on-bad-exit=1 python3 -m hpc_tools.runtime.rank" in text
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
@@ -96,13 +98,15 @@ def test_hostile_strings_never_execute(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "calls"
-    record = f'printf "%s\\0" "$(basename "$0")" "$@" >> {shlex.quote(str(calls))}; printf "\\n" >> {shlex.quote(str(calls))}'
+    log = shlex.quote(str(calls))
+    record = f'printf "%s\\0" "$(basename "$0")" "$@" >> {log}; printf "\\n" >> {log}'
     _stub(bin_dir, "srun", record)
     _stub(bin_dir, "module", record)
     _stub(bin_dir, "conda", record)
     _stub(bin_dir, "scontrol", 'echo node1')
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
-           "SLURM_JOB_NODELIST": "node1", "SLURM_SUBMIT_DIR": str(tmp_path), "HPC_TOOLS_RUNS_DIR": str(tmp_path / "runs"),
+           "SLURM_JOB_NODELIST": "node1", "SLURM_SUBMIT_DIR": str(tmp_path),
+           "HPC_TOOLS_RUNS_DIR": str(tmp_path / "runs"),
            "PYTHONPATH": str(REPO)}
     (tmp_path / "job.sbatch").write_text(script)
     # `module` is a shell function on clusters; here the stub on PATH plays it.
@@ -120,3 +124,29 @@ def test_hostile_strings_never_execute(tmp_path):
     saved = yaml.safe_load((run_dir / "recipe.yaml").read_text())
     assert saved["description"] == raw["description"] and saved["data"]["paths"] == bad
     assert saved["cluster"]["setup"]["env"] == raw["cluster"]["setup"]["env"]
+
+
+def test_script_takes_the_rendezvous_from_distenv(tmp_path):
+    """The batch script and a submitit rank (no script) agree on the rendezvous: hpc_tools.runtime.distenv owns it."""
+    from hpc_tools.runtime.distenv import DistEnv, port_for_job
+
+    recipe = resolve({"name": "rdzv", "backend": {"kind": "comm_check"},
+                      "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+                                "vocab_size": 512},
+                      "cluster": {"nodes": 2, "gpus_per_node": 1, "gpu_type": "cpu", "python": sys.executable}})
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    seen = tmp_path / "seen"
+    _stub(bin_dir, "srun", f'echo "$MASTER_ADDR $MASTER_PORT" > {shlex.quote(str(seen))}')
+    _stub(bin_dir, "scontrol", 'echo node7; echo node8')
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[7-8]"}
+    env = {**os.environ, **slurm, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(tmp_path),
+           "HPC_TOOLS_RUNS_DIR": str(tmp_path / "runs"), "PYTHONPATH": str(REPO), "MASTER_ADDR": "stale-from-login",
+           "MASTER_PORT": "1"}
+    (tmp_path / "job.sbatch").write_text(render_sbatch(recipe, "rdzv.yaml"))
+    out = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert seen.read_text().split() == ["node7", str(port_for_job(4242))]
+    rank = DistEnv.from_environ({**slurm, "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "PATH": env["PATH"]})
+    assert (rank.master_addr, rank.master_port) == ("node7", port_for_job(4242))

@@ -10,7 +10,6 @@ from hpc_tools.errors import RecipeError, UserError
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import read_yaml
 from hpc_tools.sweep.grid import expand
-
 from tests.conftest import REPO
 
 
@@ -35,7 +34,7 @@ def test_product_and_zipped_axes(gpt3d):
         {"cluster.gpus_per_node": 4, "parallel.tensor_size": 2, "parallel.pipeline_size": 1},
         {"cluster.gpus_per_node": 4, "parallel.tensor_size": 2, "parallel.pipeline_size": 2}]
     layouts = [ParallelLayout.from_recipe(c.recipe) for c in plan.valid]
-    assert [(l.world_size, l.tensor_size, l.pipeline_size, l.data_size) for l in layouts] == [
+    assert [(layout.world_size, layout.tensor_size, layout.pipeline_size, layout.data_size) for layout in layouts] == [
         (2, 2, 1, 1), (4, 2, 1, 2), (4, 2, 2, 1)]
     # TP2 x PP2 does not fit on 2 ranks: dropped with the rule's own text.
     (bad,) = plan.invalid

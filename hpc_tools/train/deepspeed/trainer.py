@@ -1,29 +1,27 @@
 """backend.kind: deepspeed — ``run(ctx)`` on every rank: a Hugging Face causal LM under a DeepSpeed engine.
 
 One step = ``layout.num_microbatches`` forward/backward passes (gradient accumulation inside the engine) and one
-optimizer step; the pipeline engine (``parallel.pipeline_size > 1``) does the same through ``train_batch``. Data comes
-from ``hpc_tools.train.data`` (the step is the data position), checkpoints go through ``CheckpointDirs`` (a save is
-visible only once complete), records through ``StepCollector``.
+optimizer step; the pipeline engine (``parallel.pipeline_size > 1``) does the same through ``train_batch``.
+``DeepSpeedJob`` is the engine of ``hpc_tools.train.loop`` (which owns resume, records, the stop agreement and the
+saves). Data comes from ``hpc_tools.train.data`` (the step is the data position), checkpoints go through
+``CheckpointDirs`` (a save is visible only once complete).
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from hpc_tools.errors import UserError
 from hpc_tools.runtime.context import RankContext
+from hpc_tools.train import loop, rng
 from hpc_tools.train.checkpoint_dirs import CheckpointDirs
 from hpc_tools.train.data import build_samples, microbatches_for_step
 from hpc_tools.train.deepspeed.ds_config import build_ds_config, write_ds_config
 from hpc_tools.train.deepspeed.model import build_model
 from hpc_tools.train.schedule import lr_at
-from profiling.collector import StepCollector
 
 RNG_FILE = "rng_rank{rank:05d}.pt"
 log = logging.getLogger("hpc_tools")
@@ -31,39 +29,26 @@ log = logging.getLogger("hpc_tools")
 
 def run(ctx: RankContext) -> None:
     """Train the recipe on this rank (joins torch.distributed unless the caller already did)."""
-    import torch.distributed as dist
-
-    created = init_distributed(ctx)
-    try:
-        DeepSpeedJob(ctx).train()
-    finally:
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
+    if ctx.device.type == "cpu":
+        _plain_cpu_collectives()
+    loop.run(ctx, DeepSpeedJob)
 
 
-def init_distributed(ctx: RankContext) -> bool:
-    """Join the process group ourselves (gloo on CPU, nccl on GPU); True when this call created it.
+def _plain_cpu_collectives() -> None:
+    """Keep DeepSpeed on plain torch.distributed collectives on CPU.
 
-    DeepSpeed's own init_distributed would compile a shared-memory all-reduce op on CPU (~47 s here) that training
-    never uses; it is marked incompatible so that DeepSpeed keeps plain torch.distributed collectives.
+    DeepSpeed would compile a shared-memory all-reduce op on CPU (~47 s here) that training never uses; marking it
+    incompatible skips the build.
     """
-    import torch
-    import torch.distributed as dist
+    import deepspeed.ops
 
-    if ctx.device_type == "cuda":
-        torch.cuda.set_device(ctx.dist.local_rank)
-    else:
-        import deepspeed.ops
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    if dist.is_initialized():
-        return False
-    dist.init_process_group(ctx.dist_backend, rank=ctx.rank, world_size=ctx.dist.world_size)
-    return True
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 class DeepSpeedJob:
-    """The engine, the data and the step loop of one run on one rank."""
+    """``loop.Engine`` for DeepSpeed: the engine, the data and the checkpoints of one run on one rank."""
+
+    checkpoints = True
 
     def __init__(self, ctx: RankContext):
         self.ctx = ctx
@@ -74,8 +59,11 @@ class DeepSpeedJob:
         self.config = build_ds_config(self.recipe, self.layout)
         self.engine = None
         self._keepalive = None
+        self.build_engine()
+        self._coords = self._grid_coords()
+        self.samples = build_samples(self.recipe)
 
-    # -- set-up ---------------------------------------------------------------------------------------------------------
+    # -- set-up --------------------------------------------------------------------------------------------------------
     def build_engine(self) -> None:
         import deepspeed
         from torch.optim.lr_scheduler import LambdaLR
@@ -103,53 +91,34 @@ class DeepSpeedJob:
         if self.ctx.is_rank0 and self.recipe.backend.deepspeed.zero_stage == 0 and \
                 self.recipe.training.precision != "fp32":
             log.warning("backend.deepspeed.zero_stage=0 with %s: DeepSpeed updates the %s weights directly, without "
-                          "fp32 master weights (use zero_stage >= 1 to keep them)", self.recipe.training.precision,
-                          self.recipe.training.precision)
+                        "fp32 master weights (use zero_stage >= 1 to keep them)", self.recipe.training.precision,
+                        self.recipe.training.precision)
+
+    def describe(self) -> str:
+        return (f"deepspeed: {self.layout.describe()}, ZeRO-{self.recipe.backend.deepspeed.zero_stage}, "
+                f"{self.recipe.training.precision}, {self.samples}")
 
     def coords(self) -> dict[str, int]:
+        return dict(self._coords)
+
+    def _grid_coords(self) -> dict[str, int]:
         if self.pipeline:
             grid = self.engine.grid
             return {"pp_rank": grid.get_stage_id(), "dp_rank": grid.get_data_parallel_id()}
         return {"pp_rank": 0, "dp_rank": self.ctx.rank}
 
-    # -- the loop -------------------------------------------------------------------------------------------------------
-    def train(self) -> None:
-        self.build_engine()
-        samples = build_samples(self.recipe)
-        start = self.resume() + 1
-        coords = self.coords()
-        collector = StepCollector.for_rank(self.ctx, **coords)
-        end = self.recipe.training.train_iters
-        self.ctx.info("deepspeed: %s, ZeRO-%d, %s, %s; steps %d..%d", self.layout.describe(),
-                      self.recipe.backend.deepspeed.zero_stage, self.recipe.training.precision, samples, start, end)
-        last_saved = start - 1
-        try:
-            for step in range(start, end + 1):
-                collector.start_step(step)
-                t0 = time.perf_counter()
-                batches = microbatches_for_step(samples, step, coords["dp_rank"], self.layout)
-                collector.add_data_time(time.perf_counter() - t0)
-                lr = self.engine.get_lr()[0]
-                loss, grad_norm = self.pipeline_step(batches) if self.pipeline else self.step(batches)
-                if grad_norm is None:
-                    grad_norm = _float(self.engine.get_global_grad_norm())
-                skipped = None if self.recipe.training.precision != "fp16" else not self.engine.was_step_applied()
-                collector.end_step(step, loss=loss, lr=lr, grad_norm=grad_norm, skipped=skipped)
-                self.ctx.heartbeat(step)
-                interval = self.recipe.checkpoint.interval_iters
-                if (interval and step % interval == 0) or step == end:
-                    self.save(step)
-                    last_saved = step
-                if self.ctx.agree_stop(self.engine.device):
-                    if last_saved != step:
-                        self.save(step)
-                    self.ctx.finish_preempted(step)
-                    return
-            if start > end:
-                self.ctx.info("nothing to do: the checkpoint is at step %d >= training.train_iters=%d", start - 1, end)
-        finally:
-            collector.close()
-            self.close()
+    # -- one step ------------------------------------------------------------------------------------------------------
+    def batch(self, step: int) -> list[dict[str, Any]]:
+        return microbatches_for_step(self.samples, step, self._coords["dp_rank"], self.layout)
+
+    def step(self, step: int, batch: list[dict[str, Any]]) -> loop.StepResult:
+        """One optimizer step (pipelined or not) at the scheduler's lr, with the engine's grad norm and skip flag."""
+        lr = self.engine.get_lr()[0]
+        loss, grad_norm = self.pipeline_step(batch) if self.pipeline else self.accumulated_step(batch)
+        if grad_norm is None:
+            grad_norm = _float(self.engine.get_global_grad_norm())
+        skipped = None if self.recipe.training.precision != "fp16" else not self.engine.was_step_applied()
+        return loop.StepResult(loss=loss, lr=lr, grad_norm=grad_norm, skipped=skipped)
 
     def close(self) -> None:
         """Release the engine and DeepSpeed's cached process groups (a later engine in this process builds its own)."""
@@ -170,7 +139,7 @@ class DeepSpeedJob:
         except (ImportError, AttributeError):
             pass
 
-    def step(self, batches: list[dict[str, Any]]) -> tuple[float, float | None]:
+    def accumulated_step(self, batches: list[dict[str, Any]]) -> tuple[float, float | None]:
         """Forward/backward every microbatch, one optimizer step: (mean loss over all DP ranks, grad norm or None)."""
         import torch
         import torch.distributed as dist
@@ -202,14 +171,16 @@ class DeepSpeedJob:
         import torch
 
         grads = [p.grad.detach().float() for p in self.engine.module.parameters() if p.grad is not None]
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        if not grads:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
 
     def pipeline_step(self, batches: list[dict[str, Any]]) -> tuple[float, None]:
         """One pipelined step through DeepSpeed's schedule; its loss is already averaged over microbatches and DP."""
         data = iter([(mb["tokens"], mb["labels"]) for mb in batches])
         return float(self.engine.train_batch(data_iter=data)), None
 
-    # -- checkpoints ----------------------------------------------------------------------------------------------------
+    # -- checkpoints ---------------------------------------------------------------------------------------------------
     def save(self, step: int) -> Path:
         """Save through the engine into a partial folder; it becomes ``iter_N`` only once every rank is done."""
         import torch
@@ -222,13 +193,12 @@ class DeepSpeedJob:
         dist.barrier()
         state = {"step": step, "data_step": step, "seed": self.recipe.training.seed}
         self.engine.save_checkpoint(str(self.dirs.root), tag=partial.name, client_state=state, save_latest=False)
-        torch.save(_rng_state(), partial / RNG_FILE.format(rank=self.ctx.rank))
+        torch.save(rng.capture(), partial / RNG_FILE.format(rank=self.ctx.rank))
         dist.barrier()
         final = self.dirs.final_path(step)
         if self.ctx.is_rank0:
             final = self.dirs.commit(step, meta=self.meta())
         dist.barrier()
-        self.ctx.info("checkpoint saved: %s", final)
         return final
 
     def meta(self) -> dict[str, Any]:
@@ -238,59 +208,22 @@ class DeepSpeedJob:
                 "precision": r.training.precision, "family": r.model.family, "pretrained_path": ds.pretrained_path,
                 "layout": self.layout.describe()}
 
-    def resume(self) -> int:
-        """Load the newest complete checkpoint (or checkpoint.load_path); the step it holds, else 0."""
-        path = self.dirs.newest() if self.recipe.checkpoint.resume else None
-        if path is None and self.recipe.checkpoint.load_path:
-            path = load_path_folder(self.recipe.checkpoint.load_path)
-        if path is None:
-            return 0
-        loaded, client = self.engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
+    def resume(self, source: Path) -> int:
+        """Load the checkpoint at ``source`` (model, optimizer, scheduler, this rank's RNG); the step it holds."""
+        import torch
+
+        loaded, client = self.engine.load_checkpoint(str(source.parent), tag=source.name, load_optimizer_states=True,
                                                      load_lr_scheduler_states=True)
         if loaded is None:
-            raise UserError(f"checkpoint {path} could not be loaded by DeepSpeed (is it a DeepSpeed checkpoint of this "
-                            "model? set checkpoint.resume: false or another checkpoint.load_path)")
-        step = int(client["step"])
-        rng = path / RNG_FILE.format(rank=self.ctx.rank)
-        if rng.is_file():
-            _set_rng_state(rng)
-        self.ctx.info("resumed from %s at step %d", path, step)
-        return step
-
-
-def load_path_folder(value: str) -> Path:
-    """``checkpoint.load_path``: a complete ``iter_N`` folder, or a checkpoint root (its newest complete folder)."""
-    path = Path(value).expanduser()
-    if CheckpointDirs(path.parent).is_complete(path):
-        return path
-    newest = CheckpointDirs(path).newest()
-    if newest is None:
-        raise UserError(f"checkpoint.load_path={value} holds no complete checkpoint (give an iter_N folder written "
-                        "by hpc_tools, or its parent folder)")
-    return newest
+            raise UserError(f"checkpoint {source} could not be loaded by DeepSpeed (is it a DeepSpeed checkpoint of "
+                            "this model? set checkpoint.resume: false or another checkpoint.load_path)")
+        rng_file = source / RNG_FILE.format(rank=self.ctx.rank)
+        if rng_file.is_file():
+            rng.restore(torch.load(rng_file, weights_only=False))
+        return int(client["step"])
 
 
 def _float(value) -> float | None:
     if value is None:
         return None
     return float(value.item() if hasattr(value, "item") else value)
-
-
-def _rng_state() -> dict[str, Any]:
-    import torch
-
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(path: Path) -> None:
-    import torch
-
-    state = torch.load(path, weights_only=False)
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

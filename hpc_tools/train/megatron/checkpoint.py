@@ -1,8 +1,9 @@
 """Checkpoints with megatron.core.dist_checkpointing (torch_dist), in the folders of hpc_tools.train.checkpoint_dirs.
 
 What a checkpoint holds: the model (ShardedTensors with layout-independent keys, so any TP/PP/VPP can load it), the
-optimizer (the distributed optimizer as `dp_reshardable`, FACTS), every rank's RNG states, and in the meta file the
-step, the number of optimizer steps taken and the layout it was saved under. The data position is the step.
+optimizer (the distributed optimizer in Megatron's `dp_reshardable` format, see below), every rank's RNG states, and
+in the meta file the step, the number of optimizer steps taken and the layout it was saved under. The data position
+is the step.
 
 Loading under another layout always restores the model; the optimizer state comes along when it can be resharded:
 always for the plain optimizer (its state is stored per parameter, like the model), for the distributed optimizer
@@ -13,10 +14,10 @@ and a warning says so.
 from __future__ import annotations
 
 import logging
-import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpc_tools.train import rng
 from hpc_tools.train.checkpoint_dirs import CheckpointDirs
 
 if TYPE_CHECKING:
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hpc_tools.megatron")
 
+# The distributed optimizer needs its sharding type named: "fully_reshardable" saves but then fails to load
+# (KeyError: 'step'; docs/megatron-on-cpu.md), "dp_reshardable" reloads across a change of data-parallel size.
 SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 FORMAT = "megatron-dist-torch_dist"
 
@@ -41,7 +44,7 @@ def inner_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-# -- state dicts --------------------------------------------------------------------------------------------------------
+# -- state dicts -------------------------------------------------------------------------------------------------------
 
 def model_state(engine: "Engine") -> dict[str, Any]:
     from hpc_tools.train.megatron.model import unwrap
@@ -50,34 +53,26 @@ def model_state(engine: "Engine") -> dict[str, Any]:
 
 
 def rng_state(engine: "Engine"):
-    """This rank's RNG states as a ShardedObject addressed by its (pp, tp, dp) coordinates."""
-    import numpy as np
-    import torch
+    """This rank's RNG states (``hpc_tools.train.rng`` plus Megatron's tensor-parallel tracker) as a ShardedObject
+    addressed by its (pp, tp, dp) coordinates."""
     from megatron.core import tensor_parallel
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     c, lay = engine.coords, engine.layout
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "cuda": torch.cuda.get_rng_state() if engine.device_type == "cuda" else None,
-             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    state = {**rng.capture(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
     return ShardedObject("rng_state", state, (lay.pipeline_size, lay.tensor_size, lay.data_size),
                          (c.pp_rank, c.tp_rank, c.dp_rank), replica_id=0)
 
 
-def set_rng_state(engine: "Engine", state: dict[str, Any]) -> None:
-    import numpy as np
-    import torch
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what ``rng_state`` captured."""
     from megatron.core import tensor_parallel
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if engine.device_type == "cuda" and state.get("cuda") is not None:
-        torch.cuda.set_rng_state(state["cuda"])
+    rng.restore(state)
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-# -- save ---------------------------------------------------------------------------------------------------------------
+# -- save --------------------------------------------------------------------------------------------------------------
 
 def save(engine: "Engine", dirs: CheckpointDirs, step: int, *, model_only: bool = False) -> Path:
     """Collective: every rank writes its shards into a partial folder; rank 0 commits it once all are done."""
@@ -118,7 +113,7 @@ def _in_process_results_queue() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
-# -- load ---------------------------------------------------------------------------------------------------------------
+# -- load --------------------------------------------------------------------------------------------------------------
 
 def load(engine: "Engine", path: str | Path) -> int:
     """Restore what the checkpoint at ``path`` allows under this engine's layout; returns its step."""
@@ -159,7 +154,7 @@ def load(engine: "Engine", path: str | Path) -> int:
         # Master weights of the 16-bit optimizers are copies of the params made at construction: refresh them.
         _reload_main_params(engine)
     if with_rng:
-        set_rng_state(engine, loaded["rng_state"])
+        set_rng_state(loaded["rng_state"])
     if not with_optimizer and not meta["model_only"] and dist.get_rank() == 0:
         log.warning("checkpoint %s was saved under %s; the optimizer state cannot be resharded into %s "
                     "(distributed optimizer across a TP/PP change): model weights loaded, optimizer starts fresh",
@@ -191,7 +186,8 @@ def optimizer_reshardable(saved: dict[str, Any], here: dict[str, Any]) -> bool:
 
 def _prefill_optimizer(engine: "Engine") -> None:
     # A fresh torch AdamW has no state tensors to load into; allocate them, with a placeholder step that the
-    # distributed optimizer's state_dict() insists on (FACTS: without the pre-fill, losses drift).
+    # distributed optimizer's state_dict() insists on. Without the pre-fill the resumed losses drift from the
+    # uninterrupted run (observed with megatron-core 0.16.1; the resume cases of test_megatron_layouts check it).
     import torch
 
     for opt in inner_optimizers(engine.optimizer):

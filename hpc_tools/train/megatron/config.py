@@ -21,8 +21,8 @@ def transformer_config(recipe: "Recipe", layout: "ParallelLayout", device_type: 
     """TransformerConfig for this recipe and layout.
 
     The parallel sizes go into the config as well as into parallel_state: without them sequence parallelism refuses
-    to start and, with PP=2, the distributed and plain optimizers diverge (FACTS). Fusions that need apex or
-    Transformer Engine stay off on CPU.
+    to start and, with PP=2, the distributed and plain optimizers diverge (docs/megatron-on-cpu.md). Fusions that
+    need apex or Transformer Engine stay off on CPU.
     """
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -49,7 +49,8 @@ def transformer_config(recipe: "Recipe", layout: "ParallelLayout", device_type: 
         use_cpu_initialization=not on_gpu,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        # Interleaved 1F1B with PP=2 and batched p2p gives silently wrong losses on gloo (FACTS); plain p2p is exact.
+        # Interleaved 1F1B with PP=2 and batched p2p gives silently wrong losses on gloo; plain p2p is exact
+        # (docs/megatron-on-cpu.md; test_megatron_layouts' PP2xVPP2 case checks it).
         batch_p2p_comm=not (interleaved and layout.pipeline_size == 2),
         deallocate_pipeline_outputs=True,
     )
@@ -72,6 +73,7 @@ def optimizer_config(recipe: "Recipe"):
     return OptimizerConfig(
         optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
         adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad, bf16=t.precision == "bf16",
-        fp16=t.precision == "fp16", params_dtype=params_dtype(recipe), use_distributed_optimizer=mg.distributed_optimizer,
+        fp16=t.precision == "fp16", params_dtype=params_dtype(recipe),
+        use_distributed_optimizer=mg.distributed_optimizer,
         overlap_param_gather=mg.overlap_param_gather, initial_loss_scale=2.0 ** 16, loss_scale_window=1000,
         hysteresis=2, min_loss_scale=1.0)

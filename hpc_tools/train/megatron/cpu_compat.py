@@ -1,6 +1,6 @@
 """Run Megatron-core on a CPU-only torch build (gloo), for tests and laptops. Never active when CUDA is available.
 
-Megatron-core 0.16.1 assumes CUDA in a handful of places (all found on this machine, see /work/shared/FACTS.md):
+Megatron-core 0.16.1 assumes CUDA in a handful of places (each found by running it on CPU; docs/megatron-on-cpu.md):
 
 1. the CUDA RNG in ``tensor_parallel.random`` (``_get/_set_cuda_rng_state`` and the RNG tracker);
 2. tensor factories called with ``device="cuda"`` or an int device (schedules' ``total_num_tokens``, grad buffers,

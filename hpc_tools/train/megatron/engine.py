@@ -9,21 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hpc_tools.train.loop import StepResult
 from hpc_tools.train.megatron.schedule import apply_lr
 from hpc_tools.train.schedule import lr_at
 
 if TYPE_CHECKING:
+    import torch
+
     from hpc_tools.layout import ParallelLayout
     from hpc_tools.recipe.schema import Recipe
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    loss: float | None
-    """Mean loss of the global batch; on last-stage ranks only (None elsewhere)."""
-    grad_norm: float | None
-    lr: float
-    skipped: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +45,13 @@ def init_parallel(layout: "ParallelLayout", seed: int) -> Coords:
 
 
 class Engine:
-    """Model chunks + optimizer + forward/backward schedule for one layout."""
+    """Model chunks + optimizer + forward/backward schedule for one layout.
 
-    def __init__(self, recipe: "Recipe", layout: "ParallelLayout", device_type: str = "cpu"):
+    ``device`` is the rank's torch device (``RankContext.device``; a string such as ``"cpu"`` is accepted).
+    """
+
+    def __init__(self, recipe: "Recipe", layout: "ParallelLayout", device: "torch.device | str" = "cpu"):
+        import torch
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -61,9 +59,9 @@ class Engine:
         from hpc_tools.train.megatron.config import optimizer_config, transformer_config
         from hpc_tools.train.megatron.model import build_chunks
 
+        self.device = torch.device(device)
+        device_type = self.device.type
         if device_type == "cpu":
-            import torch
-
             from hpc_tools.train.megatron import cpu_compat
 
             if torch.cuda.is_available():  # Megatron would put its buffers on the GPU beside CPU params
@@ -94,17 +92,16 @@ class Engine:
 
     # -- one step ---------------------------------------------------------------------------------------------------
     def train_step(self, step: int, microbatches: list[dict[str, Any]]) -> StepResult:
-        """Forward/backward over this rank's microbatches, then the optimizer step with lr_at(step)."""
-        import torch
+        """Forward/backward over this rank's microbatches, then the optimizer step with lr_at(step).
 
+        The loss is the mean over the global batch, the same on every rank (see ``_global_loss``)."""
         t = self.recipe.training
         lr = lr_at(t, step)
         apply_lr(self.optimizer, lr, t.weight_decay)
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        device = torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else None
-        batches = [self._prepare(b, device) for b in microbatches]
+        batches = [self._prepare(b, self.device) for b in microbatches]
         iterators = [iter(batches) for _ in self.chunks]  # every virtual stage walks the same microbatches
         losses = self.forward_backward(
             forward_step_func=self._forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
@@ -124,7 +121,8 @@ class Engine:
         tokens = batch["tokens"]
         positions = torch.arange(tokens.shape[1], dtype=torch.long).unsqueeze(0).expand_as(tokens)
         out = {"tokens": tokens, "labels": batch["labels"], "position_ids": positions}
-        return {k: v.to(device, non_blocking=True) for k, v in out.items()} if device is not None else out
+        # Batches are built on the host: only a GPU rank copies them (asynchronously, from the host buffers).
+        return {k: v.to(device, non_blocking=True) for k, v in out.items()} if device.type == "cuda" else out
 
     @staticmethod
     def _forward_step(data_iterator, model):
@@ -133,7 +131,8 @@ class Engine:
 
         def loss_func(per_token_loss):
             loss = per_token_loss.float().mean()
-            # The schedule divides the returned loss in place: report a detached copy (FACTS).
+            # Megatron's schedule divides the returned loss tensor in place (by the number of microbatches) before
+            # backward; the reported value is a detached copy taken before that, so it stays the microbatch mean.
             return loss, {"lm loss": loss.detach().clone()}
 
         return output, loss_func
@@ -144,10 +143,9 @@ class Engine:
         import torch
         from megatron.core import parallel_state as ps
 
-        device = torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else torch.device("cpu")
-        loss = torch.zeros(1, dtype=torch.float32, device=device)
+        loss = torch.zeros(1, dtype=torch.float32, device=self.device)
         if self.coords.is_last_stage and losses:
-            loss = torch.stack([d["lm loss"].float() for d in losses]).mean().reshape(1).to(device)
+            loss = torch.stack([d["lm loss"].float() for d in losses]).mean().reshape(1).to(self.device)
             if self.layout.data_size > 1:
                 torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
                 loss /= self.layout.data_size

@@ -17,7 +17,8 @@ class SequenceParallelNorm:
 
     Megatron's WrappedTorchNorm refuses sequence parallelism; the plain norm is exact under it as long as its
     parameters are tagged, so that finalize_model_grads all-reduces their gradients over the tensor-parallel group
-    (untagged, the norms of each TP rank see only their share of the sequence and drift apart — FACTS).
+    (untagged, the norms of each TP rank see only their share of the sequence and drift apart; see
+    docs/megatron-on-cpu.md).
     """
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
@@ -86,7 +87,9 @@ def build_chunks(recipe: "Recipe", layout: "ParallelLayout", config, device_type
         if device_type == "cuda":
             model.cuda(torch.cuda.current_device())
         if config.bf16 or config.fp16:
-            model = Float16Module(config, model)  # before DDP, so that DDP's buffers hold the 16-bit params (FACTS)
+            # Before DDP: DDP lays the parameters out in its contiguous buffers with the dtype they have when wrapped,
+            # so the 16-bit cast must come first (Megatron-LM wraps in the same order).
+            model = Float16Module(config, model)
         chunks.append(model)
     ddp = ddp_config(recipe)
     # Only the first chunk buckets its gradients (Megatron-LM does the same with interleaving).

@@ -1,103 +1,71 @@
 """backend.kind: megatron — what every rank runs: ``run(ctx)`` (called by hpc_tools.runtime.rank).
 
-Resume order: the newest complete checkpoint in ``ctx.checkpoint_dir`` (when checkpoint.resume), else
-``checkpoint.load_path``, else a fresh model. Steps are 1-based and continue across resumes; the data of a step is a
-pure function of the step, so no data position is saved. A stop signal (time limit, preemption) is agreed across
-ranks at each step boundary; then the job saves, asks for a requeue and returns.
+``MegatronJob`` is the engine of ``hpc_tools.train.loop`` (which owns resume, records, the stop agreement and the
+saves) around ``hpc_tools.train.megatron.engine.Engine`` (model chunks, optimizer, one step). The data of a step is a
+pure function of the step, so no data position is saved.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
+from typing import Any
 
 from hpc_tools.runtime.context import RankContext
+from hpc_tools.train import loop
 from hpc_tools.train.checkpoint_dirs import CheckpointDirs
 
 log = logging.getLogger("hpc_tools.megatron")
 
 
 def run(ctx: RankContext) -> None:
-    import torch
-    import torch.distributed as dist
-
+    """Train the recipe on this rank."""
     _quiet_megatron()
-    if ctx.device_type == "cuda":
-        torch.cuda.set_device(ctx.dist.local_rank)
-    dist.init_process_group(ctx.dist_backend, rank=ctx.rank, world_size=ctx.dist.world_size)
-    engine = None
-    try:
+    loop.run(ctx, MegatronJob)
+
+
+class MegatronJob:
+    """``loop.Engine`` for Megatron-core: the engine of this rank's layout, its data and its checkpoints."""
+
+    checkpoints = True
+
+    def __init__(self, ctx: RankContext):
+        from hpc_tools.train.data import build_samples
         from hpc_tools.train.megatron.engine import Engine
 
-        engine = Engine(ctx.recipe, ctx.layout, ctx.device_type)
-        ctx.info("megatron: %s, %s, %s on %s", ctx.layout.describe(), ctx.recipe.model.family,
-                 ctx.recipe.training.precision, ctx.device_type)
-        train(ctx, engine)
-    finally:
-        if engine is not None:
-            engine.close()
-        dist.destroy_process_group()
+        self.ctx = ctx
+        self.samples = build_samples(ctx.recipe)  # first: a bad data path fails before a model is built
+        self.engine = Engine(ctx.recipe, ctx.layout, ctx.device)
+        self.dirs = CheckpointDirs(ctx.checkpoint_dir, keep_last=ctx.recipe.checkpoint.keep_last)
 
+    def describe(self) -> str:
+        r = self.ctx.recipe
+        return f"megatron: {self.ctx.layout.describe()}, {r.model.family}, {r.training.precision} on {self.ctx.device}"
 
-def start_step(ctx: RankContext, engine, dirs: CheckpointDirs) -> int:
-    """Load the checkpoint the recipe asks for; returns the last completed step (0 for a fresh start)."""
-    from hpc_tools.errors import UserError
-    from hpc_tools.train.megatron import checkpoint
+    def coords(self) -> dict[str, int]:
+        c = self.engine.coords
+        return {"tp_rank": c.tp_rank, "pp_rank": c.pp_rank, "dp_rank": c.dp_rank}
 
-    ck = ctx.recipe.checkpoint
-    source: Path | None = dirs.newest() if ck.resume else None
-    if source is None and ck.load_path:
-        given = Path(ck.load_path)
-        source = given if CheckpointDirs(given.parent).is_complete(given) else CheckpointDirs(given).newest()
-        if source is None:
-            raise UserError(f"checkpoint.load_path={ck.load_path} holds no complete checkpoint (give an iter_N "
-                            "folder or a folder of them written by hpc_tools)")
-    if source is None:
-        return 0
-    step = checkpoint.load(engine, source)
-    ctx.info("resumed from %s at step %d", source, step)
-    return step
+    def resume(self, source: Path) -> int:
+        from hpc_tools.train.megatron import checkpoint
 
+        return checkpoint.load(self.engine, source)
 
-def train(ctx: RankContext, engine) -> None:
-    """The training loop: steps start+1..train_iters, records, heartbeats, interval/final/preemption saves."""
-    from hpc_tools.train.data import build_samples, microbatches_for_step
-    from hpc_tools.train.megatron import checkpoint
-    from profiling.collector import StepCollector
+    def batch(self, step: int) -> list[dict[str, Any]]:
+        from hpc_tools.train.data import microbatches_for_step
 
-    recipe, layout, c = ctx.recipe, ctx.layout, engine.coords
-    dirs = CheckpointDirs(ctx.checkpoint_dir, keep_last=recipe.checkpoint.keep_last)
-    first = start_step(ctx, engine, dirs) + 1
-    samples = build_samples(recipe)
-    collector = StepCollector.for_rank(ctx, tp_rank=c.tp_rank, pp_rank=c.pp_rank, dp_rank=c.dp_rank)
-    interval, last = recipe.checkpoint.interval_iters, recipe.training.train_iters
-    step = first - 1
-    try:
-        for step in range(first, last + 1):
-            collector.start_step(step)
-            t0 = time.perf_counter()
-            batches = microbatches_for_step(samples, step, c.dp_rank, layout)
-            collector.add_data_time(time.perf_counter() - t0)
-            result = engine.train_step(step, batches)
-            collector.end_step(step, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm, skipped=result.skipped)
-            ctx.heartbeat(step)
-            stop = ctx.agree_stop(_device(ctx))
-            if stop or step == last or (interval and step % interval == 0):
-                checkpoint.save(engine, dirs, step)
-            if stop:
-                ctx.finish_preempted(step)
-                return
-        if first > last:
-            ctx.info("nothing to do: the checkpoint is at step %d and training.train_iters=%d", first - 1, last)
-    finally:
-        collector.close()
+        return microbatches_for_step(self.samples, step, self.engine.coords.dp_rank, self.ctx.layout)
 
+    def step(self, step: int, batch: list[dict[str, Any]]) -> loop.StepResult:
+        return self.engine.train_step(step, batch)
 
-def _device(ctx: RankContext):
-    import torch
+    def save(self, step: int) -> Path:
+        from hpc_tools.train.megatron import checkpoint
 
-    return torch.device("cuda", torch.cuda.current_device()) if ctx.device_type == "cuda" else torch.device("cpu")
+        return checkpoint.save(self.engine, self.dirs, step)
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 def _quiet_megatron() -> None:

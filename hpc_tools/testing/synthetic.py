@@ -39,7 +39,8 @@ def write_rank_parquet(records_dir: Path, rank: int, run_id: str, steps: np.ndar
     schema = arrow_schema()
     n = steps.size
     known = {
-        "schema_version": np.full(n, SCHEMA_VERSION), "run_id": pa.array([run_id] * n), "restart": np.zeros(n, np.int64),
+        "schema_version": np.full(n, SCHEMA_VERSION), "run_id": pa.array([run_id] * n),
+        "restart": np.zeros(n, np.int64),
         "rank": np.full(n, rank), "node": pa.array([f"node{rank // 8:03d}"] * n), "tp_rank": np.zeros(n, np.int64),
         "pp_rank": np.zeros(n, np.int64), "dp_rank": np.full(n, rank), "step": steps.astype(np.int64),
         "time": 1.7e9 + np.cumsum(step_time_s), "step_time_s": step_time_s, "tokens": np.full(n, tokens, np.int64),

@@ -1,5 +1,5 @@
 """Small real multi-rank jobs (torch.distributed gloo) that drive the collectors, for their tests and the overhead
-benchmark: ``python -m profiling.workload SCENARIO --out DIR`` on every rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT set).
+benchmark: ``python -m hpc_tools.testing.workload SCENARIO --out DIR`` on every rank (started by ``launch``).
 
 Scenarios, each writing ``DIR/result_rank<R>.json``:
 
@@ -19,9 +19,12 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from hpc_tools.testing.spawn import spawn_ranks
 
 HIDDEN = 256
 
@@ -126,7 +129,7 @@ def scenario_comm(out: Path, steps: int, interval: int) -> dict[str, Any]:
 
 
 def scenario_pipeline(out: Path, steps: int, microbatches: list[int]) -> dict[str, Any]:
-    """Megatron-core's 1F1B schedule over 2 stages; returns each configuration's median measured bubble."""
+    """Megatron-core's 1F1B schedule over 2 stages; returns each configuration's measured bubble share."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -187,7 +190,7 @@ def scenario_pipeline(out: Path, steps: int, microbatches: list[int]) -> dict[st
             collector.end_step(step)
         collector.close()
         summary = collector.summary_dict()
-        result["bubble"][m] = summary["median_bubble_fraction"]
+        result["bubble"][m] = summary["bubble_share"]
         result["theory"][m] = ctx.layout.bubble_fraction
     dist.barrier()
     parallel_state.destroy_model_parallel()
@@ -238,7 +241,7 @@ def scenario_bench(out: Path, steps: int, rounds: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m profiling.workload", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m hpc_tools.testing.workload", description=__doc__)
     parser.add_argument("scenario", choices=("comm", "pipeline", "bench"))
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--steps", type=int, default=6)
@@ -269,23 +272,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def launch(scenario: str, out: Path, world: int, *args: str, timeout_s: float = 300) -> list[dict[str, Any]]:
-    """Run a scenario on ``world`` local ranks (one process each); returns every rank's result."""
-    import subprocess
-    import sys
-
-    from hpc_tools.runtime.distenv import free_port
-
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    procs = [subprocess.Popen([sys.executable, "-m", "profiling.workload", scenario, "--out", str(out), *args],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=root,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outputs = [p.communicate(timeout=timeout_s)[0] for p in procs]
-    for r, (p, text) in enumerate(zip(procs, outputs)):
-        if p.returncode != 0:
-            raise RuntimeError(f"rank {r} of profiling.workload {scenario} exited {p.returncode}:\n{text[-4000:]}")
-    return [json.loads((out / f"result_rank{r}.json").read_text()) | {"log": outputs[r]} for r in range(world)]
+    """Run a scenario on ``world`` local ranks (one process each); returns every rank's result with its ``log``."""
+    argv = [sys.executable, "-m", "hpc_tools.testing.workload", scenario, "--out", str(out), *args]
+    ranks = spawn_ranks(argv, world, timeout_s=timeout_s, check=True)
+    return [json.loads((out / f"result_rank{r.rank}.json").read_text()) | {"log": r.log} for r in ranks]
 
 
 if __name__ == "__main__":

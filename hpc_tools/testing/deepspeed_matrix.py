@@ -14,13 +14,12 @@ import argparse
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from hpc_tools.runtime.distenv import free_port
+from hpc_tools.testing.spawn import spawn_ranks
 
 
 class StopAfter:
@@ -41,32 +40,10 @@ def launch(variants: list[dict[str, Any]], world_size: int, workdir: str | Path,
     workdir.mkdir(parents=True, exist_ok=True)
     spec, out = workdir / "matrix_spec.json", workdir / "matrix_result.json"
     spec.write_text(json.dumps({"variants": variants, "root": str(workdir / "runs"), "backend": backend}))
-    root = str(Path(__file__).resolve().parents[3])
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])), **(env or {})}
-    procs = []
-    for rank in range(world_size):
-        log = open(workdir / f"matrix_rank{rank}.log", "w")
-        cmd = [sys.executable, "-m", "hpc_tools.train.deepspeed.matrix", "--spec", str(spec), "--out", str(out)]
-        procs.append((subprocess.Popen(cmd, env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=log,
-                                       stderr=subprocess.STDOUT, start_new_session=True), log))
-    deadline = time.monotonic() + timeout_s
-    try:
-        while any(p.poll() is None for p, _ in procs):
-            if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p, _ in procs):
-                break
-            time.sleep(0.2)
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-            log.close()
-    codes = [p.returncode for p, _ in procs]
-    if any(codes) or not out.is_file():
-        tail = (workdir / f"matrix_rank{next((i for i, c in enumerate(codes) if c), 0)}.log").read_text()[-4000:]
-        raise RuntimeError(f"matrix launch failed (exit codes {codes}); log tail:\n{tail}")
+    cmd = [sys.executable, "-m", "hpc_tools.testing.deepspeed_matrix", "--spec", str(spec), "--out", str(out)]
+    ranks = spawn_ranks(cmd, world_size, env=env, timeout_s=timeout_s, log_dir=workdir / "matrix_logs", check=True)
+    if not out.is_file():
+        raise RuntimeError(f"matrix launch wrote no {out.name}; rank 0 log tail:\n{ranks[0].log[-4000:]}")
     return json.loads(out.read_text())
 
 
@@ -117,7 +94,7 @@ def read_records(run_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpc_tools.train.deepspeed.matrix", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m hpc_tools.testing.deepspeed_matrix", description=__doc__)
     parser.add_argument("--spec", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)

@@ -1,0 +1,145 @@
+"""``validate --explain NAME``: the reference of one recipe field, section or cross-field rule, from the schema itself.
+
+A field shows its path, type, default, constraints, docstring and the rules that read it; a section lists its fields;
+a rule shows its docstring and the fields it reads. Everything comes from the section models
+(``hpc_tools/recipe/<section>.py``) and ``hpc_tools.recipe.rules``; nothing here restates a field.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from typing import Any
+
+import annotated_types
+from pydantic.fields import FieldInfo
+
+from hpc_tools.errors import UserError, show
+from hpc_tools.recipe.fields import field_at, field_doc, iter_paths, model_at, unwrap_model
+from hpc_tools.recipe.rules import RULES, Rule
+
+ROOT = "recipe"
+_BOUNDS = ((annotated_types.Gt, "gt", ">"), (annotated_types.Ge, "ge", ">="), (annotated_types.Lt, "lt", "<"),
+           (annotated_types.Le, "le", "<="))
+_NOUNS = {int: "integer", float: "number", bool: "true/false", str: "string", type(None): "null", Any: "any value"}
+
+
+def explain(name: str) -> dict[str, Any]:
+    """The explanation of a field path, a section path, ``recipe`` or a rule name, as plain data.
+
+    An unknown name is a UserError naming the nearest valid one.
+    """
+    name = name.strip()
+    rules = {r.name: r for r in RULES}
+    if name in rules:
+        return explain_rule(rules[name])
+    parts = [] if name == ROOT else name.split(".")
+    if model_at(parts) is not None:
+        return explain_section(name)
+    if field_at(parts) is not None:
+        return explain_field(name)
+    raise UserError(f"--explain {name}: no recipe field, section or rule has that name ({_nearest(name)})")
+
+
+def explain_field(path: str) -> dict[str, Any]:
+    """A leaf field: type, default, bounds, docstring and the rules whose source reads it."""
+    info = field_at(path.split("."))
+    assert info is not None
+    return {"kind": "field", "name": path, "type": type_name(info.annotation), "default": default_text(info),
+            "constraints": constraints(info), "doc": field_doc(path.split(".")),
+            "rules": [{"name": r.name, "doc": r.doc} for r in RULES if path in r.reads]}
+
+
+def explain_section(path: str) -> dict[str, Any]:
+    """A section (or ``recipe``, the whole schema): its docstring and one line per field."""
+    parts = [] if path == ROOT else path.split(".")
+    model = model_at(parts)
+    assert model is not None
+    fields = []
+    for key, info in model.model_fields.items():
+        is_section = unwrap_model(info.annotation) is not None
+        fields.append({"name": key, "type": "section" if is_section else type_name(info.annotation),
+                       "default": default_text(info), "doc": field_doc(parts + [key])})
+    return {"kind": "section", "name": path, "doc": field_doc(parts) if parts else (model.__doc__ or "").strip(),
+            "fields": fields}
+
+
+def explain_rule(r: Rule) -> dict[str, Any]:
+    """A cross-field rule: its docstring and the fields it reads."""
+    return {"kind": "rule", "name": r.name, "doc": r.doc, "reads": sorted(r.reads)}
+
+
+def format_text(info: dict[str, Any]) -> str:
+    """The explanation as the lines ``validate --explain`` prints."""
+    if info["kind"] == "rule":
+        return "\n".join([f"rule {info['name']}", f"  {info['doc']}", f"  reads: {', '.join(info['reads'])}"])
+    if info["kind"] == "section":
+        lines = [f"section {info['name']}" + (f": {info['doc']}" if info["doc"] else "")]
+        prefix = "" if info["name"] == ROOT else info["name"] + "."
+        for f in info["fields"]:
+            default = "" if f["type"] == "section" else \
+                ", required" if f["default"] == "required" else f" = {f['default']}"
+            lines.append(f"  {prefix}{f['name']} ({f['type']}{default}): {f['doc']}")
+        return "\n".join(lines)
+    lines = [info["name"], f"  type: {info['type']}", f"  default: {info['default']}"]
+    if info["constraints"]:
+        lines.append(f"  constraints: {', '.join(info['constraints'])}")
+    lines.append(f"  {info['doc'] or '(no description)'}")
+    if info["rules"]:
+        lines.append("  rules that read it:")
+        lines += [f"    {r['name']}: {r['doc']}" for r in info["rules"]]
+    return "\n".join(lines)
+
+
+def type_name(annotation: Any) -> str:
+    """A YAML-reader's name for an annotation: ``integer``, ``integer or null``, ``one of gpt, llama``, ..."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(show(a) for a in args)
+    if unwrap_model(annotation) is not None and origin is None:
+        return "section"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(type_name(a) for a in args)
+    if origin in (list, tuple, set):
+        return f"list of {type_name(args[0])}" if args else "list"
+    if origin is dict:
+        return f"mapping of {type_name(args[0])} to {type_name(args[1])}" if args else "mapping"
+    return _NOUNS.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def default_text(info: FieldInfo) -> str:
+    """The default as YAML shows it, ``required``, or ``the section's defaults`` for a nested section."""
+    if info.is_required():
+        return "required"
+    if info.default_factory is not None:
+        value = info.default_factory()
+        if unwrap_model(type(value)) is not None:
+            return "the section's defaults"
+        return show(value) if not isinstance(value, (list, dict)) else (repr(value) if value else "empty")
+    return show(info.default)
+
+
+def constraints(info: FieldInfo) -> list[str]:
+    """Numeric bounds declared on the field (``> 0``, ``< 1``)."""
+    out = []
+    for meta in info.metadata:
+        for kind, attr, sign in _BOUNDS:
+            if isinstance(meta, kind):
+                out.append(f"{sign} {show(getattr(meta, attr))}")
+    return out
+
+
+def all_names() -> list[str]:
+    """Every name ``--explain`` accepts: ``recipe``, section and field paths, rule names."""
+    return [ROOT] + [path for path, _ in iter_paths()] + [r.name for r in RULES]
+
+
+def _nearest(name: str) -> str:
+    names = all_names()
+    near = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    if not near:  # a bare or misspelt last part: `tensor_size` -> `parallel.tensor_size`
+        by_tail = {n.rsplit(".", 1)[-1]: n for n in reversed(names)}
+        near = [by_tail[t] for t in difflib.get_close_matches(name.rsplit(".", 1)[-1], list(by_tail), n=1, cutoff=0.6)]
+    listing = f"`python -m hpc_tools validate --explain {ROOT}` lists the sections, `validate --rules` the rules"
+    return f"did you mean {near[0]}? {listing}" if near else listing

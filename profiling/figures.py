@@ -1,0 +1,408 @@
+"""The measured figures of a run, each defined once: the run summary (``summary.json``), ``analyze`` and its report, and
+the planner's calibration all reduce step records through this module and nothing else.
+
+``DEFINITIONS`` states every figure in words (the report prints it as its method section); the code below is the
+definition. Input: the per-rank step records (``profiling.schema``), found and read through ``profiling.records``.
+A run is reduced one rank file at a time (``RunReducer.add_rank``), so a trace of millions of records is never held
+whole: each rank leaves a few numbers (``RankFigures``) and its share of per-step arrays indexed by step number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from profiling.schema import fields
+
+# The record fields the figures read; every one but step and step_time_s is optional.
+COLUMNS = fields("step", "restart", "pp_rank", "step_time_s", "tokens", "data_time_s", "comm_time_s", "pp_wait_s",
+                 "loss", "model_flops", "hardware_flops", "tflops_per_gpu", "mfu", "mem_allocated_max_bytes",
+                 "mem_reserved_max_bytes", "rss_bytes")
+REQUIRED = fields("step", "step_time_s")
+STRAGGLER_THRESHOLD = 0.05  # a rank this much slower than the median rank is a straggler
+GB = 1e9
+
+DEFINITIONS: dict[str, str] = {
+    "warm-up": "The first N steps of every start of the job (its first start and each requeue, i.e. records with the "
+               "same `restart`) are warm-up, N = profiling.warmup_steps (analyze --warmup overrides it). Warm-up steps "
+               "count in no time, throughput or share figure; the steps after them are the measured steps. A requeued "
+               "job re-runs the steps after its checkpoint: on each rank the last record of a step wins.",
+    "step_time_median_s, _p10_s, _p90_s, _mean_s": "A step's time is its slowest rank's step_time_s (a synchronous "
+               "step ends when the last rank does). Median, 10th and 90th percentile (linear interpolation) and mean "
+               "over the measured steps. Per rank: the same over that rank's own measured steps.",
+    "tokens_per_s, tokens_per_s_per_gpu": "Tokens per step (global batch x sequence length, the records' `tokens`) / "
+               "median step time; per GPU: divided by the world size.",
+    "tflops_per_gpu": "Model FLOPs per step (the records' model_flops, under profiling.flops_convention) / median step "
+               "time / world size / 1e12. Empty when the records carry no FLOPs (comm_check).",
+    "mfu, hfu": "TFLOP/s per GPU / the per-GPU peak the job measured against (peak_tflops_per_gpu, implied by the "
+               "records' tflops_per_gpu / mfu: the device the job ran on). HFU uses hardware_flops, which count "
+               "recomputation. Empty when the peak was unknown (CPU ranks, an unknown GPU): never a guessed peak.",
+    "data_share, comm_share": "Per rank: sum(data_time_s or comm_time_s) / sum(step_time_s) over the measured steps "
+               "on which the part was recorded (collectives are timed on sampled steps only); then the mean over "
+               "ranks.",
+    "bubble_share": "Per rank: sum(pp_wait_s) / sum(step_time_s) over the measured steps; per pipeline stage the mean "
+               "over its ranks (bubble_share_per_stage); the job's figure is the least-waiting stage's. In 1F1B every "
+               "stage ideally waits (p-1)(t_f+t_b) per step; a stage that waits more is waiting on a slower stage, so "
+               "the least-waiting stage shows the schedule's own bubble.",
+    "bubble_share_theory": "The schedule's bubble as a share of the step, b / (1 + b), with b = (p-1)/(v m) the bubble "
+               "over ideal compute time (Narayanan et al. 2021); empty without pipeline parallelism.",
+    "mem_*_peak_bytes, peak_mem_gb": "Peaks over every recorded step, warm-up included (a job needs its peak whenever "
+               "it occurs), and over ranks: torch.cuda max allocated and max reserved, host RSS. peak_mem_gb (1e9 "
+               "bytes) is the allocated peak on GPUs, else the RSS peak; peak_mem_kind says which.",
+    "rank_skew, stragglers": "rank_skew = (slowest - fastest rank median step time) / median of the rank medians; a "
+               "straggler is a rank whose median exceeds the median of rank medians by more than 5 % "
+               "(slowdown_vs_median), in runs of 3 or more ranks.",
+    "last_loss": "The mean over the ranks that report a loss at the last step that has one.",
+    "comm (per kind)": "Calls, bytes and time of the sampled collectives on measured steps, summed over steps and "
+               "ranks per (kind, group size); algbw = bytes / span, busbw = algbw x the nccl-tests factor of the "
+               "kind (profiling.comm.busbw_factor).",
+}
+
+# The job's figures, in the order the run summary and analyze's per-run table carry them.
+JOB_FIGURES = ("ranks_measured", "steps_measured", "warmup_steps", "step_time_median_s", "step_time_p10_s",
+               "step_time_p90_s", "step_time_mean_s", "tokens_per_step", "tokens_per_s", "tokens_per_s_per_gpu",
+               "model_flops_per_step", "hardware_flops_per_step", "peak_tflops_per_gpu", "tflops_per_gpu", "mfu", "hfu",
+               "data_share", "comm_share", "bubble_share", "bubble_share_per_stage", "bubble_share_theory",
+               "mem_allocated_peak_bytes", "mem_reserved_peak_bytes", "rss_peak_bytes", "peak_mem_gb", "peak_mem_kind",
+               "rank_skew", "slowest_rank", "stragglers", "last_loss")
+
+
+def definitions_text(width: int = 110) -> str:
+    """``DEFINITIONS`` as plain text, one wrapped paragraph per figure (the report's method section)."""
+    import textwrap
+
+    return "\n".join(textwrap.fill(f"- {name}: {text}", width, subsequent_indent="  ")
+                     for name, text in DEFINITIONS.items())
+
+
+# --- the warm-up rule and the requeue rule --------------------------------------------------------------------------
+
+def is_warmup(step, first_step_of_start, warmup: int):
+    """The warm-up rule for one step (or an array of them): fewer than ``warmup`` steps after its start's first."""
+    return step - first_step_of_start < warmup
+
+
+def warmup_mask(steps: np.ndarray, restart: np.ndarray | None, warmup: int) -> np.ndarray:
+    """True for the warm-up records of one rank, in file order: a record is warm-up when its step is fewer than
+    ``warmup`` steps after the first step its start (its ``restart`` value) recorded."""
+    if restart is None:
+        restart = np.zeros(steps.size)
+    restart = np.nan_to_num(restart, nan=0.0)
+    if steps.size == 0:
+        return np.zeros(0, dtype=bool)
+    if np.all(restart == restart[0]):  # one start: the common case, no sort
+        first = steps[0]
+    else:
+        _, first_idx, inverse = np.unique(restart, return_index=True, return_inverse=True)
+        first = steps[first_idx][inverse]
+    return is_warmup(steps, first, warmup)
+
+
+def keep_last(steps: np.ndarray) -> np.ndarray | None:
+    """Indices (sorted) of the last record of each step; None when every step is recorded once, in order."""
+    if steps.size < 2 or np.all(np.diff(steps) > 0):
+        return None
+    _, first_in_rev = np.unique(steps[::-1], return_index=True)
+    return np.sort(steps.size - 1 - first_in_rev)
+
+
+def prepare_rank(cols: dict[str, np.ndarray], warmup: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """One rank's columns with the requeue rule applied (last record of a step wins), and the mask of its measured
+    (not warm-up) records."""
+    warm = warmup_mask(cols["step"], cols.get("restart"), warmup)
+    keep = keep_last(cols["step"])
+    if keep is not None:
+        cols = {k: v[keep] for k, v in cols.items()}
+        warm = warm[keep]
+    return cols, ~warm
+
+
+# --- per rank ---------------------------------------------------------------------------------------------------------
+
+@dataclass
+class RankFigures:
+    """One rank's figures (see DEFINITIONS); step-time figures over its measured steps, memory over all steps."""
+
+    rank: int
+    pp_rank: int
+    steps_measured: int
+    step_time_median_s: float
+    step_time_p10_s: float
+    step_time_p90_s: float
+    step_time_mean_s: float
+    data_share: float | None
+    comm_share: float | None
+    bubble_share: float | None
+    mem_allocated_peak_bytes: float | None
+    mem_reserved_peak_bytes: float | None
+    rss_peak_bytes: float | None
+    peak_mem_gb: float | None
+    peak_mem_kind: str | None
+    slowdown_vs_median: float | None = None
+    straggler: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _share(cols: dict[str, np.ndarray], name: str, step_time: np.ndarray) -> float | None:
+    """sum(part) / sum(step time) over the steps where the part was recorded."""
+    part = cols.get(name)
+    if part is None:
+        return None
+    ok = ~np.isnan(part)
+    total = step_time[ok].sum()
+    return float(part[ok].sum() / total) if ok.any() and total > 0 else None
+
+
+def _peak(values: np.ndarray | None) -> float | None:
+    if values is None or values.size == 0 or np.all(np.isnan(values)):
+        return None
+    return float(np.nanmax(values))
+
+
+def peak_memory(allocated: float | None, rss: float | None) -> tuple[float | None, str | None]:
+    """(peak_mem_gb, peak_mem_kind): the allocated peak on GPUs, else the host RSS."""
+    if allocated is not None:
+        return allocated / GB, "gpu_allocated"
+    if rss is not None:
+        return rss / GB, "host_rss"
+    return None, None
+
+
+def rank_figures(rank: int, cols: dict[str, np.ndarray], measured: np.ndarray) -> RankFigures | None:
+    """One rank's figures from its prepared columns (``prepare_rank``); None when it has no measured step."""
+    st = cols["step_time_s"][measured]
+    if st.size == 0:
+        return None
+    p10, p50, p90 = np.percentile(st, (10, 50, 90))
+    sub = {k: v[measured] for k, v in cols.items()}
+    alloc, reserved, rss = (_peak(cols.get(c)) for c in ("mem_allocated_max_bytes", "mem_reserved_max_bytes",
+                                                          "rss_bytes"))
+    mem_gb, kind = peak_memory(alloc, rss)
+    pp = cols.get("pp_rank")
+    return RankFigures(rank=rank, pp_rank=int(pp[0]) if pp is not None and not np.isnan(pp[0]) else 0,
+                       steps_measured=int(st.size), step_time_median_s=float(p50), step_time_p10_s=float(p10),
+                       step_time_p90_s=float(p90), step_time_mean_s=float(st.mean()),
+                       data_share=_share(sub, "data_time_s", st), comm_share=_share(sub, "comm_time_s", st),
+                       bubble_share=_share(sub, "pp_wait_s", st), mem_allocated_peak_bytes=alloc,
+                       mem_reserved_peak_bytes=reserved, rss_peak_bytes=rss, peak_mem_gb=mem_gb, peak_mem_kind=kind)
+
+
+def mark_stragglers(ranks: list[RankFigures]) -> dict[str, Any]:
+    """Set each rank's slowdown_vs_median and straggler flag; returns the job's rank_skew, slowest_rank, stragglers."""
+    if not ranks:
+        return {"rank_skew": None, "slowest_rank": None, "stragglers": ""}
+    medians = np.array([r.step_time_median_s for r in ranks])
+    centre = float(np.median(medians))
+    for r in ranks:
+        r.slowdown_vs_median = r.step_time_median_s / centre - 1.0 if centre > 0 else None
+        # With one or two ranks there is no majority to be slower than.
+        r.straggler = bool(len(ranks) >= 3 and r.slowdown_vs_median is not None
+                           and r.slowdown_vs_median > STRAGGLER_THRESHOLD)
+    return {"rank_skew": float((medians.max() - medians.min()) / centre) if centre > 0 else None,
+            "slowest_rank": ranks[int(np.argmax(medians))].rank,
+            "stragglers": ",".join(str(r.rank) for r in ranks if r.straggler)}
+
+
+# --- the job ----------------------------------------------------------------------------------------------------------
+
+def bubble_share_theory(bubble_fraction: float | None) -> float | None:
+    """(p-1)/(v m) is relative to the ideal compute time; as a share of the whole step it is b / (1 + b)."""
+    return None if bubble_fraction is None else bubble_fraction / (1 + bubble_fraction)
+
+
+def _grow(arr: np.ndarray, size: int, fill: float | bool) -> np.ndarray:
+    if arr.size >= size:
+        return arr
+    out = np.full(size, fill, dtype=arr.dtype)
+    out[: arr.size] = arr
+    return out
+
+
+def _median_or_none(values: np.ndarray | None) -> float | None:
+    if values is None:
+        return None
+    values = values[~np.isnan(values)]
+    return float(np.median(values)) if values.size else None
+
+
+def _max_or_none(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+def _mean_or_none(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+class RunReducer:
+    """Reduces a run's rank files one at a time into the job's figures.
+
+    Per-step arrays are indexed by step number: ``step_time_max_s`` (the slowest rank per step, NaN where none
+    recorded it), ``step_warmup`` (a warm-up step on some rank), ``loss_sum``/``loss_count`` (over ranks).
+    """
+
+    def __init__(self, warmup: int, max_step: int | None = None):
+        self.warmup = warmup
+        self.max_step = max_step
+        self.ranks: list[RankFigures] = []
+        self.step_time_max_s = np.empty(0)
+        self.step_warmup = np.zeros(0, dtype=bool)
+        self.loss_sum = np.empty(0)
+        self.loss_count = np.empty(0)
+        self.files = 0
+        self._tokens: list[float | None] = []
+        self._flops: list[float | None] = []
+        self._hw_flops: list[float | None] = []
+        self._peaks: list[float | None] = []
+        self._mem: list[tuple[float | None, float | None, float | None]] = []
+
+    def add_rank(self, rank: int, cols: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
+        """Fold one rank's columns (``profiling.records.read_columns(path, COLUMNS)``) in; returns its prepared columns
+        and measured mask (for callers that bin them further), or None for a file without step records."""
+        if any(c not in cols for c in REQUIRED) or cols["step"].size == 0:
+            return None
+        self.files += 1
+        cols, measured = prepare_rank(cols, self.warmup)
+        steps = cols["step"].astype(np.int64)
+        n = int(max(steps.max(), self.max_step or 0)) + 1
+        self.step_time_max_s = _grow(self.step_time_max_s, n, np.nan)
+        self.step_warmup = _grow(self.step_warmup, n, False)
+        # Steps are unique after keep_last: plain fancy indexing is exact.
+        self.step_time_max_s[steps] = np.fmax(self.step_time_max_s[steps], cols["step_time_s"])
+        self.step_warmup[steps[~measured]] = True
+        loss = cols.get("loss")
+        if loss is not None and not np.all(np.isnan(loss)):
+            self.loss_sum, self.loss_count = _grow(self.loss_sum, n, 0.0), _grow(self.loss_count, n, 0.0)
+            ok = ~np.isnan(loss)
+            self.loss_sum[steps[ok]] += loss[ok]
+            self.loss_count[steps[ok]] += 1.0
+        figures = rank_figures(rank, cols, measured)
+        if figures is not None:
+            self.ranks.append(figures)
+        self._tokens.append(_median_or_none(cols["tokens"][measured] if "tokens" in cols else None))
+        self._flops.append(_median_or_none(cols["model_flops"][measured] if "model_flops" in cols else None))
+        self._hw_flops.append(_median_or_none(cols["hardware_flops"][measured] if "hardware_flops" in cols else None))
+        if "tflops_per_gpu" in cols and "mfu" in cols:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                self._peaks.append(_median_or_none((cols["tflops_per_gpu"] / cols["mfu"])[measured]))
+        self._mem.append(tuple(_peak(cols.get(c)) for c in ("mem_allocated_max_bytes", "mem_reserved_max_bytes",
+                                                              "rss_bytes")))
+        return cols, measured
+
+    def measured_step_times(self) -> np.ndarray:
+        """The slowest rank's time of every measured step, in step order."""
+        st = self.step_time_max_s
+        return st[~np.isnan(st) & ~self.step_warmup]
+
+    def figures(self, world_size: int | None = None, bubble_fraction: float | None = None) -> dict[str, Any]:
+        """The job's figures (``JOB_FIGURES``, defined in ``DEFINITIONS``). ``world_size`` defaults to the number of
+        ranks measured; ``bubble_fraction`` is the layout's (p-1)/(v m), None without pipeline parallelism."""
+        from profiling.peaks import hfu, mfu
+
+        after = self.measured_step_times()
+        world = world_size or max(len(self.ranks), 1)
+        out: dict[str, Any] = {"ranks_measured": len(self.ranks), "steps_measured": int(after.size),
+                               "warmup_steps": self.warmup}
+        if after.size:
+            p10, p50, p90 = np.percentile(after, (10, 50, 90))
+            out.update(step_time_median_s=float(p50), step_time_p10_s=float(p10), step_time_p90_s=float(p90),
+                       step_time_mean_s=float(after.mean()))
+        else:
+            out.update(step_time_median_s=None, step_time_p10_s=None, step_time_p90_s=None, step_time_mean_s=None)
+        med = out["step_time_median_s"]
+        tokens, flops, hw, peak = (_first(v) for v in (self._tokens, self._flops, self._hw_flops, self._peaks))
+        out["tokens_per_step"] = tokens
+        out["tokens_per_s"] = tokens / med if tokens and med else None
+        out["tokens_per_s_per_gpu"] = out["tokens_per_s"] / world if out["tokens_per_s"] else None
+        out["model_flops_per_step"], out["hardware_flops_per_step"], out["peak_tflops_per_gpu"] = flops, hw, peak
+        out["tflops_per_gpu"] = flops / med / world / 1e12 if flops and med else None
+        out["mfu"] = mfu(flops, med, world, peak) if flops and med else None
+        out["hfu"] = hfu(hw, med, world, peak) if hw and med else None
+        out["data_share"] = _mean_or_none([r.data_share for r in self.ranks])
+        out["comm_share"] = _mean_or_none([r.comm_share for r in self.ranks])
+        stages: dict[int, list[float]] = {}
+        for r in self.ranks:
+            if r.bubble_share is not None:
+                stages.setdefault(r.pp_rank, []).append(r.bubble_share)
+        per_stage = {str(k): float(np.mean(v)) for k, v in sorted(stages.items())}
+        out["bubble_share"] = min(per_stage.values()) if per_stage else None
+        out["bubble_share_per_stage"] = per_stage or None
+        out["bubble_share_theory"] = bubble_share_theory(bubble_fraction)
+        alloc, reserved, rss = (_max_or_none([m[i] for m in self._mem]) for i in range(3))
+        out.update(mem_allocated_peak_bytes=alloc, mem_reserved_peak_bytes=reserved, rss_peak_bytes=rss)
+        out["peak_mem_gb"], out["peak_mem_kind"] = peak_memory(alloc, rss)
+        out.update(mark_stragglers(self.ranks))
+        out["last_loss"] = self.last_loss()
+        return {k: out[k] for k in JOB_FIGURES}
+
+    def last_loss(self) -> float | None:
+        have = np.nonzero(self.loss_count > 0)[0]
+        return float(self.loss_sum[have[-1]] / self.loss_count[have[-1]]) if have.size else None
+
+    def step_losses(self, steps: np.ndarray) -> np.ndarray:
+        """Mean loss over the ranks that report it, per given step (NaN where none does)."""
+        loss = np.full(steps.size, np.nan)
+        idx = steps[steps < self.loss_count.size]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            loss[: idx.size] = np.where(self.loss_count[idx] > 0, self.loss_sum[idx] / self.loss_count[idx], np.nan)
+        return loss
+
+
+def _first(values: list[float | None]) -> float | None:
+    return next((v for v in values if v is not None), None)
+
+
+def reduce_records(records_dir: Path, warmup: int, max_step: int | None = None) -> RunReducer:
+    """Every rank file of a run folder's ``records/`` folded into one reducer."""
+    from profiling.records import rank_files, read_columns
+
+    reducer = RunReducer(warmup, max_step)
+    for rank, path in rank_files(records_dir).items():
+        reducer.add_rank(rank, read_columns(path, COLUMNS))
+    return reducer
+
+
+def comm_table(records_dir: Path, warmup: int) -> list[dict[str, Any]]:
+    """Sampled collectives of the measured steps (see DEFINITIONS), one row per (kind, group size)."""
+    from profiling.records import rank_files, read_columns, read_comm_rows
+
+    measured_rows: list[dict[str, Any]] = []
+    for rank, path in rank_files(records_dir).items():
+        rows = read_comm_rows(records_dir, rank)
+        if not rows:
+            continue
+        cols = read_columns(path, ("step", "restart"))
+        if "step" not in cols:
+            continue
+        cols, measured = prepare_rank(cols, warmup)
+        restart = cols.get("restart", np.zeros(cols["step"].size))
+        # The (step, start) pairs whose records count: a re-run step's earlier collectives are superseded too.
+        kept = set(zip(cols["step"][measured].astype(int).tolist(),
+                       np.nan_to_num(restart[measured]).astype(int).tolist()))
+        measured_rows += [row for row in rows if (row.get("step"), row.get("restart", 0)) in kept]
+    return sum_comm(measured_rows)
+
+
+def sum_comm(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Sampled-collective rows (``profiling.comm.per_kind`` rows) summed per (kind, group size), with bandwidths."""
+    from profiling.comm import busbw_factor
+
+    acc: dict[tuple[str, int], dict[str, Any]] = {}
+    for row in rows:
+        a = acc.setdefault((row["kind"], row["group_size"]), {
+            "kind": row["kind"], "group_size": row["group_size"], "calls": 0, "bytes": 0, "time_s": 0.0,
+            "span_s": 0.0, "samples": 0})
+        for key in ("calls", "bytes", "time_s", "span_s"):
+            a[key] += row[key]
+        a["samples"] += 1  # (rank, step) pairs sampled
+    for a in acc.values():
+        a["algbw_gbps"] = a["bytes"] / a["span_s"] / 1e9 if a["span_s"] > 0 else None
+        algbw = a["algbw_gbps"]
+        a["busbw_gbps"] = None if algbw is None else algbw * busbw_factor(a["kind"], a["group_size"])
+    return sorted(acc.values(), key=lambda a: (a["kind"], a["group_size"]))

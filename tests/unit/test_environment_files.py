@@ -1,0 +1,35 @@
+"""The install paths agree: the conda file installs what install.sh installs (DeepSpeed, hpc_tools),
+at the same pins."""
+
+import re
+from pathlib import Path
+
+import yaml
+
+ENV = Path(__file__).resolve().parents[2] / "environment"
+
+
+def _pins(path: Path) -> dict[str, str]:
+    pins = {}
+    for line in path.read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.\-\[\]]+)==([^\s#]+)", line.strip())
+        if m:
+            pins[m.group(1).lower()] = m.group(2)
+    return pins
+
+
+def test_conda_file_installs_deepspeed_and_the_package_at_install_sh_pins():
+    pip_lines = next(d["pip"] for d in yaml.safe_load((ENV / "environment.yml").read_text())["dependencies"]
+                     if isinstance(d, dict))
+    install_sh = (ENV / "install.sh").read_text()
+    ds_pin = re.search(r"deepspeed==([\w.]+)", install_sh).group(1)
+    torch_pin = re.search(r"torch==([\w.]+)", install_sh).group(1)
+    assert f"deepspeed=={ds_pin}" in pip_lines
+    assert f"torch=={torch_pin}" in pip_lines
+    assert "-e .." in pip_lines, "environment.yml must install hpc_tools itself"
+    assert "-r requirements-gpu.txt" in pip_lines
+
+
+def test_gpu_and_cpu_sets_pin_the_same_versions():
+    cpu, gpu = _pins(ENV / "requirements-cpu.txt"), _pins(ENV / "requirements-gpu.txt")
+    assert cpu == gpu, {k: (cpu.get(k), gpu.get(k)) for k in cpu.keys() | gpu.keys() if cpu.get(k) != gpu.get(k)}
