@@ -1,19 +1,29 @@
-"""Benchmark: `analyze` over ~10 million step records vs a bare pyarrow read + group-by of the same columns.
+"""Benchmark: `analyze` over 10 M and 100 M step records vs a bare pyarrow scan + group-by of the same columns.
 
-    python benchmarks/bench_analysis.py                      # 4 runs x 256 ranks x 10,000 steps = 10.24 M records
-    python benchmarks/bench_analysis.py --ranks 32 --steps 2000 --runs 2   # a quick look
+    python benchmarks/bench_analysis.py                                   # 4 runs x 256 ranks x 10,000 steps = 10.24 M
+    python benchmarks/bench_analysis.py --runs 1 --ranks 1024 --steps 100000 --data /tmp/bench_analysis_100M
+                                                                          # one 1,024-rank x 100k-step run = 102.4 M
+    python benchmarks/bench_analysis.py --ranks 32 --steps 2000 --runs 2  # a quick look
 
-Writes synthetic run folders (real schema, parquet per rank) into a temporary folder, then times
-1. baseline: for each run, pyarrow reads the analysis columns of every rank file, concatenates them and groups by rank
-   (mean of each column) -- the least any analysis must do;
-2. analysis: hpc_tools.analysis.analyze.analyse over the same folders (every metric, per-rank stats, per-step
-   slowest rank, heatmap bins, scaling fit), without plotting.
-Prints both times and their ratio (goal <= 3). Each is the best of --repeat timings (the file cache is warm for both).
+Writes synthetic run folders (real run folders, every schema field, one parquet file per rank written directly with
+pyarrow) into --data (kept and reused when it already holds the same dataset) or a temporary folder, then measures,
+each in a fresh subprocess so that its peak RSS (getrusage ru_maxrss) is its own:
+1. baseline: per run, one pyarrow dataset scan of every rank file with the analysis columns (column projection)
+   feeding Acero's streaming hash group-by on rank (the mean of each column) -- the least any analysis must do, with
+   bounded memory;
+2. analysis: hpc_tools.analysis.analyze.analyse over the same folders (every figure of profiling.figures, per-rank
+   table, per-step slowest rank and loss, heatmap bins, planner prediction, scaling fit), without plotting.
+Baseline and analysis alternate --repeat times; each time is the best of its repeats (the file cache is warm for
+both). Prints both times, their ratio (goal <= 1.3) and each side's peak RSS (goal < 2 GB at 100 M records).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import resource
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -21,53 +31,151 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-from hpc_tools.analysis.analyze import analyse  # noqa: E402
-from hpc_tools.testing.synthetic import synthetic_run  # noqa: E402
 from profiling.figures import COLUMNS  # noqa: E402
-from profiling.records import rank_files  # noqa: E402
+from profiling.records import parquet_path, rank_files  # noqa: E402
+
+MARKER = "bench_analysis.json"
+
+
+# --- the dataset ------------------------------------------------------------------------------------------------------
+
+def _run_folder(root: Path, nodes: int, gpus_per_node: int, steps: int):
+    from hpc_tools.recipe.load import dump_resolved
+    from hpc_tools.registry import RunFolder, new_run_id
+    from hpc_tools.testing.synthetic import synthetic_recipe
+
+    recipe = synthetic_recipe([f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpus_per_node}",
+                               f"training.train_iters={steps}", "training.global_batch_size=1024"])
+    run = RunFolder.create(root, new_run_id(recipe.name), dump_resolved(recipe), "",
+                           {"state": "COMPLETED", "world_size": nodes * gpus_per_node, "executor": "synthetic"})
+    return run, recipe.training.global_batch_size * recipe.model.seq_length
 
 
 def generate(root: Path, runs: int, ranks: int, steps: int, seed: int = 0) -> list[Path]:
+    """``runs`` run folders of ``ranks`` x ``steps`` records; run i is (i + 1) x faster (a strong-scaling look)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from profiling.schema import SCHEMA_VERSION, arrow_schema
+
     rng = np.random.default_rng(seed)
+    schema = arrow_schema()
+    step = np.arange(1, steps + 1, dtype=np.int64)
+    loss = np.linspace(8, 3, steps)
+    sampled = step % 10 == 1  # communication timed on every 10th step
+    consts: dict[tuple[str, object], pa.Array] = {}
+
+    def const(name: str, value) -> pa.Array:
+        """A column of one value, built once per value (a string column of 100k values costs milliseconds)."""
+        key = (name, value)
+        if key not in consts:
+            field = schema.field(name)
+            consts[key] = pa.array(np.full(steps, value, dtype=object if field.type == pa.string() else None),
+                                   type=field.type)
+        return consts[key]
+
     out = []
     for i in range(runs):
-        gpus_per_node = 8
-        nodes = max(ranks // gpus_per_node, 1)
-        st = (0.5 + 0.05 * rng.random((ranks, steps))) / (i + 1)
-        comm = np.where(np.arange(steps) % 10 == 0, st * 0.2, np.nan)
-        run = synthetic_run(root, [f"cluster.nodes={nodes}", f"cluster.gpus_per_node={min(ranks, gpus_per_node)}",
-                                   f"training.train_iters={steps}", "training.global_batch_size=1024"],
-                            st, loss=np.broadcast_to(np.linspace(8, 3, steps), st.shape).copy(), comm_time_s=comm,
-                            data_time_s=st * 0.01, rss_bytes=np.full(st.shape, 2e9),
-                            model_flops=np.full(st.shape, 1e15))
+        gpus_per_node = min(ranks, 8)
+        run, tokens = _run_folder(root, max(ranks // gpus_per_node, 1), gpus_per_node, steps)
+        for r in range(ranks):
+            st = (0.5 + 0.05 * rng.random(steps)) / (i + 1)
+            cols = {
+                "schema_version": const("schema_version", SCHEMA_VERSION), "run_id": const("run_id", run.run_id),
+                "restart": const("restart", 0), "rank": const("rank", r), "node": const("node", f"node{r // 8:04d}"),
+                "tp_rank": const("tp_rank", 0), "pp_rank": const("pp_rank", 0), "dp_rank": const("dp_rank", r),
+                "step": step, "time": 1.7e9 + np.cumsum(st), "step_time_s": st, "data_time_s": st * 0.01,
+                "tokens": const("tokens", tokens), "tokens_per_s": tokens / st,
+                "tokens_per_s_per_gpu": tokens / st / ranks, "loss": loss, "model_flops": const("model_flops", 1e15),
+                "rss_bytes": const("rss_bytes", 2_000_000_000),
+                "comm_time_s": pa.array(np.where(sampled, st * 0.2, np.nan), from_pandas=True),
+            }
+            arrays = [pa.array(cols[f.name], type=f.type) if f.name in cols else pa.nulls(steps, type=f.type)
+                      for f in schema]
+            pq.write_table(pa.Table.from_arrays(arrays, schema=schema), parquet_path(run.records_dir, r))
         out.append(run.path)
     return out
 
 
-def baseline(run_dirs: list[Path]) -> int:
-    """Read the same columns with pyarrow and group by rank: the floor any analysis pays."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+def dataset(data: Path | None, runs: int, ranks: int, steps: int) -> tuple[list[Path], float]:
+    """The run folders (reused from ``data`` when it holds this dataset) and the seconds spent generating them."""
+    params = {"runs": runs, "ranks": ranks, "steps": steps}
+    marker = data / MARKER if data else None
+    if marker is not None and marker.is_file():
+        saved = json.loads(marker.read_text())
+        if saved["params"] == params and all(Path(d).is_dir() for d in saved["runs"]):
+            return [Path(d) for d in saved["runs"]], 0.0
+        shutil.rmtree(data)
+    assert data is not None
+    data.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    dirs = generate(data, runs, ranks, steps)
+    gen_s = time.perf_counter() - t0
+    marker.write_text(json.dumps({"params": params, "runs": [str(d) for d in dirs]}))
+    return dirs, gen_s
 
-    rows = 0
+
+# --- the two measured programs (each run in its own subprocess) ---------------------------------------------------
+
+def baseline(run_dirs: list[Path]) -> dict:
+    """A pyarrow dataset scan of the analysis columns into Acero's streaming group-by on rank, per run."""
+    import pyarrow.acero as ac
+    import pyarrow.dataset as ds
+
+    cols = list(COLUMNS) + ["rank"]
+    rows = ranks = 0
     for run in run_dirs:
-        files = rank_files(run / "records")
-        table = pa.concat_tables([pq.read_table(p, columns=[c for c in COLUMNS] + ["rank"]) for p in files.values()])
-        aggs = [(c, "mean") for c in COLUMNS if c != "rank"]
-        table.group_by("rank").aggregate(aggs)
-        rows += table.num_rows
-    return rows
+        files = [str(p) for p in rank_files(run / "records").values()]
+        table = ac.Declaration.from_sequence([
+            ac.Declaration("scan", ac.ScanNodeOptions(ds.dataset(files, format="parquet"), columns=cols)),
+            ac.Declaration("project", ac.ProjectNodeOptions([ds.field(c) for c in cols], cols)),
+            ac.Declaration("aggregate", ac.AggregateNodeOptions(
+                [(c, "hash_mean", None, c) for c in COLUMNS] + [("step", "hash_count", None, "n")], keys=["rank"])),
+        ]).to_table()
+        rows += int(np.sum(table.column("n").to_numpy()))
+        ranks += table.num_rows
+    return {"records": rows, "ranks": ranks}
 
 
-def best_of(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def analysis(run_dirs: list[Path]) -> dict:
+    from hpc_tools.analysis.analyze import analyse
+
+    a = analyse([str(d) for d in run_dirs])
+    # Every record read: each rank's measured steps plus its warm-up steps.
+    warm = int((a.runs["warmup_steps"] * a.runs["ranks_measured"]).sum())
+    return {"records": int(a.ranks["steps_measured"].sum()) + warm,
+            "ranks": len(a.ranks), "step_time_median_s": [round(float(x), 4) for x in a.runs["step_time_median_s"]]}
+
+
+PROGRAMS = {"baseline": baseline, "analysis": analysis}
+
+
+def measure(kind: str, run_dirs: list[Path]) -> dict:
+    """Run one program in a fresh interpreter; its wall time (without start-up and imports) and peak RSS."""
+    out = subprocess.run([sys.executable, __file__, "--child", kind, *map(str, run_dirs)], capture_output=True,
+                         text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"{kind} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def child(kind: str, run_dirs: list[Path]) -> None:
+    # Imports before the clock (start-up is not what is compared; the RSS counts them).
+    import pyarrow.acero  # noqa: F401
+    import pyarrow.dataset  # noqa: F401
+
+    if kind == "analysis":
+        import hpc_tools.analysis.analyze  # noqa: F401
+        import hpc_tools.planner  # noqa: F401
+        import hpc_tools.recipe.load  # noqa: F401
+    t0 = time.perf_counter()
+    result = PROGRAMS[kind](run_dirs)
+    wall = time.perf_counter() - t0
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    print(json.dumps({"kind": kind, "wall_s": wall, "peak_rss_bytes": peak_kb * 1024, **result}))
 
 
 def main() -> int:
@@ -75,25 +183,46 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=4)
     p.add_argument("--ranks", type=int, default=256)
     p.add_argument("--steps", type=int, default=10_000)
-    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=3, help="alternating timings of each side; the best counts")
+    p.add_argument("--data", type=Path, default=None,
+                   help="folder for the dataset, kept and reused (default: a temporary folder, removed after)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--child", choices=sorted(PROGRAMS), help=argparse.SUPPRESS)
+    p.add_argument("dirs", nargs="*", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench_analysis.") as tmp:
-        t0 = time.perf_counter()
-        dirs = generate(Path(tmp), args.runs, args.ranks, args.steps)
-        gen_s = time.perf_counter() - t0
+    if args.child:
+        child(args.child, args.dirs)
+        return 0
+    tmp = None if args.data else tempfile.TemporaryDirectory(prefix="bench_analysis.")
+    try:
+        dirs, gen_s = dataset(args.data or Path(tmp.name) / "data", args.runs, args.ranks, args.steps)
         records = args.runs * args.ranks * args.steps
         size_mb = sum(f.stat().st_size for d in dirs for f in (d / "records").iterdir()) / 1e6
-        print(f"records: {records:,} ({args.runs} runs x {args.ranks} ranks x {args.steps} steps), "
-              f"{size_mb:.0f} MB parquet, generated in {gen_s:.1f} s")
-        base_s = best_of(lambda: baseline(dirs), args.repeat)
-        result = {}
-        ana_s = best_of(lambda: result.setdefault("a", analyse([str(d) for d in dirs])), args.repeat)
-        a = result["a"]
-        print(f"baseline pyarrow read + group-by: {base_s:.2f} s ({records / base_s / 1e6:.1f} M records/s)")
-        print(f"hpc_tools analyse:                {ana_s:.2f} s ({records / ana_s / 1e6:.1f} M records/s)")
-        print(f"ratio analyse / baseline:         {ana_s / base_s:.2f} (goal <= 3)")
-        print(f"check: {len(a.runs)} runs, {len(a.ranks)} rank rows, median step times "
-              f"{', '.join(f'{x:.3f}' for x in a.runs['step_time_median_s'])} s")
+        print(f"records: {records:,} ({args.runs} runs x {args.ranks} ranks x {args.steps} steps), {size_mb:,.0f} MB "
+              f"parquet, {'generated in %.1f s' % gen_s if gen_s else 'reused from ' + str(args.data)}", flush=True)
+        results: dict[str, list[dict]] = {"baseline": [], "analysis": []}
+        for _ in range(args.repeat):
+            for kind in results:
+                results[kind].append(measure(kind, dirs))
+        base, ana = (min(results[k], key=lambda r: r["wall_s"]) for k in ("baseline", "analysis"))
+        assert base["records"] == ana["records"] == records, (base, ana)
+        peak = {k: max(r["peak_rss_bytes"] for r in v) for k, v in results.items()}
+        summary = {"records": records, "runs": args.runs, "ranks": args.ranks, "steps": args.steps,
+                   "parquet_mb": size_mb, "baseline_s": base["wall_s"], "analysis_s": ana["wall_s"],
+                   "ratio": ana["wall_s"] / base["wall_s"], "baseline_peak_rss_gb": peak["baseline"] / 1e9,
+                   "analysis_peak_rss_gb": peak["analysis"] / 1e9,
+                   "all_s": {k: [round(r["wall_s"], 2) for r in v] for k, v in results.items()}}
+        print(f"baseline pyarrow scan + group-by: {base['wall_s']:.2f} s ({records / base['wall_s'] / 1e6:.1f} M "
+              f"records/s), peak RSS {peak['baseline'] / 1e9:.2f} GB")
+        print(f"hpc_tools analyse:                {ana['wall_s']:.2f} s ({records / ana['wall_s'] / 1e6:.1f} M "
+              f"records/s), peak RSS {peak['analysis'] / 1e9:.2f} GB (goal < 2 GB at 100 M records)")
+        print(f"ratio analyse / baseline:         {summary['ratio']:.2f} (goal <= 1.3); all timings {summary['all_s']}")
+        print(f"check: {ana['ranks']} rank rows, median step times {ana['step_time_median_s']} s")
+        if args.json:
+            print(json.dumps(summary))
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
     return 0
 
 

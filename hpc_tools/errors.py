@@ -9,13 +9,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-_PLAIN = re.compile(r"^[\w.,:/@+*-]+$")  # shown bare; anything else (spaces, quotes, newlines) is quoted
+_PLAIN = re.compile(r"[\w.,:/@+*-]+")  # shown bare; anything else (spaces, quotes, newlines) is quoted
 
 
 def show(value: Any) -> str:
     """Render a value the way a user wrote it in YAML (strings unquoted unless empty or odd)."""
     if isinstance(value, str):
-        return value if _PLAIN.match(value) else repr(value)
+        return value if _PLAIN.fullmatch(value) else repr(value)
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:

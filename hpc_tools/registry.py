@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import errno
 import fcntl
 import json
 import os
@@ -33,6 +34,9 @@ MANIFEST = "manifest.json"
 RECIPE = "recipe.yaml"
 SCRIPT = "job.sbatch"
 SUBDIRS = ("logs", "records", "checkpoints")
+# Space kept free for the manifest: when the disk fills (a checkpoint save ran out of space), deleting this file
+# lets the ranks and the batch script's epilogue still record how the run ended.
+RESERVE, RESERVE_BYTES = ".reserve", 256 * 1024
 
 
 def now_iso() -> str:
@@ -111,6 +115,7 @@ class RunFolder:
             base = {"run_id": run_id, "state": "CREATED", "created": now_iso(), "git_sha": git_sha(),
                     "versions": package_versions(), "events": []}
             atomic_write(tmp / MANIFEST, json.dumps({**base, **manifest}, indent=2, sort_keys=True))
+            (tmp / RESERVE).write_bytes(bytes(RESERVE_BYTES))
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -149,25 +154,56 @@ class RunFolder:
                             "see `python -m hpc_tools list`") from None
 
     # -- updating ------------------------------------------------------------------------------------------------------
-    def update(self, event: str | None = None, **fields: Any) -> dict[str, Any]:
+    def update(self, event: str | None = None, soft: bool = False, **fields: Any) -> dict[str, Any]:
         """Read-modify-write the manifest under a lock; ``event`` is appended to its event log with a timestamp.
 
         The first terminal state of a life stands: a late writer (a rank reporting its stop after Slurm already
         said CANCELLED) cannot replace it; a live state (the requeued job starting again) can. PREEMPTED, the ranks'
         own report that a signal stopped them, is the weakest: Slurm's verdict (CANCELLED, TIMEOUT, ...) replaces it.
+
+        A full disk first gives up the folder's reserve (``RESERVE``, made for this moment) and tries once more. With
+        ``soft`` (readers such as ``status``, and writers on their way out), a manifest that cannot be written is
+        not an error: the merged record is returned unwritten.
         """
+        try:
+            return self._update(event, fields)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC and self._release_reserve():
+                try:
+                    return self._update(event, fields)
+                except OSError:
+                    if not soft:
+                        raise
+            elif not soft:
+                raise
+        return _merge(self.manifest(), event, fields)
+
+    def _update(self, event: str | None, fields: dict[str, Any]) -> dict[str, Any]:
         with file_lock(self.path):
-            data = self.manifest()
-            current, new = data.get("state"), fields.get("state")
-            if current in TERMINAL_STATES and new not in (None, *LIVE_STATES) and \
-                    not (current == "PREEMPTED" and new != "PREEMPTED"):
-                fields = {k: v for k, v in fields.items() if k != "state"}
-            data.update(fields)
-            if event:
-                data.setdefault("events", []).append({"time": now_iso(), "event": event,
-                                                      **{k: v for k, v in fields.items() if k != "events"}})
+            data = _merge(self.manifest(), event, fields)
             atomic_write(self.path / MANIFEST, json.dumps(data, indent=2, sort_keys=True))
             return data
+
+    def _release_reserve(self) -> bool:
+        """Delete the reserve file (space for the manifest's last words on a full disk); False if it is gone."""
+        try:
+            (self.path / RESERVE).unlink()
+            return True
+        except OSError:
+            return False
+
+
+def _merge(data: dict[str, Any], event: str | None, fields: dict[str, Any]) -> dict[str, Any]:
+    """``data`` updated with ``fields`` and ``event`` under the state rule of ``RunFolder.update``."""
+    current, new = data.get("state"), fields.get("state")
+    if current in TERMINAL_STATES and new not in (None, *LIVE_STATES) and \
+            not (current == "PREEMPTED" and new != "PREEMPTED"):
+        fields = {k: v for k, v in fields.items() if k != "state"}
+    data.update(fields)
+    if event:
+        data.setdefault("events", []).append({"time": now_iso(), "event": event,
+                                              **{k: v for k, v in fields.items() if k != "events"}})
+    return data
 
 
 def find_run(ref: str, root: Path) -> RunFolder:

@@ -10,7 +10,8 @@ Three words, each defined here once:
 - **Slurm state**: what sacct prints (``RUNNING``, ``CANCELLED by 0``, ``DEADLINE``, ...); ``SLURM_TO_RUN`` maps every
   one of them onto a run state, so "has the job ended" is one question: ``is_terminal``.
 - **status** (with a one-line reason): the run's classification from every source that knows something: sacct, the
-  manifest, hang markers (``HANG-rank<R>.txt``) and the tails of the logs (``classify``), shown by ``status``,
+  manifest (with the culprit the batch script's epilogue or the hang watchdog named: ``reason``, ``failed_ranks``),
+  the hang verdict (``HANG.txt``) and the tails of the logs (``classify``), shown by ``status``,
   ``list`` and ``sweep status``; ``logs -f``, ``cancel`` and ``submit --wait`` ask ``ended`` / ``is_terminal``.
 
 Slurm is asked through one batched, caching reader (``SacctReader``, after submitit's InfoWatcher): one sacct call
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
 from hpc_tools.runtime.watchdog import HANG_EXIT_CODE
+from hpc_tools.runtime.watchdog import MARKER as HANG_MARKER
 from hpc_tools.runtime.watchdog import MARKER_GLOB as HANG_MARKER_GLOB
 
 # -- run states --------------------------------------------------------------------------------------------------------
@@ -229,7 +231,7 @@ class Run(Protocol):
 
     def manifest(self) -> dict[str, Any]: ...
 
-    def update(self, event: str | None = None, **fields: Any) -> dict[str, Any]: ...
+    def update(self, event: str | None = None, soft: bool = False, **fields: Any) -> dict[str, Any]: ...
 
 
 def on_slurm(manifest: dict[str, Any]) -> bool:
@@ -253,7 +255,40 @@ def refresh(run: Run, job: SlurmJob | None = None, reader: SacctReader | None = 
                               "elapsed": job.elapsed}
     if job.terminal and job.run_state != "COMPLETED":
         fields["state"] = job.run_state
-    return run.update(event=f"slurm {job.slurm_state}", **fields)
+    # soft: a reader on a full or read-only disk still shows Slurm's view, it just cannot keep it
+    return run.update(event=f"slurm {job.slurm_state}", soft=True, **fields)
+
+
+def note_restart(run: Run, restart_count: int, job_id: str | None) -> None:
+    """Record, at the start of a requeued life, why the previous one ended when no one recorded it (Slurm requeued
+    the job after a node failure, or the batch host died with it): an event ``requeued`` with the previous life's
+    end from the manifest, else from Slurm's accounting of that life (``sacct --duplicates``)."""
+    manifest = run.manifest()
+    starts = [e for e in manifest.get("events", []) if e.get("event") == "started"]
+    if not starts or restart_count <= int(starts[-1].get("restart_count") or 0):
+        return
+    since = manifest["events"][manifest["events"].index(starts[-1]) + 1:]
+    if any(e.get("state") == "REQUEUED" or e.get("event") == "resume requested" for e in since):
+        return  # the job requeued itself (time limit), or `hpc_tools resume` started this life: already recorded
+    ended = next((e for e in reversed(since) if is_terminal(e.get("state"))), None)
+    if ended:
+        after = f"{ended['state']}" + (f": {ended['reason']}" if ended.get("reason") else "")
+    else:
+        previous = previous_life_state(job_id) if job_id else None
+        after = f"Slurm {previous}" if previous else "no record (the batch host may have failed)"
+    run.update(event="requeued", requeued_after=_line(after), restart_count=restart_count, soft=True)
+
+
+def previous_life_state(job_id: str, timeout_s: float = 10.0) -> str | None:
+    """Slurm's state of the life before this one of a requeued job (``NODE_FAIL``, ...), or None."""
+    try:
+        out = subprocess.run(["sacct", "-X", "-n", "-P", "--duplicates", "-o", "JobID,State", "-j", job_id],
+                             capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    states = [line.split("|")[1] for line in out.stdout.splitlines() if line.count("|") >= 1 and
+              line.split("|")[0] == job_id]
+    return states[-2] if out.returncode == 0 and len(states) >= 2 else None
 
 
 def refresh_all(runs: list[Run], reader: SacctReader | None = None) -> list[tuple[dict[str, Any], SlurmJob | None]]:
@@ -324,7 +359,7 @@ def log_files(run: Run, rank: int | None = None) -> list[Path]:
 
 
 def hang_markers(run: Run) -> list[Path]:
-    """The hang watchdog's ``HANG-rank<R>.txt`` files in the run folder."""
+    """The hang watchdog's verdict file ``HANG.txt`` (and older runs' ``HANG-rank<R>.txt``) in the run folder."""
     return sorted(run.path.glob(HANG_MARKER_GLOB))
 
 
@@ -365,8 +400,9 @@ def from_manifest(manifest: dict[str, Any] | None) -> Verdict | None:
     if not manifest:
         return None
     state = run_state(manifest.get("state"))
-    if manifest.get("exit_code") == HANG_EXIT_CODE:
-        return Verdict("hang", f"a rank exited with code {HANG_EXIT_CODE} (the hang watchdog)")
+    if manifest.get("exit_code") == HANG_EXIT_CODE or state == "HANG":
+        return Verdict("hang", manifest.get("reason") or
+                       f"a rank exited with code {HANG_EXIT_CODE} (the hang watchdog)")
     if state is None:
         return None
     status = RUN_TO_STATUS[state]
@@ -385,16 +421,25 @@ def from_manifest(manifest: dict[str, Any] | None) -> Verdict | None:
     }
     default = f"exit code {manifest['exit_code']}" if manifest.get("exit_code") else ""  # else Slurm's reason says it
     reason = manifest.get("error") if status == "failed" and manifest.get("error") else reasons.get(status, default)
+    if status not in LIVE_STATUSES and manifest.get("reason"):  # the culprit, named by the epilogue or the watchdog
+        reason = manifest["reason"] + (f" ({manifest['error']})" if manifest.get("error") and
+                                       manifest["error"] not in manifest["reason"] else "")
     return Verdict(status, reason)
 
 
 def from_hang_markers(markers: list[Path]) -> Verdict | None:
+    """The watchdog's verdict: the first line of ``HANG.txt`` (culprit and waiting ranks), or of the first
+    ``HANG-rank<R>.txt`` an older run left."""
     if not markers:
         return None
+    verdict = next((m for m in markers if m.name == HANG_MARKER), None)
+    first_marker = verdict or markers[0]
     try:
-        first = markers[0].read_text(errors="replace").splitlines()[0]
+        first = first_marker.read_text(errors="replace").splitlines()[0]
     except (OSError, IndexError):
         first = "no step completed in time"
+    if verdict is not None:
+        return Verdict("hang", first)
     more = f" (and {len(markers) - 1} more rank(s))" if len(markers) > 1 else ""
     return Verdict("hang", f"{markers[0].name}: {first}{more}")
 
@@ -447,7 +492,9 @@ def classify(run: Run | None, job: SlurmJob | None = None, manifest: dict[str, A
     if run is None or not run.exists():
         return combine(from_slurm(job))
     manifest = manifest if manifest is not None else run.manifest()
-    verdict = combine(from_hang_markers(hang_markers(run)), from_slurm(job), from_manifest(manifest))
+    slurm, own = from_slurm(job), from_manifest(manifest)
+    # a culprit named in the manifest (the epilogue's or the watchdog's reason) reads first, Slurm's words after it
+    verdict = combine(from_hang_markers(hang_markers(run)), *((own, slurm) if manifest.get("reason") else (slurm, own)))
     if verdict.status in ("failed", "cancelled", "preempted"):
         logged = from_logs(log_files(run))
         if logged and logged.status in ("out_of_memory", "node_failure", "timeout"):

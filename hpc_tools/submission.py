@@ -5,6 +5,7 @@ Kept apart from the CLI so that sweeps and tests take exactly the same path.
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Iterable
 
 from hpc_tools.errors import RecipeError, UserError
 from hpc_tools.layout import ParallelLayout
+from hpc_tools.recipe.base import printable
 from hpc_tools.recipe.load import dump_resolved, parse_yaml, read_yaml, resolve
 from hpc_tools.recipe.schema import Recipe
 from hpc_tools.registry import RunFolder, new_run_id, runs_root
@@ -32,21 +34,45 @@ class Plan:
 
 
 def choose_executor(requested: str) -> tuple[str, str]:
-    """(executor, note). `auto` takes Slurm when a controller answers, else the local executor."""
-    from hpc_tools.executors.slurm import slurm_available
+    """(executor, note). `auto`: no Slurm installed (no `sbatch` on PATH) -> the local executor, with a note saying
+    so; Slurm installed -> Slurm, and a controller that does not answer is an error, never a silent local run (a
+    login node during a controller restart must not quietly become the job's machine)."""
+    from hpc_tools.executors.slurm import slurm_available, slurm_installed
 
     if requested not in EXECUTORS:
         raise UserError(f"--executor {requested} is unknown (use one of {', '.join(EXECUTORS)})")
     if requested == "local":
         return "local", ""
+    if requested == "auto" and not slurm_installed():
+        return "local", ("no Slurm here (sbatch is not on PATH): running locally on this machine with the recipe's "
+                         "local profile; use --executor slurm to require Slurm")
     ok, why = slurm_available()
     if ok:
         return "slurm", ""
-    if requested == "slurm":
+    if requested == "slurm" and not slurm_installed():
         raise UserError(f"Slurm does not answer: {why} (start a cluster, e.g. `bash environment/slurm-dev/up.sh`, "
                         "or use --executor local)")
-    return "local", (f"no Slurm here ({why}): running locally on this machine with the recipe's local profile; "
-                     "use --executor slurm to require Slurm")
+    raise UserError(f"Slurm is installed but its controller does not answer ({why}); retry when it is back "
+                    "(`scontrol ping` says UP), or run here with --executor local")
+
+
+def checked_runs_root(root: str | Path | None = None) -> Path:
+    """The runs root a submission will write into (``--runs-dir``, $HPC_TOOLS_RUNS_DIR or ./runs), checked before
+    anything is written: one line (UserError) when its name holds control characters (it ends up on #SBATCH lines of
+    submitit's script), or when the nearest existing folder on its path is not a writable directory."""
+    path = runs_root(root)
+    shown = printable(str(path))
+    if shown != str(path):
+        raise UserError(f"runs folder {shown!r} holds control characters, which would end a line of the job script "
+                        "(choose another --runs-dir)")
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"runs folder {shown}: {printable(str(probe))} is not a directory (choose another --runs-dir)")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"runs folder {shown}: {printable(str(probe))} is not writable (choose another --runs-dir)")
+    return path
 
 
 def plan_submission(recipe_path: str | Path, overrides: Iterable[str] = (), profile: str | None = None,

@@ -24,12 +24,20 @@ What it measures (each optional part switched by ``profiling.*``):
   time (``bubble_fraction``), next to the theory ``(p-1)/(v m)`` in the summaries.
 * GPU telemetry (``telemetry.py``), a torch.profiler window (``trace.py``), summaries (``summary.py``, whose figures
   ``figures.py`` defines for the summary, ``analyze`` and the calibration alike).
+* events outside the steps (``event``): this start of the rank (process start, node) when the collector opens, and
+  the checkpoint saves and loads the loop times, one JSON line each in ``records/events_rank<R>.jsonl`` (read by
+  ``goodput.py``).
+
+Fault injection for tests only: ``HPC_TOOLS_TEST_SLOW_RANK=RANK:KIND:SECONDS[,...]`` (KIND ``compute`` or ``data``)
+makes that rank sleep SECONDS on every step, inside the data timer (``data``) or right after it, before the step's
+work (``compute``): a real straggler whose peers wait for it in the step's collectives.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -37,11 +45,40 @@ from typing import Any
 
 from profiling import comm as comm_mod
 from profiling.clock import Clock
-from profiling.records import RecordWriter, comm_path
+from profiling.records import RecordWriter, comm_path, events_path
 from profiling.schema import SCHEMA_VERSION
 from profiling.summary import RankSummary, format_job_line, format_line, merge, write_rank
 
 SUMMARY_MERGE_WAIT_S = 10.0
+SLOW_RANK_ENV = "HPC_TOOLS_TEST_SLOW_RANK"
+
+
+def injected_delays(rank: int, spec: str | None = None) -> dict[str, float]:
+    """{"compute"|"data": seconds} this rank sleeps per step, from ``HPC_TOOLS_TEST_SLOW_RANK`` (tests only)."""
+    spec = os.environ.get(SLOW_RANK_ENV, "") if spec is None else spec
+    out: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        try:
+            r, kind, seconds = item.split(":")
+            if kind not in ("compute", "data"):
+                raise ValueError(kind)
+            if int(r) == rank:
+                out[kind] = out.get(kind, 0.0) + float(seconds)
+        except ValueError:
+            raise ValueError(f"{SLOW_RANK_ENV}={spec!r}: each item must be RANK:compute|data:SECONDS") from None
+    return out
+
+
+def process_start_time() -> float | None:
+    """Unix time this process started (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 class _Rss:
@@ -103,6 +140,8 @@ class StepCollector:
         self._data_s = 0.0
         self._comm_file = None
         self._measure_bubble = False
+        self._delays = injected_delays(rank)
+        self._events_file = None
         self.writer = self.tracer = self.telemetry = self.trace = None
         self.summary = RankSummary(self.cfg.warmup_steps, {
             "run_id": run_id, "rank": rank, **coords, "world_size": world_size, "job_id": job_id, "restart": restart,
@@ -113,6 +152,7 @@ class StepCollector:
         if not self.enabled:
             return
         self.writer = RecordWriter(self.records_dir, rank)
+        self.event("start", process_start=process_start_time(), node=self.node)
         measure_bubble = self._measure_bubble = self.cfg.pipeline_bubble and pipeline_size > 1
         if self.cfg.communication or measure_bubble:
             self.tracer = comm_mod.CommTracer(self.clock, p2p_every_step=measure_bubble)
@@ -191,11 +231,16 @@ class StepCollector:
         t0 = time.perf_counter()
         try:
             yield
+            if self._delays:  # test-only fault injection (module docstring)
+                time.sleep(self._delays.get("data", 0.0))
         finally:
             self._data_s += time.perf_counter() - t0
+        if self._delays:
+            time.sleep(self._delays.get("compute", 0.0))
 
     def end_step(self, step: int, *, loss: float | None = None, lr: float | None = None,
-                 grad_norm: float | None = None, skipped: bool | None = None) -> dict[str, Any]:
+                 grad_norm: float | None = None, skipped: bool | None = None,
+                 nonfinite: bool | None = None) -> dict[str, Any]:
         end = self.clock.mark()
         self.clock.wait(end)  # the collectors' one host-GPU synchronisation (see the module docstring)
         dt = self.clock.seconds(self._t0, end) if self._t0 is not None else 0.0
@@ -208,6 +253,7 @@ class StepCollector:
             "loss": None if loss is None else float(loss), "lr": None if lr is None else float(lr),
             "grad_norm": None if grad_norm is None else float(grad_norm),
             "rss_bytes": self._rss() if self._rss is not None else None, "skipped": skipped,
+            "nonfinite": nonfinite,
         }
         if not self.enabled:
             return record
@@ -257,6 +303,19 @@ class StepCollector:
                                              separators=(",", ":")) + "\n")
         return rows
 
+    # -- events outside the steps --------------------------------------------------------------------------------------
+    def event(self, kind: str, seconds: float | None = None, step: int | None = None, **fields: Any) -> None:
+        """Append one event (``start``, ``checkpoint_save``, ``checkpoint_load``) that ended now and took ``seconds``
+        to this rank's events file, tagged with this start (``restart``)."""
+        if not self.enabled:
+            return
+        if self._events_file is None:
+            self.records_dir.mkdir(parents=True, exist_ok=True)
+            self._events_file = open(events_path(self.records_dir, self.rank), "a", buffering=1)
+        row = {"event": kind, "time": time.time(), "seconds": seconds, "step": step, "rank": self.rank,
+               "restart": self.restart, **fields}
+        self._events_file.write(json.dumps(row, separators=(",", ":")) + "\n")
+
     # -- end -----------------------------------------------------------------------------------------------------------
     def summary_dict(self) -> dict[str, Any]:
         return self.summary.to_dict()
@@ -273,6 +332,9 @@ class StepCollector:
             self.trace.close()
         if self._comm_file is not None:
             self._comm_file.close()
+        if self._events_file is not None:
+            self._events_file.close()
+            self._events_file = None
         if self._rss is not None:
             self._rss.close()
         self.writer.close()

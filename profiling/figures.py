@@ -9,12 +9,13 @@ whole: each rank leaves a few numbers (``RankFigures``) and its share of per-ste
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from profiling import stragglers as straggler_rules
 from profiling.schema import fields
 
 # The record fields the figures read; every one but step and step_time_s is optional.
@@ -22,14 +23,15 @@ COLUMNS = fields("step", "restart", "pp_rank", "step_time_s", "tokens", "data_ti
                  "loss", "model_flops", "hardware_flops", "tflops_per_gpu", "mfu", "mem_allocated_max_bytes",
                  "mem_reserved_max_bytes", "rss_bytes")
 REQUIRED = fields("step", "step_time_s")
-STRAGGLER_THRESHOLD = 0.05  # a rank this much slower than the median rank is a straggler
+STRAGGLER_THRESHOLD = straggler_rules.THRESHOLD  # excess busy time (share of the step) that makes a straggler
 GB = 1e9
 
 DEFINITIONS: dict[str, str] = {
-    "warm-up": "The first N steps of every start of the job (its first start and each requeue, i.e. records with the "
-               "same `restart`) are warm-up, N = profiling.warmup_steps (analyze --warmup overrides it). Warm-up steps "
-               "count in no time, throughput or share figure; the steps after them are the measured steps. A requeued "
-               "job re-runs the steps after its checkpoint: on each rank the last record of a step wins.",
+    "warm-up": "The first N steps of every start of the job (its first start and each requeue or `resume`, i.e. "
+               "records with the same `restart`) are warm-up, N = profiling.warmup_steps (analyze --warmup overrides "
+               "it). Warm-up steps count in no time, throughput or share figure; the steps after them are the measured "
+               "steps. A requeued or resumed job re-runs the steps after its checkpoint: on each rank the last record "
+               "of a step (the newest start's) wins.",
     "step_time_median_s, _p10_s, _p90_s, _mean_s": "A step's time is its slowest rank's step_time_s (a synchronous "
                "step ends when the last rank does). Median, 10th and 90th percentile (linear interpolation) and mean "
                "over the measured steps. Per rank: the same over that rank's own measured steps.",
@@ -52,10 +54,25 @@ DEFINITIONS: dict[str, str] = {
     "mem_*_peak_bytes, peak_mem_gb": "Peaks over every recorded step, warm-up included (a job needs its peak whenever "
                "it occurs), and over ranks: torch.cuda max allocated and max reserved, host RSS. peak_mem_gb (1e9 "
                "bytes) is the allocated peak on GPUs, else the RSS peak; peak_mem_kind says which.",
-    "rank_skew, stragglers": "rank_skew = (slowest - fastest rank median step time) / median of the rank medians; a "
-               "straggler is a rank whose median exceeds the median of rank medians by more than 5 % "
-               "(slowdown_vs_median), in runs of 3 or more ranks.",
+    "rank_skew, slowdown_vs_median": "rank_skew = (slowest - fastest rank median step time) / median of the rank "
+               "medians; slowdown_vs_median = a rank's median step time / the median of rank medians - 1. Neither "
+               "finds the slow rank of a synchronous job: every rank waits for it, so step times come out equal.",
+    "stragglers, straggler_verdict": "On the measured steps whose collectives were timed, a rank's busy time is "
+               "step_time_s - comm_time_s (every collective and pipeline p2p it waited in) and splits into data "
+               "(data_time_s) and compute (the rest). A rank is compared per step with the median of its peers (the "
+               "other ranks of its pipeline stage); it is a straggler when its median excess busy time exceeds 5 % "
+               "of the median step time and it is busier than its peers on enough steps for a one-sided sign test "
+               "to give p <= 0.01 (7+ steps). Cause: data or compute, whichever excess is larger; communication "
+               "when, with no late peer, its own waiting exceeds its peers' by the same rule. The verdict names "
+               "rank, node (its records' `node`), cause, excess, steps and p (profiling.stragglers).",
     "last_loss": "The mean over the ranks that report a loss at the last step that has one.",
+    "goodput": "Per life of the run (each start of its ranks): allocation = its start (rank process start or the "
+               "launcher's event) to its end; start-up = to the first step's start, less the checkpoint load; "
+               "checkpoint save/load = the loop's timings (slowest rank per save); productive = step time of the "
+               "steps no later life recorded again; lost work = step time of the steps a later life recomputed; "
+               "evaluation = 0; other = the rest. Requeue wait = end of a life to the next start, outside the "
+               "allocation. goodput = productive / allocation; hours = seconds x world size / 3600 "
+               "(profiling.goodput).",
     "comm (per kind)": "Calls, bytes and time of the sampled collectives on measured steps, summed over steps and "
                "ranks per (kind, group size); algbw = bytes / span, busbw = algbw x the nccl-tests factor of the "
                "kind (profiling.comm.busbw_factor).",
@@ -67,7 +84,7 @@ JOB_FIGURES = ("ranks_measured", "steps_measured", "warmup_steps", "step_time_me
                "model_flops_per_step", "hardware_flops_per_step", "peak_tflops_per_gpu", "tflops_per_gpu", "mfu", "hfu",
                "data_share", "comm_share", "bubble_share", "bubble_share_per_stage", "bubble_share_theory",
                "mem_allocated_peak_bytes", "mem_reserved_peak_bytes", "rss_peak_bytes", "peak_mem_gb", "peak_mem_kind",
-               "rank_skew", "slowest_rank", "stragglers", "last_loss")
+               "rank_skew", "slowest_rank", "stragglers", "straggler_nodes", "straggler_verdict", "last_loss")
 
 
 def definitions_text(width: int = 110) -> str:
@@ -88,12 +105,13 @@ def is_warmup(step, first_step_of_start, warmup: int):
 def warmup_mask(steps: np.ndarray, restart: np.ndarray | None, warmup: int) -> np.ndarray:
     """True for the warm-up records of one rank, in file order: a record is warm-up when its step is fewer than
     ``warmup`` steps after the first step its start (its ``restart`` value) recorded."""
-    if restart is None:
-        restart = np.zeros(steps.size)
-    restart = np.nan_to_num(restart, nan=0.0)
     if steps.size == 0:
         return np.zeros(0, dtype=bool)
-    if np.all(restart == restart[0]):  # one start: the common case, no sort
+    one_start = restart is None or restart.min() == restart.max()  # the common case (a NaN makes them differ)
+    if not one_start:
+        restart = np.nan_to_num(restart, nan=0.0)
+        one_start = bool(np.all(restart == restart[0]))
+    if one_start:  # no sort
         first = steps[0]
     else:
         _, first_idx, inverse = np.unique(restart, return_index=True, return_inverse=True)
@@ -143,9 +161,20 @@ class RankFigures:
     peak_mem_kind: str | None
     slowdown_vs_median: float | None = None
     straggler: bool = False
+    straggler_cause: str | None = None
+    node: str | None = None
+    busy_median_s: float | None = None
+    compute_median_s: float | None = None
+    excess_s: float | None = None
+    excess_share: float | None = None
+    steps_compared: int | None = None
+    steps_slower: int | None = None
+    straggler_p: float | None = None
+    straggler_z: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # Every field is a scalar: a shallow dict equals asdict(), without its per-field deep copies (a thousand ranks)
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
 
 def _share(cols: dict[str, np.ndarray], name: str, step_time: np.ndarray) -> float | None:
@@ -154,6 +183,9 @@ def _share(cols: dict[str, np.ndarray], name: str, step_time: np.ndarray) -> flo
     if part is None:
         return None
     ok = ~np.isnan(part)
+    if ok.all():  # recorded on every step (data time): the same sums without the masked copies
+        total = step_time.sum()
+        return float(part.sum() / total) if ok.size and total > 0 else None
     total = step_time[ok].sum()
     return float(part[ok].sum() / total) if ok.any() and total > 0 else None
 
@@ -173,13 +205,43 @@ def peak_memory(allocated: float | None, rss: float | None) -> tuple[float | Non
     return None, None
 
 
+def percentiles(values: np.ndarray, q=(10, 50, 90)) -> np.ndarray:
+    """``np.percentile(values, q)`` (linear interpolation), bit for bit, from one sort: numpy partitions once per
+    wanted order statistic, which costs several times a sort (the step-time quantiles of every rank of a long run)."""
+    values = np.sort(values)
+    n = values.size
+    if n == 0 or np.isnan(values[-1]):  # NaN sorts last; numpy's own rules for it
+        return np.percentile(values, q)
+    # numpy's "linear" method: virtual index (n - 1) q, its floor and the next index, lerp with numpy's _lerp.
+    virtual = (n - 1) * np.true_divide(np.asarray(q), 100)
+    below = np.floor(virtual)
+    gamma = virtual - below
+    below = below.astype(np.intp)
+    a, b = values[below], values[np.minimum(below + 1, n - 1)]
+    diff = b - a
+    out = a + diff * gamma
+    np.subtract(b, diff * (1 - gamma), out=out, where=gamma >= 0.5)
+    return out
+
+
+def selector(mask: np.ndarray) -> np.ndarray | slice:
+    """``mask`` as a slice when its True entries are one contiguous run (one start after its warm-up: the common
+    case), so that selecting the measured records is a view, not a copy; else the mask itself."""
+    if not isinstance(mask, np.ndarray):
+        return mask
+    count = int(np.count_nonzero(mask))
+    first = int(np.argmax(mask)) if count else 0
+    return slice(first, first + count) if count == 0 or mask[first:first + count].all() else mask
+
+
 def rank_figures(rank: int, cols: dict[str, np.ndarray], measured: np.ndarray) -> RankFigures | None:
     """One rank's figures from its prepared columns (``prepare_rank``); None when it has no measured step."""
+    measured = selector(measured)
     st = cols["step_time_s"][measured]
     if st.size == 0:
         return None
-    p10, p50, p90 = np.percentile(st, (10, 50, 90))
-    sub = {k: v[measured] for k, v in cols.items()}
+    p10, p50, p90 = percentiles(st)
+    sub = {k: cols[k][measured] for k in ("data_time_s", "comm_time_s", "pp_wait_s") if k in cols}
     alloc, reserved, rss = (_peak(cols.get(c)) for c in ("mem_allocated_max_bytes", "mem_reserved_max_bytes",
                                                           "rss_bytes"))
     mem_gb, kind = peak_memory(alloc, rss)
@@ -192,20 +254,34 @@ def rank_figures(rank: int, cols: dict[str, np.ndarray], measured: np.ndarray) -
                        mem_reserved_peak_bytes=reserved, rss_peak_bytes=rss, peak_mem_gb=mem_gb, peak_mem_kind=kind)
 
 
-def mark_stragglers(ranks: list[RankFigures]) -> dict[str, Any]:
-    """Set each rank's slowdown_vs_median and straggler flag; returns the job's rank_skew, slowest_rank, stragglers."""
+def mark_stragglers(ranks: list[RankFigures], sample: straggler_rules.StragglerSample | None = None,
+                    step_median_s: float | None = None, node_of=None) -> dict[str, Any]:
+    """Set each rank's slowdown_vs_median and its straggler verdict (``profiling.stragglers``: by what the rank does,
+    not by its step time); returns the job's rank_skew, slowest_rank, stragglers, straggler_nodes, straggler_verdict."""
     if not ranks:
-        return {"rank_skew": None, "slowest_rank": None, "stragglers": ""}
+        return {"rank_skew": None, "slowest_rank": None, "stragglers": "", "straggler_nodes": "",
+                "straggler_verdict": "not measured: no measured step"}
     medians = np.array([r.step_time_median_s for r in ranks])
     centre = float(np.median(medians))
     for r in ranks:
         r.slowdown_vs_median = r.step_time_median_s / centre - 1.0 if centre > 0 else None
-        # With one or two ranks there is no majority to be slower than.
-        r.straggler = bool(len(ranks) >= 3 and r.slowdown_vs_median is not None
-                           and r.slowdown_vs_median > STRAGGLER_THRESHOLD)
+    verdicts, line = straggler_rules.judge(sample or straggler_rules.StragglerSample(), step_median_s, node_of)
+    by_rank = {v.rank: v for v in verdicts}
+    for r in ranks:
+        v = by_rank.get(r.rank)
+        if v is None:
+            continue
+        r.straggler, r.straggler_cause, r.node = v.straggler, v.cause, v.node
+        r.busy_median_s, r.compute_median_s, r.excess_s, r.excess_share = (v.busy_median_s, v.compute_median_s,
+                                                                             v.excess_s, v.excess_share)
+        r.steps_compared, r.steps_slower, r.straggler_p, r.straggler_z = (v.steps_compared, v.steps_slower,
+                                                                           v.p_value, v.z)
+    named = [v for v in verdicts if v.straggler]
     return {"rank_skew": float((medians.max() - medians.min()) / centre) if centre > 0 else None,
             "slowest_rank": ranks[int(np.argmax(medians))].rank,
-            "stragglers": ",".join(str(r.rank) for r in ranks if r.straggler)}
+            "stragglers": ",".join(str(v.rank) for v in named),
+            "straggler_nodes": ",".join(dict.fromkeys(v.node for v in named if v.node)),
+            "straggler_verdict": line}
 
 
 # --- the job ----------------------------------------------------------------------------------------------------------
@@ -227,6 +303,8 @@ def _median_or_none(values: np.ndarray | None) -> float | None:
     if values is None:
         return None
     values = values[~np.isnan(values)]
+    if values.size and values.min() == values.max():  # a per-job constant (tokens, FLOPs): no partition needed
+        return float(values[0])
     return float(np.median(values)) if values.size else None
 
 
@@ -251,6 +329,8 @@ class RunReducer:
         self.warmup = warmup
         self.max_step = max_step
         self.ranks: list[RankFigures] = []
+        self.straggler_sample = straggler_rules.StragglerSample()
+        self.node_of = None  # rank -> node name, for the named stragglers (set by whoever knows the record files)
         self.step_time_max_s = np.empty(0)
         self.step_warmup = np.zeros(0, dtype=bool)
         self.loss_sum = np.empty(0)
@@ -285,14 +365,21 @@ class RunReducer:
         figures = rank_figures(rank, cols, measured)
         if figures is not None:
             self.ranks.append(figures)
-        self._tokens.append(_median_or_none(cols["tokens"][measured] if "tokens" in cols else None))
-        self._flops.append(_median_or_none(cols["model_flops"][measured] if "model_flops" in cols else None))
-        self._hw_flops.append(_median_or_none(cols["hardware_flops"][measured] if "hardware_flops" in cols else None))
+            self.straggler_sample.add_rank(rank, figures.pp_rank, cols, measured)
+        measured_sel = selector(measured)  # a view where it can be: the columns below are selected without copies
+        self._tokens.append(_median_or_none(cols["tokens"][measured_sel] if "tokens" in cols else None))
+        self._flops.append(_median_or_none(cols["model_flops"][measured_sel] if "model_flops" in cols else None))
+        self._hw_flops.append(_median_or_none(cols["hardware_flops"][measured_sel] if "hardware_flops" in cols
+                                              else None))
         if "tflops_per_gpu" in cols and "mfu" in cols:
             with np.errstate(divide="ignore", invalid="ignore"):
-                self._peaks.append(_median_or_none((cols["tflops_per_gpu"] / cols["mfu"])[measured]))
-        self._mem.append(tuple(_peak(cols.get(c)) for c in ("mem_allocated_max_bytes", "mem_reserved_max_bytes",
-                                                              "rss_bytes")))
+                self._peaks.append(_median_or_none((cols["tflops_per_gpu"] / cols["mfu"])[measured_sel]))
+        if figures is not None:  # the same peaks over the same prepared columns: not computed twice
+            self._mem.append((figures.mem_allocated_peak_bytes, figures.mem_reserved_peak_bytes,
+                              figures.rss_peak_bytes))
+        else:
+            self._mem.append(tuple(_peak(cols.get(c)) for c in ("mem_allocated_max_bytes", "mem_reserved_max_bytes",
+                                                                  "rss_bytes")))
         return cols, measured
 
     def measured_step_times(self) -> np.ndarray:
@@ -310,7 +397,7 @@ class RunReducer:
         out: dict[str, Any] = {"ranks_measured": len(self.ranks), "steps_measured": int(after.size),
                                "warmup_steps": self.warmup}
         if after.size:
-            p10, p50, p90 = np.percentile(after, (10, 50, 90))
+            p10, p50, p90 = percentiles(after)
             out.update(step_time_median_s=float(p50), step_time_p10_s=float(p10), step_time_p90_s=float(p90),
                        step_time_mean_s=float(after.mean()))
         else:
@@ -337,7 +424,7 @@ class RunReducer:
         alloc, reserved, rss = (_max_or_none([m[i] for m in self._mem]) for i in range(3))
         out.update(mem_allocated_peak_bytes=alloc, mem_reserved_peak_bytes=reserved, rss_peak_bytes=rss)
         out["peak_mem_gb"], out["peak_mem_kind"] = peak_memory(alloc, rss)
-        out.update(mark_stragglers(self.ranks))
+        out.update(mark_stragglers(self.ranks, self.straggler_sample, med, self.node_of))
         out["last_loss"] = self.last_loss()
         return {k: out[k] for k in JOB_FIGURES}
 
@@ -358,13 +445,22 @@ def _first(values: list[float | None]) -> float | None:
     return next((v for v in values if v is not None), None)
 
 
+def node_reader(records_dir: Path):
+    """rank -> the node its records name (read only for the ranks asked about: the named stragglers)."""
+    from profiling.records import first_value
+
+    return lambda rank: first_value(records_dir, rank, "node")
+
+
 def reduce_records(records_dir: Path, warmup: int, max_step: int | None = None) -> RunReducer:
-    """Every rank file of a run folder's ``records/`` folded into one reducer."""
-    from profiling.records import rank_files, read_columns
+    """Every rank file of a run folder's ``records/`` folded into one reducer, streamed one rank at a time
+    (``profiling.records.iter_rank_columns``: memory stays bounded however long the run)."""
+    from profiling.records import iter_rank_columns
 
     reducer = RunReducer(warmup, max_step)
-    for rank, path in rank_files(records_dir).items():
-        reducer.add_rank(rank, read_columns(path, COLUMNS))
+    reducer.node_of = node_reader(records_dir)
+    for rank, cols in iter_rank_columns(records_dir, COLUMNS):
+        reducer.add_rank(rank, cols)
     return reducer
 
 

@@ -1,7 +1,8 @@
 """Per-rank record files: JSON lines appended during the run, a parquet file per rank at the end.
 
-The one owner of the record file names (``records/rank<R>.jsonl``, ``rank<R>.parquet``, ``comm_rank<R>.jsonl``) and of
-reading them back; every reader (the run summary, ``analyze``, the calibration) finds and reads them through here.
+The one owner of the record file names (``records/rank<R>.jsonl``, ``rank<R>.parquet``, ``comm_rank<R>.jsonl``,
+``events_rank<R>.jsonl``) and of reading them back; every reader (the run summary, ``analyze``, the calibration,
+goodput) finds and reads them through here.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from profiling.schema import FIELD_NAMES, arrow_schema, validate_record
 
@@ -18,6 +19,10 @@ if TYPE_CHECKING:
     import numpy as np
 
 _RANK_FILE_RE = re.compile(r"^rank(\d+)\.(parquet|jsonl)$")
+# How many rank files iter_rank_columns reads ahead of its caller (each a few columns x the rank's steps: ~13 MB per
+# 100k steps). A pyarrow dataset scan was tried first: behind a caller that reduces each file it buffered ~1 GB of a
+# 100M-record run, whatever its readahead settings; a fixed number of file reads in flight bounds it.
+READAHEAD_FILES = 2
 
 
 def jsonl_path(records_dir: Path, rank: int) -> Path:
@@ -130,7 +135,101 @@ def read_columns(path: Path, columns: Iterable[str]) -> dict[str, "np.ndarray"]:
     return {c: np.array([np.nan if r.get(c) is None else r[c] for r in rows], dtype=np.float64) for c in present}
 
 
+def iter_rank_columns(records_dir: Path, columns: Iterable[str]) -> Iterator[tuple[int, dict[str, "np.ndarray"]]]:
+    """(rank, columns) for every rank file of ``rank_files``, in rank order, as ``read_columns`` gives them: float64
+    arrays in file order, nulls NaN, a column the file lacks (or holds only nulls) left out.
+
+    Streamed: the parquet files are read with column projection by Arrow's threads up to ``READAHEAD_FILES`` files
+    ahead of the caller, who reduces one rank while the next ones are read and decoded; memory holds those few files,
+    however many ranks and steps the run has. JSON-lines files (a rank killed before it compacted) are read in their
+    place in the rank order.
+    """
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    columns = list(columns)
+    with ThreadPoolExecutor(max_workers=READAHEAD_FILES, thread_name_prefix="records") as pool:
+        ahead: deque = deque()  # (rank, future) of the files being read, in rank order
+        for rank, path in rank_files(records_dir).items():
+            if len(ahead) > READAHEAD_FILES:
+                done_rank, future = ahead.popleft()
+                yield done_rank, future.result()
+            read = _parquet_columns if path.suffix == ".parquet" else _jsonl_columns
+            ahead.append((rank, pool.submit(read, path, columns)))
+        while ahead:
+            done_rank, future = ahead.popleft()
+            yield done_rank, future.result()
+
+
+def _jsonl_columns(path: Path, columns: list[str]) -> dict[str, "np.ndarray"]:
+    import numpy as np
+
+    return {c: v for c, v in read_columns(path, columns).items() if not np.all(np.isnan(v))}
+
+
+def _parquet_columns(path: Path, columns: list[str]) -> dict[str, "np.ndarray"]:
+    """One parquet rank file's wanted columns (projection: the others are never decoded)."""
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    present = set(pf.schema_arrow.names)
+    table = pf.read(columns=[c for c in columns if c in present], use_threads=True)
+    return _batch_columns(table.to_batches() or [], columns) if table.num_rows else {}
+
+
+def _batch_columns(batches: list, columns: list[str]) -> dict[str, "np.ndarray"]:
+    """One file's record batches as float64 arrays; all-null columns left out (the figures read them as absent)."""
+    import numpy as np
+
+    out = {}
+    index = {name: i for i, name in enumerate(batches[0].schema.names)}  # by position: a name lookup costs more
+    for c in columns:
+        i = index.get(c)
+        if i is None:
+            continue
+        chunks = [b.column(i) for b in batches]
+        if all(ch.null_count == len(ch) for ch in chunks):
+            continue
+        arrays = [ch.to_numpy(zero_copy_only=False) for ch in chunks]
+        out[c] = (arrays[0] if len(arrays) == 1 else np.concatenate(arrays)).astype(np.float64, copy=False)
+    return out
+
+
 def read_comm_rows(records_dir: Path, rank: int) -> list[dict[str, Any]]:
     """This rank's sampled-collective rows (none when communication was not sampled)."""
     path = comm_path(records_dir, rank)
     return list(read_jsonl(path)) if path.is_file() else []
+
+
+def first_value(records_dir: Path, rank: int, column: str) -> Any:
+    """``column`` of this rank's first step record (e.g. its ``node``), or None."""
+    path = rank_files(records_dir).get(rank)
+    if path is None:
+        return None
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(path)
+        if column not in pf.schema_arrow.names or pf.metadata.num_rows == 0:
+            return None
+        return pf.read_row_group(0, columns=[column]).column(column)[0].as_py()
+    return next((r.get(column) for r in read_jsonl(path)), None)
+
+
+def events_path(records_dir: Path, rank: int) -> Path:
+    """Timed events of one rank outside the steps (its start, checkpoint saves and loads): one JSON line each,
+    appended across restarts (``profiling.collector.StepCollector.event`` writes them, ``profiling.goodput`` reads)."""
+    return Path(records_dir) / f"events_rank{rank:05d}.jsonl"
+
+
+def read_events(records_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    """rank -> its events, in file order (ranks without an events file are absent)."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    records_dir = Path(records_dir)
+    if not records_dir.is_dir():
+        return out
+    for path in sorted(records_dir.glob("events_rank*.jsonl")):
+        m = re.match(r"^events_rank(\d+)\.jsonl$", path.name)
+        if m:
+            out[int(m.group(1))] = list(read_jsonl(path))
+    return out

@@ -27,7 +27,7 @@ STEP_FIELDS: tuple[Field, ...] = (
     Field("schema_version", "int", True, "SCHEMA_VERSION of the writer"),
     Field("run_id", "str", True, "run folder name"),
     Field("job_id", "str", False, "Slurm job id (null when local)"),
-    Field("restart", "int", True, "SLURM_RESTART_COUNT: 0 for the first start, +1 per requeue"),
+    Field("restart", "int", True, "0 for the first start, +1 per requeue (SLURM_RESTART_COUNT) or `resume`"),
     Field("rank", "int", True, "global rank"),
     Field("node", "str", True, "hostname"),
     Field("tp_rank", "int", True, "tensor-parallel rank"),
@@ -55,7 +55,9 @@ STEP_FIELDS: tuple[Field, ...] = (
     Field("comm_bytes", "int", False, "bytes moved by collectives during the step (sampled steps only)"),
     Field("pp_wait_s", "float", False, "time waiting on pipeline p2p during the step (measured bubble)"),
     Field("bubble_fraction", "float", False, "pp_wait_s / step_time_s"),
-    Field("skipped", "bool", False, "the optimizer skipped this step (fp16 overflow)"),
+    Field("skipped", "bool", False, "the optimizer skipped this step (fp16 overflow, or a non-finite step)"),
+    Field("nonfinite", "bool", False, "the step's loss or gradient norm was not finite on some rank: the update was "
+                                      "skipped (training.max_nonfinite_steps)"),
 )
 
 FIELD_NAMES = tuple(f.name for f in STEP_FIELDS)

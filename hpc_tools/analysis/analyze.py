@@ -12,10 +12,11 @@ import numpy as np
 import pandas as pd
 
 from hpc_tools.analysis.inputs import RunInput, discover
-from hpc_tools.analysis.metrics import rank_table, run_metrics, step_table
+from hpc_tools.analysis.metrics import goodput_table, rank_table, run_goodput, run_metrics, step_table, straggler_table
 from hpc_tools.analysis.records import RunRecords, read_run
 from hpc_tools.analysis.scaling import ScalingResult, analyse_scaling
-from profiling.figures import JOB_FIGURES
+from profiling import goodput as goodput_mod
+from profiling.figures import JOB_FIGURES, node_reader
 
 
 @dataclass
@@ -26,9 +27,19 @@ class Analysis:
     scaling: list[ScalingResult]
     heatmaps: dict[str, tuple[np.ndarray, np.ndarray, list[int]]] = field(default_factory=dict)
     sweeps: list[str] = field(default_factory=list)
+    goodput: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per run (profiling.goodput)
+    goodput_total: dict[str, Any] = field(default_factory=dict)  # summed over the runs (a sweep's goodput)
+    goodput_buckets: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # run id -> bucket rows
+
+    @property
+    def stragglers(self) -> pd.DataFrame:
+        """The named stragglers of every run (rank, node, cause, how sure)."""
+        return straggler_table(self.ranks)
 
     def to_json(self) -> dict[str, Any]:
         return {"sweeps": self.sweeps, "runs": _records(self.runs), "ranks": _records(self.ranks),
+                "stragglers": _records(self.stragglers), "goodput": _records(self.goodput),
+                "goodput_total": {k: _clean(v) for k, v in self.goodput_total.items()},
                 "scaling": [s.summary() for s in self.scaling]}
 
 
@@ -70,6 +81,7 @@ def analyse_run(inp: RunInput, warmup: int | None = None) -> tuple[dict, pd.Data
     w = warmup_for(inp, warmup)
     max_step = inp.recipe.training.train_iters if inp.recipe is not None else None
     rec = read_run(inp.run.records_dir, w, max_step)
+    rec.reducer.node_of = node_reader(inp.run.records_dir)  # names the node of a straggler
     row = run_metrics(inp, rec)
     ranks = rank_table(rec, inp.run_id)
     predicted = planner_prediction(inp.recipe) if inp.recipe is not None else None
@@ -83,9 +95,11 @@ def analyse(refs: list[str], warmup: int | None = None, root: str | Path | None 
             scaling: str | None = None) -> Analysis:
     """Analyse runs and sweeps; ``scaling`` overrides the sweep's `scaling:` choice (auto/strong/weak/none)."""
     inputs, sweeps = discover(refs, root)
-    rows, rank_frames, step_frames, heatmaps = [], [], [], {}
+    rows, rank_frames, step_frames, heatmaps, goodputs = [], [], [], {}, []
     for inp in inputs:
         row, ranks, steps, rec = analyse_run(inp, warmup)
+        goodputs.append(run_goodput(inp))
+        row.update(goodput=goodputs[-1].goodput, allocation_hours=goodputs[-1].summary()["allocation_hours"])
         rows.append(row)
         rank_frames.append(ranks)
         step_frames.append(steps)
@@ -98,13 +112,15 @@ def analyse(refs: list[str], warmup: int | None = None, root: str | Path | None 
     requested = scaling or _sweep_scaling(refs) or "auto"
     return Analysis(runs=runs, ranks=_concat(rank_frames), steps=_concat(step_frames),
                     scaling=analyse_scaling(runs, requested) if len(runs) > 1 else [], heatmaps=heatmaps,
-                    sweeps=sweeps)
+                    sweeps=sweeps, goodput=goodput_table(inputs, goodputs), goodput_total=goodput_mod.total(goodputs),
+                    goodput_buckets={inp.run_id: g.table() for inp, g in zip(inputs, goodputs)})
 
 
 # The figures that are floats (counts, labels and text stay as they are).
 NUMERIC = tuple(f for f in JOB_FIGURES if f not in ("ranks_measured", "steps_measured", "warmup_steps", "slowest_rank",
-                                                    "peak_mem_kind", "stragglers", "bubble_share_per_stage")) + (
-    "predicted_step_time_s", "predicted_vs_measured")
+                                                    "peak_mem_kind", "stragglers", "straggler_nodes",
+                                                    "straggler_verdict", "bubble_share_per_stage")) + (
+    "predicted_step_time_s", "predicted_vs_measured", "goodput", "allocation_hours")
 
 
 def _numeric(runs: pd.DataFrame) -> pd.DataFrame:
@@ -126,3 +142,4 @@ def _sweep_scaling(refs: list[str]) -> str | None:
         if path.is_file():
             return json.loads(path.read_text()).get("scaling")
     return None
+

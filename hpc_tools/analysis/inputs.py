@@ -10,6 +10,7 @@ from typing import Any
 from hpc_tools.errors import UserError
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.registry import MANIFEST, RunFolder, find_run, list_runs, runs_root
+from hpc_tools.runstate import hang_markers
 
 SWEEP_FILE = "sweep.json"
 
@@ -35,7 +36,7 @@ class RunInput:
 
     @property
     def hang_markers(self) -> list[Path]:
-        return sorted(self.run.path.glob("HANG-rank*.txt"))
+        return hang_markers(self.run)
 
 
 def load_recipe_of(run: RunFolder):

@@ -14,6 +14,7 @@ import pandas as pd
 
 from hpc_tools.analysis.inputs import RunInput
 from hpc_tools.analysis.records import RunRecords
+from profiling import goodput as goodput_mod
 
 
 def rank_table(rec: RunRecords, run_id: str) -> pd.DataFrame:
@@ -61,3 +62,33 @@ def run_metrics(inp: RunInput, rec: RunRecords) -> dict[str, Any]:
     row.update(figures)
     row["bubble_share_per_stage"] = ", ".join(f"{k}: {v:.4g}" for k, v in per_stage.items()) if per_stage else ""
     return row
+
+
+def run_goodput(inp: RunInput) -> goodput_mod.Goodput:
+    """The run's goodput and badput buckets (``profiling.goodput``): GPU-hours, or rank-hours for CPU ranks."""
+    lay = inp.layout
+    world = lay.world_size if lay else int(inp.manifest.get("world_size") or 1)
+    gpu = bool(inp.recipe.cluster.uses_gpus) if inp.recipe is not None else False
+    return goodput_mod.measure(inp.run.records_dir, inp.manifest, world, gpu)
+
+
+def goodput_table(inputs: list[RunInput], goodputs: list[goodput_mod.Goodput]) -> pd.DataFrame:
+    """One row per run: allocation, goodput, and each bucket's unit-hours and seconds."""
+    rows = [{"run_id": inp.run_id, "label": inp.label, **g.summary()} for inp, g in zip(inputs, goodputs)]
+    return pd.DataFrame(rows)
+
+
+def straggler_table(ranks: pd.DataFrame) -> pd.DataFrame:
+    """The named stragglers of every run: rank, node, cause, excess busy time and how sure (see
+    ``profiling.stragglers``)."""
+    if ranks.empty or "straggler" not in ranks:
+        return pd.DataFrame()
+    cols = [c for c in STRAGGLER_COLUMNS if c in ranks]
+    return ranks.loc[ranks["straggler"].astype(bool), cols].reset_index(drop=True)
+
+
+STRAGGLER_COLUMNS = ("run_id", "rank", "node", "pp_rank", "straggler_cause", "excess_s", "excess_share",
+                     "steps_slower", "steps_compared", "straggler_p", "straggler_z", "step_time_median_s")
+GOODPUT_COLUMNS = ("run_id", "unit", "lives", "allocation_hours", "goodput", "productive_hours", "startup_hours",
+                   "checkpoint_load_hours", "checkpoint_save_hours", "lost_work_hours", "recomputed_steps",
+                   "evaluation_hours", "other_hours", "requeue_wait_s")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -31,8 +32,19 @@ def _short(run_id: str, label: str | None) -> str:
     return label or run_id[-22:]
 
 
+def _series_name(s) -> str:
+    return ", ".join(f"{k}={v}" for k, v in s.series.items() if k in ("tensor_size", "pipeline_size")) or "runs"
+
+
+def _bars(mid, lo, hi) -> np.ndarray:
+    """Asymmetric error bars (2 x N) from a range around a value."""
+    mid, lo, hi = (np.asarray(v, dtype=float) for v in (mid, lo, hi))
+    return np.vstack([np.clip(mid - lo, 0, None), np.clip(hi - mid, 0, None)])
+
+
 def throughput(a: Analysis, out: Path) -> list[Path]:
-    """Tokens/s vs GPUs per scaling series, each with its ideal (linear from the smallest run) line."""
+    """Tokens/s vs GPUs per scaling series, error bars from its fastest to its slowest repeat, each with its ideal
+    (linear from the smallest run) line."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     drawn = False
@@ -40,10 +52,9 @@ def throughput(a: Analysis, out: Path) -> list[Path]:
         t = s.table
         if t["tokens_per_s"].isna().all():
             continue
-        name = ", ".join(f"{k}={v}" for k, v in s.series.items() if k in ("tensor_size", "pipeline_size")) or "runs"
-        ax.errorbar(t["world_size"], t["tokens_per_s"],
-                    yerr=t["tokens_per_s"] * t["step_time_std_s"] / t["step_time_s"],
-                    marker="o", capsize=3, label=f"measured ({s.kind}; {name})")
+        ax.errorbar(t["world_size"], t["tokens_per_s"], yerr=_bars(t["tokens_per_s"], t["tokens_per_s_lo"],
+                                                                   t["tokens_per_s_hi"]),
+                    marker="o", capsize=3, label=f"measured ({s.kind}; {_series_name(s)}; bars: run-to-run spread)")
         base = t["tokens_per_s"].iloc[0] / t["world_size"].iloc[0]
         ax.plot(t["world_size"], base * t["world_size"], "--", color="grey", label="ideal (linear)")
         drawn = True
@@ -61,24 +72,52 @@ def throughput(a: Analysis, out: Path) -> list[Path]:
     return [_save(fig, out / "throughput_vs_gpus.png")]
 
 
+def _fit_curve(ax, s, color) -> None:
+    """The fitted law over the measured GPU counts only, with the band its interval gives; a fit that does not stand
+    is named in the legend with its reason and not drawn."""
+    fit, t = s.fit, s.table
+    if fit is None:
+        return
+    if not fit.ok:
+        ax.plot([], [], " ", label=textwrap.fill(fit.verdict(), 80))  # a legend line, no curve
+        return
+    n0 = float(t["world_size"].iloc[0])
+    n = np.geomspace(n0, float(t["world_size"].max()), 50)
+    lo, hi = fit.interval
+    if fit.model == "amdahl":
+        curve = [fit.speedup(n, n0, f) / (n / n0) for f in (fit.serial_fraction, hi, lo)]
+    else:
+        curve = [fit.scaled_speedup(n / n0, v) / (n / n0) for v in (fit.serial_fraction, hi, lo)]
+    sym = "f" if fit.model == "amdahl" else "s"
+    ax.plot(n, curve[0], ":", color=color,
+            label=f"{fit.model.capitalize()} fit {sym}={fit.serial_fraction:.3f} [{lo:.3f}, {hi:.3f}], "
+                  f"R^2 {fit.r2:.3f}")
+    ax.fill_between(n, curve[1], curve[2], color=color, alpha=0.15, lw=0)
+
+
 def efficiency(a: Analysis, out: Path) -> list[Path]:
+    """Parallel efficiency per scaling series with its run-to-run spread (error bars) and the fitted law (with its
+    95 % band) where the fit stands."""
     if not a.scaling:
         return []
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(7.2, 4.6))
+    top = 1.1
     for s in a.scaling:
-        ax.plot(s.table["world_size"], s.table["efficiency"], marker="o", label=f"{s.kind} scaling")
-        if s.amdahl is not None:
-            n = np.geomspace(s.table["world_size"].min(), s.table["world_size"].max(), 50)
-            n0 = s.table["world_size"].iloc[0]
-            ax.plot(n, s.amdahl.speedup(n, n0) / (n / n0), ":", label=f"Amdahl fit f={s.amdahl.serial_fraction:.3f}")
+        t = s.table
+        bars = ax.errorbar(t["world_size"], t["efficiency"], yerr=_bars(t["efficiency"], t["efficiency_lo"],
+                                                                        t["efficiency_hi"]),
+                           marker="o", capsize=3, label=f"{s.kind} scaling ({_series_name(s)}; bars: run-to-run "
+                                                        "spread)")
+        _fit_curve(ax, s, bars[0].get_color())
+        top = max(top, float(np.nanmax(t["efficiency_hi"])) * 1.05)
     ax.axhline(1.0, color="grey", ls="--", lw=1)
     ax.set_xscale("log", base=2)
-    ax.set_ylim(0, 1.1)
+    ax.set_ylim(0, top)
     ax.set_xlabel("GPUs (ranks)")
     ax.set_ylabel("parallel efficiency")
     ax.set_title("Scaling efficiency")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="lower left")
     ax.grid(alpha=0.3)
     return [_save(fig, out / "efficiency_vs_gpus.png")]
 

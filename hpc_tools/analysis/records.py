@@ -1,4 +1,6 @@
-"""Reading a run's step records at scale: one rank file at a time, only the needed columns, reduced as soon as read.
+"""Reading a run's step records at scale: streamed one rank file at a time (one pyarrow dataset scan over the run's
+rank files, only the needed columns), each reduced as soon as read, so memory holds a few rank files and the per-rank
+and per-step results, never the run's records.
 
 The files are found and read by ``profiling.records`` (the owner of their names) and reduced by
 ``profiling.figures.RunReducer`` (the owner of every figure's definition), the same reducer the run summary and the
@@ -13,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from profiling.figures import COLUMNS, RankFigures, RunReducer
-from profiling.records import rank_files, read_columns
+from profiling.records import iter_rank_columns
 
 HEATMAP_BINS = 100
 
@@ -28,6 +30,7 @@ class RunRecords:
     heatmap: np.ndarray = field(default_factory=lambda: np.empty((0, 0)))  # ranks x bins, mean step time
     heatmap_edges: np.ndarray = field(default_factory=lambda: np.empty(0))
     heatmap_ranks: list[int] = field(default_factory=list)
+    _bin_cache: tuple | None = field(default=None, repr=False)  # (steps, bin index, counts per bin)
 
     @property
     def ranks(self) -> list[RankFigures]:
@@ -46,8 +49,8 @@ def read_run(records_dir: Path, warmup: int, max_step: int | None = None) -> Run
     """Reduce every rank file of a run; ``max_step`` (train_iters) sizes the per-step arrays and heatmap bins."""
     out = RunRecords(reducer=RunReducer(warmup, max_step))
     heat_rows: list[np.ndarray] = []
-    for rank, path in rank_files(Path(records_dir)).items():
-        prepared = out.reducer.add_rank(rank, read_columns(path, COLUMNS))
+    for rank, cols in iter_rank_columns(Path(records_dir), COLUMNS):
+        prepared = out.reducer.add_rank(rank, cols)
         if prepared is None:
             continue
         cols, _ = prepared
@@ -65,8 +68,13 @@ def _heatmap_row(out: RunRecords, steps: np.ndarray, step_time: np.ndarray, max_
         bins = min(HEATMAP_BINS, max(last, 1))
         out.heatmap_edges = np.linspace(1, last + 1, bins + 1)
     bins = out.heatmap_edges.size - 1
-    idx = np.clip(np.searchsorted(out.heatmap_edges, steps, side="right") - 1, 0, bins - 1)
+    cached = out._bin_cache
+    if cached is not None and cached[0].size == steps.size and np.array_equal(cached[0], steps):
+        _, idx, counts = cached  # the ranks of a run mostly record the same steps: bin them once
+    else:
+        idx = np.clip(np.searchsorted(out.heatmap_edges, steps, side="right") - 1, 0, bins - 1)
+        counts = np.bincount(idx, minlength=bins)
+        out._bin_cache = (steps, idx, counts)
     sums = np.bincount(idx, weights=step_time, minlength=bins)
-    counts = np.bincount(idx, minlength=bins)
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from hpc_tools.analysis.analyze import Analysis
+from hpc_tools.analysis.metrics import GOODPUT_COLUMNS, STRAGGLER_COLUMNS
 from hpc_tools.analysis.plots import all_plots
 from hpc_tools.analysis.scaling import __doc__ as SCALING_METHOD
 from profiling.figures import definitions_text
@@ -19,7 +20,34 @@ RUN_COLUMNS = ("run_id", "label", "status", "layout", "world_size", "repeat", "s
                "peak_mem_gb", "bubble_share", "bubble_share_theory", "comm_share", "data_share", "rank_skew",
                "stragglers", "predicted_step_time_s")
 SCALING_COLUMNS = ("scaling", "world_size", "nodes", "repeats", "global_batch_size", "step_time_s", "step_time_std_s",
-                   "spread", "tokens_per_s", "speedup", "ideal_speedup", "efficiency", "karp_flatt")
+                   "spread", "tokens_per_s", "speedup", "ideal_speedup", "efficiency", "efficiency_lo", "efficiency_hi",
+                   "karp_flatt")
+
+
+STRAGGLER_TEXT = ("Ranks compared with the peers of their pipeline stage by busy time (step time less the time waited "
+                  "in collectives), split into data and compute; the slow rank of a synchronous job is the one that "
+                  "waits least (Method: stragglers).")
+GOODPUT_TEXT = ("Where each run's allocation went: hours = wall time x ranks (GPU-hours, or rank-hours on CPU); "
+                "lost work = steps recomputed after a failure; requeue wait lies outside the allocation "
+                "(Method: goodput).")
+
+
+def _verdict_lines(a: Analysis, template: str, escape=str) -> str:
+    """One line per run: its straggler verdict (``profiling.stragglers``)."""
+    if a.runs.empty or "straggler_verdict" not in a.runs:
+        return ""
+    return "".join(template.format(escape(f"{r.run_id}: {r.straggler_verdict}")) for r in a.runs.itertuples())
+
+
+def _goodput_total_line(a: Analysis) -> str:
+    t = a.goodput_total
+    if not t:
+        return ""
+    return (f"All {t['runs']} run(s): {t['allocation_hours']:.4g} {t['unit']}-hours allocated, goodput "
+            f"{100 * (t['goodput'] or 0):.1f} %, productive {t['productive_hours']:.4g} h, start-up "
+            f"{t['startup_hours']:.4g} h, checkpoints {t['checkpoint_save_hours'] + t['checkpoint_load_hours']:.4g} h, "
+            f"lost work {t['lost_work_hours']:.4g} h ({t['recomputed_steps']} recomputed steps), requeue wait "
+            f"{t['requeue_wait_hours']:.4g} h.")
 
 
 def _fmt(value) -> str:
@@ -52,7 +80,7 @@ def html_table(df: pd.DataFrame, columns=None) -> str:
 
 def write_tables(a: Analysis, out: Path) -> list[Path]:
     """Every table as CSV and parquet (the tidy per-run table is the one to load elsewhere)."""
-    tables = {"runs": a.runs, "ranks": a.ranks, "steps": a.steps}
+    tables = {"runs": a.runs, "ranks": a.ranks, "steps": a.steps, "goodput": a.goodput}
     for i, s in enumerate(a.scaling):
         tables[f"scaling_{i}"] = s.table
         if s.projection is not None:
@@ -71,21 +99,28 @@ def write_tables(a: Analysis, out: Path) -> list[Path]:
 
 
 def _scaling_sections(a: Analysis) -> list[tuple[str, str, pd.DataFrame | None, pd.DataFrame | None]]:
-    """(title, text, table, projection) per scaling series."""
+    """(title, text, table, projection) per scaling series: the fit's verdict (its numbers with their 95 % intervals
+    and R^2, or "no fit" and why) and a projection only where the fit stands (``analysis.scaling``)."""
     out = []
     for s in a.scaling:
         series = ", ".join(f"{k}={v}" for k, v in s.series.items())
-        text = f"{s.kind} scaling over {len(s.table)} GPU counts ({series})."
-        if s.amdahl:
-            f = s.amdahl.serial_fraction
-            limit = f"{1 / f:.1f}x" if f > 0 else "unbounded"
-            text += (f" Amdahl fit: serial fraction f = {f:.4f} (R^2 {s.amdahl.r2:.4f}, extrapolated 1-GPU step "
-                     f"{s.amdahl.t1_s:.4g} s), speedup limit {limit}. The projection also gives Gustafson's scaled "
-                     "speedup n - f(n-1): what the same serial fraction allows when work per GPU is held fixed.")
-        if s.gustafson_serial is not None:
-            text += f" Gustafson fit: serial fraction s = {s.gustafson_serial:.4f}"
-            text += "." if 0 <= s.gustafson_serial <= 1 else (" (outside 0..1: the runs do not follow Gustafson's "
-                                                              "model, so there is no projection)." )
+        text = f"{s.kind} scaling over {len(s.table)} GPU counts ({series}); "
+        if (s.table["repeats"] > 1).any():
+            text += (f"run-to-run spread up to {s.table['spread'].max():.0%} (the plots' error bars: fastest and "
+                     "slowest repeat).")
+        else:
+            text += "one run per GPU count, so no run-to-run spread was measured."
+        if s.fit is not None:
+            text += " " + s.fit.verdict()
+            if s.projection is None:
+                text += " No projection beyond the measured GPU counts."
+            elif s.amdahl is not None:
+                text += (" The projection below extends the fit beyond the measured GPU counts, with the range the "
+                         "interval of f gives; it also gives Gustafson's scaled speedup n - f(n-1): what the same "
+                         "serial fraction allows when work per GPU is held fixed.")
+            else:
+                text += " The projection below extends the fit beyond the measured GPU counts, with the range the "
+                text += "interval of s gives."
         out.append((f"Scaling: {s.kind} ({series})", text, s.table, s.projection))
     return out
 
@@ -103,10 +138,11 @@ def render_markdown(a: Analysis, images: list[Path], title: str) -> str:
     for heading, text, table, proj in _scaling_sections(a):
         parts += [f"## {heading}\n", text + "\n", markdown_table(table, SCALING_COLUMNS)]
         if proj is not None:
-            parts += ["\nProjection:\n", markdown_table(proj)]
-    stragglers = a.ranks[a.ranks["straggler"]] if not a.ranks.empty else a.ranks
-    parts += ["## Stragglers\n", markdown_table(stragglers, ("run_id", "rank", "step_time_median_s",
-                                                             "slowdown_vs_median"))]
+            parts += ["\nProjection (beyond the measured GPU counts):\n", markdown_table(proj)]
+    parts += ["## Stragglers\n", STRAGGLER_TEXT + "\n", _verdict_lines(a, "- {}\n"),
+              markdown_table(a.stragglers, STRAGGLER_COLUMNS)]
+    parts += ["## Goodput\n", GOODPUT_TEXT + "\n", markdown_table(a.goodput, GOODPUT_COLUMNS),
+              _goodput_total_line(a) + "\n"]
     parts += ["## Plots\n"] + [f"![{p.stem}]({p.name})\n" for p in images]
     parts += ["## Method\n", "```\n" + method_text() + "\n```\n"]
     return "\n".join(parts)
@@ -126,10 +162,12 @@ def render_html(a: Analysis, images: list[Path], title: str) -> str:
     for heading, text, table, proj in _scaling_sections(a):
         parts += [f"<h2>{html.escape(heading)}</h2><p>{html.escape(text)}</p>", html_table(table, SCALING_COLUMNS)]
         if proj is not None:
-            parts += ["<p>Projection:</p>", html_table(proj)]
-    stragglers = a.ranks[a.ranks["straggler"]] if not a.ranks.empty else a.ranks
-    parts += ["<h2>Stragglers</h2>", html_table(stragglers, ("run_id", "rank", "step_time_median_s",
-                                                             "slowdown_vs_median")), "<h2>Plots</h2>"]
+            parts += ["<p>Projection (beyond the measured GPU counts):</p>", html_table(proj)]
+    parts += ["<h2>Stragglers</h2>", f"<p>{html.escape(STRAGGLER_TEXT)}</p>",
+              "<ul>" + _verdict_lines(a, "<li>{}</li>", html.escape) + "</ul>",
+              html_table(a.stragglers, STRAGGLER_COLUMNS)]
+    parts += ["<h2>Goodput</h2>", f"<p>{html.escape(GOODPUT_TEXT)}</p>", html_table(a.goodput, GOODPUT_COLUMNS),
+              f"<p>{html.escape(_goodput_total_line(a))}</p>", "<h2>Plots</h2>"]
     for p in images:
         data = base64.b64encode(p.read_bytes()).decode("ascii")
         parts.append(f"<figure><img alt='{html.escape(p.stem)}' src='data:image/png;base64,{data}'>"

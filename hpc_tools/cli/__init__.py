@@ -9,18 +9,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import pkgutil
 import sys
 from types import ModuleType
 
 from hpc_tools import __version__
 from hpc_tools.errors import RecipeError, UserError
+from hpc_tools.recipe.base import printable
 
 EPILOG = """\
 Typical use:
   python -m hpc_tools validate recipes/gpt_3d.yaml          check a recipe (all violations at once)
   python -m hpc_tools render recipes/gpt_3d.yaml            write jobs/gpt_3d.sbatch
-  python -m hpc_tools submit recipes/gpt_3d.yaml            Slurm when it answers, else locally on CPU
+  python -m hpc_tools submit recipes/gpt_3d.yaml            Slurm if installed, else locally on CPU
   python -m hpc_tools status                                the latest run
 Precedence of settings: defaults < recipe < local profile (local runs, --profile local) < --set overrides.
 """
@@ -49,26 +51,60 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Every failure the user can act on is one line on stderr (or a JSON error with --json) and
+    exit 2: a UserError, a file-system error on a path the user gave, stdout closed by the reader (`--json | head`)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
     try:
+        return _run(args)
+    except BrokenPipeError:
+        # The reader of stdout went away (`| head -1`): stop quietly, and point stdout at /dev/null so the
+        # interpreter's final flush does not print a second traceback.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (AttributeError, OSError, ValueError):  # stdout was never open (`>&-`): nothing to flush
+            pass
+        _say("error: stdout was closed before all the output was written (the reader of the pipe exited)")
+        return UserError.exit_code
+
+
+def _run(args: argparse.Namespace) -> int:
+    as_json = getattr(args, "json", False)
+    try:
         return int(args._run(args) or 0)
     except RecipeError as exc:
-        if getattr(args, "json", False):
+        if as_json:
             print(json.dumps({"ok": False, "errors": [v.as_dict() for v in exc.violations]}, indent=2))
         else:
             for v in exc.violations:
-                print(f"error: {exc.source}: {v}", file=sys.stderr)
+                _say(f"error: {printable(exc.source)}: {printable(str(v))}")
         return exc.exit_code
     except UserError as exc:
-        if getattr(args, "json", False):
-            print(json.dumps({"ok": False, "errors": [{"message": str(exc)}]}, indent=2))
-        else:
-            print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return _fail(printable(str(exc)), as_json)
+    except BrokenPipeError:
+        raise
+    except OSError as exc:  # a path the user named: unreadable, not a directory, read-only, full disk
+        where = f" {printable(str(exc.filename))!r}" if exc.filename else ""
+        return _fail(f"{exc.strerror or type(exc).__name__}:{where} (check the path, its permissions and free "
+                     "space; nothing else was changed)", as_json)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        _say("interrupted")
         return 130
+
+
+def _fail(message: str, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps({"ok": False, "errors": [{"message": message}]}, indent=2))
+    else:
+        _say(f"error: {message}")
+    return UserError.exit_code
+
+
+def _say(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (BrokenPipeError, ValueError):  # stderr closed too: nothing left to tell
+        pass

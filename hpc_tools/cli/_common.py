@@ -26,6 +26,8 @@ def add_runs_dir(p: argparse.ArgumentParser) -> None:
 
 
 def emit_json(data: Any) -> None:
+    if sys.stdout is None:  # started with stdout closed (`>&-`): as if the reader had gone
+        raise BrokenPipeError("stdout is closed")
     json.dump(data, sys.stdout, indent=2, default=str)
     sys.stdout.write("\n")
 

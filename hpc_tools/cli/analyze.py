@@ -8,9 +8,10 @@ from hpc_tools.cli._common import add_json, add_runs_dir, emit_json
 
 NAME = "analyze"
 ORDER = 60
-HELP = "metrics of runs and sweeps: step time, tokens/s, MFU, memory, shares, stragglers, scaling fits"
+HELP = ("metrics of runs and sweeps: step time, tokens/s, MFU, memory, shares, stragglers by cause, goodput, "
+        "scaling fits (each with its 95-percent interval and R^2, or 'no fit' and why)")
 COLUMNS = ("world_size", "label", "repeat", "status", "step_time_median_s", "tokens_per_s_per_gpu", "tflops_per_gpu",
-           "mfu", "peak_mem_gb", "comm_share", "rank_skew", "stragglers")
+           "mfu", "peak_mem_gb", "comm_share", "stragglers", "goodput")
 
 
 def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpc_tools.analysis.metrics import GOODPUT_COLUMNS
     from hpc_tools.analysis.report import markdown_table
 
     result = analysed(args)
@@ -47,9 +49,17 @@ def run(args: argparse.Namespace) -> int:
         emit_json({"ok": True, **result.to_json()})
         return 0
     print(markdown_table(result.runs, COLUMNS))
+    for _, row in result.runs.iterrows():
+        print(f"stragglers of {row['run_id']}: {row.get('straggler_verdict') or 'not measured'}")
+    if not result.goodput.empty:
+        print("\ngoodput (hours = wall time x ranks; requeue wait is outside the allocation):")
+        print(markdown_table(result.goodput, GOODPUT_COLUMNS))
+        total = result.goodput_total
+        if total.get("runs", 0) > 1:
+            print(f"all {total['runs']} runs: {total['allocation_hours']:.4g} {total['unit']}-hours, goodput "
+                  f"{100 * (total['goodput'] or 0):.1f} %, lost work {total['lost_work_hours']:.4g} h, "
+                  f"{total['recomputed_steps']} recomputed step(s)")
     for s in result.scaling:
-        fit = f", Amdahl serial fraction {s.amdahl.serial_fraction:.4f}" if s.amdahl else ""
-        fit += f", Gustafson serial fraction {s.gustafson_serial:.4f}" if s.gustafson_serial is not None else ""
-        print(f"{s.kind} scaling{fit}")
+        print(f"{s.kind} scaling" + (f": {s.fit.verdict()}" if s.fit else ""))
         print(markdown_table(s.table, ("world_size", "repeats", "step_time_s", "spread", "speedup", "efficiency")))
     return 0

@@ -8,7 +8,8 @@ from hpc_tools.cli._common import add_json, add_runs_dir, emit_json
 
 NAME = "list"
 ORDER = 70
-HELP = "list runs (status, executor, job id, layout)"
+HELP = "list runs (status, executor, job id, layout, and why a run failed)"
+REASON_WIDTH = 100
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,8 +34,9 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         print("no runs")
         return 0
-    print(f"{'RUN':<44} {'STATUS':<13} {'EXECUTOR':<8} {'JOB':<8} LAYOUT")
+    print(f"{'RUN':<44} {'STATUS':<13} {'EXECUTOR':<8} {'JOB':<8} {'LAYOUT':<20} REASON")
     for row in rows:
+        reason = row["reason"] if row["status"] not in ("pending", "running", "completed") else ""
         print(f"{row['run_id']:<44} {row['status']:<13} {row['executor'] or '':<8} {str(row['job_id'] or '-'):<8} "
-              f"{row['layout'] or ''}")
+              f"{row['layout'] or '':<20} {reason[:REASON_WIDTH]}".rstrip())
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hpc_tools.cli._common import add_json, add_recipe_args, emit_json
+from hpc_tools.cli._common import add_json, add_recipe_args, add_runs_dir, emit_json, say
 from hpc_tools.errors import UserError
 
 NAME = "plan"
@@ -15,6 +15,7 @@ DESCRIPTION = HELP + """
 
   python -m hpc_tools plan recipes/gpt_3d.yaml                 breakdown with the assumption behind every term
   python -m hpc_tools plan recipes/gpt_3d.yaml --search --top 5   fastest layouts that fit, and why the next lose
+  python -m hpc_tools plan recipes/gpt_3d.yaml --search --measure 3   run the top 3 for a few steps; rank by measured
   python -m hpc_tools plan --calibrate runs/RUN_A runs/RUN_B      predicted vs measured; fit and store efficiency
 
 Exit status: 0 when the plan fits (or there is no GPU memory to check), 1 when it does not, 2 for bad input.
@@ -36,8 +37,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="calibration file (default $HPC_TOOLS_CALIBRATION or ~/.config/hpc_tools/calibration.json)")
     p.add_argument("--no-calibration", action="store_true", help="ignore the stored calibration")
     p.add_argument("--no-save", action="store_true", help="with --calibrate: report the fit without storing it")
+    p.add_argument("--headroom", type=float, default=None, metavar="GB",
+                   help="GPU memory to keep free beyond the plan (allocator fragmentation, NCCL buffers); sets "
+                        "cluster.memory_headroom_gb (default 5%% of the GPU memory + 1 GB)")
     p.add_argument("--efficiency", type=float, default=None, metavar="E",
                    help="fraction of peak FLOP/s the compute reaches (overrides calibration)")
+    p.add_argument("--measure", type=int, default=None, metavar="K",
+                   help="with --search: run the top K as a short sweep (a Slurm job array, or locally one after "
+                        "another with the local profile), rank them by measured step time, show predicted vs "
+                        "measured and store the fitted efficiency (unless --no-save)")
+    p.add_argument("--measure-steps", type=int, default=None, metavar="N",
+                   help="measured steps per candidate with --measure, after profiling.warmup_steps warm-up steps "
+                        "(default 5)")
+    p.add_argument("--executor", choices=["auto", "slurm", "local"], default="auto",
+                   help="with --measure: where the candidates run (default auto: Slurm if it answers, else local)")
+    add_runs_dir(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,6 +65,12 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("plan needs a recipe (e.g. python -m hpc_tools plan recipes/gpt_3d.yaml) or --calibrate RUN...")
     from hpc_tools.recipe.load import load_recipe
 
+    if args.headroom is not None:
+        if args.headroom < 0:
+            raise UserError(f"--headroom {args.headroom} must be >= 0 (GB of GPU memory kept free, e.g. 4)")
+        args.overrides = [*(args.overrides or []), f"cluster.memory_headroom_gb={args.headroom}"]
+    if args.measure is not None or args.measure_steps is not None:
+        return _measure(args)
     # --search turns the layout, so the recipe's own layout may break rules; the search checks its candidates.
     recipe = load_recipe(args.recipe, args.overrides, args.profile, check=not args.search)
     if args.search:
@@ -92,3 +112,20 @@ def _calibrate(args: argparse.Namespace) -> int:
     else:
         print_calibration(report)
     return 0
+
+
+def _measure(args: argparse.Namespace) -> int:
+    from hpc_tools.planner.measure import DEFAULT_MEASURE_STEPS, measured_search, print_measure
+
+    if args.measure is None or not args.search:
+        raise UserError("--measure K runs the layout search's top K: use it with --search "
+                        "(e.g. plan RECIPE --search --measure 3)")
+    steps = DEFAULT_MEASURE_STEPS if args.measure_steps is None else args.measure_steps
+    report = measured_search(args.recipe, args.measure, args.overrides, args.profile, args.executor, steps,
+                             args.runs_dir, args.efficiency, not args.no_calibration, args.calibration,
+                             not args.no_save, say=say)
+    if args.json:
+        emit_json({"ok": report.winner is not None, **report.as_dict()})
+    else:
+        print_measure(report)
+    return 0 if report.winner is not None else 1

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 from pathlib import Path
 
 from hpc_tools.cli._common import add_json, add_recipe_args, emit_json, say
 from hpc_tools.errors import UserError
+from hpc_tools.recipe.base import printable
 
 NAME = "render"
 ORDER = 20
@@ -45,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
         recipe = load_recipe(path, args.overrides, args.profile)
         out = Path(args.output) if args.output and args.output != "-" else job_script_path(path, args.jobs_dir)
         rendered.append((path, out, render_sbatch(recipe, path.as_posix())))
+    if not args.check and args.output != "-":
+        for _, out, _ in rendered:
+            _check_output(out)
     drift = []
     for path, out, text in rendered:
         if args.output == "-":
@@ -57,10 +62,23 @@ def run(args: argparse.Namespace) -> int:
                                                            f"rendered from {path}"))
         else:
             atomic_write(out, text)
-            say(f"wrote {out}")
+            say(f"wrote {printable(str(out))}")
     if args.json:
         emit_json({"ok": not drift, "scripts": [str(o) for _, o, _ in rendered], "drift": drift})
     if drift:
         say(f"{len(drift)} script(s) drifted from their recipes; regenerate with: python -m hpc_tools render --all")
         return 1
     return 0
+
+
+def _check_output(out: Path) -> None:
+    """Refuse, before anything is written, an output that cannot be written: its folder missing or not a folder,
+    the output itself a folder, or not writable."""
+    shown, folder = printable(str(out)), out.parent
+    if out.is_dir():
+        raise UserError(f"output {shown} is a directory (give a file name, e.g. {shown}/job.sbatch)")
+    if not folder.is_dir():
+        what = "is not a directory" if folder.exists() else "does not exist"
+        raise UserError(f"output {shown}: the folder {printable(str(folder))} {what} (create it or choose another)")
+    if not os.access(folder, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise UserError(f"output {shown} is not writable (choose another place)")

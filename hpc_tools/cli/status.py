@@ -1,4 +1,5 @@
-"""status: the state of a run (the latest by default), refreshed from Slurm for Slurm runs, and why it is in it."""
+"""status: the state of a run (the latest by default), refreshed from Slurm for Slurm runs, and why it is in it: the
+failed rank and node and how it ended, or the hang's culprit. Read-only on a full or read-only disk."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from hpc_tools.cli._common import add_json, add_runs_dir, emit_json
 
 NAME = "status"
 ORDER = 40
-HELP = "show a run's state and why, job id, layout, times and last step (default: the latest run)"
+HELP = ("show a run's state and why, job id, layout, times, last step, straggler verdict and goodput so far "
+        "(default: the latest run)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,17 +21,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hpc_tools.registry import resolve_run
-    from hpc_tools.runstate import classify, last_step, refresh_all
+    from hpc_tools.runstate import classify, hang_markers, last_step, refresh_all
 
     r = resolve_run(args.run, args.runs_dir)
     ((manifest, job),) = refresh_all([r])
     verdict = classify(r, job, manifest)
     step = last_step(r)
+    health = _health(r)
     if args.json:
-        emit_json({"run_dir": str(r.path), **manifest, **verdict.as_dict(), "last_step": step})
+        emit_json({"run_dir": str(r.path), **manifest, **verdict.as_dict(), "last_step": step, **health})
         return 0
     keys = ("state", "slurm_state", "executor", "job_id", "layout", "nodelist", "created", "started", "ended",
-            "restart_count")
+            "restart_count", "exit_code", "failed_ranks", "failed_nodes")
     print(f"run      {r.run_id}\nfolder   {r.path}\nstatus   {verdict.status}: {verdict.reason}")
     for key in keys:
         if manifest.get(key) not in (None, ""):
@@ -37,6 +40,28 @@ def run(args: argparse.Namespace) -> int:
     if step:
         loss = f", loss {step['loss']:.4f}" if step.get("loss") is not None else ""
         print(f"last step {step['step']}{loss}, {step['step_time_s']:.3f} s/step, {step['tokens_per_s']:.0f} tok/s")
+    if health:
+        g = health["goodput"]
+        print(f"stragglers {health['straggler_verdict']}")
+        if g.get("allocation_hours"):
+            print(f"goodput  {100 * (g['goodput'] or 0):.1f} % of {g['allocation_hours']:.4g} {g['unit']}-hours "
+                  f"(start-up {g['startup_s']:.0f} s, checkpoints {g['checkpoint_save_s'] + g['checkpoint_load_s']:.1f}"
+                  f" s, lost work {g['lost_work_s']:.1f} s / {g['recomputed_steps']} steps, requeue wait "
+                  f"{g['requeue_wait_s']:.0f} s, {g['lives']} start(s))")
     if manifest.get("error"):
         print(f"error    {manifest['error']}")
+    for marker in hang_markers(r):  # the hang verdict with every rank's stacks
+        print(f"hang     {marker}")
     return 0
+
+
+def _health(r) -> dict:
+    """Straggler verdict and goodput from the records so far; a status never fails for them (unreadable records)."""
+    from hpc_tools.analysis.live import stragglers_and_goodput
+    from profiling.records import rank_files
+
+    try:
+        return stragglers_and_goodput(r) if rank_files(r.records_dir) else {}
+    except Exception as exc:  # noqa: BLE001 - status reports the state whatever the records hold
+        return {"straggler_verdict": f"not measured: {type(exc).__name__}: {exc}"[:200],
+                "goodput": {}, "stragglers": "", "straggler_nodes": ""}

@@ -9,11 +9,13 @@ from hpc_tools.cli._common import add_json, add_recipe_args, add_runs_dir, emit_
 
 NAME = "submit"
 ORDER = 30
-HELP = "validate, render and submit a recipe (Slurm via submitit; locally on CPU when no Slurm answers)"
+HELP = "validate, render and submit a recipe (Slurm via submitit; locally on CPU when no Slurm is installed)"
 DESCRIPTION = HELP + """
 
---executor auto (default) uses Slurm when `sbatch` is on PATH and `scontrol ping` answers; otherwise it runs the job
-on this machine (one process per rank, gloo) with the recipe's `local:` profile, and says so. Every submission gets a
+--executor auto (default) uses Slurm when `sbatch` is on PATH; without it, it runs the job on this machine (one
+process per rank, gloo) with the recipe's `local:` profile, and says so in one line. Slurm installed but its
+controller not answering (`scontrol ping` not UP) is an error (exit 2) suggesting a retry or --executor local: a
+login node never silently becomes the job's machine. Every submission gets a
 run folder (runs/<name>-<time>-<id>/) with the resolved recipe, the script, a manifest, logs and records.
 A submitted recipe without overrides or profile also refreshes jobs/<recipe>.sbatch."""
 
@@ -21,21 +23,34 @@ A submitted recipe without overrides or profile also refreshes jobs/<recipe>.sba
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_recipe_args(p)
     p.add_argument("--executor", choices=["auto", "slurm", "local"], default="auto",
-                   help="where to run (default auto: Slurm if it answers, else local)")
+                   help="where to run (default auto: Slurm if installed, else local)")
     p.add_argument("--wait", action="store_true", help="on Slurm, wait for the job to end (local runs always wait)")
     p.add_argument("--force", action="store_true", help="submit even if the planner predicts it does not fit")
     p.add_argument("--auto", action="store_true",
                    help="let the planner choose the layout (see `python -m hpc_tools plan --search`)")
+    p.add_argument("--measure", type=int, default=None, metavar="K",
+                   help="with --auto: run the planner's top K for a few steps first (as `plan --search --measure K`) "
+                        "and submit the one with the fastest measured step time")
+    p.add_argument("--measure-steps", type=int, default=None, metavar="N",
+                   help="measured steps per candidate with --measure, after the warm-up steps (default 5)")
     p.add_argument("--dry-run", action="store_true", help="validate and print the script; write and submit nothing")
     add_runs_dir(p)
     add_json(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpc_tools.submission import launch, plan_submission
+    from hpc_tools.submission import checked_runs_root, launch, plan_submission
 
-    plan = plan_submission(args.recipe, args.overrides, args.profile, args.executor, check_fit=not args.force,
-                           auto=args.auto)
+    checked_runs_root(args.runs_dir)  # a bad --runs-dir is told before anything runs (a dry run included)
+
+    overrides, executor, profile, extra = args.overrides, args.executor, args.profile, {}
+    if args.measure is not None or args.measure_steps is not None:
+        measured = _measure(args)
+        if measured is None:
+            return 1
+        overrides, executor, profile, extra = measured
+    plan = plan_submission(args.recipe, overrides, profile, executor, check_fit=not args.force,
+                           auto=args.auto and not extra)
     if plan.note and not args.json:
         say(plan.note)
     if args.dry_run:
@@ -55,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         manifest = run.manifest()
         if args.json:
             emit_json({"ok": result == 0, "run_dir": str(run.path), "executor": "local", "state": manifest["state"],
-                       "exit_code": result})
+                       "exit_code": result, **extra})
         else:
             say(f"run {run.run_id}: {manifest['state']} (exit {result}); folder {run.path}")
         return 0 if result == 0 else 1
@@ -66,10 +81,39 @@ def run(args: argparse.Namespace) -> int:
     state = _wait(run) if args.wait else "PENDING"
     if args.json:
         emit_json({"ok": state in ("PENDING", "COMPLETED"), "run_dir": str(run.path), "executor": "slurm",
-                   "job_id": job_id, "state": state})
+                   "job_id": job_id, "state": state, **extra})
     elif args.wait:
         say(f"job {job_id}: {state}")
     return 0 if state in ("PENDING", "COMPLETED") else 1
+
+
+def _measure(args: argparse.Namespace) -> tuple[list[str], str, str | None, dict] | None:
+    """``--auto --measure K``: the measured layout search (hpc_tools/planner/measure.py); returns the overrides that
+    give its winner, the executor and profile it measured with, and its report for --json; None (after saying why)
+    when no candidate measured a step."""
+    from hpc_tools.errors import UserError
+    from hpc_tools.planner.measure import DEFAULT_MEASURE_STEPS, measured_search, print_measure
+
+    if args.measure is None or not args.auto:
+        raise UserError("--measure K measures the planner's top K layouts: use it with --auto "
+                        "(e.g. submit RECIPE --auto --measure 3)")
+    if args.dry_run:
+        raise UserError("--measure runs jobs, which --dry-run never does (measure without submitting with "
+                        "`python -m hpc_tools plan RECIPE --search --measure K`)")
+    steps = DEFAULT_MEASURE_STEPS if args.measure_steps is None else args.measure_steps
+    report = measured_search(args.recipe, args.measure, args.overrides, args.profile, args.executor, steps,
+                             args.runs_dir, say=say)
+    if not args.json:
+        print_measure(report)
+    if report.winner is None:
+        if args.json:
+            emit_json({"ok": False, "measure": report.as_dict()})
+        say(f"none of the {len(report.outcomes)} measured candidates completed a measured step: nothing submitted "
+            f"({report.sweep or 'see the reasons above'})")
+        return None
+    say("measured search chose: " + " ".join(report.winner.overrides))
+    return ([*args.overrides, *report.winner.overrides], report.executor, report.profile,
+            {"measure": report.as_dict()})
 
 
 def _refresh_jobs_script(recipe_path: str, plan) -> None:

@@ -18,9 +18,10 @@ Three forms:
   python -m hpc_tools sweep status SWEEP [--json]
       classify every cell, with a one-line reason: pending, running, completed, failed, out_of_memory, timeout,
       hang, node_failure, preempted, cancelled (from sacct, the run manifest, HANG markers and logs).
-  python -m hpc_tools sweep rerun SWEEP --failed [--status S ...] [--executor ...] [--dry-run] [--json]
+  python -m hpc_tools sweep rerun SWEEP --failed [--status S ...] [--exclude NODES] [--executor ...] [--dry-run]
       resubmit only the failed cells (failed, out_of_memory, timeout, hang, node_failure; add cancelled with
-      --status cancelled) as new run folders; earlier attempts stay listed in sweep.json.
+      --status cancelled) as new run folders; earlier attempts stay listed in sweep.json. --exclude keeps them
+      off Slurm nodes, e.g. the straggler node `analyze` names.
 SWEEP is a sweep folder or a sweep id (prefix) under <runs root>/sweeps. Analyse with
 `python -m hpc_tools analyze SWEEP` and `python -m hpc_tools report SWEEP --out DIR`.
 """
@@ -43,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--failed", action="store_true", help="rerun: resubmit the cells that failed in any way")
     p.add_argument("--status", dest="statuses", action="append", default=[], metavar="STATUS",
                    help="rerun: resubmit cells in this status (repeatable), e.g. --status cancelled")
+    p.add_argument("--exclude", default=None, metavar="NODES",
+                   help="rerun: Slurm nodes to keep the resubmitted cells off (sbatch --exclude, e.g. n2 or n[1-2]), "
+                        "such as the straggler node `analyze` names")
     add_runs_dir(p)
     add_json(p)
 
@@ -147,9 +151,13 @@ def _rerun(args, ref: str) -> int:
     statuses = tuple(dict.fromkeys((FAILURE_STATUSES if args.failed else ()) + tuple(args.statuses)))
     folder = SweepFolder.find(ref, args.runs_dir)
     executor, note = choose_executor(args.executor) if not args.dry_run else (folder.read().get("executor"), "")
+    if args.exclude is not None and (executor != "slurm" or not args.exclude.strip() or " " in args.exclude):
+        raise UserError(f"--exclude {args.exclude!r}: " + ("give Slurm node names, e.g. --exclude n2 or n[1-2]"
+                        if executor == "slurm" else f"only Slurm places jobs on nodes; this rerun runs {executor}ly "
+                        "(drop --exclude, or use --executor slurm)"))
     if note and not args.json:
         say(note)
-    ids = rerun(folder, statuses, executor, say, dry_run=args.dry_run)
+    ids = rerun(folder, statuses, executor, say, dry_run=args.dry_run, exclude=args.exclude)
     if args.json:
         emit_json({"ok": True, "sweep": str(folder.path), "rerun": ids, "dry_run": args.dry_run})
     else:

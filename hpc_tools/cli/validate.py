@@ -6,6 +6,7 @@ import argparse
 
 from hpc_tools.cli._common import add_json, add_recipe_args, emit_json
 from hpc_tools.errors import RecipeError, UserError
+from hpc_tools.recipe.base import printable
 
 NAME = "validate"
 ORDER = 10
@@ -67,10 +68,10 @@ def run(args: argparse.Namespace) -> int:
         emit_json({"ok": ok, "results": results})
     else:
         for r in results:
-            where = r["recipe"] + (f" (profile {r['profile']})" if r["profile"] else "")
+            where = printable(r["recipe"]) + (f" (profile {r['profile']})" if r["profile"] else "")
             if r["errors"]:
                 for e in r["errors"]:
-                    print(f"error: {where}: {e['message']}")
+                    print(f"error: {where}: {printable(e['message'])}")
             else:
                 print(f"ok: {where}")
     if not ok:

@@ -73,16 +73,18 @@ def run_local(run: RunFolder, world_size: int, echo: IO[bytes] | None = None, ex
         procs.append(proc)
         pumps.append(pump)
     run.update(pids=[p.pid for p in procs])  # `hpc_tools cancel` signals these process groups
-    code = 0
+    code, first_failed = 0, {}
     try:
-        while any(p.poll() is None for p in procs):
-            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-            if failed:
-                code = failed[0]
+        while [p.poll() for p in procs].count(None):  # poll every rank: a short-circuit leaves return codes unread
+            first_failed = {r: p.returncode for r, p in enumerate(procs) if p.returncode not in (None, 0)}
+            if first_failed:
+                code = next(iter(first_failed.values()))
                 stop_ranks(procs)
                 break
             time.sleep(poll_s)
-        code = code or next((p.returncode for p in procs if p.returncode), 0)
+        if not first_failed:  # every rank exited by itself: the failing ones (if any) are the culprits
+            first_failed = {r: p.returncode for r, p in enumerate(procs) if p.returncode}
+        code = code or next(iter(first_failed.values()), 0)
     except KeyboardInterrupt:
         stop_ranks(procs)
         code = 130
@@ -91,12 +93,18 @@ def run_local(run: RunFolder, world_size: int, echo: IO[bytes] | None = None, ex
             pump.join(timeout=5)
         for log in logs:
             log.close()
-    state = run.manifest().get("state")
-    if code != 0:
-        run.update(event="failed", state="CANCELLED" if code == 130 else "FAILED", ended=now_iso(), exit_code=code)
-    elif state == "RUNNING":  # ranks exited 0 without rank 0 recording an outcome
-        run.update(event="exited", state="COMPLETED", ended=now_iso(), exit_code=0)
+    if code == 130:
+        run.update(event="failed", state="CANCELLED", ended=now_iso(), exit_code=code, soft=True)
+    else:  # the same record as the batch script's epilogue: state, exit code, failed ranks, reason
+        from hpc_tools.runtime.epilogue import failures_from_exit_codes, record_end
+
+        record_end(run, _shell_status(code), failures_from_exit_codes(first_failed))
     return code
+
+
+def _shell_status(returncode: int) -> int:
+    """A Popen return code as a shell reports it (killed by signal 9: -9 -> 137)."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def stop_ranks(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:

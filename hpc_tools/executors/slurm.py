@@ -7,6 +7,7 @@ Job states (sacct) are read by ``hpc_tools.runstate``, not here.
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import subprocess
@@ -14,13 +15,18 @@ from pathlib import Path
 
 from hpc_tools.recipe.schema import Recipe
 from hpc_tools.registry import RunFolder, now_iso
-from hpc_tools.render.envsetup import launch_prefix, setup_lines, srun_args
+from hpc_tools.render.envsetup import checked_setup_lines, launch_prefix, srun_args
 from hpc_tools.render.slurm_params import SlurmSpec
+
+
+def slurm_installed() -> bool:
+    """Slurm's client commands are on PATH (whether or not a controller answers)."""
+    return shutil.which("sbatch") is not None
 
 
 def slurm_available(timeout_s: float = 5.0) -> tuple[bool, str]:
     """(True, "") when a Slurm controller answers; else (False, why)."""
-    if shutil.which("sbatch") is None:
+    if not slurm_installed():
         return False, "sbatch is not on PATH"
     try:
         out = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=timeout_s)
@@ -32,15 +38,33 @@ def slurm_available(timeout_s: float = 5.0) -> tuple[bool, str]:
     return True, ""
 
 
-def make_executor(recipe: Recipe, folder: Path):
+def make_executor(recipe: Recipe, folder: Path, exclude: str | None = None, env: dict[str, str] | None = None,
+                  run_dir: Path | None = None):
+    """A submitit executor for the recipe's resources; ``exclude`` (sbatch --exclude) keeps the job off those nodes,
+    ``env`` is exported in the batch script before the ranks start (after the recipe's own set-up). ``run_dir`` (a
+    run folder, or the runs root of an array's runs) gets the script's epilogue as submitit's teardown."""
     import submitit
 
     python = shlex.join(launch_prefix(recipe.cluster) + [recipe.cluster.python])
     executor = submitit.SlurmExecutor(folder=str(folder), python=python)
     params = SlurmSpec.from_recipe(recipe).submitit_parameters()
-    executor.update_parameters(**params, setup=setup_lines(recipe.cluster), srun_args=["--kill-on-bad-exit=1",
-                                                                                          *srun_args(recipe.cluster)])
+    if exclude:
+        params["exclude"] = exclude
+    # Each set-up line checked (submitit's script has no `set -e`): a failure ends the job, named in log and manifest.
+    setup = checked_setup_lines(recipe.cluster, shlex.quote(str(run_dir or folder)))
+    setup += [f"export {k}={shlex.quote(v)}" for k, v in (env or {}).items()]
+    executor.update_parameters(**params, setup=setup, srun_args=["--kill-on-bad-exit=1", *srun_args(recipe.cluster)],
+                               **({"teardown": epilogue_lines(recipe.cluster.python, run_dir)} if run_dir else {}))
     return executor
+
+
+def epilogue_lines(python: str, run_dir: Path) -> list[str]:
+    """submitit's teardown: right after its srun line (only blank and comment lines between, so ``$?`` is srun's
+    status), record how the ranks ended (``hpc_tools.runtime.epilogue``), then end with srun's status."""
+    return ["HPC_TOOLS_SRUN_EXIT=$?",
+            f"{shlex.quote(python)} -m hpc_tools.runtime.epilogue --run-dir {shlex.quote(str(run_dir))} "
+            '--exit-code "$HPC_TOOLS_SRUN_EXIT" || true',
+            'exit "$HPC_TOOLS_SRUN_EXIT"']
 
 
 def rank_task(run_dir: str) -> int:
@@ -50,19 +74,34 @@ def rank_task(run_dir: str) -> int:
     return run_rank(run_dir)
 
 
-def submit_run(run: RunFolder, recipe: Recipe):
-    """Submit one run; records the job id and log locations in its manifest. Returns the submitit job."""
+def submit_run(run: RunFolder, recipe: Recipe, exclude: str | None = None, env: dict[str, str] | None = None,
+               event: str = "submitted", **fields):
+    """Submit one run (a new one, or, from ``hpc_tools resume``, an ended one in its own folder); records the job id
+    and log locations in its manifest with ``event`` and ``fields`` (state PENDING unless ``fields`` names one).
+    Returns the submitit job."""
     folder = run.path / "submitit"
-    job = make_executor(recipe, folder).submit(rank_task, str(run.path))
-    run.update(event="submitted", state="PENDING", executor="slurm", job_id=str(job.job_id), submitted=now_iso(),
-               log_glob=str(folder / f"{job.job_id}_*_log.*"))
+    job = make_executor(recipe, folder, exclude, env, run_dir=run.path).submit(rank_task, str(run.path))
+    record = {"state": "PENDING", **fields}
+    if record["state"] is None:  # the caller set the state before submitting
+        del record["state"]
+    run.update(event=event, executor="slurm", job_id=str(job.job_id), submitted=now_iso(),
+               log_glob=str(folder / f"{job.job_id}_*_log.*"), **record)
     return job
 
 
-def submit_array(runs: list[RunFolder], recipe: Recipe) -> list:
-    """Submit runs that share Slurm resources as one job array (one array task per run)."""
+def sbatch_script(script: Path, env: dict[str, str], options: list[str] = (), cwd: Path | None = None) -> str:
+    """``sbatch --parsable OPTIONS SCRIPT`` with ``env`` added to this process's environment (sbatch exports it to
+    the job, and Slurm keeps it for a requeue); returns the job id. Raises CalledProcessError with sbatch's message."""
+    out = subprocess.run(["sbatch", "--parsable", *options, str(script)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, **env}, cwd=cwd, check=True)
+    return out.stdout.strip().split(";")[0]
+
+
+def submit_array(runs: list[RunFolder], recipe: Recipe, exclude: str | None = None) -> list:
+    """Submit runs that share Slurm resources as one job array (one array task per run), off the ``exclude`` nodes."""
     folder = runs[0].path.parent / f".array-{runs[0].run_id}"
-    executor = make_executor(recipe, folder)
+    # The epilogue finds its run by job id.
+    executor = make_executor(recipe, folder, exclude=exclude, run_dir=runs[0].path.parent)
     jobs = executor.map_array(rank_task, [str(r.path) for r in runs])
     for run, job in zip(runs, jobs):
         run.update(event="submitted", state="PENDING", executor="slurm", job_id=str(job.job_id), submitted=now_iso(),

@@ -160,9 +160,15 @@ def fit_efficiency(comparisons: list[Comparison]) -> float | None:
 def calibrate(run_dirs: list[str | Path], store: Path | None = None, save: bool = True,
               efficiency: float | None = None) -> dict[str, Any]:
     """Compare every run, fit one efficiency per cluster, store it (unless ``save`` is False). Returns a report."""
+    return calibrate_runs([read_run(d) for d in run_dirs], store, save, efficiency)
+
+
+def calibrate_runs(runs: list[Measured], store: Path | None = None, save: bool = True,
+                   efficiency: float | None = None) -> dict[str, Any]:
+    """``calibrate`` for runs already read (``read_run``): the measured layout search (``planner/measure.py``) feeds
+    its candidates' runs through here, with the planning peak it ranked them by in their recipes."""
     from hpc_tools.planner.steptime import DEFAULT_EFFICIENCY
 
-    runs = [read_run(d) for d in run_dirs]
     base = DEFAULT_EFFICIENCY if efficiency is None else efficiency
     comparisons = [compare(m, base) for m in runs]
     fitted: dict[str, dict[str, Any]] = {}

@@ -28,13 +28,21 @@ class Plan:
     efficiency_source: str  # "default", "calibration <file>", "--efficiency"
     convention: str
     parameters: int  # whole model, TP1 padding
+    headroom_bytes: float = 0.0  # GPU memory kept free (fit.headroom_bytes)
+    headroom_note: str = ""
+
+    @property
+    def usable_bytes(self) -> float | None:
+        """The GPU memory less the headroom; None when there is no GPU memory to check."""
+        return None if self.hardware.mem_bytes is None else self.hardware.mem_bytes - self.headroom_bytes
 
     @property
     def fits(self) -> bool | None:
-        """True/False against the GPU memory; None when there is no GPU memory to check (CPU ranks, unknown GPU)."""
+        """True/False against the GPU memory less the headroom; None when there is no GPU memory to check (CPU
+        ranks, unknown GPU)."""
         if self.hardware.mem_bytes is None:
             return None
-        return self.memory.total <= self.hardware.mem_bytes
+        return self.memory.total <= self.usable_bytes
 
     def notes(self) -> dict[str, str]:
         out = memory_notes(self.arch, self.knobs, self.hardware.is_gpu)
@@ -51,6 +59,7 @@ class Plan:
             "parameters": self.parameters, "parameters_per_gpu": mem.params,
             "gpu_type": self.hardware.gpu_type, "gpu_mem_bytes": self.hardware.mem_bytes,
             "hardware_sources": self.hardware.sources, "fits": self.fits,
+            "headroom_bytes": self.headroom_bytes, "headroom": self.headroom_note, "usable_bytes": self.usable_bytes,
             "memory": {"peak_stage": mem.stage, "total_bytes": mem.total,
                        "terms": [{"name": k, "bytes": v, "assumes": notes.get(k, "")} for k, v in mem.terms.items()],
                        "stages": [{"stage": s.stage, "parameters": s.params, "total_bytes": s.total}
@@ -70,7 +79,10 @@ class Plan:
 
 def make_plan(recipe: "Recipe", knobs: Knobs | None = None, efficiency: float | None = None,
               efficiency_source: str = "default", hardware: Hardware | None = None) -> Plan:
-    """Memory and step time of ``recipe`` (with ``knobs`` instead of the recipe's own, when given)."""
+    """Memory and step time of ``recipe`` (with ``knobs`` instead of the recipe's own, when given), checked against
+    the GPU memory less the recipe's headroom."""
+    from hpc_tools.planner.fit import headroom_bytes, headroom_note
+
     if recipe.backend.kind not in ("megatron", "deepspeed"):
         raise UserError(f"backend.kind={recipe.backend.kind} trains no model, so there is nothing to plan "
                         "(plan a megatron or deepspeed recipe)")
@@ -83,4 +95,5 @@ def make_plan(recipe: "Recipe", knobs: Knobs | None = None, efficiency: float | 
             if hw.peak_flops else None)
     return Plan(name=recipe.name, arch=arch, knobs=knobs, hardware=hw, memory=estimate_memory(arch, knobs, hw.is_gpu),
                 time=time, efficiency=eff, efficiency_source=efficiency_source, convention=convention,
-                parameters=total_parameters(arch))
+                parameters=total_parameters(arch), headroom_bytes=headroom_bytes(recipe.cluster, hw.mem_bytes),
+                headroom_note=headroom_note(recipe.cluster, hw.mem_bytes))

@@ -1,4 +1,9 @@
-"""Does the recipe fit in GPU memory? The check ``validate`` and ``submit`` run before anything is queued."""
+"""Does the recipe fit in GPU memory? The check ``validate`` and ``submit`` run before anything is queued.
+
+"Fits" means the planned peak stays under the GPU memory less a stated headroom (``cluster.memory_headroom_gb``,
+default 5 % of the GPU memory + 1 GB): the plan counts every tensor it models, but the caching allocator's
+fragmentation and the NCCL buffers of every communicator come on top (docs/formulas.md, "Headroom").
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,30 @@ from hpc_tools.planner.knobs import Knobs
 from hpc_tools.planner.memory import estimate_memory
 
 if TYPE_CHECKING:
+    from hpc_tools.recipe.cluster import ClusterConfig
     from hpc_tools.recipe.schema import Recipe
+
+# Default headroom: PyTorch's caching allocator typically leaves 5-10 % of reserved memory fragmented, and NCCL
+# allocates buffers per communicator and channel beyond the 0.5 GB the plan counts (docs/formulas.md, "Headroom").
+HEADROOM_FRACTION = 0.05
+HEADROOM_FIXED_BYTES = 1.0 * GB
+
+
+def headroom_bytes(cluster: "ClusterConfig", mem_bytes: float | None) -> float:
+    """Bytes of GPU memory the fit check and the search keep free: ``cluster.memory_headroom_gb`` when set, else
+    5 % of the GPU memory + 1 GB; 0 when there is no GPU memory to check."""
+    if mem_bytes is None:
+        return 0.0
+    if cluster.memory_headroom_gb is not None:
+        return cluster.memory_headroom_gb * GB
+    return HEADROOM_FRACTION * mem_bytes + HEADROOM_FIXED_BYTES
+
+
+def headroom_note(cluster: "ClusterConfig", mem_bytes: float | None) -> str:
+    """Where the headroom comes from, in words (for ``plan``)."""
+    if cluster.memory_headroom_gb is not None:
+        return f"cluster.memory_headroom_gb={cluster.memory_headroom_gb:g}"
+    return f"default: {HEADROOM_FRACTION:.0%} of {(mem_bytes or 0) / GB:.1f} GB + {HEADROOM_FIXED_BYTES / GB:g} GB"
 
 
 def fit_violations(recipe: "Recipe") -> list[Violation]:
@@ -30,7 +58,9 @@ def fit_violations(recipe: "Recipe") -> list[Violation]:
     if knobs.layout.data_size < 1 or knobs.layout.layout_size != knobs.layout.world_size:
         return []  # the layout rules already report this; the memory model needs a valid layout
     plan = estimate_memory(arch, knobs)
-    if plan.total <= hw.mem_bytes:
+    headroom = headroom_bytes(recipe.cluster, hw.mem_bytes)
+    usable = hw.mem_bytes - headroom
+    if plan.total <= usable:
         return []
     peak = plan.peak
     biggest = sorted(peak.terms.items(), key=lambda kv: -kv[1])[:3]
@@ -38,9 +68,11 @@ def fit_violations(recipe: "Recipe") -> list[Violation]:
     where = f" on pipeline stage {peak.stage}" if knobs.layout.pipeline_size > 1 else ""
     path = "cluster.gpu_mem_gb" if recipe.cluster.gpu_mem_gb is not None else "cluster.gpu_type"
     value = recipe.cluster.gpu_mem_gb if recipe.cluster.gpu_mem_gb is not None else recipe.cluster.gpu_type
-    rule = (f"gives {hw.mem_bytes / GB:.1f} GB per GPU but the plan needs {plan.total / GB:.1f} GB{where} ({terms})")
+    rule = (f"gives {hw.mem_bytes / GB:.1f} GB per GPU, {usable / GB:.1f} GB after the {headroom / GB:.1f} GB "
+            f"headroom ({headroom_note(recipe.cluster, hw.mem_bytes)}), but the plan needs "
+            f"{plan.total / GB:.1f} GB{where} ({terms})")
     fixes = [f"{' and '.join(change)} ({total / GB:.1f} GB)"
-             for change, total in fitting_changes(recipe, arch, knobs, hw.mem_bytes)]
+             for change, total in fitting_changes(recipe, arch, knobs, usable)]
     search = "`python -m hpc_tools plan RECIPE --search` finds the fastest layout that fits"
     fix = (f"try {' or '.join(fixes[:3])}; {search}" if fixes else
            f"no single change fits: combine tensor/pipeline parallelism and recomputation, or add nodes; {search}")

@@ -35,6 +35,7 @@ class Knobs:
     ds_overlap_comm: bool = False  # DeepSpeed zero_optimization.overlap_comm
     ds_bucket_elems: int = DS_DEFAULT_BUCKET_ELEMS
     flash: bool = True  # fused attention: no s^2 activations stored
+    on_gpu: bool = True  # CUDA kernels (1-byte dropout masks, fused norms); False: the CPU build's kernels
 
     @classmethod
     def from_recipe(cls, recipe: "Recipe") -> "Knobs":
@@ -55,7 +56,8 @@ class Knobs:
                    zero_stage=stage, offload_optimizer=be.deepspeed.offload_optimizer,
                    offload_param=be.deepspeed.offload_param,
                    ds_overlap_comm=bool(ds_zero.get("overlap_comm", stage == 3)),
-                   ds_bucket_elems=int(ds_zero.get("reduce_bucket_size", DS_DEFAULT_BUCKET_ELEMS)), flash=flash)
+                   ds_bucket_elems=int(ds_zero.get("reduce_bucket_size", DS_DEFAULT_BUCKET_ELEMS)), flash=flash,
+                   on_gpu=recipe.cluster.uses_gpus)
 
     @property
     def virtual(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from hpc_tools.planner.arch import Arch, pieces, stage_parameters
 from hpc_tools.planner.knobs import Knobs
@@ -100,6 +101,70 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, groups
     return replicated + (attention + mlp + quadratic) / t
 
 
+def megatron_layer_terms(s: int, b: int, h: int, a: int, t: int = 1, *, groups: int | None = None,
+                         head_dim: int | None = None, ffn: int | None = None, gated: bool = False, sp: bool = False,
+                         recompute: str = "none", flash: bool = False, hidden_dropout: bool = False,
+                         attention_dropout: bool = False, act_bytes: int = 2, rope: bool = False,
+                         rmsnorm: bool = False, on_gpu: bool = True) -> dict[str, float]:
+    """Bytes one Megatron-core transformer layer (the job's local layer spec) saves for backward, term by term, for
+    one microbatch on one GPU of a TP group of ``t``: Korthikanti's Table 2 with every tensor the implementation
+    really keeps. Exact against autograd on the CPU build (``tests/integration/test_planner_activations.py``).
+
+    What the table leaves out: (1) the fused QKV projection output stays alive whole, (a/t + 2g/t) heads, whenever a
+    view of it is saved: V always unless K/V are expanded for grouped-query attention, and Q and K too without RoPE
+    (RoPE writes new Q and K tensors of a/t and g/t heads); the unfused explicit attention expands K and V to a/t
+    heads and copies Q when its head layout is not a view; selective recomputation and fused attention save Q, K, V
+    as they enter the attention core. (2) The RoPE cos/sin tables, 4 s d_h e per layer (unfused RoPE recomputes
+    them for Q and K). (3) Norm statistics: LayerNorm mean and rstd per token (fp32 on CUDA, the activation dtype on
+    the CPU build); torch's RMSNorm keeps rstd (fp32) and, on the CPU build (composite kernel), the fp32 input and
+    the fp32 normalised input instead of the 16-bit input. (4) Dropout masks: 1 byte per element on CUDA, a noise
+    tensor of the activation dtype on the CPU build. (5) The explicit attention's causal mask, s^2 booleans.
+    Full recomputation is counted per checkpoint (``stage_activation_bytes``), not here.
+    """
+    e, g = act_bytes, groups or a
+    dh = head_dim or h // a
+    f = ffn or 4 * h
+    a_t, g_t, f_t = a // t, g // t, f // t
+    tok = s * b
+    rep = tok / t if sp else tok  # tokens in the replicated (or sequence-parallel) region
+    mask = 1 if on_gpu else e
+
+    def norm() -> float:
+        if rmsnorm:
+            return (4 * rep * h + 4 * rep + 4 * rep * h) if not on_gpu else (e * rep * h + 4 * rep)
+        return e * rep * h + 2 * rep * (4 if on_gpu else e)
+
+    terms = {"norms (inputs and statistics)": 2 * norm(), "linear inputs (QKV, fc1)": 2 * e * rep * h}
+    if hidden_dropout:
+        terms["dropout masks"] = 2 * mask * rep * h
+    explicit = not flash and recompute != "selective"
+    gqa = g_t < a_t
+    if explicit and gqa:
+        # K and V repeated to a/t heads; Q is RoPE's output, or a copy made for the grouped head layout (1 < g/t) or
+        # for the [s, b x heads, d_h] matmul layout (b > 1); only with g/t = 1 and b = 1 is it still a view
+        q_own = rope or g_t > 1 or b > 1
+        own, views = 2 * a_t + (a_t if q_own else 0), not q_own
+    elif explicit:  # MHA: Q, K, V views of the QKV output, or new Q and K after RoPE (V still a view)
+        own, views = (2 * a_t if rope else 0), True
+    else:  # as they enter the attention core: new Q (RoPE, or a copy when 1 < g/t < a/t: the grouped head layout is
+        # no view of [s, b, heads, d_h]) and new K (RoPE); V a view
+        own, views = (a_t if rope or 1 < g_t < a_t else 0) + (g_t if rope else 0), True
+    terms["Q, K, V (+ fused QKV output kept by views)"] = e * tok * dh * (own + ((a_t + 2 * g_t) if views else 0))
+    terms["attention output (output projection input)"] = e * tok * a_t * dh
+    if rope:
+        terms["RoPE cos/sin tables"] = 4 * s * dh * e
+    if recompute == "selective" and not flash:
+        terms["recompute bookkeeping"] = 4  # one int32 the checkpoint keeps
+    if explicit:
+        upcast = e < 4  # attention_softmax_in_fp32: the softmax runs and is saved in fp32
+        quad = (4 if upcast else e) + ((mask + e) if attention_dropout else (e if upcast else 0))
+        terms["attention scores (softmax, dropout)"] = quad * a_t * s * s * b
+        terms["causal mask"] = s * s
+    # fc1 output and activation output; SwiGLU: fc1's 2f, silu(gate) f, Megatron's unfused offset copy f, product f
+    terms["MLP"] = e * tok * f_t * (5 if gated else 2)
+    return terms
+
+
 def _chunks_in_flight(p: int, v: int, m: int, stage: int) -> int:
     """Model chunks whose activations a stage holds at its peak: 1F1B p - stage (capped by m); interleaved
     (p - stage - 1) x 2 + (v - 1) x p + 1 warm-up chunks (capped by m x v), which on stage 0 is Korthikanti's
@@ -109,17 +174,62 @@ def _chunks_in_flight(p: int, v: int, m: int, stage: int) -> int:
     return min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)
 
 
-def _layer_bytes(arch: Arch, k: Knobs, recompute: str) -> float:
-    # Megatron jobs: the trainer sets attention_softmax_in_fp32 and leaves bias_activation_fusion off
-    # (hpc_tools/train/megatron/config.py); Hugging Face layers (SDPA, separate gate/up projections) do neither.
-    megatron = k.backend == "megatron"
+@lru_cache(maxsize=1024)
+def first_chunk_in_flight(p: int, v: int, m: int) -> int:
+    """Microbatches whose first model chunk (the one with the embedding) stage 0 holds at once, at most.
+
+    1F1B: min(p, m). Interleaved (Megatron's order, groups of p microbatches per chunk): forwards run chunk 0 for
+    microbatches 0..p-1, chunk 1 for the same, ..., then chunk 0 for p..2p-1; backwards run the chunks in reverse
+    order; after the warm-up every forward is followed by one backward. Walked step by step, since the count of
+    chunk-0 microbatches in flight rises above p during the steady state."""
+    if v == 1:
+        return min(p, m)
+    total = m * v
+    warmup = min((p - 1) * 2 + (v - 1) * p, total)
+
+    def chunk(k: int, forward: bool) -> int:
+        c = (k % (p * v)) // p
+        return c if forward else v - 1 - c
+
+    held = best = sum(1 for k in range(warmup) if chunk(k, True) == 0)
+    best = held
+    # steady state: forward warmup + j, then backward j. Both chunk sequences repeat every p x v steps, each adding and
+    # removing p chunk-0 microbatches per period, so the count is periodic: one period holds its maximum (O(p v), not
+    # O(m v): a huge global batch must not hang `validate`).
+    for j in range(min(total - warmup, p * v)):
+        held += chunk(warmup + j, True) == 0
+        best = max(best, held)
+        held -= chunk(j, False) == 0
+    return best
+
+
+def _layer_terms(arch: Arch, k: Knobs, recompute: str) -> dict[str, float]:
     lay = k.layout
-    return layer_activation_bytes(arch.seq, lay.micro_batch_size, arch.hidden, arch.heads, lay.tensor_size,
-                                  groups=arch.groups, head_dim=arch.head_dim, ffn=arch.ffn, gated=arch.gated,
-                                  sp=lay.sequence_parallel, recompute=recompute, flash=k.flash,
-                                  hidden_dropout=arch.hidden_dropout, attention_dropout=arch.attention_dropout,
-                                  act_bytes=k.act_bytes, softmax_fp32=megatron, glu_offset_copy=megatron,
-                                  expand_kv=megatron)
+    if k.backend == "megatron":
+        return megatron_layer_terms(arch.seq, lay.micro_batch_size, arch.hidden, arch.heads, lay.tensor_size,
+                                    groups=arch.groups, head_dim=arch.head_dim, ffn=arch.ffn, gated=arch.gated,
+                                    sp=lay.sequence_parallel, recompute=recompute, flash=k.flash,
+                                    hidden_dropout=arch.hidden_dropout, attention_dropout=arch.attention_dropout,
+                                    act_bytes=k.act_bytes, rope=not arch.learned_positions,
+                                    rmsnorm=arch.norm_params_per_h == 1, on_gpu=k.on_gpu)
+    # Hugging Face layers (SDPA, separate gate/up projections): the generalised Korthikanti table
+    return {"layer": layer_activation_bytes(arch.seq, lay.micro_batch_size, arch.hidden, arch.heads, lay.tensor_size,
+                                            groups=arch.groups, head_dim=arch.head_dim, ffn=arch.ffn,
+                                            gated=arch.gated, sp=lay.sequence_parallel, recompute=recompute,
+                                            flash=k.flash, hidden_dropout=arch.hidden_dropout,
+                                            attention_dropout=arch.attention_dropout, act_bytes=k.act_bytes)}
+
+
+def layer_bytes(arch: Arch, k: Knobs, recompute: str) -> float:
+    """Bytes one layer keeps for one microbatch on one GPU under ``k`` (Megatron: ``megatron_layer_terms``)."""
+    return sum(_layer_terms(arch, k, recompute).values())
+
+
+def _checkpoint_bytes(arch: Arch, k: Knobs) -> float:
+    """What one full-recompute checkpoint keeps: the input of its group of layers."""
+    lay = k.layout
+    rep = 1 / lay.tensor_size if lay.sequence_parallel else 1.0
+    return k.act_bytes * arch.seq * lay.micro_batch_size * arch.hidden * rep
 
 
 def stage_activation_bytes(arch: Arch, k: Knobs, stage: int) -> tuple[float, float]:
@@ -131,32 +241,66 @@ def stage_activation_bytes(arch: Arch, k: Knobs, stage: int) -> tuple[float, flo
     # HF (DeepSpeed) models have no selective recompute; with fused attention it changes nothing anyway.
     recompute = "none" if k.backend == "deepspeed" and k.recompute == "selective" else k.recompute
     if recompute != "full":
-        return chunks * chunk_layers * _layer_bytes(arch, k, recompute), 0.0
-    full, ckpt = _layer_bytes(arch, k, "none"), _layer_bytes(arch, k, "full")
+        return chunks * chunk_layers * layer_bytes(arch, k, recompute), 0.0
+    full, ckpt = layer_bytes(arch, k, "none"), _checkpoint_bytes(arch, k)
+    if k.backend == "megatron" and not arch.learned_positions:
+        # the checkpoints also keep the chunk's RoPE frequencies (fp32, s x d_h, one tensor shared by all of them)
+        rope_freqs = 4 * arch.seq * arch.head_dim
+    else:
+        rope_freqs = 0.0
     n = min(k.recompute_num_layers if k.backend == "megatron" else 1, chunk_layers)
     if k.recompute_method == "block" and k.backend == "megatron":
         per_chunk = n * ckpt + (chunk_layers - n) * full  # first n layers of each chunk checkpointed one by one
-        return chunks * per_chunk, full
-    return chunks * math.ceil(chunk_layers / n) * ckpt, n * full  # uniform: one checkpoint per group of n layers
+        return chunks * (per_chunk + (rope_freqs if n else 0)), full
+    # uniform: one checkpoint per group of n layers
+    return chunks * (math.ceil(chunk_layers / n) * ckpt + rope_freqs), n * full
+
+
+def embedding_bytes(arch: Arch, k: Knobs) -> float:
+    """What the first stage's embedding keeps per microbatch: the token ids (int64, for the embedding's backward; with
+    t > 1 the vocab-parallel out-of-range mask too), the position ids (learned positions: the engine's expanded
+    arange, s int64) and the dropout mask."""
+    lay = k.layout
+    tok = arch.seq * lay.micro_batch_size
+    if k.backend != "megatron":  # Hugging Face embeddings: the dropout mask only
+        return tok * arch.hidden if arch.hidden_dropout else 0.0
+    # token ids (the vocab-parallel lookup with t > 1 keeps its shifted copy and its out-of-range mask, 1 byte each)
+    out = 8 * tok + (tok if lay.tensor_size > 1 else 0) + (8 * arch.seq if arch.learned_positions else 0)
+    if arch.hidden_dropout:
+        rep = tok / lay.tensor_size if lay.sequence_parallel else tok
+        out += (1 if k.on_gpu else k.act_bytes) * rep * arch.hidden
+    return out
+
+
+def head_bytes(arch: Arch, k: Knobs) -> float:
+    """What the last stage keeps per microbatch after its layers: final norm, output-layer input, the loss."""
+    lay = k.layout
+    t, tok, e = lay.tensor_size, arch.seq * lay.micro_batch_size, k.act_bytes
+    vocab = arch.padded_vocab(t)
+    if k.backend != "megatron":
+        # HF: returned 16-bit logits + fp32 upcast + fp32 log-softmax kept for backward = (2 + 4 + 4) s b V
+        return 2 * e * tok * arch.hidden + (e + 8) * tok * vocab
+    rep = tok / t if lay.sequence_parallel else tok
+    h = arch.hidden
+    if arch.norm_params_per_h == 1:
+        final_norm = (8 * rep * h + 4 * rep) if not k.on_gpu else (e * rep * h + 4 * rep)
+    else:
+        final_norm = e * rep * h + 2 * rep * (4 if k.on_gpu else e)
+    # Korthikanti sec. 4.3: final norm, output-layer input, fp32 logits in the vocab-parallel cross-entropy (4sbV/t);
+    # the cross-entropy also keeps its target mask (bool) and masked targets (int64) per token
+    return final_norm + e * rep * h + 4 * tok * vocab / t + 9 * tok
 
 
 def edge_activation_bytes(arch: Arch, k: Knobs, stage: int) -> float:
-    """Activations outside the layers: embedding dropout masks on the first stage (per microbatch in flight),
-    final norm, output-layer input and the logits on the last stage (one microbatch)."""
+    """Activations outside the layers: the embedding's on the first stage (per microbatch whose first chunk is in
+    flight), the head and loss on the last stage (one microbatch: its backward follows its forward at once)."""
     lay = k.layout
-    p, t, tok, e = lay.pipeline_size, lay.tensor_size, arch.seq * lay.micro_batch_size, k.act_bytes
-    rep = 1 / t if lay.sequence_parallel else 1.0
+    p = lay.pipeline_size
     out = 0.0
-    if stage == 0 and arch.hidden_dropout:
-        out += tok * arch.hidden * rep * _chunks_in_flight(p, 1, max(lay.num_microbatches, 1), 0)
+    if stage == 0:
+        out += embedding_bytes(arch, k) * first_chunk_in_flight(p, k.virtual, max(lay.num_microbatches, 1))
     if stage == p - 1:
-        vocab = arch.padded_vocab(t)
-        if k.backend == "megatron":
-            # Korthikanti sec. 4.3: final norm 2sbh, output-layer input 2sbh, fp32 logits in the cross-entropy 4sbv/t
-            out += 2 * e * tok * arch.hidden * rep + 4 * tok * vocab / t
-        else:
-            # HF: returned 16-bit logits + fp32 upcast + fp32 log-softmax kept for backward = (2 + 4 + 4) s b V
-            out += 2 * e * tok * arch.hidden + (e + 8) * tok * vocab
+        out += head_bytes(arch, k)
     return out
 
 
@@ -258,19 +402,30 @@ def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
         "tied (counted once)" if arch.tied else "untied output layer on the last stage")
     attn = ("fused/flash attention: no s^2 terms" if k.flash else
             "explicit attention: softmax (and dropout) s^2 terms stored"
-            + (", softmax in fp32 (Megatron attention_softmax_in_fp32), GQA K/V expanded to all heads"
+            + (", softmax in fp32 (Megatron attention_softmax_in_fp32), GQA K/V expanded to all heads, causal mask"
                if k.backend == "megatron" else "")
             if k.recompute != "selective" else "selective recompute: s^2 terms recomputed")
-    layer = (f"Korthikanti Table 2 per layer generalised: {'GQA ' if arch.groups != arch.heads else ''}Q,K,V by head "
-             f"counts; {swiglu if arch.gated else 'GELU fc1 f + act f'} (f={arch.ffn}); "
-             f"{'dropout masks 1 byte' if arch.hidden_dropout else 'no dropout masks (dropout 0)'}; {attn}; "
-             f"TP{t}{' + SP' if lay.sequence_parallel else ''}; norm statistics not counted")
+    if k.backend == "megatron":
+        terms = _layer_terms(arch, k, "none" if k.recompute == "full" else k.recompute)
+        big = ", ".join(f"{name} {value / max(sum(terms.values()), 1):.0%}"
+                        for name, value in sorted(terms.items(), key=lambda kv: -kv[1])[:4])
+        mask = "1-byte dropout masks" if k.on_gpu else "dropout noise tensors of the activation dtype (CPU build)"
+        layer = (f"Megatron-core layer as autograd keeps it (exact on the CPU build, tests/integration/"
+                 f"test_planner_activations.py): Korthikanti Table 2 + the fused QKV output kept alive by views, "
+                 f"RoPE tables, norm statistics{', ' + mask if arch.hidden_dropout else ''}; {attn}; "
+                 f"TP{t}{' + SP' if lay.sequence_parallel else ''}; largest: {big}")
+    else:
+        layer = (f"Korthikanti Table 2 per layer generalised: {'GQA ' if arch.groups != arch.heads else ''}Q,K,V by "
+                 f"head counts; {swiglu if arch.gated else 'GELU fc1 f + act f'} (f={arch.ffn}); "
+                 f"{'dropout masks 1 byte' if arch.hidden_dropout else 'no dropout masks (dropout 0)'}; {attn}; "
+                 f"TP{t}{' + SP' if lay.sequence_parallel else ''}; norm statistics not counted")
     if k.recompute == "full":
         kept = f"group of {k.recompute_num_layers} layers" if k.recompute_num_layers > 1 else "layer"
         layer += f"; full recompute keeps each {kept}'s input (2sbh{'/t' if lay.sequence_parallel else ''})"
     p, v = lay.pipeline_size, k.virtual
     chunks = (f"first stage holds min(p, m) = {min(p, lay.num_microbatches)} microbatches in flight (1F1B)"
-              + (f" x (1 + (p-1)/(p v)) = {1 + (p - 1) / (p * v):.3f} (interleaved)" if v > 1 else "")
+              + (f" x (1 + (p-1)/(p v)) = {1 + (p - 1) / (p * v):.3f} (interleaved; the embedding chunk: "
+                 f"{first_chunk_in_flight(p, v, max(lay.num_microbatches, 1))} microbatches at most)" if v > 1 else "")
               if p > 1 else "one microbatch at a time (gradient accumulation frees the rest)")
     hf = (" (Hugging Face layers assumed to store what Megatron's do; their fp32 RMSNorm upcast is not counted)"
           if k.backend == "deepspeed" else "")
@@ -281,8 +436,10 @@ def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
         GRADIENTS: grads,
         OPTIMIZER: optim,
         ACTIVATIONS: f"{layer}; {chunks}{hf}",
-        EDGE_ACTIVATIONS: ("last stage: final norm + output input 4sbh + fp32 logits 4sbV/t (Korthikanti 4.3); "
-                           "first stage: embedding dropout masks") if k.backend == "megatron" else
+        EDGE_ACTIVATIONS: ("last stage: final norm + output input 4sbh + fp32 logits 4sbV/t (Korthikanti 4.3) + "
+                           "the loss's target mask and targets 9sb; first stage: token ids 8sb (+ position ids, "
+                           "dropout mask) per microbatch whose embedding chunk is in flight")
+                          if k.backend == "megatron" else
                           "last stage: HF logits 16-bit + fp32 upcast + fp32 log-softmax = 10 sbV bytes",
         RECOMPUTE_WS: "one recompute group's full activations, rebuilt during its backward" if k.recompute == "full"
                       else "no full recomputation",

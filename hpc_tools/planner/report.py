@@ -60,7 +60,8 @@ def verdict(plan: Plan) -> str:
         return f"peak {total / div:.2f} {unit} per rank; no GPU memory to check ({plan.hardware.gpu_type})"
     share = total / plan.hardware.mem_bytes
     word = "FITS" if plan.fits else "DOES NOT FIT"
-    return f"{word}: {total / GB:.1f} GB of {plan.hardware.mem_bytes / GB:.1f} GB per GPU ({share:.0%})"
+    return (f"{word}: {total / GB:.1f} GB of {plan.hardware.mem_bytes / GB:.1f} GB per GPU ({share:.0%}); limit "
+            f"{plan.usable_bytes / GB:.1f} GB after {plan.headroom_bytes / GB:.1f} GB headroom ({plan.headroom_note})")
 
 
 def print_plan(plan: Plan) -> None:
@@ -107,6 +108,7 @@ def search_dict(result: SearchResult) -> dict[str, Any]:
         "enumerated": result.enumerated, "fitting": result.fitting, "too_big": result.too_big,
         "broke_rules": [{"config": c.knobs.describe(), "violation": str(v)} for c, v in result.broke_rules],
         "elapsed_s": result.elapsed_s, "gpu_mem_bytes": result.mem_bytes,
+        "headroom_bytes": result.headroom_bytes, "headroom": result.headroom_note, "usable_bytes": result.usable_bytes,
         "top": [cand(c) for c in result.ranked[:result.top]],
         "next": [{**cand(c), "why": why_slower(c, best)} for c in result.ranked[result.top:]],
         "smallest_too_big": cand(result.smallest_too_big) if result.smallest_too_big else None,
@@ -115,7 +117,9 @@ def search_dict(result: SearchResult) -> dict[str, Any]:
 
 def print_search(result: SearchResult, recipe_name: str) -> None:
     con = _console()
-    mem = f"{result.mem_bytes / GB:.1f} GB" if result.mem_bytes else "no GPU memory"
+    mem = (f"{result.usable_bytes / GB:.1f} GB ({result.mem_bytes / GB:.1f} GB less "
+           f"{result.headroom_bytes / GB:.1f} GB headroom, {result.headroom_note})" if result.mem_bytes
+           else "no GPU memory")
     con.print(f"{recipe_name}: {result.enumerated} configurations scored in {result.elapsed_s:.2f} s: "
               f"{result.fitting} fit in {mem}, {result.too_big} do not, {len(result.broke_rules)} of the fastest "
               f"broke recipe rules", highlight=False)

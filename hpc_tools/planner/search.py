@@ -5,9 +5,11 @@ Held fixed: the model, the cluster, the backend kind and the global batch (token
 the training, not just its speed). Turned: TP (inside a node, dividing heads and query groups), PP (dividing the
 layers), VPP, DP (what is left), micro batch, recomputation, and the distributed optimizer (Megatron) or ZeRO
 stage and offload (DeepSpeed); sequence parallelism is on whenever TP > 1 allows it (it dominates: same time in the
-model, less memory). Candidates are scored with the same memory and step-time model as
-``plan``; the recipe rules (``hpc_tools.recipe.rules.check_recipe``) are run on candidates in rank order, lazily,
-because every enumerated layout already satisfies the divisibility rules by construction.
+model, less memory). A candidate fits when its peak stays under the GPU memory less the headroom
+(``hpc_tools.planner.fit.headroom_bytes``, the same margin ``validate`` and ``submit`` keep). Candidates are scored
+with the same memory and step-time model as ``plan``; the recipe rules (``hpc_tools.recipe.rules.check_recipe``)
+are run on candidates in rank order, lazily, because every enumerated layout already satisfies the divisibility rules
+by construction.
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ class SearchResult:
     fitting: int = 0
     elapsed_s: float = 0.0
     mem_bytes: float | None = None
+    headroom_bytes: float = 0.0  # kept free of the GPU memory (fit.headroom_bytes)
+    headroom_note: str = ""
+
+    @property
+    def usable_bytes(self) -> float | None:
+        """GPU memory a candidate may plan to use: the GPU memory less the headroom."""
+        return None if self.mem_bytes is None else self.mem_bytes - self.headroom_bytes
 
     @property
     def best(self) -> Candidate | None:
@@ -112,7 +121,7 @@ def _knobs(base: Knobs, layout: ParallelLayout, recompute: str, opt: dict) -> Kn
                  offload_optimizer=opt.get("offload_optimizer", base.offload_optimizer),
                  offload_param=opt.get("offload_param", base.offload_param),
                  ds_overlap_comm=opt.get("ds_overlap_comm", base.ds_overlap_comm), ds_bucket_elems=base.ds_bucket_elems,
-                 flash=base.flash)
+                 flash=base.flash, on_gpu=base.on_gpu)
 
 
 def _optimizer_options(base: Knobs, p: int, d: int) -> Iterator[dict]:
@@ -150,6 +159,7 @@ def search(recipe: "Recipe", top: int = 5, losers: int = 5, efficiency: float | 
 
     ``efficiency`` None: the calibrated factor for the recipe's cluster when stored, else the default."""
     from hpc_tools.planner.calibrate import resolve_efficiency
+    from hpc_tools.planner.fit import headroom_bytes, headroom_note
     from hpc_tools.recipe.rules import check_recipe
 
     started = time.perf_counter()
@@ -161,13 +171,16 @@ def search(recipe: "Recipe", top: int = 5, losers: int = 5, efficiency: float | 
                         "(use a GPU type from the hardware table, or set cluster.gpu_peak_tflops)")
     eff = resolve_efficiency(recipe, efficiency, use_calibration=use_calibration)[0] or DEFAULT_EFFICIENCY
     arch, base = arch_for(recipe), Knobs.from_recipe(recipe)
-    result = SearchResult(ranked=[], top=top, mem_bytes=hw.mem_bytes)
+    result = SearchResult(ranked=[], top=top, mem_bytes=hw.mem_bytes,
+                          headroom_bytes=headroom_bytes(recipe.cluster, hw.mem_bytes),
+                          headroom_note=headroom_note(recipe.cluster, hw.mem_bytes))
+    usable = result.usable_bytes
     flops_cache: dict[tuple[str, int], tuple[float, float]] = {}
     scored: list[Candidate] = []
     for k in enumerate_knobs(recipe, base):
         result.enumerated += 1
         mem = estimate_memory(arch, k, hw.is_gpu)
-        if hw.mem_bytes is not None and mem.total > hw.mem_bytes:
+        if usable is not None and mem.total > usable:
             result.too_big += 1
             if result.smallest_too_big is None or mem.total < result.smallest_too_big.memory_bytes:
                 result.smallest_too_big = Candidate(k, mem.total, mem.peak.stage, None)
@@ -214,7 +227,9 @@ def auto_configure(recipe: "Recipe", efficiency: float | None = None) -> tuple["
                 if smallest else "")
         raise UserError(f"cluster.gpu_type={recipe.cluster.gpu_type}: none of the {result.enumerated} configurations "
                         f"for {recipe.cluster.nodes}x{recipe.cluster.gpus_per_node} GPUs fits in "
-                        f"{(result.mem_bytes or 0) / GB:.1f} GB{hint} (add nodes, or a GPU with more memory)")
+                        f"{(result.usable_bytes or 0) / GB:.1f} GB ({(result.mem_bytes or 0) / GB:.1f} GB less "
+                        f"{result.headroom_bytes / GB:.1f} GB headroom, cluster.memory_headroom_gb){hint} "
+                        "(add nodes, or a GPU with more memory)")
     best = result.best
     chosen = Recipe.model_validate(apply_knobs(recipe, best.knobs).model_dump())
     violations = check_recipe(chosen)

@@ -1,12 +1,136 @@
-"""Base class for recipe sections: strict (unknown keys are errors), documented field by field."""
+"""Base class for recipe sections: strict (unknown keys are errors), documented field by field, and safe by
+construction: every value of every section passes one guard (``Section._bounded_values``) before anything reads it.
+
+The guard is the one rule for values from an untrusted recipe file:
+- strings are single-line (no newline, no control character) and at most ``MAX_STRING`` characters, unless the field
+  is declared ``Text`` (free text such as ``description``: newlines and tabs allowed, other control characters not);
+- integers fit in int64 and floats are finite (``allow_inf_nan=False``), so no loop or formula downstream sees a
+  number no hardware can mean (fields that loops use carry tighter, hardware-sized bounds of their own);
+- lists and mappings (``modules``, ``env``, ``config_overrides``, ``sweep.grid``, ...) are checked item by item.
+Values never reach a script unquoted anyway (``hpc_tools.render``); this guard makes sure a value that would end a
+comment, a ``#SBATCH`` line or an error message early never gets that far.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+import types
+import typing
+import unicodedata
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+MAX_STRING = 4096  # PATH_MAX on Linux: no single-line value of a recipe needs more
+MAX_TEXT = 16384  # free text (description)
+
+
+class _MultiLine:
+    """Marker: the annotated string field holds free text (newlines and tabs allowed)."""
+
+    def __repr__(self) -> str:
+        return "Text"
+
+
+MULTILINE = _MultiLine()
+Text = Annotated[str, MULTILINE]
+"""A free-text string field: newlines and tabs allowed, other control characters refused."""
+
+
+def is_control(ch: str) -> bool:
+    """True for characters that would end or corrupt a line: C0/C1 controls, DEL, line/paragraph separators, format
+    characters (bidirectional overrides and the like)."""
+    return unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp", "Cs")
+
+
+def printable(text: str) -> str:
+    """``text`` safe to put on one line (a script comment, an error message): control characters escaped
+    (``\\n``, ``\\x1b``, ``\\u2028``), everything else unchanged."""
+    if text.isprintable():
+        return text
+    return "".join(ch.encode("unicode_escape").decode("ascii") if is_control(ch) or not ch.isprintable() else ch
+                   for ch in text)
+
+
+def check_string(value: str, multiline: bool = False) -> str | None:
+    """Why ``value`` cannot be a recipe string (None when it can)."""
+    limit = MAX_TEXT if multiline else MAX_STRING
+    if len(value) > limit:
+        return f"is {len(value)} characters long -- use at most {limit}"
+    for i, ch in enumerate(value):
+        if multiline and ch in "\n\t":
+            continue
+        if is_control(ch):
+            what = "a newline" if ch in "\r\n\u2028\u2029\x85" else f"the control character {ch!r}"
+            return f"holds {what} at position {i} -- {'free text' if multiline else 'this value is one line and'} " \
+                   "cannot hold control characters; remove it"
+    return None
+
+
+def check_value(value: Any, multiline: bool = False, where: str = "") -> str | None:
+    """Why ``value`` (a scalar, or a list / mapping of them, walked) cannot be in a recipe; None when it can."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        if not INT64_MIN <= value <= INT64_MAX:
+            # bit_length, not str(): Python refuses to print integers of more than 4300 digits
+            return f"{where}is a {value.bit_length()}-bit integer, beyond 64 bits -- use a realistic value"
+        return None
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            return f"{where}is {value} -- give a finite number"
+        return None
+    if isinstance(value, str):
+        why = check_string(value, multiline)
+        return f"{where}{why}" if why else None
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            why = check_value(item, multiline, f"item {i} ")
+            if why:
+                return f"{where}{why}"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            why = check_value(key, False, f"key {printable(str(key))[:40]!r} ") or \
+                check_value(item, multiline, f"{printable(str(key))[:40]}: ")
+            if why:
+                return f"{where}{why}"
+        return None
+    return None
 
 
 class Section(BaseModel):
     """A recipe section. Field docstrings are the user documentation: ``python -m hpc_tools validate --explain PATH``
     prints them (PATH a field such as ``parallel.tensor_size``, a section such as ``parallel``, or ``recipe``)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=False)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=False,
+                              allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _bounded_values(cls, value: Any, info: ValidationInfo) -> Any:
+        # Before type coercion: a 400-digit integer is refused before pydantic turns it into a float, and nested
+        # sections (mappings of their own fields) are left to their own guard so errors keep their full path.
+        field = cls.model_fields.get(info.field_name or "")
+        if field is None or isinstance(value, BaseModel) or (isinstance(value, dict) and _holds_section(field)):
+            return value
+        why = check_value(value, multiline=MULTILINE in field.metadata)
+        if why:
+            raise ValueError(why)
+        return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _bounded_ints(cls, value: Any) -> Any:
+        # After coercion too: a string of 30 digits given for an integer field becomes a 30-digit integer.
+        if isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
+            raise ValueError(check_value(value))
+        return value
+
+
+def _holds_section(field) -> bool:
+    """True when the field's annotation is a section (``X`` or ``X | None``)."""
+    annotation = field.annotation
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    return any(isinstance(a, type) and issubclass(a, BaseModel) for a in (annotation, *args))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from hpc_tools.recipe.base import Section
@@ -13,8 +15,13 @@ class CheckpointConfig(Section):
     interval_iters: int = Field(default=0, ge=0)
     """Save every N steps; 0 = only at the end and on preemption."""
     keep_last: int = Field(default=2, gt=0)
-    """Complete checkpoints kept; older ones are deleted after a newer one is complete."""
+    """Complete checkpoints kept; older ones are deleted after a newer one is complete (folders set aside as bad
+    are never deleted and do not count)."""
     resume: bool = True
     """Resume from the newest complete checkpoint in `dir` when one exists (requeued jobs rely on this)."""
     load_path: str | None = None
     """A checkpoint to start from when `dir` has none (e.g. saved under another layout)."""
+    verify: Literal["checksum", "size"] = "checksum"
+    """What a resume checks before loading, every rank a share of the files: `checksum` = each file's size and
+    xxh3-64 checksum recorded at save (~5 GB/s per rank), `size` = sizes only (no checksums computed at save either).
+    A checkpoint that fails is set aside as `iter_N.bad-<reason>` and the run falls back to the previous one."""

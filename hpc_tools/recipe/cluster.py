@@ -10,12 +10,13 @@ from pydantic import Field, field_validator
 from hpc_tools.recipe.base import Section
 
 # Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
-TIME_LIMIT_RE = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Every pattern here is used with fullmatch: `re.match(...$)` accepts a trailing newline, which ends a #SBATCH line.
+TIME_LIMIT_RE = re.compile(r"(\d{1,5}-)?\d{1,7}(:\d{1,2}){0,2}")
+ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")
 # Values that end up on #SBATCH lines, which sbatch parses itself (no shell quoting there): allow only what Slurm
 # names can hold, so no value can smuggle in a second option or a new line.
-SLURM_NAME_RE = re.compile(r"^[A-Za-z0-9_.,:+-]+$")
-SLURM_CONSTRAINT_RE = re.compile(r"^[A-Za-z0-9_.,:&|*\[\]()!-]+$")
+SLURM_NAME_RE = re.compile(r"[A-Za-z0-9_.,:+-]{1,256}")
+SLURM_CONSTRAINT_RE = re.compile(r"[A-Za-z0-9_.,:&|*\[\]()!-]{1,1024}")
 
 
 def time_limit_minutes(value: str) -> float:
@@ -62,30 +63,33 @@ class EnvironmentSetup(Section):
     @classmethod
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
         for name in value:
-            if not ENV_NAME_RE.match(name):
+            if not ENV_NAME_RE.fullmatch(name):
                 raise ValueError(f"has the invalid variable name {name!r} -- use letters, digits and _ "
                                  "(not starting with a digit)")
         return value
 
 
 class ClusterConfig(Section):
-    nodes: int = Field(default=1, gt=0)
+    nodes: int = Field(default=1, gt=0, le=1 << 20)
     """Nodes to allocate."""
-    gpus_per_node: int = Field(default=8, gt=0)
+    gpus_per_node: int = Field(default=8, gt=0, le=1 << 12)
     """GPUs used per node; one rank runs per GPU (with gpu_type: cpu, CPU ranks per node)."""
     gpu_type: str = "H100-SXM"
     """GPU model (a key of the hardware table, e.g. A100-80GB, H100-SXM, H200, B200, MI300X) or `cpu` for CPU ranks."""
     gpu_mem_gb: float | None = Field(default=None, gt=0)
     """Override the GPU memory in the hardware table."""
+    memory_headroom_gb: float | None = Field(default=None, ge=0)
+    """GPU memory (GB) the fit check and the layout search keep free beyond the planned terms, for allocator
+    fragmentation and NCCL buffers the plan does not model; null = 5 % of the GPU memory + 1 GB (docs/formulas.md)."""
     gpu_peak_tflops: float | None = Field(default=None, gt=0)
     """Override the dense peak TFLOP/s per GPU at the training precision (used for MFU and planning)."""
     intra_node_bw_gbps: float | None = Field(default=None, gt=0)
     """Override the intra-node (NVLink) bus bandwidth per GPU in GB/s."""
     inter_node_bw_gbps: float | None = Field(default=None, gt=0)
     """Override the inter-node network bandwidth per GPU in GB/s."""
-    cpus_per_task: int = Field(default=8, gt=0)
+    cpus_per_task: int = Field(default=8, gt=0, le=1 << 16)
     """CPU cores per rank (data loading threads)."""
-    mem_gb: int | None = Field(default=None, gt=0)
+    mem_gb: int | None = Field(default=None, gt=0, le=1 << 24)
     """Host memory per node in GB; null = the partition's default."""
     partition: str | None = None
     """Slurm partition."""
@@ -101,12 +105,14 @@ class ClusterConfig(Section):
     """Whole nodes for this job."""
     time_limit: str = "01:00:00"
     """Wall-clock limit in Slurm's --time format (e.g. 30, 04:00:00, 1-12:00:00)."""
-    signal_delay_s: int = Field(default=120, ge=0)
+    signal_delay_s: int = Field(default=120, ge=0, le=1 << 24)
     """Seconds before the time limit at which Slurm sends SIGUSR2, so the job checkpoints and requeues itself."""
     requeue: bool = True
     """Requeue on preemption, node failure and after a time-limit checkpoint."""
     hang_timeout_min: float = Field(default=30.0, ge=0.0)
-    """Abort with stack traces when no step completes for this long; 0 = off."""
+    """Abort with stack traces when no step completes for this long (a float: 0.25 = 15 s; 10 minutes more before
+    the first step of a start), naming the rank that stopped in HANG.txt and the manifest; 0 = off. The process
+    group's own timeout is set 5 minutes longer, so this watchdog fires before NCCL's or gloo's abort."""
     python: str = "python3"
     """Python interpreter on the compute nodes."""
     setup: EnvironmentSetup = Field(default_factory=EnvironmentSetup)
@@ -115,14 +121,14 @@ class ClusterConfig(Section):
     @field_validator("partition", "account", "qos", "reservation")
     @classmethod
     def _slurm_name(cls, value: str | None) -> str | None:
-        if value is not None and not SLURM_NAME_RE.match(value):
+        if value is not None and not SLURM_NAME_RE.fullmatch(value):
             raise ValueError("is not a valid Slurm name -- use letters, digits and _ . , : + - only")
         return value
 
     @field_validator("constraint")
     @classmethod
     def _constraint(cls, value: str | None) -> str | None:
-        if value is not None and not SLURM_CONSTRAINT_RE.match(value):
+        if value is not None and not SLURM_CONSTRAINT_RE.fullmatch(value):
             raise ValueError("is not a valid Slurm constraint -- use feature names joined by & | , with [ ] ( ) * :")
         return value
 
@@ -135,7 +141,7 @@ class ClusterConfig(Section):
     @field_validator("time_limit")
     @classmethod
     def _time_limit(cls, value: str) -> str:
-        if not TIME_LIMIT_RE.match(value):
+        if not TIME_LIMIT_RE.fullmatch(value):
             raise ValueError("is not in Slurm's --time format -- use MM, HH:MM:SS or D-HH:MM:SS, e.g. 04:00:00")
         return value
 

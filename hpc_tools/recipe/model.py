@@ -34,19 +34,19 @@ class ModelConfig(Section):
     family: Literal["gpt", "llama"] = "gpt"
     """Architecture preset: `gpt` (LayerNorm, GELU, learned positions, tied embeddings) or `llama` (RMSNorm, SwiGLU,
     RoPE, untied)."""
-    num_layers: int = Field(gt=0)
+    num_layers: int = Field(gt=0, le=100_000)
     """Number of transformer layers (L)."""
-    hidden_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0, le=1 << 20)
     """Model width (h)."""
-    num_attention_heads: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0, le=1 << 16)
     """Attention heads (a)."""
-    num_query_groups: int | None = Field(default=None, gt=0)
+    num_query_groups: int | None = Field(default=None, gt=0, le=1 << 16)
     """Key/value head groups for grouped-query attention; null = one per head (plain multi-head attention)."""
-    ffn_hidden_size: int | None = Field(default=None, gt=0)
+    ffn_hidden_size: int | None = Field(default=None, gt=0, le=1 << 24)
     """MLP width; null = 4h (GELU) or 8h/3 rounded up to 64 (SwiGLU)."""
-    seq_length: int = Field(gt=0)
+    seq_length: int = Field(gt=0, le=1 << 31)
     """Training sequence length in tokens (s)."""
-    vocab_size: int = Field(gt=0)
+    vocab_size: int = Field(gt=0, le=1 << 31)
     """Vocabulary size (V), at least the tokenizer's; the jobs pad it for tensor parallelism."""
     normalization: Literal["LayerNorm", "RMSNorm"] | None = None
     """Norm layer; null = the family's."""

@@ -8,13 +8,13 @@ from hpc_tools.recipe.base import Section
 
 
 class ParallelConfig(Section):
-    tensor_size: int = Field(default=1, gt=0)
+    tensor_size: int = Field(default=1, gt=0, le=1 << 20)
     """Tensor-parallel degree (t): splits each layer's matrices across GPUs of one node."""
-    pipeline_size: int = Field(default=1, gt=0)
+    pipeline_size: int = Field(default=1, gt=0, le=1 << 20)
     """Pipeline-parallel degree (p): splits the layers into stages."""
-    data_size: int = Field(default=-1)
+    data_size: int = Field(default=-1, ge=-1, le=1 << 24)
     """Data-parallel degree (d); -1 = infer as world size / (tensor_size x pipeline_size)."""
-    virtual_pipeline_size: int | None = Field(default=None, gt=0)
+    virtual_pipeline_size: int | None = Field(default=None, gt=0, le=1 << 10)
     """Model chunks per pipeline stage for the interleaved 1F1B schedule (v); null = not interleaved."""
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence across the tensor-parallel group (needs tensor_size > 1)."""

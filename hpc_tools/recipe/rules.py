@@ -6,6 +6,7 @@ so ``validate`` reports all problems at once. The layout arithmetic itself lives
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -43,7 +44,9 @@ def check_recipe(recipe: Recipe) -> list[Violation]:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` in ascending order, in O(sqrt n) (n can be any bounded recipe value)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _try(values: list[int], limit: int = 8) -> str:

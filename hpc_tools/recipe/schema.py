@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from hpc_tools.recipe.backend import BackendConfig
-from hpc_tools.recipe.base import Section
+from hpc_tools.recipe.base import Section, Text
 from hpc_tools.recipe.checkpoint import CheckpointConfig
 from hpc_tools.recipe.cluster import ClusterConfig
 from hpc_tools.recipe.data import DataConfig
@@ -18,7 +18,7 @@ from hpc_tools.recipe.profiling import ProfilingConfig
 from hpc_tools.recipe.sweep import SweepConfig
 from hpc_tools.recipe.training import TrainingConfig
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # always fullmatch: `$` accepts a trailing newline
 # Sections a `local:` profile may override (not name/local/sweep).
 PROFILE_SECTIONS = ("model", "parallel", "training", "backend", "data", "checkpoint", "cluster", "profiling")
 
@@ -28,8 +28,8 @@ class Recipe(Section):
 
     name: str
     """Job name: letters, digits, `_ . -` (used for the Slurm job name and the run folder)."""
-    description: str = ""
-    """Free text."""
+    description: Text = ""
+    """Free text (several lines allowed; no other control characters)."""
     model: ModelConfig
     """The network."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
@@ -55,7 +55,7 @@ class Recipe(Section):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not NAME_RE.match(value):
+        if not NAME_RE.fullmatch(value):
             raise ValueError("is not a valid job name -- use 1-64 letters, digits, '_', '.', '-', "
                              "starting with a letter or digit")
         return value

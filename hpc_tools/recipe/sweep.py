@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -10,7 +11,10 @@ from pydantic import Field, field_validator
 from hpc_tools.recipe.base import Section
 
 # One dotted key (`cluster.nodes`) or several joined by commas (`parallel.tensor_size,parallel.pipeline_size`).
-KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")
+KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")  # fullmatch: `$` takes a trailing newline
+
+
+MAX_CELLS = 10_000  # each cell becomes a run folder (and a Slurm array task)
 
 
 def axis_keys(axis: str) -> list[str]:
@@ -23,7 +27,7 @@ class SweepConfig(Section):
     """Dotted recipe keys mapped to the values to try, e.g. `cluster.nodes: [1, 2, 4]`; the cells are the product of
     the axes. Keys joined by commas move together (a zipped axis), e.g.
     `parallel.tensor_size,parallel.pipeline_size: [[1, 1], [2, 1], [2, 2]]` tries three layouts, not nine."""
-    repeats: int = Field(default=1, gt=0)
+    repeats: int = Field(default=1, gt=0, le=1000)
     """Runs per cell (for run-to-run spread)."""
     scaling: Literal["auto", "strong", "weak", "none"] = "auto"
     """How `analyze` reads the sweep: `strong` (fixed global batch), `weak` (fixed work per GPU), `none`, or `auto`
@@ -34,7 +38,7 @@ class SweepConfig(Section):
     def _grid(cls, value: dict[str, list[Any]]) -> dict[str, list[Any]]:
         for axis, values in value.items():
             keys = axis_keys(axis)
-            bad = [k for k in keys if not KEY_RE.match(k)]
+            bad = [k for k in keys if not KEY_RE.fullmatch(k)]
             if bad:
                 raise ValueError(f"has the axis {axis!r} whose key {bad[0]!r} is not a dotted recipe key "
                                  "-- use section.key, e.g. cluster.nodes or training.micro_batch_size")
@@ -45,4 +49,7 @@ class SweepConfig(Section):
                     if not isinstance(item, (list, tuple)) or len(item) != len(keys):
                         raise ValueError(f"axis {axis!r} has the value {item!r}, not a list of {len(keys)} values "
                                          f"-- give one [{', '.join(keys)}] list per cell")
+        cells = math.prod(len(values) for values in value.values())
+        if cells > MAX_CELLS:  # checked before anything expands the product
+            raise ValueError(f"has {cells} cells -- a sweep holds at most {MAX_CELLS}; split it into several sweeps")
         return value

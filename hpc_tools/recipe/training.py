@@ -10,9 +10,9 @@ from hpc_tools.recipe.base import Section
 
 
 class TrainingConfig(Section):
-    micro_batch_size: int = Field(default=1, gt=0)
+    micro_batch_size: int = Field(default=1, gt=0, le=1 << 24)
     """Sequences per GPU per microbatch (b)."""
-    global_batch_size: int | None = Field(default=None, gt=0)
+    global_batch_size: int | None = Field(default=None, gt=0, le=1 << 40)
     """Sequences per optimiser step (B = b x d x microbatches); null = micro_batch_size x data-parallel size."""
     train_iters: int = Field(default=100, gt=0)
     """Optimiser steps to train."""
@@ -46,7 +46,11 @@ class TrainingConfig(Section):
     recompute_method: Literal["uniform", "block"] = "uniform"
     """With full recomputation: `uniform` recomputes groups of recompute_num_layers, `block` the first
     recompute_num_layers per stage."""
-    recompute_num_layers: int = Field(default=1, gt=0)
+    recompute_num_layers: int = Field(default=1, gt=0, le=100_000)
     """With full recomputation: layers per group (uniform) or layers recomputed per stage (block)."""
+    max_nonfinite_steps: int = Field(default=3, ge=0, le=1_000_000)
+    """Steps in a row whose loss or gradient norm is not finite (inf/nan) that are skipped (no update, counted in the
+    step record's `nonfinite`); one more stops the job with an error naming the step. 0 = stop at the first. No
+    checkpoint is saved while the newest step was non-finite."""
     log_interval: int = Field(default=1, gt=0)
     """Print a progress line on rank 0 every N steps."""

@@ -9,9 +9,10 @@ from pathlib import Path
 import jinja2
 
 from hpc_tools.layout import ParallelLayout
+from hpc_tools.recipe.base import printable
 from hpc_tools.recipe.load import dump_resolved
 from hpc_tools.recipe.schema import Recipe
-from hpc_tools.render.envsetup import rank_argv, setup_lines, srun_args
+from hpc_tools.render.envsetup import checked_setup_lines, rank_argv, srun_args
 from hpc_tools.render.slurm_params import STOP_SIGNAL, SlurmSpec
 
 _ENV = jinja2.Environment(loader=jinja2.PackageLoader("hpc_tools.render", "templates"), trim_blocks=True,
@@ -20,15 +21,20 @@ _ENV = jinja2.Environment(loader=jinja2.PackageLoader("hpc_tools.render", "templ
 
 
 def render_sbatch(recipe: Recipe, source: str = "a recipe") -> str:
-    """The batch script for this resolved recipe; the recipe travels inside it (a quoted here-document)."""
+    """The batch script for this resolved recipe; the recipe travels inside it (a quoted here-document).
+
+    Nothing from the recipe or ``source`` (the recipe's path) reaches a line unquoted: shell words are shlex-quoted,
+    #SBATCH values are validated Slurm names, and the path in the header comment has its control characters escaped
+    (a newline there would start a line of its own, which bash runs)."""
     recipe_yaml = dump_resolved(recipe).rstrip("\n")
     # A quoted here-document never expands anything; its delimiter carries a hash of the text it encloses, so the
     # text cannot end it early.
     delimiter = "HPC_TOOLS_RECIPE_" + hashlib.sha256(recipe_yaml.encode()).hexdigest()[:12]
     launch = [*srun_args(recipe.cluster), *rank_argv(recipe.cluster)]
     return _ENV.get_template("job.sbatch.j2").render(
-        name=recipe.name, source=source, layout=ParallelLayout.from_recipe(recipe).describe(),
-        sbatch_lines=SlurmSpec.from_recipe(recipe).sbatch_lines(), setup=setup_lines(recipe.cluster),
+        name=recipe.name, source=printable(source), layout=ParallelLayout.from_recipe(recipe).describe(),
+        sbatch_lines=SlurmSpec.from_recipe(recipe).sbatch_lines(),
+        setup=checked_setup_lines(recipe.cluster, '"$RUN_DIR"'),
         python=shlex.quote(recipe.cluster.python), recipe_yaml=recipe_yaml, delimiter=delimiter,
         signal_delay_s=recipe.cluster.signal_delay_s,
         stop_signal=STOP_SIGNAL, launch=shlex.join(launch))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 from dataclasses import dataclass, field
+from datetime import timedelta
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("hpc_tools")
+WATCHDOG_MARGIN_S = 300
 
 
 @dataclass
@@ -95,8 +97,17 @@ class RankContext:
         return False
 
     def heartbeat(self, step: int) -> None:
+        """Step ``step`` completed: the hang watchdog's clock restarts and the rank's heartbeat shows the step."""
         if self.watchdog is not None:
             self.watchdog.beat(step)
+
+    @property
+    def collective_timeout(self) -> "timedelta | None":
+        """The process group's timeout: longer than the hang watchdog's (by ``WATCHDOG_MARGIN_S``), so that the
+        watchdog, which names the culprit, fires before NCCL's or gloo's own abort; None (torch's default) without a
+        watchdog."""
+        minutes = self.recipe.cluster.hang_timeout_min
+        return timedelta(seconds=minutes * 60 + WATCHDOG_MARGIN_S) if minutes > 0 else None
 
     def info(self, msg: str, *args) -> None:
         """Log on rank 0 only."""

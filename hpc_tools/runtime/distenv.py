@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass
 
 PORT_BASE, PORT_SPAN = 20000, 20000
+# Starts of the run before this job (set by `python -m hpc_tools resume`): a resumed job's restarts count on from them.
+RESTART_BASE_ENV = "HPC_TOOLS_RESTART_BASE"
 
 
 def first_host(nodelist: str) -> str:
@@ -57,6 +59,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def restart_count(env: dict[str, str]) -> int:
+    """This start's number within the run (the records' ``restart``): Slurm's requeue count (SLURM_RESTART_COUNT) on
+    top of the starts before this job (``HPC_TOOLS_RESTART_BASE``, which ``hpc_tools resume`` sets)."""
+    return int(env.get("SLURM_RESTART_COUNT", "0") or 0) + int(env.get(RESTART_BASE_ENV, "0") or 0)
+
+
 @dataclass(frozen=True, slots=True)
 class DistEnv:
     rank: int
@@ -75,7 +83,7 @@ class DistEnv:
         env = dict(os.environ if env is None else env)
         job_id = env.get("SLURM_ARRAY_JOB_ID") and f"{env['SLURM_ARRAY_JOB_ID']}_{env.get('SLURM_ARRAY_TASK_ID')}" \
             or env.get("SLURM_JOB_ID")
-        restarts = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+        restarts = restart_count(env)
         if "RANK" in env and "WORLD_SIZE" in env:  # local launcher or torchrun
             return cls(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
                        local_rank=int(env.get("LOCAL_RANK", env["RANK"])),

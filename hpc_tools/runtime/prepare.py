@@ -1,7 +1,8 @@
 """``python -m hpc_tools.runtime.prepare --run-dir DIR`` (recipe on stdin): the batch shell's first step.
 
 Creates the run folder for a job started with plain ``sbatch jobs/<recipe>.sbatch``, or, when the folder already
-exists (``hpc_tools submit`` made it, or Slurm requeued the job), records the (re)start in its manifest.
+exists (``hpc_tools submit`` made it, Slurm requeued the job, or ``hpc_tools resume`` resubmitted the script with
+``HPC_TOOLS_RUN_DIR`` naming the run's own folder), records the (re)start in its manifest.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from hpc_tools.recipe.load import dump_resolved, parse_yaml, resolve
 from hpc_tools.registry import RunFolder, now_iso
+from hpc_tools.runtime.distenv import restart_count
 
 
 def batch_log_path(job_id: str | None) -> str | None:
@@ -31,7 +33,7 @@ def batch_log_path(job_id: str | None) -> str | None:
 def prepare(run_dir: Path, recipe_text: str, script: Path | None) -> RunFolder:
     run = RunFolder(run_dir)
     job_id = os.environ.get("SLURM_JOB_ID")
-    job = {"job_id": job_id, "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+    job = {"job_id": job_id, "restart_count": restart_count(dict(os.environ)),
            "nodelist": os.environ.get("SLURM_JOB_NODELIST"), "batch_log": batch_log_path(job_id)}
     if run.exists():
         run.update(event="batch started", state="STARTING", batch_started=now_iso(), **job)

@@ -16,11 +16,12 @@ import time
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import parse_yaml, resolve
 from hpc_tools.registry import RunFolder, now_iso
+from hpc_tools.runstate import note_restart
 from hpc_tools.runtime.backends import trainer_for
 from hpc_tools.runtime.context import RankContext
 from hpc_tools.runtime.distenv import DistEnv
 from hpc_tools.runtime.preemption import StopFlag
-from hpc_tools.runtime.watchdog import Watchdog
+from hpc_tools.runtime.watchdog import HANG_DIR, HANG_EXIT_CODE, HangVerdict, Watchdog
 
 
 def setup_logging(rank: int) -> None:
@@ -38,8 +39,27 @@ def build_context(run_dir: str) -> RankContext:
         raise SystemExit(f"the launcher started {dist.world_size} ranks but {run.recipe_path} needs "
                          f"{layout.world_size} (cluster.nodes x cluster.gpus_per_node); resubmit the recipe")
     ctx = RankContext(recipe=recipe, layout=layout, dist=dist, run=run, stop=StopFlag().install())
-    ctx.watchdog = Watchdog(recipe.cluster.hang_timeout_min * 60, run.path, dist.rank).start()
+    if recipe.cluster.uses_gpus:
+        nccl_flight_recorder(run.path)
+    ctx.watchdog = Watchdog(recipe.cluster.hang_timeout_min * 60, run.path, dist.rank, world_size=dist.world_size,
+                            restart=dist.restart_count, on_hang=lambda v: record_hang(run, v)).start()
     return ctx
+
+
+def nccl_flight_recorder(run_dir) -> None:
+    """Turn on PyTorch's NCCL flight recorder (the last collectives of every process group), dumped into the run
+    folder's ``hang/`` by the watchdog or on an NCCL timeout; variables the user set win."""
+    prefix = str(run_dir / HANG_DIR / "nccl_trace_rank_")
+    for name, value in (("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+                        ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", prefix), ("TORCH_FR_DUMP_TEMP_FILE", prefix)):
+        os.environ.setdefault(name, value)
+    (run_dir / HANG_DIR).mkdir(exist_ok=True)
+
+
+def record_hang(run: RunFolder, verdict: HangVerdict) -> None:
+    """The watchdog's verdict, in the manifest: state HANG, the culprit ranks and nodes, the one-line reason."""
+    run.update(event="hang", state="HANG", ended=now_iso(), exit_code=HANG_EXIT_CODE, reason=verdict.line,
+               failed_ranks=verdict.culprits, failed_nodes=verdict.nodes, soft=True)
 
 
 def run_rank(run_dir: str) -> int:
@@ -48,19 +68,27 @@ def run_rank(run_dir: str) -> int:
     setup_logging(dist.rank)
     ctx = build_context(run_dir)
     if ctx.is_rank0:
+        note_restart(ctx.run, dist.restart_count, dist.job_id)
         ctx.run.update(event="started", state="RUNNING", started=now_iso(), job_id=dist.job_id,
                        nodelist=os.environ.get("SLURM_JOB_NODELIST", socket.gethostname()),
-                       restart_count=dist.restart_count, world_size=dist.world_size)
+                       restart_count=dist.restart_count, world_size=dist.world_size,
+                       reason=None, failed_ranks=None, failed_nodes=None)  # a new life: no culprit yet
     t0 = time.perf_counter()
+    code, error = 1, None
     try:
         trainer_for(ctx.recipe.backend.kind)(ctx)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+        raise
     except BaseException as exc:
-        if ctx.is_rank0 and not isinstance(exc, SystemExit):
-            ctx.run.update(event="failed", state="FAILED", ended=now_iso(), error=f"{type(exc).__name__}: {exc}")
+        error = f"{type(exc).__name__}: {exc}"
+        if ctx.is_rank0:
+            ctx.run.update(event="failed", state="FAILED", ended=now_iso(), error=error, soft=True)
         raise
     finally:
-        if ctx.watchdog:
-            ctx.watchdog.stop()
+        if ctx.watchdog:  # the heartbeat's exit record: how this rank ended, for the batch script's epilogue
+            ctx.watchdog.stop(exit_code=code, error=error)
     if ctx.is_rank0 and not ctx.stop_requested:
         ctx.run.update(event="completed", state="COMPLETED", ended=now_iso(), wall_s=round(time.perf_counter() - t0, 3))
     return 0

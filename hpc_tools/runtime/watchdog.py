@@ -1,49 +1,204 @@
-"""Hang detection: if no step completes within the timeout, dump every thread's stack and abort the rank.
+"""Hang detection with a culprit: heartbeats, and when no step completes within the timeout, one verdict.
 
-A hung collective never returns, so the check runs in a daemon thread; it leaves ``HANG-rank<r>.txt`` in the run folder
-(the analysis classifies such runs as `hang`) and exits with HANG_EXIT_CODE so srun tears the step down.
+Each rank runs a daemon thread (a hung collective never returns) that rewrites the rank's heartbeat about once a
+second (``hpc_tools.runtime.heartbeat``). When no step has completed for ``timeout_s``, the thread:
+
+1. dumps this rank's stacks to ``hang/stack-rank<R>.txt`` (and, on GPU, PyTorch's NCCL flight recorder to
+   ``hang/nccl_trace_rank<R>.json``), refreshes its heartbeat, and waits ``GATHER_S`` for its peers to do the same;
+2. compares the heartbeats of every rank (``hang_verdict``): a rank whose heartbeat stopped (stopped or frozen
+   process, dead node) or whose main thread is outside any collective is a culprit; the others waited in the
+   collective their frames name;
+3. the first rank to claim ``HANG.txt`` (an exclusive link) writes the verdict line, the heartbeats and every stack
+   file into it and hands the verdict to ``on_hang`` (rank runtime: the manifest's state ``HANG`` and reason);
+4. exits with ``HANG_EXIT_CODE`` so srun tears the step down. A rank that wakes after the verdict (SIGCONT during the
+   teardown) finds ``HANG.txt`` and exits without a word.
+
+Hang to teardown: ``timeout_s`` + at most ``CHECK_S`` + ``GATHER_S`` + srun's termination. Before the first step of
+a start the watchdog allows ``STARTUP_S`` more (imports, rendezvous, model build, checkpoint load).
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
+import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
+
+from hpc_tools.runtime import heartbeat
+from hpc_tools.runtime.heartbeat import Beat, ranks_text
 
 HANG_EXIT_CODE = 86
-MARKER_GLOB = "HANG-rank*.txt"  # one per hung rank, in the run folder
+MARKER = "HANG.txt"  # the one verdict file, in the run folder
+MARKER_GLOB = "HANG*.txt"  # also matches the per-rank HANG-rank<R>.txt files of older runs
+HANG_DIR = "hang"  # per-rank stacks and NCCL flight-recorder dumps
+CHECK_S = heartbeat.INTERVAL_S
+GATHER_S = 2.0  # time the peers get to dump their stacks and refresh their heartbeats before the verdict
+STALE_S = 5.0  # a heartbeat older than this at verdict time: that rank stopped responding
+# Extra time allowed before the first step of a start (imports, rendezvous, model build, checkpoint load), so that a
+# short timeout meant for steps does not fire while a loaded node is still starting.
+STARTUP_S = 600.0
+
+
+@dataclass(frozen=True)
+class HangVerdict:
+    """Who stopped the job and who waited for it."""
+
+    culprits: list[int]
+    nodes: list[str]
+    waiting: list[int]
+    line: str
+    steps: dict[int, int] = field(default_factory=dict)
+
+
+def hang_verdict(beats: dict[int, Beat], now: float, world_size: int, stale_s: float = STALE_S) -> HangVerdict:
+    """Name the culprit(s) of a hang from every rank's heartbeat at ``now`` (epoch seconds).
+
+    Culprits, in order of evidence: ranks that never wrote a heartbeat or whose heartbeat stopped (older than
+    ``stale_s``), then live ranks whose main thread is outside every collective; when every rank waits in a
+    collective (mismatched collectives), the ranks with the lowest step.
+    """
+    missing = [r for r in range(world_size) if r not in beats]
+    stale = [r for r, b in beats.items() if now - b.time > stale_s]
+    busy = [r for r, b in beats.items() if r not in stale and not b.collective]
+    culprits = sorted(missing + stale + busy)
+    if not culprits and beats:
+        low = min(b.step for b in beats.values())
+        culprits = sorted(r for r, b in beats.items() if b.step == low)
+    waiting = sorted(r for r in beats if r not in culprits)
+    parts = []
+    for r in culprits:
+        b = beats.get(r)
+        if b is None:
+            parts.append(f"rank {r} never reported (no heartbeat)")
+            continue
+        where = f" in {b.collective or b.frame}" if (b.collective or b.frame) else ""
+        if r in stale:  # its last heartbeat: the step may be a second behind the truth
+            parts.append(f"rank {r} ({b.node}) stopped responding{where}, last seen after step {b.step} "
+                         f"(no heartbeat for {now - b.time:.0f} s)")
+        else:
+            parts.append(f"rank {r} ({b.node}) stopped{where} after step {b.step}")
+    by_collective: dict[tuple[str, int], list[int]] = {}
+    for r in waiting:
+        by_collective.setdefault((beats[r].collective or beats[r].frame or "?", beats[r].step), []).append(r)
+    parts += [f"{ranks_text(rs)} waited in {name} after step {step}" for (name, step), rs in by_collective.items()]
+    nodes = list(dict.fromkeys(beats[r].node for r in culprits if r in beats))
+    return HangVerdict(culprits=culprits, nodes=nodes, waiting=waiting, line="; ".join(parts),
+                       steps={r: b.step for r, b in beats.items()})
 
 
 class Watchdog:
-    def __init__(self, timeout_s: float, run_dir: Path, rank: int):
+    """This rank's heartbeat writer and hang detector (``timeout_s`` <= 0: heartbeats only)."""
+
+    def __init__(self, timeout_s: float, run_dir: Path, rank: int, world_size: int = 1, restart: int = 0,
+                 on_hang: Callable[[HangVerdict], None] | None = None):
         self.timeout_s = timeout_s
-        self.path = Path(run_dir) / f"HANG-rank{rank:05d}.txt"
+        self.run_dir = Path(run_dir)
+        self.world_size = world_size
+        self.on_hang = on_hang
+        self.beat_record = Beat(rank=rank, node=heartbeat.node_name(), pid=os.getpid(), restart=restart)
         self._last = time.monotonic()
-        self._step = -1
+        self._started_step: int | None = None  # the first step this start completed (None: still starting)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hpc_tools-watchdog", daemon=True)
 
+    @property
+    def rank(self) -> int:
+        return self.beat_record.rank
+
+    @property
+    def marker(self) -> Path:
+        return self.run_dir / MARKER
+
     def start(self) -> "Watchdog":
-        if self.timeout_s > 0:
-            self._thread.start()
+        heartbeat.write(self.run_dir, self.beat_record)
+        self._thread.start()
         return self
 
     def beat(self, step: int) -> None:
-        self._step = step
+        """A step completed (called by the loop after every step)."""
+        self.beat_record.step = step
         self._last = time.monotonic()
+        if self._started_step is None:
+            self._started_step = step
 
-    def stop(self) -> None:
+    def stop(self, exit_code: int | None = None, error: str | None = None) -> None:
+        """Stop watching; with ``exit_code``, record how this rank exits in its heartbeat."""
         self._stop.set()
+        if exit_code is not None:
+            self.beat_record.exit = {"code": exit_code, "error": error, "time": time.time()}
+            self.beat_record.frame, self.beat_record.collective = "", None
+            heartbeat.write(self.run_dir, self.beat_record)
+
+    def _refresh(self) -> None:
+        self.beat_record.frame, self.beat_record.collective = heartbeat.main_thread_frames()
+        heartbeat.write(self.run_dir, self.beat_record)
 
     def _watch(self) -> None:
-        while not self._stop.wait(min(self.timeout_s / 4, 30.0)):
+        while not self._stop.wait(CHECK_S):
+            self._refresh()
             idle = time.monotonic() - self._last
-            if idle > self.timeout_s:
-                with open(self.path, "w") as f:
-                    f.write(f"no step completed for {idle:.0f} s (timeout {self.timeout_s:.0f} s); "
-                            f"last step {self._step}\n")
-                    faulthandler.dump_traceback(file=f, all_threads=True)
-                faulthandler.dump_traceback(all_threads=True)
-                os._exit(HANG_EXIT_CODE)
+            limit = self.timeout_s + (STARTUP_S if self._started_step is None else 0.0)
+            if self.timeout_s > 0 and idle > limit:
+                self._hang(idle)
+
+    def _hang(self, idle: float) -> None:
+        if self.marker.exists():  # a peer named the culprit already (this rank may be it, woken by the teardown)
+            os._exit(HANG_EXIT_CODE)
+        folder = self.run_dir / HANG_DIR
+        stack = folder / f"stack-rank{self.rank:05d}.txt"
+        with contextlib.suppress(OSError):
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(stack, "w") as f:
+                f.write(f"rank {self.rank} ({self.beat_record.node}): no step completed for {idle:.0f} s "
+                        f"(timeout {self.timeout_s:.0f} s); last step {self.beat_record.step}\n")
+                faulthandler.dump_traceback(file=f, all_threads=True)
+        dump_flight_recorder(folder, self.rank)
+        self._refresh()
+        time.sleep(GATHER_S)
+        verdict = hang_verdict(heartbeat.read_all(self.run_dir, self.beat_record.restart), time.time(),
+                               self.world_size)
+        if self._claim(verdict, idle):
+            print(f"hpc_tools: HANG: {verdict.line}", file=sys.stderr, flush=True)
+            if self.on_hang is not None:
+                with contextlib.suppress(Exception):
+                    self.on_hang(verdict)
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(HANG_EXIT_CODE)
+
+    def _claim(self, verdict: HangVerdict, idle: float) -> bool:
+        """Write ``HANG.txt`` unless a peer did first (link is exclusive); True for the rank that wrote it."""
+        folder = self.run_dir / HANG_DIR
+        lines = [verdict.line, "",
+                 f"no step completed for {idle:.0f} s (timeout {self.timeout_s:.0f} s); verdict by rank {self.rank}",
+                 "", "== heartbeats =="]
+        for r, b in sorted(heartbeat.read_all(self.run_dir, self.beat_record.restart).items()):
+            lines.append(f"rank {r} ({b.node}, pid {b.pid}): step {b.step}, {time.time() - b.time:.1f} s ago, "
+                         f"{'waiting in ' + b.collective if b.collective else 'in ' + b.frame}")
+        for path in sorted(folder.glob("stack-rank*.txt")) if folder.is_dir() else []:
+            with contextlib.suppress(OSError):
+                lines += ["", f"== {path.name} ==", path.read_text(errors="replace").rstrip()]
+        tmp = self.run_dir / f".{MARKER}.rank{self.rank}"
+        try:
+            tmp.write_text("\n".join(lines) + "\n")
+            os.link(tmp, self.marker)
+            return True
+        except OSError:
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+def dump_flight_recorder(folder: Path, rank: int) -> None:
+    """On GPU, PyTorch's NCCL flight recorder (the last collectives of every process group) as JSON, if enabled."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        return
+    with contextlib.suppress(Exception):
+        data = torch._C._distributed_c10d._dump_fr_trace_json()
+        (folder / f"nccl_trace_rank{rank:05d}.json").write_bytes(data)

@@ -61,18 +61,19 @@ def _recipe_of(run: RunFolder) -> Recipe:
     return resolve(parse_yaml(run.recipe_path.read_text(), str(run.recipe_path)), source=str(run.recipe_path))
 
 
-def submit_cells(folder: SweepFolder, cell_ids: list[str], executor: str, say: Say) -> None:
-    """Submit the given cells: equal Slurm resources -> one job array, else one job; locally, one after another."""
+def submit_cells(folder: SweepFolder, cell_ids: list[str], executor: str, say: Say, exclude: str | None = None) -> None:
+    """Submit the given cells: equal Slurm resources -> one job array, else one job; locally, one after another.
+    ``exclude``: Slurm nodes the jobs must not run on (sbatch --exclude)."""
     cells = [c for c in folder.read()["cells"] if c["id"] in cell_ids]
     runs = {c["id"]: RunFolder(folder.path / c["run_dir"]) for c in cells}
     recipes = {cid: _recipe_of(run) for cid, run in runs.items()}
     if executor == "slurm":
-        _submit_slurm(folder, cells, runs, recipes, say)
+        _submit_slurm(folder, cells, runs, recipes, say, exclude)
     else:
         _run_local(folder, cells, runs, recipes, say)
 
 
-def _submit_slurm(folder, cells, runs, recipes, say: Say) -> None:
+def _submit_slurm(folder, cells, runs, recipes, say: Say, exclude: str | None = None) -> None:
     from hpc_tools.executors.slurm import submit_array, submit_run
 
     groups: dict[str, list[str]] = {}
@@ -81,13 +82,15 @@ def _submit_slurm(folder, cells, runs, recipes, say: Say) -> None:
     for ids in groups.values():
         group_runs = [runs[i] for i in ids]
         recipe = recipes[ids[0]]
-        jobs = submit_array(group_runs, recipe) if len(ids) > 1 else [submit_run(group_runs[0], recipe)]
+        jobs = (submit_array(group_runs, recipe, exclude=exclude) if len(ids) > 1
+                else [submit_run(group_runs[0], recipe, exclude=exclude)])
         with folder.edit() as data:
             by_id = {c["id"]: c for c in data["cells"]}
             for cid, job in zip(ids, jobs):
                 by_id[cid].update(job_id=str(job.job_id), status="pending", submitted=now_iso())
         kind = f"job array of {len(ids)}" if len(ids) > 1 else "job"
-        say(f"submitted {kind}: {', '.join(f'{i}={j.job_id}' for i, j in zip(ids, jobs))}")
+        off = f" (excluding {exclude})" if exclude else ""
+        say(f"submitted {kind}{off}: {', '.join(f'{i}={j.job_id}' for i, j in zip(ids, jobs))}")
 
 
 def _run_local(folder, cells, runs, recipes, say: Say) -> None:
@@ -133,8 +136,10 @@ def refresh(folder: SweepFolder) -> dict[str, Any]:
         return data
 
 
-def rerun(folder: SweepFolder, statuses: tuple[str, ...], executor: str, say: Say, dry_run: bool = False) -> list[str]:
-    """New run folders for the cells in ``statuses`` (default: every failure kind), then submit them."""
+def rerun(folder: SweepFolder, statuses: tuple[str, ...], executor: str, say: Say, dry_run: bool = False,
+          exclude: str | None = None) -> list[str]:
+    """New run folders for the cells in ``statuses`` (default: every failure kind), then submit them (off the
+    ``exclude`` nodes: e.g. a straggler's node that ``analyze`` named)."""
     from hpc_tools.submission import prepare_run
 
     data = refresh(folder)
@@ -150,12 +155,12 @@ def rerun(folder: SweepFolder, statuses: tuple[str, ...], executor: str, say: Sa
             manifest = old.manifest()
             new = prepare_run(recipe, folder.path, executor, data.get("source", "sweep"),
                               {k: manifest.get(k) for k in ("profile", "sweep", "cell", "repeat", "overrides")}
-                              | {"rerun_of": old.run_id})
+                              | {"rerun_of": old.run_id} | ({"exclude": exclude} if exclude else {}))
             entry["attempts"].append({"run_id": entry["run_id"], "job_id": entry.get("job_id"),
                                       "status": entry["status"]})
             entry.update(run_dir=new.run_id, run_id=new.run_id, job_id=None, status="pending")
         d["executor"] = executor
-    submit_cells(folder, [c["id"] for c in chosen], executor, say)
+    submit_cells(folder, [c["id"] for c in chosen], executor, say, exclude)
     return [c["id"] for c in chosen]
 
 

@@ -4,29 +4,61 @@ What the loop owns, in this order for each step ``s`` of ``start+1 .. training.t
 
     collector.start_step(s); batch = engine.batch(s) (timed as data time); result = engine.step(s, batch)
     collector.end_step(s, ...); ctx.heartbeat(s); rank 0 logs result.note at training.log_interval
+    if result.nonfinite: count it; past training.max_nonfinite_steps in a row raise NonFiniteError naming the step
     stop = ctx.agree_stop()                          # collective: every rank takes the same branch below
-    save(s) if stop, or s is the last step, or s % checkpoint.interval_iters == 0 (at most one save per step)
+    save(s) if stop, or s is the last step, or s % checkpoint.interval_iters == 0 (at most one save per step),
+        unless step s was non-finite (a checkpoint never holds what a non-finite step left behind)
     if stop: ctx.finish_preempted(s) and return      # the checkpoint of step s exists before the requeue
 
-Before the first step: the resume source (``checkpoint_dirs.resume_source``) is handed to ``engine.resume``, whose
-step the run continues from (steps are 1-based and continue across resumes; records are appended). Whatever
-happens, the collector is closed and then the engine, in a ``finally``. ``run`` adds the process group around it all.
+Before the first step (``resume``): the resume source (``checkpoint_dirs.resume_source``) is verified on every rank
+(``checkpoint_verify.agree``: sizes, and checksums unless ``checkpoint.verify: size``) and handed to
+``engine.resume``, whose step the run continues from (steps are 1-based and continue across resumes; records are
+appended). A checkpoint that fails verification or loading is set aside (``CheckpointDirs.set_aside``) and the next
+older complete one is tried; with none left the run fails naming the file. Whatever happens, the collector is closed
+and then the engine, in a ``finally``. ``run`` adds the process group around it all.
+
+Non-finite steps: every engine decides ``StepResult.nonfinite`` the same way on every rank (an all-reduced flag) and
+skips the update of such a step itself (before its optimizer step); the loop counts them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
+from hpc_tools.errors import UserError
 from hpc_tools.train.checkpoint_dirs import CheckpointDirs, resume_source
 
 if TYPE_CHECKING:
     from hpc_tools.runtime.context import RankContext
 
 log = logging.getLogger("hpc_tools")
+
+INJECT_NONFINITE_ENV = "HPC_TOOLS_INJECT_NONFINITE"
+"""Fault injection for tests only: ``"6,7"`` or ``"6,7@1"`` makes the engines poison the loss (and so the gradients)
+of those steps, on every rank or only on rank 1."""
+
+
+class NonFiniteError(RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient norm (training.max_nonfinite_steps)."""
+
+
+class CheckpointError(RuntimeError):
+    """Every checkpoint the run could resume from failed verification or loading."""
+
+
+def nonfinite_injected(step: int, rank: int) -> bool:
+    """Whether the test hook ``HPC_TOOLS_INJECT_NONFINITE`` asks to poison ``step`` on ``rank``."""
+    spec = os.environ.get(INJECT_NONFINITE_ENV, "").strip()
+    if not spec:
+        return False
+    steps, _, on = spec.partition("@")
+    return str(step) in steps.split(",") and (not on or int(on) == rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +73,11 @@ class StepResult:
     lr: float | None = None
     """Learning rate the optimizer step used."""
     skipped: bool | None = None
-    """True when the optimizer skipped the update (fp16 loss-scale overflow); None when the backend cannot tell."""
+    """True when the optimizer skipped the update (fp16 loss-scale overflow, or a non-finite step); None when the
+    backend cannot tell."""
+    nonfinite: bool = False
+    """The loss or the gradient norm of this step was not finite on some rank: the same on every rank (the engine
+    all-reduces it) and the update was skipped where the backend can (see the engines)."""
     note: str | None = None
     """A progress detail of this step, logged by rank 0 every ``training.log_interval`` steps and at the last one."""
 
@@ -96,7 +132,8 @@ def process_group(ctx: "RankContext") -> Iterator[None]:
         torch.cuda.set_device(ctx.device)
     created = not dist.is_initialized()
     if created:
-        dist.init_process_group(ctx.dist_backend, rank=ctx.rank, world_size=ctx.dist.world_size)
+        dist.init_process_group(ctx.dist_backend, rank=ctx.rank, world_size=ctx.dist.world_size,
+                                timeout=getattr(ctx, "collective_timeout", None))  # the hang watchdog fires first
     try:
         yield
         dist.barrier()
@@ -113,17 +150,109 @@ def default_collector(ctx: "RankContext", **coords: int):
 
 
 def resume(ctx: "RankContext", engine: Engine) -> int:
-    """Load the checkpoint the recipe asks for into ``engine``; the last completed step (0 for a fresh start)."""
+    """Load the checkpoint the recipe asks for into ``engine``; the last completed step (0 for a fresh start).
+
+    Collective. Each candidate (``resume_source``, newest first) is verified by every rank's share and then loaded;
+    one that fails either is set aside when it is the run's own (renamed ``iter_N.bad-<reason>``, never deleted) or
+    skipped when it came from ``checkpoint.load_path``, logged with the file and the reason, and the next older one
+    is tried. None left after a failure: ``CheckpointError`` naming the file(s)."""
+    from hpc_tools.train import checkpoint_verify
+
     if not engine.checkpoints:
         return 0
     ck = ctx.recipe.checkpoint
-    source = resume_source(CheckpointDirs(ctx.checkpoint_dir, keep_last=ck.keep_last), resume=ck.resume,
-                           load_path=ck.load_path)
-    if source is None:
-        return 0
-    step = engine.resume(source)
+    dirs = CheckpointDirs(ctx.checkpoint_dir, keep_last=ck.keep_last)
+    if ck.resume:
+        for path, why in dirs.incomplete():
+            ctx.info("checkpoint %s is not complete, not resumed from: %s", path, why)
+    skip: list[Path] = []
+    failures: list[str] = []
+    while True:
+        source = resume_source(dirs, resume=ck.resume, load_path=ck.load_path, skip=skip)
+        if source is None:
+            if failures:
+                raise CheckpointError("no checkpoint left to resume from: " + "; ".join(failures)
+                                      + " (set aside: the folders named *.bad-*; fix or remove them to retry)")
+            return 0
+        step, problem = _verified_load(ctx, engine, source, checksum=ck.verify == "checksum")
+        if problem is None:
+            if ctx.is_rank0 and source.parent == dirs.root:
+                dirs.mark_verified(source)  # kept by keep_last until a later resume verifies a newer one
+            return step
+        failures.append(problem.line(source))
+        skip.append(source)
+        if ctx.is_rank0:
+            own = source.parent == dirs.root
+            moved = dirs.set_aside(source, problem.reason, problem.line(source)) if own else None
+            log.error("checkpoint %s is bad: %s; %s; falling back to the previous complete checkpoint", source,
+                      problem.line(source), f"set aside as {moved.name}" if moved else "skipped (checkpoint.load_path)")
+        checkpoint_verify.gather(None)  # the others wait for the rename before listing the folder again
+
+
+def _verified_load(ctx: "RankContext", engine: Engine, source: Path, *, checksum: bool):
+    """Collective: (step, None) once ``source`` verified and loaded on every rank, else (None, the first problem)."""
+    from hpc_tools.train import checkpoint_verify
+    from hpc_tools.train.checkpoint_verify import Problem
+
+    meta = CheckpointDirs.read_meta(source)
+    problems, cost = checkpoint_verify.agree(source, meta, checksum=checksum)
+    if problems:
+        for p in problems[1:]:
+            ctx.info("  also: %s", p.line(source))
+        return None, problems[0]
+    t0 = time.perf_counter()
+    step, error = None, None
+    try:
+        step = engine.resume(source)
+    except UserError:
+        raise  # a checkpoint of the wrong kind for this recipe: the user's to fix, not a corrupt one
+    except Exception as e:  # noqa: BLE001 - any failure to load falls back, with its type and text
+        error = f"{type(e).__name__}: {e}".splitlines()[0][:500]
+    load_s = time.perf_counter() - t0
+    errors = [(r, e) for r, e in enumerate(checkpoint_verify.gather(error)) if e]
+    if errors:
+        rank, text = errors[0]
+        return None, Problem(".", "load", f"failed to load on rank {rank}: {text}")
+    verify_s = cost["seconds"]
+    ctx.info("checkpoint verified: %d files in %.2f s (%s; %.3f GB checksummed, %.2f GB/s per rank), loaded in "
+             "%.2f s: verification = %.0f%% of verify+load", cost["files"], verify_s,
+             "sizes and checksums" if cost["checksums"] else "sizes only", cost["bytes"] / 1e9,
+             cost["gb_per_s_per_rank"], load_s, 100.0 * verify_s / max(verify_s + load_s, 1e-9))
     ctx.info("resumed from %s at step %d", source, step)
-    return step
+    return step, None
+
+
+def _nonfinite(ctx: "RankContext", step: int, result: StepResult, in_row: int, limit: int) -> None:
+    """Log a non-finite step (rank 0); past ``limit`` in a row raise ``NonFiniteError`` on every rank."""
+    what = f"loss={result.loss}, grad_norm={result.grad_norm}"
+    if in_row > limit:
+        raise NonFiniteError(f"step {step}: loss or gradient norm not finite ({what}) for {in_row} step(s) in a row, "
+                             f"steps {step - in_row + 1}..{step} (training.max_nonfinite_steps={limit}); stopped "
+                             "without saving: the newest checkpoint is the last good one (lower training.lr, raise "
+                             "training.max_nonfinite_steps, or check the data of these steps)")
+    if ctx.is_rank0:
+        log.warning("step %d: loss or gradient norm not finite (%s): update skipped, %d in a row "
+                    "(training.max_nonfinite_steps=%d)", step, what, in_row, limit)
+
+
+def report_event(collector, kind: str, t0: float, step: int) -> None:
+    """Tell the collector that ``kind`` (a checkpoint save or load) of ``step`` took since ``perf_counter`` ``t0``
+    (``profiling.collector.StepCollector.event``; goodput reads it); a collector without events is left alone."""
+    event = getattr(collector, "event", None)
+    if event is not None:
+        event(kind, time.perf_counter() - t0, step=step)
+
+
+def _save_cost(ctx: "RankContext", path: Path, seconds: float) -> str:
+    """`` in S s (file lists R s = P%)`` for rank 0's save line, from the meta file the save committed."""
+    if not ctx.is_rank0:
+        return ""
+    try:
+        record_s = float(CheckpointDirs.read_meta(path)["files"]["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    share = 100 * record_s / max(seconds, 1e-9)
+    return f" in {seconds:.2f} s (file lists and checksums {record_s:.2f} s = {share:.1f}%)"
 
 
 def save_due(step: int, last: int, interval: int | None, stop: bool) -> bool:
@@ -136,24 +265,39 @@ def train(ctx: "RankContext", engine: Engine, collector_for: Callable[..., Any] 
     the saves (see the module docstring); closes the collector, then the engine, whatever happens."""
     collector = None
     try:
+        t_load = time.perf_counter()  # checkpoint verify + load, reported to the collector's events for goodput
         first = resume(ctx, engine) + 1
         training, interval = ctx.recipe.training, ctx.recipe.checkpoint.interval_iters
         last = training.train_iters
+        limit = getattr(training, "max_nonfinite_steps", 0)
         ctx.info("%s; steps %d..%d", engine.describe(), first, last)
         collector = collector_for(ctx, **engine.coords())
+        if first > 1:
+            report_event(collector, "checkpoint_load", t_load, first - 1)
+        in_row = 0
         for step in range(first, last + 1):
             collector.start_step(step)
             with collector.data_timer():
                 batch = engine.batch(step)
             result = engine.step(step, batch)
             collector.end_step(step, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
-                               skipped=result.skipped)
+                               skipped=result.skipped, nonfinite=result.nonfinite)
             ctx.heartbeat(step)
+            in_row = in_row + 1 if result.nonfinite else 0
+            if in_row:
+                _nonfinite(ctx, step, result, in_row, limit)
             if result.note and (step % training.log_interval == 0 or step == last):
                 ctx.info("%s", result.note)
             stop = ctx.agree_stop()
             if engine.checkpoints and save_due(step, last, interval, stop):
-                ctx.info("checkpoint saved: %s", engine.save(step))
+                if in_row:
+                    ctx.info("checkpoint of step %d not saved: the step was not finite (the newest checkpoint "
+                             "stays the last good one)", step)
+                else:
+                    t_save = time.perf_counter()
+                    path = engine.save(step)
+                    ctx.info("checkpoint saved: %s%s", path, _save_cost(ctx, path, time.perf_counter() - t_save))
+                    report_event(collector, "checkpoint_save", t_save, step)
             if stop:
                 ctx.finish_preempted(step)
                 return

@@ -94,6 +94,13 @@ def test_report_numbers_equal_a_hand_computation(sweep):
             "heatmap_0.png"} <= names
     md = (report / "report.md").read_text()
     assert "weak scaling" in md and "![throughput_vs_gpus](throughput_vs_gpus.png)" in md
+    # Two GPU counts cannot carry a fit: the report says so, with the spread and the reason, and projects nothing.
+    spread = scaling["spread"].max()
+    assert f"Gustafson: 2 GPU counts, spread {spread:.0%}: no fit (" in md and "3 or more GPU counts" in md
+    assert "No projection beyond the measured GPU counts." in md and "Projection (" not in md
+    assert "serial fraction s =" not in md and not (report / "projection_0.csv").exists()
+    assert (scaling["efficiency_lo"] <= scaling["efficiency"]).all()  # the plots' error bars
+    assert (scaling["efficiency"] <= scaling["efficiency_hi"]).all()
 
 
 def chromium() -> str | None:

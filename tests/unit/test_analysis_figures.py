@@ -207,4 +207,4 @@ def test_the_report_method_section_states_every_definition(run):
     method = md.split("## Method")[1]
     for name in figures.DEFINITIONS:
         assert f"- {name}:" in method
-    assert "b / (1 + b)" in method and "last record of a step wins" in method.replace("\n  ", " ")
+    assert "b / (1 + b)" in method and "last record of a step (the newest start's) wins" in method.replace("\n  ", " ")

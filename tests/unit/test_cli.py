@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from hpc_tools.errors import UserError
 from tests.conftest import REPO, run_cli
 
 LIGHT = [["--help"], ["validate", "recipes/gpt_3d.yaml", "--no-fit"], ["render", "recipes/gpt_3d.yaml", "-o", "-"],
@@ -88,3 +89,55 @@ def test_render_all_check_detects_drift(tmp_path):
 def test_status_without_runs_says_how_to_start(tmp_path):
     out = run_cli("status", "--runs-dir", str(tmp_path))
     assert out.returncode == 2 and "submit one with" in out.stderr
+
+
+def fake_slurm(tmp_path, scontrol_body: str):
+    """A PATH holding Slurm's client commands as stand-ins (`sbatch` present, `scontrol` answering as told) and this
+    Python; nothing else from the machine's PATH, so the real cluster is never asked."""
+    import os
+    import stat
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    for name, body in (("sbatch", 'echo "sbatch must not be called" >&2; exit 1'), ("scontrol", scontrol_body)):
+        path = bin_dir / name
+        path.write_text(f"#!/bin/bash\n{body}\n")
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return {"PATH": f"{bin_dir}:{os.path.dirname(shutil.which('bash'))}", "PYTHONPATH": str(REPO)}
+
+
+@pytest.mark.parametrize("scontrol", [
+    'echo "Slurmctld(primary) at ctl is DOWN"; exit 1',  # a controller restart
+    "exit 1",  # no answer at all
+])
+@pytest.mark.parametrize("executor", ["auto", "slurm"])
+def test_slurm_installed_but_not_answering_is_an_error_never_a_local_run(tmp_path, scontrol, executor):
+    env = fake_slurm(tmp_path, scontrol)
+    out = run_cli("submit", "recipes/comm_check.yaml", "--executor", executor, "--runs-dir", str(tmp_path / "runs"),
+                  env=env, timeout=120)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert lines[0].startswith("error: Slurm is installed but its controller does not answer")
+    assert "--executor local" in lines[0] and "retry" in lines[0]
+    assert not (tmp_path / "runs").exists(), "a run folder was made"
+
+
+def test_no_slurm_installed_means_local_said_in_one_line(tmp_path, monkeypatch):
+    from hpc_tools.submission import choose_executor
+
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    executor, note = choose_executor("auto")
+    assert executor == "local" and note.startswith("no Slurm here (sbatch is not on PATH)") and "\n" not in note
+    assert choose_executor("local") == ("local", "")
+    with pytest.raises(UserError, match="--executor local"):
+        choose_executor("slurm")
+
+
+def test_slurm_answering_means_slurm(tmp_path, monkeypatch):
+    from hpc_tools.submission import choose_executor
+
+    env = fake_slurm(tmp_path, 'echo "Slurmctld(primary) at ctl is UP"')
+    monkeypatch.setenv("PATH", env["PATH"])
+    assert choose_executor("auto") == ("slurm", "")

@@ -25,7 +25,7 @@ def test_explain_field_prints_type_default_bounds_doc_and_rules():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == "parallel.tensor_size"
-    assert "  type: integer" in lines and "  default: 1" in lines and "  constraints: > 0" in lines
+    assert "  type: integer" in lines and "  default: 1" in lines and "  constraints: > 0, <= 1048576" in lines
     assert "  " + ParallelConfig.model_fields["tensor_size"].description in lines
     readers = [r.name for r in RULES if "parallel.tensor_size" in r.reads]
     assert "heads_divisible_by_tensor" in readers and "layout_fills_world" in readers

@@ -22,8 +22,10 @@ class FakeContext:
         self.events, self.stop_at = events, stop_at
         self.checkpoint_dir = tmp_path / "checkpoints"
         self.recipe = SimpleNamespace(
-            training=SimpleNamespace(train_iters=iters, log_interval=2),
-            checkpoint=SimpleNamespace(interval_iters=interval, keep_last=2, resume=resume, load_path=load_path))
+            training=SimpleNamespace(train_iters=iters, log_interval=2, max_nonfinite_steps=3),
+            checkpoint=SimpleNamespace(interval_iters=interval, keep_last=2, resume=resume, load_path=load_path,
+                                       verify="checksum"))
+        self.is_rank0 = True
         self.logged: list[str] = []
 
     def heartbeat(self, step: int) -> None:

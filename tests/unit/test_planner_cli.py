@@ -74,3 +74,19 @@ def test_bad_input_is_one_line_exit_2(capsys, argv, needle):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err and needle in err[0]
+
+
+def test_plan_shows_and_takes_the_headroom(capsys):
+    assert main(["plan", GPT3D, "--json", *NO_CAL]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["headroom_bytes"] == pytest.approx(0.05 * d["gpu_mem_bytes"] + 1e9)
+    assert d["usable_bytes"] == pytest.approx(d["gpu_mem_bytes"] - d["headroom_bytes"])
+    assert main(["plan", GPT3D, "--headroom", "12", "--json", *NO_CAL]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["headroom_bytes"] == pytest.approx(12e9) and d["headroom"] == "cluster.memory_headroom_gb=12"
+    assert main(["plan", GPT3D, *NO_CAL]) == 0
+    assert "headroom" in capsys.readouterr().out
+    assert main(["plan", GPT3D, "--search", "--headroom", "70", "--json", *NO_CAL]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert all(c["memory_bytes"] <= d["usable_bytes"] for c in d["top"]) and d["usable_bytes"] < 16e9
+    assert main(["plan", GPT3D, "--headroom", "-1"]) == 2

@@ -64,3 +64,21 @@ def test_nothing_single_fits_says_so():
                "cluster.nodes=1")
     [v] = fit_violations(r)
     assert "no single change fits" in v.fix
+
+
+def test_the_fit_keeps_the_headroom():
+    """A plan between the GPU memory less the headroom and the GPU memory does not fit; the violation names the
+    margin and cluster.memory_headroom_gb moves it."""
+    from hpc_tools.planner.fit import headroom_bytes
+
+    r = recipe("gpt_zero.yaml", "training.micro_batch_size=16", "cluster.gpu_mem_gb=141")
+    plan = plan_recipe(r, use_calibration=False)
+    total = plan.memory.total / 1e9
+    assert headroom_bytes(r.cluster, 141e9) == pytest.approx(0.05 * 141e9 + 1e9)
+    just_above = recipe("gpt_zero.yaml", "training.micro_batch_size=16", f"cluster.gpu_mem_gb={total + 1:.3f}")
+    [v] = fit_violations(just_above)  # fits in the bare memory, not once the default margin is kept
+    assert "headroom" in v.rule and "default: 5%" in v.rule
+    assert plan_recipe(just_above, use_calibration=False).fits is False
+    no_margin = recipe("gpt_zero.yaml", "training.micro_batch_size=16", f"cluster.gpu_mem_gb={total + 1:.3f}",
+                       "cluster.memory_headroom_gb=0.5")
+    assert fit_violations(no_margin) == [] and plan_recipe(no_margin, use_calibration=False).fits

@@ -12,7 +12,10 @@ from hpc_tools.planner.arch import Arch
 from hpc_tools.planner.knobs import Knobs
 from hpc_tools.planner.memory import (
     ACTIVATIONS,
+    first_chunk_in_flight,
     layer_activation_bytes,
+    layer_bytes,
+    megatron_layer_terms,
     megatron_state_bytes,
     stage_activation_bytes,
     stage_memory,
@@ -135,7 +138,7 @@ def _knobs(t=1, p=1, v=None, d=1, b=1, batch=64, recompute="none", **kw):
 
 def test_first_stage_holds_p_microbatches_of_its_layers():
     arch = _arch()
-    per_layer = layer_activation_bytes(1024, 1, 1024, 16, 2, sp=True, flash=True)
+    per_layer = layer_bytes(arch, _knobs(t=2, batch=64), "none")
     for p in (2, 4, 8):
         acts, _ = stage_activation_bytes(arch, _knobs(t=2, p=p, batch=64), 0)
         assert acts == pytest.approx(arch.layers * per_layer)  # (L/p layers) x p microbatches
@@ -158,11 +161,11 @@ def test_full_recompute_keeps_layer_inputs_plus_one_group():
     k = _knobs(t=2, p=1, recompute="full")
     acts, working = stage_activation_bytes(arch, k, 0)
     assert acts == pytest.approx(arch.layers * 2 * 1024 * 1024 / 2)  # 2sbh/t per layer (SP)
-    assert working == pytest.approx(layer_activation_bytes(1024, 1, 1024, 16, 2, sp=True, flash=True))
+    assert working == pytest.approx(layer_bytes(arch, k, "none"))
     grouped, working4 = stage_activation_bytes(arch, replace(k, recompute_num_layers=4), 0)
     assert grouped == pytest.approx(acts / 4) and working4 == pytest.approx(4 * working)
     block, _ = stage_activation_bytes(arch, replace(k, recompute_method="block", recompute_num_layers=8), 0)
-    full_layer = layer_activation_bytes(1024, 1, 1024, 16, 2, sp=True, flash=True)
+    full_layer = layer_bytes(arch, k, "none")
     assert block == pytest.approx(8 * 1024 * 1024 + 24 * full_layer)
 
 
@@ -174,3 +177,29 @@ def test_stage_memory_puts_embeddings_first_and_output_last():
     assert first.params - last.params == arch.padded_vocab(1) * arch.hidden + arch.seq * arch.hidden - (
         arch.padded_vocab(1) * arch.hidden + 2 * arch.hidden)  # word + positions vs output layer + final norm
     assert first.total == pytest.approx(sum(first.terms.values()))
+
+
+def test_embedding_chunk_in_flight_follows_the_interleaved_order():
+    """Stage 0 runs chunk 0 for p microbatches, then chunk 1, ...; backwards run the chunks in reverse, so during the
+    steady state up to 2p microbatches hold the embedding chunk (p = 4, v = 2, m = 8: warm-up 10 forwards, 6 of
+    them chunk 0; two more chunk-0 forwards before the first chunk-0 backward)."""
+    assert first_chunk_in_flight(4, 1, 8) == 4 and first_chunk_in_flight(4, 1, 2) == 2
+    assert first_chunk_in_flight(4, 2, 8) == 8
+    assert first_chunk_in_flight(2, 2, 2) == 2  # m = p: never more than the m microbatches
+
+
+def test_fused_qkv_output_stays_alive_through_views():
+    """MHA without RoPE: Q, K and V are views of the fused QKV output (3 a heads); RoPE writes new Q and K, but V
+    still keeps the whole QKV output (5 a heads); GQA expands K and V to a heads in the explicit attention (3 a)."""
+    s, b, h, a, e, dh = 64, 2, 256, 8, 2, 32
+    key = "Q, K, V (+ fused QKV output kept by views)"
+
+    def qkv(**kw):
+        return megatron_layer_terms(s, b, h, a, flash=False, act_bytes=e, **kw)[key] / (e * s * b * dh)
+
+    assert qkv() == 3 * a
+    assert qkv(rope=True) == 5 * a
+    assert qkv(groups=2, rope=True) == 3 * a
+    assert qkv(groups=2, recompute="selective", rope=True) == (a + 2 * 2) + (a + 2)  # QKV output + new Q and K
+    assert qkv(groups=1, recompute="selective") == a + 2  # views only: the grouped layout with g = 1 is a view
+    assert qkv(groups=2, recompute="selective") == (a + 4) + a  # 1 < g < a: Q is a copy

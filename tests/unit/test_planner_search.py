@@ -35,8 +35,9 @@ def test_ranked_fit_keep_rules_and_are_sorted(big_result):
     assert len(res.ranked) == 10 and res.too_big > 0 and res.enumerated == res.too_big + res.fitting
     times = [c.step_s for c in res.ranked]
     assert times == sorted(times)
+    assert res.headroom_bytes == pytest.approx(0.05 * res.mem_bytes + 1e9)  # the default margin
     for c in res.ranked:
-        assert c.memory_bytes <= res.mem_bytes
+        assert c.memory_bytes <= res.usable_bytes == res.mem_bytes - res.headroom_bytes
         applied = apply_knobs(r, c.knobs)
         assert check_recipe(applied) == [] and fit_violations(applied) == []
         assert c.knobs.layout.global_batch_size == r.training.global_batch_size  # tokens per step are held fixed
@@ -96,3 +97,14 @@ def test_nothing_fits_is_a_user_error():
 def test_cpu_recipe_cannot_be_ranked():
     with pytest.raises(UserError, match="gpu_peak_tflops"):
         search(load_recipe(REPO / "recipes/gpt_3d.yaml", profile="local"))
+
+
+def test_search_keeps_the_headroom():
+    """No candidate plans into the margin: with the default headroom the ranked candidates all stay under the GPU
+    memory less 5 % + 1 GB, and some that would fit in the bare GPU memory are pruned; without headroom they return."""
+    base = recipe("gpt_3d.yaml")
+    kept = search(base, top=2000, losers=0, use_calibration=False)
+    bare = search(recipe("gpt_3d.yaml", "cluster.memory_headroom_gb=0"), top=2000, losers=0, use_calibration=False)
+    assert all(c.memory_bytes <= kept.usable_bytes for c in kept.ranked)
+    in_margin = [c for c in bare.ranked if kept.usable_bytes < c.memory_bytes <= bare.mem_bytes]
+    assert in_margin and kept.too_big > bare.too_big and kept.fitting < bare.fitting

@@ -111,8 +111,14 @@ def test_unknown_profile_section_is_refused():
 
 def test_slurm_strings_cannot_carry_options():
     with pytest.raises(RecipeError) as exc:
-        resolve({**MINIMAL, "cluster": {**MINIMAL["cluster"], "partition": "gpu\n#SBATCH --uid=0"}})
+        resolve({**MINIMAL, "cluster": {**MINIMAL["cluster"], "partition": "gpu --uid=0"}})
     assert messages(exc.value)[0].startswith("cluster.partition=") and "valid Slurm name" in messages(exc.value)[0]
+    for field, value in (("partition", "gpu\n#SBATCH --uid=0"), ("time_limit", "10\n"), ("qos", "normal\n")):
+        # `re.match(...$)` took a trailing newline, which ended the #SBATCH block early: now every field refuses it
+        with pytest.raises(RecipeError) as exc:
+            resolve({**MINIMAL, "cluster": {**MINIMAL["cluster"], field: value}})
+        assert messages(exc.value)[0].startswith(f"cluster.{field}=") and "holds a newline" in messages(exc.value)[0]
+        assert "\n" not in messages(exc.value)[0]
 
 
 @pytest.mark.parametrize("override,start,fix", [

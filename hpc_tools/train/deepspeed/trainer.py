@@ -10,14 +10,14 @@ saves). Data comes from ``hpc_tools.train.data`` (the step is the data position)
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
 
-from hpc_tools.errors import UserError
 from hpc_tools.runtime.context import RankContext
-from hpc_tools.train import loop, rng
-from hpc_tools.train.checkpoint_dirs import CheckpointDirs
+from hpc_tools.train import checkpoint_verify, loop, rng
+from hpc_tools.train.checkpoint_dirs import META, CheckpointDirs
 from hpc_tools.train.data import build_samples, microbatches_for_step
 from hpc_tools.train.deepspeed.ds_config import build_ds_config, write_ds_config
 from hpc_tools.train.deepspeed.model import build_model
@@ -114,11 +114,27 @@ class DeepSpeedJob:
     def step(self, step: int, batch: list[dict[str, Any]]) -> loop.StepResult:
         """One optimizer step (pipelined or not) at the scheduler's lr, with the engine's grad norm and skip flag."""
         lr = self.engine.get_lr()[0]
-        loss, grad_norm = self.pipeline_step(batch) if self.pipeline else self.accumulated_step(batch)
+        poison = loop.nonfinite_injected(step, self.ctx.rank)
+        loss, grad_norm = self.pipeline_step(batch) if self.pipeline else self.accumulated_step(batch, poison)
         if grad_norm is None:
             grad_norm = _float(self.engine.get_global_grad_norm())
-        skipped = None if self.recipe.training.precision != "fp16" else not self.engine.was_step_applied()
-        return loop.StepResult(loss=loss, lr=lr, grad_norm=grad_norm, skipped=skipped)
+        fp16 = self.recipe.training.precision == "fp16"
+        applied = self.engine.was_step_applied()
+        # The loss is all-reduced (the same on every rank); a skip that DeepSpeed's own check made outside fp16 (an
+        # inf/nan gradient norm in ZeRO 1-3 or the bf16 optimizer) is non-finite too. fp16 overflow skips are the
+        # loss scaler's normal work and not counted.
+        nonfinite = not math.isfinite(loss) or (not fp16 and not applied) or \
+            (grad_norm is not None and not math.isfinite(grad_norm) and not fp16)
+        skipped = (not applied) if (fp16 or nonfinite) else None
+        if nonfinite and applied and self._own_check:
+            log.error("step %d was not finite but DeepSpeed applied its update (no check of its own here)", step)
+        return loop.StepResult(loss=loss, lr=lr, grad_norm=grad_norm, skipped=skipped, nonfinite=nonfinite)
+
+    @property
+    def _own_check(self) -> bool:
+        """Whether DeepSpeed's optimizer checks gradients itself (ZeRO 1-3, fp16/bf16 optimizers: they have an
+        ``overflow`` flag and skip an inf/nan step); a plain torch optimizer (ZeRO-0) does not."""
+        return hasattr(self.engine.optimizer, "overflow")
 
     def close(self) -> None:
         """Release the engine and DeepSpeed's cached process groups (a later engine in this process builds its own)."""
@@ -139,28 +155,44 @@ class DeepSpeedJob:
         except (ImportError, AttributeError):
             pass
 
-    def accumulated_step(self, batches: list[dict[str, Any]]) -> tuple[float, float | None]:
-        """Forward/backward every microbatch, one optimizer step: (mean loss over all DP ranks, grad norm or None)."""
+    def accumulated_step(self, batches: list[dict[str, Any]], poison: bool = False) -> tuple[float, float | None]:
+        """Forward/backward every microbatch, one optimizer step: (mean loss over all DP ranks, grad norm or None).
+
+        Before the boundary ``engine.step()`` the ranks all-reduce the loss sum with a count of ranks whose gradients
+        are not finite (ZeRO-0 without an optimizer check of its own): a non-finite step then drops the gradients so
+        the optimizer updates nothing. ZeRO 1-3 skip such a step themselves (their inf/nan grad-norm check)."""
         import torch
         import torch.distributed as dist
 
         from hpc_tools.train.deepspeed.pipeline import causal_lm_loss
 
         device = self.engine.device
-        total = torch.zeros(1, dtype=torch.float64, device=device)
+        total = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, ranks with non-finite grads]
         grad_norm = None
         for i, mb in enumerate(batches):
             logits = self.engine(input_ids=mb["tokens"].to(device)).logits
             loss = causal_lm_loss(logits, mb["labels"].to(device))
+            if poison:  # loop.INJECT_NONFINITE_ENV (tests only)
+                loss = loss * float("nan")
             self.engine.backward(loss)
-            if i == len(batches) - 1 and self.engine.zero_optimization_stage() == 0 and \
-                    self.recipe.training.precision == "fp32":
-                grad_norm = self.averaged_grad_norm()
+            total[0] += loss.detach().double()
+            if i == len(batches) - 1:
+                if self.engine.zero_optimization_stage() == 0 and self.recipe.training.precision == "fp32":
+                    grad_norm = self.averaged_grad_norm()
+                if not self._own_check:
+                    total[1] = 0.0 if self._grads_finite() else 1.0
+                dist.all_reduce(total)  # every rank saw its own share of the global batch
+                if not self._own_check and (total[1] > 0 or not torch.isfinite(total[0])):
+                    for p in self.engine.module.parameters():
+                        p.grad = None  # torch optimizers leave parameters without a gradient untouched
             self.engine.step()
-            total += loss.detach().double()
-        total /= len(batches)
-        dist.all_reduce(total)  # every rank saw its own share of the global batch
-        return total.item() / self.layout.data_size, grad_norm
+        return total[0].item() / len(batches) / self.layout.data_size, grad_norm
+
+    def _grads_finite(self) -> bool:
+        import torch
+
+        sums = [p.grad.sum(dtype=torch.float32) for p in self.engine.module.parameters() if p.grad is not None]
+        return not sums or bool(torch.isfinite(torch.stack(sums)).all())
 
     def averaged_grad_norm(self) -> float:
         """Global gradient norm before clipping, for ZeRO-0 in fp32 where the engine keeps none.
@@ -176,7 +208,10 @@ class DeepSpeedJob:
         return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
 
     def pipeline_step(self, batches: list[dict[str, Any]]) -> tuple[float, None]:
-        """One pipelined step through DeepSpeed's schedule; its loss is already averaged over microbatches and DP."""
+        """One pipelined step through DeepSpeed's schedule; its loss is already averaged over microbatches and DP.
+
+        The update of a non-finite step is skipped by DeepSpeed's own check (ZeRO-1's inf/nan grad norm); with
+        ZeRO-0 the pipeline gives no point to intervene between backward and step, so it is counted only."""
         data = iter([(mb["tokens"], mb["labels"]) for mb in batches])
         return float(self.engine.train_batch(data_iter=data)), None
 
@@ -195,9 +230,11 @@ class DeepSpeedJob:
         self.engine.save_checkpoint(str(self.dirs.root), tag=partial.name, client_state=state, save_latest=False)
         torch.save(rng.capture(), partial / RNG_FILE.format(rank=self.ctx.rank))
         dist.barrier()
+        files = checkpoint_verify.gather_records(partial, exclude=[META],
+                                                 checksum=self.recipe.checkpoint.verify == "checksum")
         final = self.dirs.final_path(step)
         if self.ctx.is_rank0:
-            final = self.dirs.commit(step, meta=self.meta())
+            final = self.dirs.commit(step, meta=self.meta(), files=files)
         dist.barrier()
         return final
 
@@ -214,9 +251,9 @@ class DeepSpeedJob:
 
         loaded, client = self.engine.load_checkpoint(str(source.parent), tag=source.name, load_optimizer_states=True,
                                                      load_lr_scheduler_states=True)
-        if loaded is None:
-            raise UserError(f"checkpoint {source} could not be loaded by DeepSpeed (is it a DeepSpeed checkpoint of "
-                            "this model? set checkpoint.resume: false or another checkpoint.load_path)")
+        if loaded is None:  # a checkpoint problem, not the recipe's: the loop sets it aside and falls back
+            raise RuntimeError(f"checkpoint {source} could not be loaded by DeepSpeed (is it a DeepSpeed checkpoint "
+                               "of this model?)")
         rng_file = source / RNG_FILE.format(rank=self.ctx.rank)
         if rng_file.is_file():
             rng.restore(torch.load(rng_file, weights_only=False))

@@ -6,10 +6,11 @@ group (``Engine(...)`` ... ``engine.close()`` re-initialises Megatron's parallel
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hpc_tools.train.loop import StepResult
+from hpc_tools.train.loop import StepResult, nonfinite_injected
 from hpc_tools.train.megatron.schedule import apply_lr
 from hpc_tools.train.schedule import lr_at
 
@@ -95,6 +96,8 @@ class Engine:
         """Forward/backward over this rank's microbatches, then the optimizer step with lr_at(step).
 
         The loss is the mean over the global batch, the same on every rank (see ``_global_loss``)."""
+        import torch
+
         t = self.recipe.training
         lr = lr_at(t, step)
         apply_lr(self.optimizer, lr, t.weight_decay)
@@ -102,17 +105,55 @@ class Engine:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         batches = [self._prepare(b, self.device) for b in microbatches]
+        if nonfinite_injected(step, torch.distributed.get_rank()):
+            batches = [{**b, "poison": True} for b in batches]
         iterators = [iter(batches) for _ in self.chunks]  # every virtual stage walks the same microbatches
         losses = self.forward_backward(
             forward_step_func=self._forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
             model=self.chunks if len(self.chunks) > 1 else self.chunks[0], num_microbatches=len(batches),
             seq_length=self.recipe.model.seq_length, micro_batch_size=self.layout.micro_batch_size,
             forward_only=False)
+        loss = self._global_loss(losses)
+        if self._nonfinite(loss):
+            # Skipped before the optimizer sees the gradients: no update, no Adam step, the weights stay finite.
+            self.skipped_steps += 1
+            return StepResult(loss=loss, grad_norm=None, lr=lr, skipped=True, nonfinite=True)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             self.skipped_steps += 1
-        return StepResult(loss=self._global_loss(losses), grad_norm=None if grad_norm is None else float(grad_norm),
-                          lr=lr, skipped=not ok)
+        grad_norm = None if grad_norm is None else float(grad_norm)
+        return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, skipped=not ok,
+                          nonfinite=grad_norm is not None and not math.isfinite(grad_norm))
+
+    def _nonfinite(self, loss: float) -> bool:
+        """Whether any rank saw a non-finite loss or gradient this step (all-reduced: the same answer everywhere).
+
+        The gradients are checked in this rank's grad buffers after the data-parallel reduction. With fp16,
+        Megatron's own check (the loss scaler's found_inf, all-reduced by the optimizer) handles gradient overflow:
+        it skips the update and lowers the scale, which is normal fp16 training and not counted here; megatron DDP's
+        check_for_nan_in_grad would raise instead of skipping, so it stays off (``config.ddp_config``)."""
+        import torch
+
+        bad = torch.zeros(1, dtype=torch.float32, device=self.device)
+        if not math.isfinite(loss):
+            bad += 1.0
+        elif self.recipe.training.precision != "fp16":
+            sums = [t.sum(dtype=torch.float32) for t in self._grad_tensors()]
+            if sums:  # a sum is inf/nan when an element is (no buffer-sized temporary, one host sync below)
+                bad += (~torch.isfinite(torch.stack(sums)).all()).float()
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        return bad.item() > 0
+
+    def _grad_tensors(self) -> list:
+        """This rank's gradients: megatron DDP's contiguous grad buffers, else each parameter's gradient."""
+        out = []
+        for chunk in self.chunks:
+            buffers = getattr(chunk, "buffers", None)  # DDP's attribute (a list), not nn.Module.buffers()
+            if isinstance(buffers, list):
+                out += [b.grad_data for b in buffers + list(getattr(chunk, "expert_parallel_buffers", []))]
+            else:
+                out += [g for p in chunk.parameters() if (g := getattr(p, "main_grad", p.grad)) is not None]
+        return out
 
     @staticmethod
     def _prepare(batch: dict[str, Any], device) -> dict[str, Any]:
@@ -131,6 +172,8 @@ class Engine:
 
         def loss_func(per_token_loss):
             loss = per_token_loss.float().mean()
+            if batch.get("poison"):  # loop.INJECT_NONFINITE_ENV (tests only)
+                loss = loss * float("nan")
             # Megatron's schedule divides the returned loss tensor in place (by the number of microbatches) before
             # backward; the reported value is a detached copy taken before that, so it stays the microbatch mean.
             return loss, {"lm loss": loss.detach().clone()}

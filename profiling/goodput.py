@@ -1,0 +1,267 @@
+"""Goodput: how much of a run's allocation trained the model, and where the rest went (the buckets of Google's
+ml-goodput-measurement, from what the run folder records).
+
+A run has one *life* per start of its ranks (the first start, each Slurm requeue, each ``resume``). Each life is
+anchored by the start event its lowest rank's collector writes (``records/events_rank<R>.jsonl``, see
+``profiling.collector``), or, for runs without events files, by the manifest's ``started`` events. A step record or
+event belongs to the latest life that began before it.
+
+Per life, in seconds of wall time (x world size = GPU-seconds, or rank-seconds on CPU):
+
+- allocation: from the life's start (the earliest of its rank process start and the launcher's manifest event,
+  ``launched`` / ``batch started`` / ``started``) to its end (the first manifest event after its last activity
+  that leaves a live state: completed, failed, preempted, requeued..., written by the ranks or the launcher; else
+  its last record or event; now, for the running life). Slurm's own verdicts (``slurm ...`` events) are stamped
+  when someone asked, not when the job ended, so they do not end a life;
+- start-up: from the life's start to the beginning of its first step, less its checkpoint load;
+- checkpoint load and checkpoint save: the times the training loop measured around ``engine.resume`` (with the
+  checkpoint verification) and each ``engine.save``, the slowest rank's per save;
+- productive: the step time of every step whose record is final (no later life recorded that step again);
+- lost work: the step time of the steps a later life recomputed (recorded again after a failure lost them), with
+  their count;
+- evaluation: 0 (no evaluation runs yet);
+- other: the rest of the allocation (between-step work such as the stop agreement and logging, the end-of-job
+  summary, a step cut short by a kill);
+- requeue wait (outside the allocation): from a life's end to the next life's start (queue time after a requeue,
+  or the pause before a ``resume``).
+
+goodput = productive / allocation. Step times are the lowest rank's (every rank ends a synchronous step together).
+Manifest times have one-second resolution; the collector's times are exact.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+START_EVENTS = ("launched", "batch started", "started")
+LIVE_STATES = ("CREATED", "PENDING", "STARTING", "RUNNING")
+BUCKETS = ("productive", "startup", "checkpoint_load", "checkpoint_save", "lost_work", "evaluation", "other")
+
+
+def _ts(iso: str | None) -> float | None:
+    if not iso:
+        return None
+    try:
+        return dt.datetime.fromisoformat(iso).timestamp()
+    except ValueError:
+        return None
+
+
+@dataclass
+class Life:
+    """One start of the ranks (see the module docstring)."""
+
+    index: int
+    start: float
+    end: float
+    first_step_start: float | None = None
+    steps: int = 0
+    productive_s: float = 0.0
+    lost_work_s: float = 0.0
+    recomputed_steps: int = 0
+    checkpoint_load_s: float = 0.0
+    checkpoint_save_s: float = 0.0
+    saves: int = 0
+
+    @property
+    def allocation_s(self) -> float:
+        return max(self.end - self.start, 0.0)
+
+    @property
+    def startup_s(self) -> float:
+        if self.first_step_start is None:
+            return self.allocation_s - self.checkpoint_load_s
+        return max(self.first_step_start - self.start - self.checkpoint_load_s, 0.0)
+
+
+@dataclass
+class Goodput:
+    """A run's goodput and badput buckets; seconds are wall time of the job, hours are x world size."""
+
+    world_size: int
+    unit: str  # "GPU" or "rank"
+    lives: list[Life] = field(default_factory=list)
+    requeue_wait_s: float = 0.0
+    live: bool = False
+
+    def seconds(self) -> dict[str, float]:
+        """Wall seconds per bucket (``BUCKETS``), summed over lives; ``other`` closes the allocation."""
+        out = {"productive": sum(life.productive_s for life in self.lives),
+               "startup": sum(life.startup_s for life in self.lives),
+               "checkpoint_load": sum(life.checkpoint_load_s for life in self.lives),
+               "checkpoint_save": sum(life.checkpoint_save_s for life in self.lives),
+               "lost_work": sum(life.lost_work_s for life in self.lives), "evaluation": 0.0}
+        out["other"] = max(self.allocation_s - sum(out.values()), 0.0)
+        return out
+
+    @property
+    def allocation_s(self) -> float:
+        return sum(life.allocation_s for life in self.lives)
+
+    @property
+    def goodput(self) -> float | None:
+        alloc = self.allocation_s
+        return self.seconds()["productive"] / alloc if alloc > 0 else None
+
+    def summary(self) -> dict[str, Any]:
+        """One flat row: allocation and bucket hours (x world size), shares, goodput, lives, recomputed steps."""
+        secs = self.seconds()
+        alloc = self.allocation_s
+        row: dict[str, Any] = {"unit": self.unit, "world_size": self.world_size, "lives": len(self.lives),
+                               "allocation_hours": alloc * self.world_size / 3600, "goodput": self.goodput,
+                               "recomputed_steps": sum(life.recomputed_steps for life in self.lives),
+                               "checkpoint_saves": sum(life.saves for life in self.lives),
+                               "requeue_wait_s": self.requeue_wait_s, "allocation_s": alloc, "live": self.live}
+        for name, s in secs.items():
+            row[f"{name}_s"] = s
+            row[f"{name}_hours"] = s * self.world_size / 3600
+        return row
+
+    def table(self) -> list[dict[str, Any]]:
+        """Rows (bucket, wall seconds, unit-hours, share of the allocation), the requeue wait last (no share: it is
+        outside the allocation)."""
+        alloc = self.allocation_s
+        rows = [{"bucket": name, "seconds": s, "hours": s * self.world_size / 3600,
+                 "share": s / alloc if alloc > 0 else None} for name, s in self.seconds().items()]
+        rows.append({"bucket": "requeue_wait", "seconds": self.requeue_wait_s,
+                     "hours": self.requeue_wait_s * self.world_size / 3600, "share": None})
+        return rows
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.summary(), "buckets": self.table(), "per_life": [asdict(life) for life in self.lives]}
+
+
+def _lowest_rank_columns(records_dir: Path) -> dict[str, np.ndarray]:
+    from profiling.records import rank_files, read_columns
+
+    files = rank_files(records_dir)
+    if not files:
+        return {}
+    return read_columns(files[min(files)], ("step", "restart", "time", "step_time_s"))
+
+
+def measure(records_dir: Path, manifest: dict[str, Any], world_size: int, gpu: bool,
+            now: float | None = None) -> Goodput:
+    """The goodput of the run whose records and manifest are given (see the module docstring)."""
+    from profiling.records import read_events
+
+    now = time.time() if now is None else now
+    cols = _lowest_rank_columns(Path(records_dir))
+    events = read_events(Path(records_dir))
+    out = Goodput(world_size=world_size, unit="GPU" if gpu else "rank",
+                  live=str(manifest.get("state", "")).upper() in ("RUNNING", "STARTING", "PENDING", "REQUEUED"))
+    have_steps = "step" in cols and "time" in cols and cols["step"].size > 0
+    step_start = cols["time"] - cols["step_time_s"] if have_steps else np.empty(0)
+    anchors, process_starts = _anchors(events, manifest, step_start)
+    if not anchors:
+        return out
+    manifest_events = [(t, e.get("event"), e.get("state")) for e in manifest.get("events", [])
+                       if (t := _ts(e.get("time")))]
+    ended = [t for t, name, state in manifest_events
+             if state and state not in LIVE_STATES and not str(name).startswith("slurm ")]
+    owned = _events_by_life(events, anchors)
+    life_of_step = np.searchsorted(anchors, step_start, side="right") - 1 if have_steps else np.empty(0, int)
+    lives = []
+    for k, anchor in enumerate(anchors):
+        nxt = anchors[k + 1] if k + 1 < len(anchors) else np.inf
+        life = Life(index=k, start=anchor, end=anchor)
+        prev_end = lives[-1].end if lives else -np.inf
+        launch = [t for t, name, _ in manifest_events if name in START_EVENTS and prev_end - 1 < t <= anchor]
+        life.start = min([anchor, *launch, *([process_starts[k]] if process_starts.get(k) else [])])
+        in_life = life_of_step == k
+        last_activity = anchor
+        if have_steps and in_life.any():
+            life.first_step_start = float(step_start[in_life].min())
+            last_activity = max(last_activity, float(cols["time"][in_life].max()))
+            life.steps = int(in_life.sum())
+        saves: dict[Any, float] = {}
+        for e in owned.get(k, []):
+            last_activity = max(last_activity, e["time"])
+            if e.get("event") == "checkpoint_load":
+                life.checkpoint_load_s = max(life.checkpoint_load_s, float(e.get("seconds") or 0.0))
+            elif e.get("event") == "checkpoint_save":
+                saves[e.get("step")] = max(saves.get(e.get("step"), 0.0), float(e.get("seconds") or 0.0))
+        life.checkpoint_save_s, life.saves = float(sum(saves.values())), len(saves)
+        ends = [t for t in ended if last_activity - 1 <= t < nxt]
+        if ends:
+            life.end = max(last_activity, min(ends))
+        elif k == len(anchors) - 1 and out.live:
+            life.end = max(now, last_activity)
+        else:
+            life.end = last_activity
+        lives.append(life)
+    if have_steps:
+        _productive_and_lost(cols, life_of_step, lives)
+    out.lives = lives
+    out.requeue_wait_s = float(sum(max(b.start - a.end, 0.0) for a, b in zip(lives, lives[1:])))
+    return out
+
+
+def _events_by_life(events: dict[int, list[dict[str, Any]]], anchors: list[float]) -> dict[int, list[dict]]:
+    """life index -> the events of every rank in it. A rank's events belong to the life of its own latest start event
+    (ranks start their collectors a little apart, so the lowest rank's anchors cannot split another rank's events);
+    a rank's start event is matched to the nearest life anchor."""
+    out: dict[int, list[dict]] = {}
+    for rank_events in events.values():
+        life = 0
+        for e in sorted((e for e in rank_events if e.get("time") is not None), key=lambda e: e["time"]):
+            if e.get("event") == "start":
+                life = int(np.argmin([abs(a - e["time"]) for a in anchors]))
+            out.setdefault(life, []).append(e)
+    return out
+
+
+def _anchors(events: dict[int, list[dict[str, Any]]], manifest: dict[str, Any],
+             step_start: np.ndarray) -> tuple[list[float], dict[int, float]]:
+    """Life anchor times (sorted) and, per life, the rank process start when the collector recorded it."""
+    if events:
+        lowest = events[min(events)]
+        starts = [e for e in lowest if e.get("event") == "start" and e.get("time") is not None]
+        if starts:
+            starts.sort(key=lambda e: e["time"])
+            return ([float(e["time"]) for e in starts],
+                    {k: float(e["process_start"]) for k, e in enumerate(starts) if e.get("process_start")})
+    started = sorted(t for e in manifest.get("events", []) if e.get("event") == "started"
+                     and (t := _ts(e.get("time"))) is not None)
+    if started:
+        if step_start.size:  # a record before the first manifest start (clock skew): anchor the first life earlier
+            started[0] = min(started[0], float(step_start.min()))
+        return started, {}
+    return ([float(step_start.min())] if step_start.size else []), {}
+
+
+def _productive_and_lost(cols: dict[str, np.ndarray], life_of_step: np.ndarray, lives: list[Life]) -> None:
+    """Final records are productive; a record whose step a later life recorded again is lost work."""
+    steps, st = cols["step"], cols["step_time_s"]
+    # The last life that recorded each step: its record is the one that counts.
+    last_life: dict[float, int] = {}
+    for s, k in zip(steps.tolist(), life_of_step.tolist()):
+        last_life[s] = max(last_life.get(s, -1), k)
+    for s, k, t in zip(steps.tolist(), life_of_step.tolist(), st.tolist()):
+        if k < 0:
+            continue
+        if last_life[s] > k:
+            lives[k].lost_work_s += t
+            lives[k].recomputed_steps += 1
+        else:
+            lives[k].productive_s += t
+
+
+def total(goodputs: list[Goodput]) -> dict[str, Any]:
+    """A sweep's goodput: allocation and buckets summed over its runs in unit-hours (runs differ in world size)."""
+    if not goodputs:
+        return {}
+    hours = {f"{b}_hours": sum(g.summary()[f"{b}_hours"] for g in goodputs) for b in BUCKETS}
+    alloc = sum(g.summary()["allocation_hours"] for g in goodputs)
+    units = {g.unit for g in goodputs}
+    return {"runs": len(goodputs), "unit": units.pop() if len(units) == 1 else "GPU/rank",
+            "allocation_hours": alloc, **hours,
+            "requeue_wait_hours": sum(g.requeue_wait_s * g.world_size / 3600 for g in goodputs),
+            "recomputed_steps": sum(g.summary()["recomputed_steps"] for g in goodputs),
+            "goodput": hours["productive_hours"] / alloc if alloc > 0 else None}

@@ -1,0 +1,230 @@
+"""Stragglers by what they do: which rank holds the others back, on which node, and why (compute, data or
+communication), with how sure the verdict is.
+
+Why not the step time: in a synchronous job (data, tensor and pipeline parallel alike) every rank waits for the
+slowest one inside the step's collectives, so all ranks' step times come out equal and the slow rank is the one that
+waits *least*. What differs is how the step is spent. On every step where the collectives were timed
+(``profiling.communication``, every ``communication_sample_interval``-th step) a rank's step splits into
+
+    busy    = step_time_s - comm_time_s     (comm_time_s: time stalled in every collective and pipeline p2p)
+    data    = data_time_s                   (producing the step's batches)
+    compute = busy - data
+
+A rank that arrives late at the collectives has more busy time than its peers by as much as they wait for it.
+
+The verdict compares each rank with its *peers*: the ranks of its own pipeline stage (they run the same layers; stages
+legitimately differ, e.g. the last one computes the loss). Per step, a rank's excess is its busy time minus the
+median of its peers' (the other ranks of the stage) on the same step. A rank is a straggler when
+
+- its median excess over the compared steps is more than ``THRESHOLD`` (5 %) of the job's median step time, and
+- it is busier than its peers on so many of the steps that chance is ruled out: a one-sided sign test, p <= ``P_MAX``
+  (0.01; needs at least 7 compared steps). ``z`` (robust z-score of its median busy time among the stage's ranks,
+  median and MAD, 3+ ranks) says how far it stands out.
+
+Its cause is the larger of its median data excess and its median compute excess. A rank whose *waiting* exceeds its
+peers' by the same rule, while it is not less busy than them (its extra wait is not the wait for a late peer) and no
+peer of its stage is a busy straggler, is a straggler by communication: its own transfers are slow (link, NIC).
+Only a bounded sample of steps is kept per rank (``MAX_STEPS``, evenly spaced), so memory stays small at any run
+length. What it cannot see: a stage with one rank has no peers; a whole stage slower than the others shows as
+pipeline wait (``bubble_share_per_stage``), not here; and a slow link shared by a whole collective group makes every
+member wait alike, so no one rank stands out (the per-kind bus bandwidth of the communication table shows it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+THRESHOLD = 0.05  # excess busy time, as a share of the median step time, that makes a straggler
+P_MAX = 0.01  # sign-test p-value at or below which the excess is not chance
+MIN_STEPS = 7  # the fewest compared steps at which P_MAX can be reached (0.5**7 = 0.0078)
+MAX_STEPS = 512  # compared steps kept per rank (evenly spaced over the run)
+CAUSES = ("compute", "data", "communication")
+
+
+@dataclass
+class RankVerdict:
+    """One rank's comparison with its peers (see the module docstring); medians in seconds per step."""
+
+    rank: int
+    pp_rank: int
+    steps_compared: int = 0
+    busy_median_s: float | None = None
+    compute_median_s: float | None = None
+    excess_s: float | None = None  # median over steps of (busy - peers' median busy)
+    excess_share: float | None = None  # excess_s / the job's median step time
+    compute_excess_s: float | None = None
+    data_excess_s: float | None = None
+    comm_excess_s: float | None = None  # how much more this rank waits in collectives than its peers
+    steps_slower: int | None = None  # steps on which it was busier than its peers
+    p_value: float | None = None
+    z: float | None = None
+    straggler: bool = False
+    cause: str | None = None
+    node: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def sign_test_p(k: int, n: int) -> float:
+    """P(at least k of n fair coin flips come up heads): the chance that a rank no slower than its peers is busier
+    on k or more of n steps."""
+    if n <= 0 or k <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    if n > 1000:  # 0.5 ** n underflows: the exact big-integer sum
+        return float(sum(math.comb(n, j) for j in range(k, n + 1)) / 2 ** n)
+    # As floats from the tail inward, term_j = C(n, j) / 2^n, term_(j-1) = term_j * j / (n - j + 1): the big-integer
+    # sum costs milliseconds per rank, seconds for a thousand ranks.
+    term = total = 0.5**n
+    for j in range(n, k, -1):
+        term *= j / (n - j + 1)
+        total += term
+    return min(1.0, total)
+
+
+def others_median(x: np.ndarray) -> np.ndarray:
+    """For a ranks x steps matrix (no NaN), each rank's peers' median per step: the median of the other rows."""
+    n = x.shape[0]
+    if n < 2:
+        return np.full_like(x, np.nan)
+    order = np.argsort(x, axis=0, kind="stable")
+    v = np.take_along_axis(x, order, axis=0)  # sorted per step
+    pos = np.empty_like(order)
+    np.put_along_axis(pos, order, np.arange(n)[:, None].repeat(x.shape[1], axis=1), axis=0)
+    m = n - 1  # peers per rank
+
+    def kth_of_others(k: int) -> np.ndarray:
+        # The k-th smallest of the others: v[k] if this rank sits above position k, else v[k + 1].
+        return np.where(pos > k, v[k][None, :], v[min(k + 1, n - 1)][None, :])
+
+    if m % 2:
+        return kth_of_others((m - 1) // 2)
+    return (kth_of_others(m // 2 - 1) + kth_of_others(m // 2)) / 2
+
+
+class StragglerSample:
+    """Per rank, the split of the measured steps on which collectives were timed (bounded by ``MAX_STEPS``)."""
+
+    def __init__(self):
+        self.ranks: dict[int, tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def add_rank(self, rank: int, pp_rank: int, cols: dict[str, np.ndarray], measured: np.ndarray) -> None:
+        """One rank's prepared columns (``figures.prepare_rank``) and measured mask."""
+        comm = cols.get("comm_time_s")
+        if comm is None:
+            return
+        st = cols["step_time_s"]
+        if isinstance(measured, slice):  # the measured records as one run (a view): no mask over the whole run
+            idx = np.flatnonzero(~np.isnan(comm[measured])) + (measured.start or 0)
+        else:
+            idx = np.flatnonzero(measured & ~np.isnan(comm))
+        if idx.size > MAX_STEPS:  # every rank samples the same step numbers, so the same stride keeps the same steps
+            idx = idx[:: math.ceil(idx.size / MAX_STEPS)]
+        data = cols.get("data_time_s")
+        data = np.zeros(idx.size) if data is None else np.nan_to_num(data[idx], nan=0.0)
+        # comm_time_s of a sampled step covers every collective and pipeline p2p the rank waited in (pp_wait_s is a
+        # part of it), so nothing else is subtracted.
+        busy = st[idx] - comm[idx]
+        self.ranks[rank] = (pp_rank, cols["step"][idx].astype(np.int64), busy, data, comm[idx])
+
+
+def judge(sample: StragglerSample, step_median_s: float | None,
+          node_of: Callable[[int], str | None] | None = None) -> tuple[list[RankVerdict], str]:
+    """Every rank's verdict and one line saying what was found (or why nothing could be); ``node_of(rank)`` names
+    the node of a straggler (asked for the named ranks only)."""
+    if not sample.ranks:
+        return [], ("not measured: no measured step had its collectives timed (profiling.communication on, with "
+                    "profiling.communication_sample_interval below the number of measured steps)")
+    if not step_median_s or step_median_s <= 0:
+        return [], "not measured: no median step time"
+    stages: dict[int, list[int]] = {}
+    for rank, (pp, *_rest) in sorted(sample.ranks.items()):
+        stages.setdefault(pp, []).append(rank)
+    verdicts: list[RankVerdict] = []
+    fewest = None
+    for pp, ranks in sorted(stages.items()):
+        found = _judge_stage(sample, pp, ranks, step_median_s)
+        verdicts += found
+        if len(ranks) > 1:
+            n = found[0].steps_compared
+            fewest = n if fewest is None else min(fewest, n)
+    named = [v for v in verdicts if v.straggler]
+    for v in named:
+        v.node = node_of(v.rank) if node_of is not None else None
+    if named:
+        return verdicts, "; ".join(describe(v, step_median_s) for v in named)
+    if fewest is None:
+        return verdicts, "no verdict: no pipeline stage has two or more ranks to compare"
+    if fewest < MIN_STEPS:
+        return verdicts, (f"inconclusive: {fewest} step(s) with timed collectives, {MIN_STEPS} needed (lower "
+                          "profiling.communication_sample_interval, e.g. 1 to time every step)")
+    return verdicts, f"none: no rank is slower than its peers (over {fewest} compared steps)"
+
+
+def _judge_stage(sample: StragglerSample, pp: int, ranks: list[int], step_median_s: float) -> list[RankVerdict]:
+    out = [RankVerdict(rank=r, pp_rank=pp) for r in ranks]
+    if len(ranks) < 2:
+        return out
+    steps = sample.ranks[ranks[0]][1]
+    for r in ranks[1:]:
+        steps = np.intersect1d(steps, sample.ranks[r][1], assume_unique=True)
+    n = int(steps.size)
+    for v in out:
+        v.steps_compared = n
+    if n == 0:
+        return out
+
+    def matrix(i: int) -> np.ndarray:
+        rows = []
+        for r in ranks:
+            s = sample.ranks[r]
+            rows.append(s[i][np.isin(s[1], steps, assume_unique=True)])
+        return np.vstack(rows)
+
+    busy, data, comm = matrix(2), matrix(3), matrix(4)
+    compute = busy - data
+    e_busy, e_data, e_comp, e_comm = (x - others_median(x) for x in (busy, data, compute, comm))
+    med_busy = np.median(busy, axis=1)
+    z = None
+    if len(ranks) >= 3:
+        centre = float(np.median(med_busy))
+        mad = 1.4826 * float(np.median(np.abs(med_busy - centre)))
+        z = (med_busy - centre) / max(mad, 0.01 * step_median_s)  # identical peers: 1 % of the step as the spread
+    for i, v in enumerate(out):
+        v.busy_median_s, v.compute_median_s = float(med_busy[i]), float(np.median(compute[i]))
+        v.excess_s, v.compute_excess_s = float(np.median(e_busy[i])), float(np.median(e_comp[i]))
+        v.data_excess_s, v.comm_excess_s = float(np.median(e_data[i])), float(np.median(e_comm[i]))
+        v.excess_share = v.excess_s / step_median_s
+        v.steps_slower = int(np.sum(e_busy[i] > 0))
+        v.p_value = sign_test_p(v.steps_slower, n)
+        v.z = None if z is None else float(z[i])
+        if n >= MIN_STEPS and v.excess_share > THRESHOLD and v.p_value <= P_MAX:
+            v.straggler = True
+            v.cause = "data" if v.data_excess_s > v.compute_excess_s else "compute"
+    if any(v.straggler for v in out):
+        return out
+    for i, v in enumerate(out):  # nobody is late: is somebody's own communication slow?
+        waits_more = int(np.sum(e_comm[i] > 0))
+        p = sign_test_p(waits_more, n)
+        if (n >= MIN_STEPS and v.comm_excess_s / step_median_s > THRESHOLD and p <= P_MAX
+                and v.excess_s > -0.5 * v.comm_excess_s):
+            v.straggler, v.cause, v.steps_slower, v.p_value = True, "communication", waits_more, p
+    return out
+
+
+def describe(v: RankVerdict, step_median_s: float) -> str:
+    """``rank 2 (node n1): compute, busy +0.301 s/step over its peers (+152 % of the step), on 18 of 18 steps
+    (p 3.8e-06)``."""
+    excess = (v.comm_excess_s if v.cause == "communication" else v.excess_s) or 0.0
+    node = f" (node {v.node})" if v.node else ""
+    z = f", z {v.z:.1f}" if v.z is not None else ""
+    what = "waits" if v.cause == "communication" else "busy"
+    return (f"rank {v.rank}{node}: {v.cause}, {what} +{excess:.3g} s/step over its peers "
+            f"(+{100 * excess / step_median_s:.0f} % of the step), on {v.steps_slower} of {v.steps_compared} steps "
+            f"(p {v.p_value:.2g}{z})")
