@@ -73,6 +73,7 @@ def test_resume_after_a_killed_rank_gives_the_uninterrupted_losses(tmp_path):
     assert submit.returncode != 0 and killed_at < ITERS, (killed_at, err[-2000:])
     failed = run.manifest()
     assert failed["state"] == "FAILED", failed["events"][-3:]
+    assert failed["failed_ranks"] == [1] and "rank 1" in failed["reason"], failed  # the killed rank, not rank 0
 
     t0 = time.time()
     resumed = run_cli("resume", run.run_id, "--json", "--runs-dir", str(runs_dir))
@@ -100,6 +101,14 @@ def test_resume_after_a_killed_rank_gives_the_uninterrupted_losses(tmp_path):
     assert analysis.returncode == 0, analysis.stderr[-2000:]
     row = json.loads(analysis.stdout)["runs"][0]
     assert row["steps_measured"] == ITERS, row  # a step that ran twice counts once
+    # Goodput: two lives; the steps the first life ran past its last checkpoint are lost work, recomputed by the
+    # second; each life spent time starting up, the second also loading the checkpoint.
+    lost = [r for r in step_records(run.path)[0] if r["restart"] == 0 and r["step"] > from_step]
+    goodput = json.loads(analysis.stdout)["goodput"][0]
+    assert goodput["lives"] == 2 and goodput["recomputed_steps"] == len(lost), goodput
+    assert goodput["lost_work_s"] == pytest.approx(sum(r["step_time_s"] for r in lost)), goodput
+    assert goodput["startup_s"] > 0 and goodput["checkpoint_load_s"] > 0 and goodput["checkpoint_save_s"] > 0, goodput
+    assert 0 < goodput["goodput"] < 1, goodput
 
     first_step = {restart: min(r["time"] for r in step_records(run.path)[0] if r["restart"] == restart)
                   for restart in (0, 1)}
