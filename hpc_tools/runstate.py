@@ -444,16 +444,23 @@ def from_hang_markers(markers: list[Path]) -> Verdict | None:
     return Verdict("hang", f"{markers[0].name}: {first}{more}")
 
 
+def log_tail(path: Path, nbytes: int = LOG_TAIL_BYTES) -> str | None:
+    """The last ``nbytes`` of a log as text (undecodable bytes replaced), or None when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(f.tell() - nbytes, 0))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+
+
 def from_logs(paths: Iterable[Path]) -> Verdict | None:
     """The most specific failure the tail of any log names (the matching line is the reason), or None."""
     found: dict[str, str] = {}
     for path in paths:
-        try:
-            with open(path, "rb") as f:
-                f.seek(0, 2)
-                f.seek(max(f.tell() - LOG_TAIL_BYTES, 0))
-                text = f.read().decode("utf-8", "replace")
-        except OSError:
+        text = log_tail(path)
+        if text is None:
             continue
         for status, pattern in LOG_PATTERNS:  # most specific first: one verdict per file
             m = pattern.search(text)

@@ -200,15 +200,22 @@ def fit_amdahl(gpus, step_time_s) -> Fit:
         f, dof = 0.0, n.size - 1
     lo, hi = _clip01(f_lo, f_hi)
     r2 = _weighted_r2(t, pred, w)
+    problems = _quality_problems(r2, "f", lo, hi)
+    if problems:
+        return no_fit(problems)
+    return Fit(**base, serial_fraction=float(f), interval=(lo, hi), r2=r2, t1_s=float(t1),
+               t1_interval=_ci(float(t1), t1_se, dof))
+
+
+def _quality_problems(r2: float, name: str, lo: float, hi: float) -> str:
+    """Why a fit that converged still does not stand ("" when it does): it explains too little, or its interval is too
+    wide."""
     problems = []
     if r2 < MIN_R2:
         problems.append(f"R^2 {r2:.2f} < {MIN_R2}: the law explains too little of the runs' variation")
     if hi - lo > MAX_INTERVAL:
-        problems.append(f"95 % interval of f {lo:.2f}-{hi:.2f} is wider than {MAX_INTERVAL}")
-    if problems:
-        return no_fit("; ".join(problems))
-    return Fit(**base, serial_fraction=float(f), interval=(lo, hi), r2=r2, t1_s=float(t1),
-               t1_interval=_ci(float(t1), t1_se, dof))
+        problems.append(f"95 % interval of {name} {lo:.2f}-{hi:.2f} is wider than {MAX_INTERVAL}")
+    return "; ".join(problems)
 
 
 def fit_gustafson(gpus, scaled_speedup) -> Fit:
@@ -243,13 +250,9 @@ def fit_gustafson(gpus, scaled_speedup) -> Fit:
         s, s_lo, s_hi = 0.0, 0.0, max(s_hi, t95(dof) * s_se)
     lo, hi = _clip01(s_lo, s_hi)
     r2 = _weighted_r2(s_meas, n - s * x, w)
-    problems = []
-    if r2 < MIN_R2:
-        problems.append(f"R^2 {r2:.2f} < {MIN_R2}: the law explains too little of the runs' variation")
-    if hi - lo > MAX_INTERVAL:
-        problems.append(f"95 % interval of s {lo:.2f}-{hi:.2f} is wider than {MAX_INTERVAL}")
+    problems = _quality_problems(r2, "s", lo, hi)
     if problems:
-        return no_fit("; ".join(problems))
+        return no_fit(problems)
     return Fit(**base, serial_fraction=s, interval=(lo, hi), r2=r2)
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpc_tools.registry import RunFolder, now_iso
-from hpc_tools.runstate import from_logs, is_terminal, log_files
+from hpc_tools.runstate import from_logs, is_terminal, log_files, log_tail
 from hpc_tools.runtime import heartbeat
 from hpc_tools.runtime.distenv import restart_count
 from hpc_tools.runtime.heartbeat import Beat, ranks_text
@@ -113,14 +113,9 @@ def read_srun_reports(run: RunFolder) -> list[TaskFailure]:
     """srun's reports of this life, from every log of the run (the batch log, submitit's task-0 stderr)."""
     failures: list[TaskFailure] = []
     for path in log_files(run):
-        try:
-            with open(path, "rb") as f:
-                f.seek(0, 2)
-                f.seek(max(f.tell() - LOG_TAIL_BYTES, 0))
-                text = f.read().decode("utf-8", "replace")
-        except OSError:
-            continue
-        failures += srun_failures(this_life(text))
+        text = log_tail(path, LOG_TAIL_BYTES)
+        if text is not None:
+            failures += srun_failures(this_life(text))
     return failures
 
 
