@@ -32,6 +32,7 @@ member wait alike, so no one rank stands out (the per-kind bus bandwidth of the 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
@@ -88,11 +89,46 @@ def sign_test_p(k: int, n: int) -> float:
     return min(1.0, total)
 
 
+@functools.lru_cache(maxsize=64)
+def sign_test_tail(n: int) -> tuple[float, ...]:
+    """``sign_test_p(k, n)`` for every k = 0..n: the same tail sums, accumulated once (a rank's verdict costs one
+    look-up, not a loop over its steps)."""
+    if n > 1000:  # sign_test_p's exact big-integer sums
+        return tuple(sign_test_p(k, n) for k in range(n + 1))
+    term = total = 0.5**n
+    tail = [min(1.0, total)] * (n + 1)
+    for j in range(n, 0, -1):  # after term j, total is the tail from j - 1 on
+        term *= j / (n - j + 1)
+        total += term
+        tail[j - 1] = min(1.0, total)
+    tail[0] = 1.0
+    return tuple(tail)
+
+
 def others_median(x: np.ndarray) -> np.ndarray:
     """For a ranks x steps matrix (no NaN), each rank's peers' median per step: the median of the other rows."""
     n = x.shape[0]
     if n < 2:
         return np.full_like(x, np.nan)
+    if np.isnan(x).any():  # NaN sorts last: kept to the order-based rule below, whatever a NaN makes of it
+        return _others_median_by_order(x)
+    m = n - 1  # peers per rank
+    ks = [(m - 1) // 2] if m % 2 else [m // 2 - 1, m // 2]
+    # Only the order statistics v[k] and v[k + 1] are needed: one partition, no sort. The k-th smallest of the others
+    # is v[k] where this rank's value lies above it, else v[k + 1] (equal to v[k] where ties reach past k).
+    v = np.partition(x, sorted({*ks, *(min(k + 1, n - 1) for k in ks)}), axis=0)
+
+    def kth_of_others(k: int) -> np.ndarray:
+        return np.where(x > v[k][None, :], v[k][None, :], v[min(k + 1, n - 1)][None, :])
+
+    if m % 2:
+        return kth_of_others(ks[0])
+    return (kth_of_others(ks[0]) + kth_of_others(ks[1])) / 2
+
+
+def _others_median_by_order(x: np.ndarray) -> np.ndarray:
+    """``others_median`` by each value's position in its step's stable sort (where a step holds a NaN)."""
+    n = x.shape[0]
     order = np.argsort(x, axis=0, kind="stable")
     v = np.take_along_axis(x, order, axis=0)  # sorted per step
     pos = np.empty_like(order)
@@ -127,7 +163,12 @@ class StragglerSample:
         if idx.size > MAX_STEPS:  # every rank samples the same step numbers, so the same stride keeps the same steps
             idx = idx[:: math.ceil(idx.size / MAX_STEPS)]
         data = cols.get("data_time_s")
-        data = np.zeros(idx.size) if data is None else np.nan_to_num(data[idx], nan=0.0)
+        if data is None:
+            data = np.zeros(idx.size)
+        else:
+            data = data[idx]
+            if not np.isfinite(data).all():  # nan_to_num only where needed (it costs more than the rest here)
+                data = np.nan_to_num(data, nan=0.0)
         # comm_time_s of a sampled step covers every collective and pipeline p2p the rank waited in (pp_wait_s is a
         # part of it), so nothing else is subtracted.
         busy = st[idx] - comm[idx]
@@ -167,51 +208,64 @@ def judge(sample: StragglerSample, step_median_s: float | None,
     return verdicts, f"none: no rank is slower than its peers (over {fewest} compared steps)"
 
 
+def _stage_matrices(sample: StragglerSample, ranks: list[int]) -> tuple[int, list[np.ndarray] | None]:
+    """The number of the stage's compared steps (those every rank sampled) and its busy, data and comm matrices
+    (ranks x compared steps; None when no step is compared)."""
+    rows = [sample.ranks[r] for r in ranks]
+    first = rows[0][1]
+    if (all(s[1].shape == first.shape for s in rows) and (first.size < 2 or bool(np.all(first[1:] > first[:-1])))
+            and bool(np.all(np.vstack([s[1] for s in rows]) == first))):  # all sampled the same steps: the rows as kept
+        if first.size == 0:
+            return 0, None
+        return int(first.size), [np.vstack([s[i] for s in rows]) for i in (2, 3, 4)]
+    steps = first
+    for s in rows[1:]:
+        steps = np.intersect1d(steps, s[1], assume_unique=True)
+    if steps.size == 0:
+        return 0, None
+    keep = [np.isin(s[1], steps, assume_unique=True) for s in rows]
+    return int(steps.size), [np.vstack([s[i][k] for s, k in zip(rows, keep)]) for i in (2, 3, 4)]
+
+
 def _judge_stage(sample: StragglerSample, pp: int, ranks: list[int], step_median_s: float) -> list[RankVerdict]:
     out = [RankVerdict(rank=r, pp_rank=pp) for r in ranks]
     if len(ranks) < 2:
         return out
-    steps = sample.ranks[ranks[0]][1]
-    for r in ranks[1:]:
-        steps = np.intersect1d(steps, sample.ranks[r][1], assume_unique=True)
-    n = int(steps.size)
+    n, mats = _stage_matrices(sample, ranks)
     for v in out:
         v.steps_compared = n
-    if n == 0:
+    if mats is None:
         return out
-
-    def matrix(i: int) -> np.ndarray:
-        rows = []
-        for r in ranks:
-            s = sample.ranks[r]
-            rows.append(s[i][np.isin(s[1], steps, assume_unique=True)])
-        return np.vstack(rows)
-
-    busy, data, comm = matrix(2), matrix(3), matrix(4)
+    busy, data, comm = mats
     compute = busy - data
     e_busy, e_data, e_comp, e_comm = (x - others_median(x) for x in (busy, data, compute, comm))
-    med_busy = np.median(busy, axis=1)
+    # Each rank's medians, all ranks in one call per matrix (row by row, as np.median of each row).
+    med_busy, med_comp, m_e_busy, m_e_comp, m_e_data, m_e_comm = (np.median(x, axis=1) for x in (
+        busy, compute, e_busy, e_comp, e_data, e_comm))
     z = None
     if len(ranks) >= 3:
         centre = float(np.median(med_busy))
         mad = 1.4826 * float(np.median(np.abs(med_busy - centre)))
-        z = (med_busy - centre) / max(mad, 0.01 * step_median_s)  # identical peers: 1 % of the step as the spread
-    for i, v in enumerate(out):
-        v.busy_median_s, v.compute_median_s = float(med_busy[i]), float(np.median(compute[i]))
-        v.excess_s, v.compute_excess_s = float(np.median(e_busy[i])), float(np.median(e_comp[i]))
-        v.data_excess_s, v.comm_excess_s = float(np.median(e_data[i])), float(np.median(e_comm[i]))
+        z = ((med_busy - centre) / max(mad, 0.01 * step_median_s)).tolist()  # identical peers: 1 % of the step
+    tail = sign_test_tail(n)  # p of the sign test for every count of slower steps
+    slower = np.count_nonzero(e_busy > 0, axis=1).tolist()
+    cols = zip(med_busy.tolist(), med_comp.tolist(), m_e_busy.tolist(), m_e_comp.tolist(), m_e_data.tolist(),
+               m_e_comm.tolist(), slower)
+    for i, (v, (b, c, eb, ec, ed, em, k)) in enumerate(zip(out, cols)):
+        v.busy_median_s, v.compute_median_s, v.excess_s, v.compute_excess_s = b, c, eb, ec
+        v.data_excess_s, v.comm_excess_s = ed, em
         v.excess_share = v.excess_s / step_median_s
-        v.steps_slower = int(np.sum(e_busy[i] > 0))
-        v.p_value = sign_test_p(v.steps_slower, n)
-        v.z = None if z is None else float(z[i])
+        v.steps_slower = k
+        v.p_value = tail[k]
+        v.z = None if z is None else z[i]
         if n >= MIN_STEPS and v.excess_share > THRESHOLD and v.p_value <= P_MAX:
             v.straggler = True
             v.cause = "data" if v.data_excess_s > v.compute_excess_s else "compute"
     if any(v.straggler for v in out):
         return out
-    for i, v in enumerate(out):  # nobody is late: is somebody's own communication slow?
-        waits_more = int(np.sum(e_comm[i] > 0))
-        p = sign_test_p(waits_more, n)
+    for v, waits_more in zip(out, np.count_nonzero(e_comm > 0, axis=1).tolist()):
+        # nobody is late: is somebody's own communication slow?
+        p = tail[waits_more]
         if (n >= MIN_STEPS and v.comm_excess_s / step_median_s > THRESHOLD and p <= P_MAX
                 and v.excess_s > -0.5 * v.comm_excess_s):
             v.straggler, v.cause, v.steps_slower, v.p_value = True, "communication", waits_more, p

@@ -4,6 +4,8 @@ slow rank's peers wait for it in the collectives), so only how a rank spends its
 from __future__ import annotations
 
 import itertools
+import math
+import statistics
 
 import numpy as np
 import pytest
@@ -180,3 +182,154 @@ def test_sample_takes_a_mask_or_a_slice_of_the_measured_records():
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(by_slice.ranks[0][1], [3, 5, 7, 9])
     np.testing.assert_allclose(by_slice.ranks[0][2], 0.7)  # busy = step - comm
+
+
+# --- property tests: the vectorised verdict against a step-by-step reference ------------------------------------------
+
+def _reference(per_rank: dict[int, tuple[int, dict[int, tuple[float, float, float]]]], step_median_s: float):
+    """The module docstring's rule, computed step by step and rank by rank: per_rank = {rank: (pp_rank, {step:
+    (busy, data, comm)})}; returns {rank: dict of the verdict's figures}."""
+    out = {}
+    stages: dict[int, list[int]] = {}
+    for rank, (pp, _) in sorted(per_rank.items()):
+        stages.setdefault(pp, []).append(rank)
+    for ranks in stages.values():
+        if len(ranks) < 2:
+            out.update({r: {"steps_compared": 0, "straggler": False} for r in ranks})
+            continue
+        steps = sorted(set.intersection(*(set(per_rank[r][1]) for r in ranks)))
+        n = len(steps)
+        if n == 0:
+            out.update({r: {"steps_compared": 0, "straggler": False} for r in ranks})
+            continue
+
+        def value(r, s, what):
+            busy, data, comm = per_rank[r][1][s]
+            return {"busy": busy, "data": data, "comm": comm, "compute": busy - data}[what]
+
+        def excesses(r, what):
+            return [value(r, s, what) - statistics.median(value(o, s, what) for o in ranks if o != r) for s in steps]
+
+        def tail(k):
+            return 1.0 if k <= 0 else sum(math.comb(n, j) for j in range(k, n + 1)) / 2 ** n
+
+        got = {}
+        for r in ranks:
+            e = {w: excesses(r, w) for w in ("busy", "data", "compute", "comm")}
+            v = {"steps_compared": n, "busy_median_s": statistics.median(value(r, s, "busy") for s in steps),
+                 "compute_median_s": statistics.median(value(r, s, "compute") for s in steps),
+                 "excess_s": statistics.median(e["busy"]), "compute_excess_s": statistics.median(e["compute"]),
+                 "data_excess_s": statistics.median(e["data"]), "comm_excess_s": statistics.median(e["comm"]),
+                 "steps_slower": sum(x > 0 for x in e["busy"])}
+            v["p_value"], v["waits_more"] = tail(v["steps_slower"]), sum(x > 0 for x in e["comm"])
+            v["straggler"] = (n >= stragglers.MIN_STEPS and v["excess_s"] / step_median_s > stragglers.THRESHOLD
+                              and v["p_value"] <= stragglers.P_MAX)
+            v["cause"] = ("data" if v["data_excess_s"] > v["compute_excess_s"] else "compute") if v["straggler"] \
+                else None
+            got[r] = v
+        if len(ranks) >= 3:
+            meds = [got[r]["busy_median_s"] for r in ranks]
+            centre = statistics.median(meds)
+            spread = max(1.4826 * statistics.median(abs(m - centre) for m in meds), 0.01 * step_median_s)
+            for r in ranks:
+                got[r]["z"] = (got[r]["busy_median_s"] - centre) / spread
+        if not any(v["straggler"] for v in got.values()):
+            for v in got.values():
+                p = tail(v["waits_more"])
+                if (n >= stragglers.MIN_STEPS and v["comm_excess_s"] / step_median_s > stragglers.THRESHOLD
+                        and p <= stragglers.P_MAX and v["excess_s"] > -0.5 * v["comm_excess_s"]):
+                    v.update(straggler=True, cause="communication", steps_slower=v["waits_more"], p_value=p)
+        out.update(got)
+    return out
+
+
+def _random_job(rng, ranks: int, steps: int, stages: int):
+    """Random synchronous-ish records: several pipeline stages, slow ranks of every cause, missing comm samples,
+    NaN data times, ties; returns the sample and the reference's input."""
+    pp = rng.integers(0, stages, ranks)
+    sample, per_rank = stragglers.StragglerSample(), {}
+    slow = {int(r): (str(rng.choice(["compute", "data", "comm"])), float(rng.choice([0.01, 0.05, 0.3])))
+            for r in rng.choice(ranks, size=min(ranks, int(rng.integers(0, 3))), replace=False)}
+    ties = rng.random() < 0.3
+    step_no = np.arange(1.0, steps + 1)
+    every = int(rng.choice([1, 2, 3]))
+    warm = int(rng.integers(0, 3))
+    for r in range(ranks):
+        compute = 0.1 + 0.04 * pp[r] + 0.01 * rng.random(steps)
+        data = 0.01 + 0.002 * rng.random(steps)
+        comm = 0.03 + 0.01 * rng.random(steps)
+        kind, seconds = slow.get(r, ("compute", 0.0))
+        {"compute": compute, "data": data, "comm": comm}[kind][:] += seconds
+        if ties:
+            compute, data, comm = np.round(compute, 2), np.round(data, 3), np.round(comm, 2)
+        timed = (np.arange(steps) % every == 0) & (rng.random(steps) > (0.1 if rng.random() < 0.3 else 0.0))
+        data_col = np.where(rng.random(steps) < 0.05, np.nan, data)
+        st = compute + np.nan_to_num(data_col) + comm
+        cols = {"step": step_no, "step_time_s": st, "data_time_s": data_col,
+                "comm_time_s": np.where(timed, comm, np.nan)}
+        measured = slice(warm, steps) if rng.random() < 0.5 else np.arange(steps) >= warm
+        sample.add_rank(r, int(pp[r]), cols, measured)
+        keep = np.flatnonzero(timed & (np.arange(steps) >= warm))
+        if keep.size > stragglers.MAX_STEPS:
+            keep = keep[:: math.ceil(keep.size / stragglers.MAX_STEPS)]
+        per_rank[r] = (int(pp[r]), {int(step_no[i]): (float(st[i] - comm[i]), float(np.nan_to_num(data_col[i])),
+                                                      float(comm[i])) for i in keep})
+    return sample, per_rank
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_verdict_equals_a_step_by_step_reference(seed):
+    rng = np.random.default_rng(100 + seed)
+    for ranks, steps, stages in [(2, 12, 1), (3, 20, 1), (4, 30, 2), (int(rng.integers(5, 12)), 40, 3),
+                                 (6, 1200, 2)]:
+        sample, per_rank = _random_job(rng, ranks, steps, stages)
+        verdicts, line = stragglers.judge(sample, 0.2, lambda r: f"n{r}")
+        want = _reference(per_rank, 0.2)
+        assert sorted(v.rank for v in verdicts) == sorted(want)
+        for v in verdicts:
+            w = want[v.rank]
+            assert (v.steps_compared, v.straggler) == (w["steps_compared"], w["straggler"]), (v, w)
+            if not w["steps_compared"]:
+                continue
+            assert (v.steps_slower, v.cause) == (w["steps_slower"], w["cause"]), (v, w)
+            for k in ("busy_median_s", "compute_median_s", "excess_s", "compute_excess_s", "data_excess_s",
+                      "comm_excess_s"):
+                assert getattr(v, k) == pytest.approx(w[k], abs=1e-9), k
+            assert v.p_value == pytest.approx(w["p_value"], rel=1e-9, abs=1e-300)
+            assert v.z == (pytest.approx(w["z"], abs=1e-9) if "z" in w else None)
+            assert v.node == (f"n{v.rank}" if v.straggler else None)
+        named = [v for v in verdicts if v.straggler]
+        assert line.startswith("rank ") == bool(named), line
+
+
+def test_injected_slow_ranks_are_named_with_their_cause():
+    rng = np.random.default_rng(1)
+    steps, ranks = 40, 16
+    for kind, cause in [("compute", "compute"), ("data", "data")]:
+        busy = 0.1 + 0.002 * rng.random((ranks, steps))
+        data = 0.01 + 0.001 * rng.random((ranks, steps))
+        (busy if kind == "compute" else data)[5] += 0.05
+        st = busy + (data if kind == "data" else 0.0) + 0.02
+        sample = stragglers.StragglerSample()
+        for r in range(ranks):
+            sample.add_rank(r, r % 2, {"step": np.arange(1.0, steps + 1), "step_time_s": st[r], "data_time_s": data[r],
+                                       "comm_time_s": np.full(steps, 0.02)}, slice(0, steps))
+        verdicts, line = stragglers.judge(sample, 0.15)
+        assert [(v.rank, v.cause) for v in verdicts if v.straggler] == [(5, cause)], line
+
+
+def test_sign_test_tail_equals_sign_test_p():
+    for n in list(range(0, 40)) + [511, 512]:
+        tail = stragglers.sign_test_tail(n)
+        assert len(tail) == n + 1
+        assert all(tail[k] == stragglers.sign_test_p(k, n) for k in range(n + 1)), n
+    assert stragglers.sign_test_tail(20)[15] == pytest.approx(sum(math.comb(20, j) for j in range(15, 21)) / 2**20)
+
+
+def test_others_median_with_ties_and_many_ranks_equals_brute_force():
+    rng = np.random.default_rng(5)
+    for n in (2, 3, 6, 7, 16, 17):
+        x = np.round(rng.random((n, 25)), 1)  # many ties
+        got = stragglers.others_median(x)
+        want = np.array([[np.median(np.delete(x[:, s], i)) for s in range(25)] for i in range(n)])
+        np.testing.assert_array_equal(got, want)
