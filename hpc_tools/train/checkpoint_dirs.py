@@ -139,8 +139,12 @@ class CheckpointDirs:
 
     def read_latest(self) -> Path | None:
         """The folder the ``latest`` pointer names, when it exists and is complete."""
+        return self._pointed(LATEST)
+
+    def _pointed(self, pointer: str) -> Path | None:
+        """The checkpoint folder of this root that the pointer file ``pointer`` names, while it is complete."""
         try:
-            name = (self.root / LATEST).read_text().strip()
+            name = (self.root / pointer).read_text().strip()
         except (FileNotFoundError, NotADirectoryError):
             return None
         path = self.root / name
@@ -239,12 +243,7 @@ class CheckpointDirs:
 
     def verified(self) -> Path | None:
         """The newest checkpoint a resume verified and loaded, while it is still complete."""
-        try:
-            name = (self.root / VERIFIED).read_text().strip()
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        path = self.root / name
-        return path if name and "/" not in name and self.is_complete(path) else None
+        return self._pointed(VERIFIED)
 
     def prune(self) -> list[Path]:
         """Delete all but the ``keep_last`` newest complete checkpoints, and stale partial folders of older steps.
