@@ -5,7 +5,8 @@ Layout of a run folder::
     runs/<run_id>/
         recipe.yaml       the resolved recipe (re-read and compared when written)
         job.sbatch        the rendered batch script
-        manifest.json     job id, executor, git SHA, versions, nodelist, times, state
+        manifest.json     job id, executor, git SHA (dirty flag, diff hash), versions, site file, nodelist, times,
+                          state
         logs/             launcher and per-rank logs
         records/          per-rank metric records (schema owned by profiling.schema)
         checkpoints/      default checkpoint folder
@@ -17,6 +18,7 @@ import contextlib
 import datetime as dt
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import secrets
@@ -28,12 +30,13 @@ from typing import Any, Iterator
 
 from hpc_tools.errors import UserError
 from hpc_tools.runstate import LIVE_STATES, TERMINAL_STATES  # the run-state vocabulary's owner
-from profiling.files import atomic_write  # the one atomic write, re-exported to the rest of hpc_tools
+from profiling.files import atomic_write, current_umask  # the one atomic write, re-exported to hpc_tools
 
 MANIFEST = "manifest.json"
 RECIPE = "recipe.yaml"
 SCRIPT = "job.sbatch"
 SUBDIRS = ("logs", "records", "checkpoints")
+DEFAULT_MODE = 0o755  # cluster.run_dir_mode's default: a teammate or the group can read a shared run
 # Space kept free for the manifest: when the disk fills (a checkpoint save ran out of space), deleting this file
 # lets the ranks and the batch script's epilogue still record how the run ended.
 RESERVE, RESERVE_BYTES = ".reserve", 256 * 1024
@@ -60,6 +63,24 @@ def git_sha(cwd: Path | None = None) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def git_tree(cwd: Path | None = None) -> dict[str, Any]:
+    """``{"git_sha", "git_dirty", "git_diff_sha256"}`` of the checkout hpc_tools runs from: the commit, whether
+    tracked files differ from it, and a hash of that difference (``git diff HEAD``; two runs with the same hash ran the
+    same code). None each outside a git checkout."""
+    sha = git_sha(cwd)
+    if sha is None:
+        return {"git_sha": None, "git_dirty": None, "git_diff_sha256": None}
+    try:
+        out = subprocess.run(["git", "diff", "HEAD", "--no-color", "--no-ext-diff"], cwd=cwd or Path(__file__).parent,
+                             capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return {"git_sha": sha, "git_dirty": None, "git_diff_sha256": None}
+    if out.returncode != 0:
+        return {"git_sha": sha, "git_dirty": None, "git_diff_sha256": None}
+    return {"git_sha": sha, "git_dirty": bool(out.stdout),
+            "git_diff_sha256": hashlib.sha256(out.stdout).hexdigest() if out.stdout else None}
 
 
 def package_versions() -> dict[str, str]:
@@ -93,10 +114,12 @@ class RunFolder:
     # -- creation ------------------------------------------------------------------------------------------------------
     @classmethod
     def create(cls, root: Path, run_id: str, recipe_text: str, script_text: str, manifest: dict[str, Any],
-               check_recipe=None) -> "RunFolder":
+               check_recipe=None, mode: int = DEFAULT_MODE) -> "RunFolder":
         """Build the folder under a hidden temporary name and rename it into place: no partial run folders.
 
         ``check_recipe(text)`` re-reads the written recipe and must return the same text (a round-trip check).
+        The folder and its subfolders get ``mode`` (``cluster.run_dir_mode``) under the umask (mkdtemp alone makes
+        0700); its files follow (``profiling.files.file_mode``).
         """
         root.mkdir(parents=True, exist_ok=True)
         final = root / run_id
@@ -104,15 +127,18 @@ class RunFolder:
             raise UserError(f"run folder {final} already exists (choose another run name)")
         tmp = Path(tempfile.mkdtemp(prefix=f".{run_id}.", dir=root))
         try:
+            folder_mode = mode & ~current_umask()
+            os.chmod(tmp, folder_mode)
             for sub in SUBDIRS:
                 (tmp / sub).mkdir()
+                os.chmod(tmp / sub, folder_mode)
             atomic_write(tmp / RECIPE, recipe_text)
             if check_recipe is not None:
                 reread = (tmp / RECIPE).read_text()
                 if check_recipe(reread) != recipe_text:
                     raise RuntimeError(f"the resolved recipe did not survive a round trip through {RECIPE}")
             atomic_write(tmp / SCRIPT, script_text)
-            base = {"run_id": run_id, "state": "CREATED", "created": now_iso(), "git_sha": git_sha(),
+            base = {"run_id": run_id, "state": "CREATED", "created": now_iso(), **git_tree(),
                     "versions": package_versions(), "events": []}
             atomic_write(tmp / MANIFEST, json.dumps({**base, **manifest}, indent=2, sort_keys=True))
             (tmp / RESERVE).write_bytes(bytes(RESERVE_BYTES))

@@ -16,6 +16,7 @@ from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.base import printable
 from hpc_tools.recipe.load import dump_resolved, parse_yaml, read_yaml, resolve
 from hpc_tools.recipe.schema import Recipe
+from hpc_tools.recipe.site import site_path
 from hpc_tools.registry import RunFolder, new_run_id, runs_root
 from hpc_tools.render.sbatch import render_sbatch
 
@@ -33,16 +34,19 @@ class Plan:
     note: str = ""
 
 
-def choose_executor(requested: str) -> tuple[str, str]:
+def choose_executor(requested: str, dry_run: bool = False) -> tuple[str, str]:
     """(executor, note). `auto`: no Slurm installed (no `sbatch` on PATH) -> the local executor, with a note saying
     so; Slurm installed -> Slurm, and a controller that does not answer is an error, never a silent local run (a
-    login node during a controller restart must not quietly become the job's machine)."""
+    login node during a controller restart must not quietly become the job's machine). A ``dry_run`` submits
+    nothing, so it never asks a controller: `--executor slurm --dry-run` works on a laptop or during an outage."""
     from hpc_tools.executors.slurm import slurm_available, slurm_installed
 
     if requested not in EXECUTORS:
         raise UserError(f"--executor {requested} is unknown (use one of {', '.join(EXECUTORS)})")
     if requested == "local":
         return "local", ""
+    if dry_run and (requested == "slurm" or slurm_installed()):
+        return "slurm", ""
     if requested == "auto" and not slurm_installed():
         return "local", ("no Slurm here (sbatch is not on PATH): running locally on this machine with the recipe's "
                          "local profile; use --executor slurm to require Slurm")
@@ -76,14 +80,15 @@ def checked_runs_root(root: str | Path | None = None) -> Path:
 
 
 def plan_submission(recipe_path: str | Path, overrides: Iterable[str] = (), profile: str | None = None,
-                    executor: str = "auto", check_fit: bool = True, auto: bool = False) -> Plan:
+                    executor: str = "auto", check_fit: bool = True, auto: bool = False, dry_run: bool = False) -> Plan:
     """Resolve and check a recipe for the executor that will run it. Raises RecipeError/UserError; writes nothing.
 
     With ``auto`` the planner's search picks the layout (TP/PP/VPP/DP, micro batch, recompute, ZeRO / distributed
-    optimizer) for the recipe's cluster; its choice is applied as overrides on top of the user's.
+    optimizer) for the recipe's cluster; its choice is applied as overrides on top of the user's. A ``dry_run``
+    never asks Slurm's controller (``choose_executor``).
     """
     raw = read_yaml(recipe_path)
-    chosen, note = choose_executor(executor)
+    chosen, note = choose_executor(executor, dry_run)
     if profile is None and chosen == "local" and raw.get("local") is not None:
         profile = "local"
     recipe = resolve(raw, overrides, profile, str(recipe_path))
@@ -94,6 +99,11 @@ def plan_submission(recipe_path: str | Path, overrides: Iterable[str] = (), prof
         note = "; ".join(x for x in (note, "planner chose: " + " ".join(chosen_overrides)) if x)
     if check_fit:
         violations = fit_violations(recipe)
+        if violations:
+            raise RecipeError(violations, str(recipe_path))
+        from hpc_tools.recipe.world import world_violations  # files it names; the live cluster (not for a dry run)
+
+        violations = world_violations(recipe, slurm=chosen == "slurm" and not dry_run)
         if violations:
             raise RecipeError(violations, str(recipe_path))
     return Plan(recipe=recipe, executor=chosen, profile=profile, source=str(recipe_path), note=note)
@@ -113,10 +123,13 @@ def prepare_run(recipe: Recipe, root: str | Path | None = None, executor: str = 
     """A new run folder holding the resolved recipe (round-trip checked), the rendered script and a manifest."""
     text = dump_resolved(recipe)
     layout = ParallelLayout.from_recipe(recipe)
+    site = site_path()  # the site file whose defaults the recipe took (it is already merged into `text`)
     manifest = {"name": recipe.name, "executor": executor, "source": source, "layout": layout.describe(),
-                "world_size": layout.world_size, "backend": recipe.backend.kind, **(extra_manifest or {})}
+                "world_size": layout.world_size, "backend": recipe.backend.kind, "site_file": site and str(site),
+                **(extra_manifest or {})}
     return RunFolder.create(runs_root(root), new_run_id(recipe.name), text, render_sbatch(recipe, source), manifest,
-                            check_recipe=lambda t: dump_resolved(resolve(parse_yaml(t))))
+                            check_recipe=lambda t: dump_resolved(resolve(parse_yaml(t))),
+                            mode=recipe.cluster.run_dir_mode_bits)
 
 
 def launch(plan: Plan, root: str | Path | None = None, echo=None) -> tuple[RunFolder, object]:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import time
@@ -50,6 +51,8 @@ from profiling.schema import SCHEMA_VERSION
 from profiling.summary import RankSummary, format_job_line, format_line, merge, write_rank
 
 SUMMARY_MERGE_WAIT_S = 10.0
+DETAIL_LOGGER = "hpc_tools.detail"
+"""Logger of lines meant for a rank's log file, not the console (``hpc_tools.runtime.ranklog`` routes it)."""
 SLOW_RANK_ENV = "HPC_TOOLS_TEST_SLOW_RANK"
 
 
@@ -110,6 +113,12 @@ class _Rss:
             self._fd = None
 
 
+def _rank0_detail(ctx):
+    """Where the collector's per-window line (comm bandwidth, pipeline wait) goes: rank 0's log file only (the
+    ``DETAIL_LOGGER``, routed by ``hpc_tools.runtime.ranklog``), the console keeping the loop's progress line."""
+    return logging.getLogger(DETAIL_LOGGER).info if ctx.is_rank0 else None
+
+
 class StepCollector:
     def __init__(self, *, run_id: str, records_dir, rank: int, world_size: int, job_id: str | None, restart: int,
                  tokens_per_step: int, coords: dict[str, int], enabled: bool = True, summary_interval: int = 10,
@@ -142,6 +151,7 @@ class StepCollector:
         self._measure_bubble = False
         self._delays = injected_delays(rank)
         self._events_file = None
+        self._pending: dict[str, Any] | None = None
         self.writer = self.tracer = self.telemetry = self.trace = None
         self.summary = RankSummary(self.cfg.warmup_steps, {
             "run_id": run_id, "rank": rank, **coords, "world_size": world_size, "job_id": job_id, "restart": restart,
@@ -199,9 +209,9 @@ class StepCollector:
                    world_size=ctx.dist.world_size, job_id=ctx.dist.job_id, restart=ctx.dist.restart_count,
                    tokens_per_step=layout.global_batch_size * r.model.seq_length,
                    coords={"tp_rank": tp_rank, "pp_rank": pp_rank, "dp_rank": ctx.rank if dp_rank is None else dp_rank},
-                   enabled=r.profiling.enabled, log=ctx.info, config=r.profiling, cuda=cuda, model_flops=model_flops,
-                   hardware_flops=hardware_flops, peak_tflops=peak, flops_convention=r.profiling.flops_convention,
-                   pipeline_size=layout.pipeline_size,
+                   enabled=r.profiling.enabled, log=_rank0_detail(ctx), config=r.profiling, cuda=cuda,
+                   model_flops=model_flops, hardware_flops=hardware_flops, peak_tflops=peak,
+                   flops_convention=r.profiling.flops_convention, pipeline_size=layout.pipeline_size,
                    theory_bubble=layout.bubble_fraction if layout.pipeline_size > 1 else None,
                    run_dir=ctx.run.path, device_index=device_index,
                    header={"layout": layout.describe(), "gpu": device_name or ("cpu" if not cuda else None),
@@ -209,6 +219,7 @@ class StepCollector:
 
     # -- per step ------------------------------------------------------------------------------------------------------
     def start_step(self, step: int) -> None:
+        self._commit()
         self._data_s = 0.0
         if self.trace is not None:
             self.trace.start_step(step)
@@ -253,8 +264,8 @@ class StepCollector:
             "loss": None if loss is None else float(loss), "lr": None if lr is None else float(lr),
             "grad_norm": None if grad_norm is None else float(grad_norm),
             "rss_bytes": self._rss() if self._rss is not None else None, "skipped": skipped,
-            "nonfinite": nonfinite,
-        }
+            "nonfinite": nonfinite, "val_loss": None, "eval_time_s": None,  # keys on every line: readers of JSON
+        }                                                                 # lines look for a column in the first
         if not self.enabled:
             return record
         record.update(self._flops_fields(dt))
@@ -264,7 +275,7 @@ class StepCollector:
             record["mem_allocated_max_bytes"] = torch.cuda.max_memory_allocated()
             record["mem_reserved_max_bytes"] = torch.cuda.max_memory_reserved()
         comm_rows = self._comm_fields(step, dt, record) if self.tracer is not None else None
-        self.writer.write(record)
+        self._pending = record  # written at the next step, event or close: an evaluation may still add to it
         self.summary.add(record, comm_rows)
         if self.trace is not None:
             self.trace.end_step(step)
@@ -273,6 +284,24 @@ class StepCollector:
                                        self.summary.rows else record, self.convention, self.theory_bubble,
                                        comm_rows, record.get("mem_allocated_max_bytes") or record.get("rss_bytes")))
         return record
+
+    def add_evaluation(self, step: int, val_loss: float | None, seconds: float) -> None:
+        """The evaluation after step ``step`` (its record is still pending): ``val_loss`` and ``eval_time_s`` join
+        that record, outside its step time."""
+        if self._pending is not None and self._pending.get("step") == step:
+            self._pending["val_loss"] = None if val_loss is None else float(val_loss)
+            self._pending["eval_time_s"] = float(seconds)
+
+    def _commit(self) -> None:
+        if self._pending is not None and self.writer is not None:
+            self.writer.write(self._pending)
+        self._pending = None
+
+    def flush(self) -> None:
+        """Put every record so far on disk now (before a checkpoint save, whose steps must be on disk with it)."""
+        self._commit()
+        if self.writer is not None:
+            self.writer.flush()
 
     def _flops_fields(self, dt: float) -> dict[str, Any]:
         from profiling.peaks import hfu, mfu
@@ -309,6 +338,7 @@ class StepCollector:
         to this rank's events file, tagged with this start (``restart``)."""
         if not self.enabled:
             return
+        self.flush()  # the steps before a checkpoint save or load are on disk before its event
         if self._events_file is None:
             self.records_dir.mkdir(parents=True, exist_ok=True)
             self._events_file = open(events_path(self.records_dir, self.rank), "a", buffering=1)
@@ -337,11 +367,12 @@ class StepCollector:
             self._events_file = None
         if self._rss is not None:
             self._rss.close()
+        self._commit()
         self.writer.close()
         self.writer = None
         write_rank(self.records_dir, self.rank, self.summary.to_dict())
         if self.rank == 0:
             job = merge(self.run_dir, self.world_size, wait_s=SUMMARY_MERGE_WAIT_S if self.world_size > 1 else 0.0,
                         restart=self.restart)
-            if self.log and job:
-                self.log("summary: %s", format_job_line(job))
+            if self.log and job:  # the job's one summary line: on the console too, unlike the window lines
+                logging.getLogger("hpc_tools").info("summary: %s", format_job_line(job))

@@ -18,10 +18,11 @@ import numpy as np
 from profiling import stragglers as straggler_rules
 from profiling.schema import fields
 
-# The record fields the figures read; every one but step and step_time_s is optional.
+# The record fields the figures read; every one but step and step_time_s is optional. val_loss (schema version 2) is
+# set at evaluation steps only; version-1 files lack it and read as no validation loss.
 COLUMNS = fields("step", "restart", "pp_rank", "step_time_s", "tokens", "data_time_s", "comm_time_s", "pp_wait_s",
                  "loss", "model_flops", "hardware_flops", "tflops_per_gpu", "mfu", "mem_allocated_max_bytes",
-                 "mem_reserved_max_bytes", "rss_bytes")
+                 "mem_reserved_max_bytes", "rss_bytes", "val_loss")
 REQUIRED = fields("step", "step_time_s")
 STRAGGLER_THRESHOLD = straggler_rules.THRESHOLD  # excess busy time (share of the step) that makes a straggler
 GB = 1e9
@@ -335,6 +336,8 @@ class RunReducer:
         self.step_warmup = np.zeros(0, dtype=bool)
         self.loss_sum = np.empty(0)
         self.loss_count = np.empty(0)
+        self.val_loss_sum = np.empty(0)
+        self.val_loss_count = np.empty(0)
         self.files = 0
         self._tokens: list[float | None] = []
         self._flops: list[float | None] = []
@@ -362,6 +365,13 @@ class RunReducer:
             ok = ~np.isnan(loss)
             self.loss_sum[steps[ok]] += loss[ok]
             self.loss_count[steps[ok]] += 1.0
+        val = cols.get("val_loss")  # the same rule as the training loss: the mean over the ranks that report it
+        if val is not None and not np.all(np.isnan(val)):
+            self.val_loss_sum = _grow(self.val_loss_sum, n, 0.0)
+            self.val_loss_count = _grow(self.val_loss_count, n, 0.0)
+            ok = ~np.isnan(val)
+            self.val_loss_sum[steps[ok]] += val[ok]
+            self.val_loss_count[steps[ok]] += 1.0
         figures = rank_figures(rank, cols, measured)
         if figures is not None:
             self.ranks.append(figures)
@@ -432,12 +442,14 @@ class RunReducer:
         have = np.nonzero(self.loss_count > 0)[0]
         return float(self.loss_sum[have[-1]] / self.loss_count[have[-1]]) if have.size else None
 
-    def step_losses(self, steps: np.ndarray) -> np.ndarray:
-        """Mean loss over the ranks that report it, per given step (NaN where none does)."""
+    def step_losses(self, steps: np.ndarray, validation: bool = False) -> np.ndarray:
+        """Mean loss over the ranks that report it, per given step (NaN where none does); ``validation``: the
+        validation loss (``val_loss``, set at evaluation steps only)."""
+        total, count = (self.val_loss_sum, self.val_loss_count) if validation else (self.loss_sum, self.loss_count)
         loss = np.full(steps.size, np.nan)
-        idx = steps[steps < self.loss_count.size]
+        idx = steps[steps < count.size]
         with np.errstate(invalid="ignore", divide="ignore"):
-            loss[: idx.size] = np.where(self.loss_count[idx] > 0, self.loss_sum[idx] / self.loss_count[idx], np.nan)
+            loss[: idx.size] = np.where(count[idx] > 0, total[idx] / count[idx], np.nan)
         return loss
 
 

@@ -19,7 +19,8 @@ Per life, in seconds of wall time (x world size = GPU-seconds, or rank-seconds o
 - productive: the step time of every step whose record is final (no later life recorded that step again);
 - lost work: the step time of the steps a later life recomputed (recorded again after a failure lost them), with
   their count;
-- evaluation: 0 (no evaluation runs yet);
+- evaluation: the ``eval_time_s`` of the lowest rank's records (validation loss after a step, never part of its
+  step time; records of schema version 1 have none);
 - other: the rest of the allocation (between-step work such as the stop agreement and logging, the end-of-job
   summary, a step cut short by a kill);
 - requeue wait (outside the allocation): from a life's end to the next life's start (queue time after a requeue,
@@ -68,6 +69,7 @@ class Life:
     checkpoint_load_s: float = 0.0
     checkpoint_save_s: float = 0.0
     saves: int = 0
+    evaluation_s: float = 0.0
 
     @property
     def allocation_s(self) -> float:
@@ -96,7 +98,8 @@ class Goodput:
                "startup": sum(life.startup_s for life in self.lives),
                "checkpoint_load": sum(life.checkpoint_load_s for life in self.lives),
                "checkpoint_save": sum(life.checkpoint_save_s for life in self.lives),
-               "lost_work": sum(life.lost_work_s for life in self.lives), "evaluation": 0.0}
+               "lost_work": sum(life.lost_work_s for life in self.lives),
+               "evaluation": sum(life.evaluation_s for life in self.lives)}
         out["other"] = max(self.allocation_s - sum(out.values()), 0.0)
         return out
 
@@ -143,7 +146,7 @@ def _lowest_rank_columns(records_dir: Path) -> dict[str, np.ndarray]:
     files = rank_files(records_dir)
     if not files:
         return {}
-    return read_columns(files[min(files)], ("step", "restart", "time", "step_time_s"))
+    return read_columns(files[min(files)], ("step", "restart", "time", "step_time_s", "eval_time_s"))
 
 
 def measure(records_dir: Path, manifest: dict[str, Any], world_size: int, gpu: bool,
@@ -180,6 +183,10 @@ def measure(records_dir: Path, manifest: dict[str, Any], world_size: int, gpu: b
             life.first_step_start = float(step_start[in_life].min())
             last_activity = max(last_activity, float(cols["time"][in_life].max()))
             life.steps = int(in_life.sum())
+            if "eval_time_s" in cols:
+                life.evaluation_s = float(np.nansum(cols["eval_time_s"][in_life]))
+                # an evaluation ends after its step's record time: the life lasted at least that long
+                last_activity += float(np.nan_to_num(cols["eval_time_s"][in_life][-1:]).sum())
         saves: dict[Any, float] = {}
         for e in owned.get(k, []):
             last_activity = max(last_activity, e["time"])

@@ -1,6 +1,8 @@
 """The per-rank step record: the one definition every trainer writes and every analysis reads.
 
-Versioned: a change that renames or retypes a field bumps SCHEMA_VERSION; adding an optional field does not.
+Versioned: a change that renames or retypes a field bumps SCHEMA_VERSION, and so does a new field a reader may look
+for (version 2 added ``val_loss`` and ``eval_time_s``); readers accept every version up to SCHEMA_VERSION: an older
+file simply lacks the newer columns (``profiling.records`` reads them as absent).
 Records are appended as JSON lines to ``records/rank<RANK>.jsonl`` during the run (a requeued job appends to the same
 file) and compacted into ``records/rank<RANK>.parquet`` at the end (``profiling.records`` owns the file names and the
 reading). Optional fields are null when not measured on that step or rank (e.g. ``loss`` off the last pipeline stage,
@@ -12,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Record versions every reader accepts."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,10 @@ STEP_FIELDS: tuple[Field, ...] = (
     Field("pp_wait_s", "float", False, "time waiting on pipeline p2p during the step (measured bubble)"),
     Field("bubble_fraction", "float", False, "pp_wait_s / step_time_s"),
     Field("skipped", "bool", False, "the optimizer skipped this step (fp16 overflow, or a non-finite step)"),
+    Field("val_loss", "float", False, "mean validation loss over training.eval_iters validation batches, the same on "
+                                      "every rank; null except at evaluation steps (schema version 2)"),
+    Field("eval_time_s", "float", False, "wall seconds the evaluation after this step took (not part of step_time_s); "
+                                         "null except at evaluation steps (schema version 2)"),
     Field("nonfinite", "bool", False, "the step's loss or gradient norm was not finite on some rank: the update was "
                                       "skipped (training.max_nonfinite_steps)"),
 )

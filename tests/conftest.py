@@ -11,6 +11,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+# Hermetic recipes: a developer's site file (~/.config/hpc_tools/site.yaml) must not change what the tests resolve;
+# tests of the site file set HPC_TOOLS_SITE themselves.
+os.environ["HPC_TOOLS_SITE"] = "none"
 
 
 @pytest.fixture

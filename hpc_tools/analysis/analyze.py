@@ -12,11 +12,12 @@ import numpy as np
 import pandas as pd
 
 from hpc_tools.analysis.inputs import RunInput, discover
+from hpc_tools.analysis.labels import describe
 from hpc_tools.analysis.metrics import goodput_table, rank_table, run_goodput, run_metrics, step_table, straggler_table
 from hpc_tools.analysis.records import RunRecords, read_run
 from hpc_tools.analysis.scaling import ScalingResult, analyse_scaling
 from profiling import goodput as goodput_mod
-from profiling.figures import JOB_FIGURES, node_reader
+from profiling.figures import GB, JOB_FIGURES, node_reader
 
 
 @dataclass
@@ -64,17 +65,26 @@ def warmup_for(inp: RunInput, warmup: int | None) -> int:
     return inp.recipe.profiling.warmup_steps if inp.recipe is not None else 0
 
 
-def planner_prediction(recipe) -> float | None:
-    """The planner's predicted step time (s) for this recipe; None without a planner or a time model for it."""
+def planner_prediction(recipe, row: dict | None = None) -> tuple[float | None, float | None]:
+    """(step time s, allocated bytes) the planner predicts for this recipe, as its calibration compares them with a
+    run (``planner.calibrate.compare``: the stored efficiency of the recipe's cluster, else the default; memory as
+    torch's allocator sees it, GPUs only); (None, None) without a planner or a model for the recipe."""
     try:
-        from hpc_tools.planner import plan_recipe
+        from hpc_tools.planner.calibrate import Measured, compare, resolve_efficiency
+        from hpc_tools.planner.steptime import DEFAULT_EFFICIENCY
     except ImportError:
-        return None
+        return None, None
+    row = row or {}
     try:
-        plan = plan_recipe(recipe)
-    except Exception:  # the planner cannot model this recipe (e.g. comm_check): the column stays empty
-        return None
-    return float(plan.time.total_s) if plan.time is not None else None
+        eff, _ = resolve_efficiency(recipe)
+        c = compare(Measured(run=str(row.get("run_id", "")), recipe=recipe, steps=int(row.get("steps_measured") or 0),
+                             step_time_s=row.get("step_time_median_s"),
+                             mem_allocated_max_bytes=row.get("mem_allocated_peak_bytes"),
+                             mem_reserved_max_bytes=row.get("mem_reserved_peak_bytes")),
+                    DEFAULT_EFFICIENCY if eff is None else eff)
+    except Exception:  # the planner cannot model this recipe (e.g. comm_check): the columns stay empty
+        return None, None
+    return c.predicted_step_s, c.predicted_allocated_bytes
 
 
 def analyse_run(inp: RunInput, warmup: int | None = None) -> tuple[dict, pd.DataFrame, pd.DataFrame, RunRecords]:
@@ -84,11 +94,13 @@ def analyse_run(inp: RunInput, warmup: int | None = None) -> tuple[dict, pd.Data
     rec.reducer.node_of = node_reader(inp.run.records_dir)  # names the node of a straggler
     row = run_metrics(inp, rec)
     ranks = rank_table(rec, inp.run_id)
-    predicted = planner_prediction(inp.recipe) if inp.recipe is not None else None
+    predicted, predicted_mem = planner_prediction(inp.recipe, row) if inp.recipe is not None else (None, None)
     row["predicted_step_time_s"] = predicted
+    row["predicted_mem_allocated_bytes"] = predicted_mem
+    row["predicted_mem_gb"] = predicted_mem / GB if predicted_mem else None  # beside peak_mem_gb
     measured = row["step_time_median_s"]
     row["predicted_vs_measured"] = predicted / measured if predicted and measured else None
-    return row, ranks, step_table(rec, inp.run_id), rec
+    return row, ranks, step_table(rec, inp.run_id, row.get("tokens_per_step")), rec
 
 
 def analyse(refs: list[str], warmup: int | None = None, root: str | Path | None = None,
@@ -96,8 +108,9 @@ def analyse(refs: list[str], warmup: int | None = None, root: str | Path | None 
     """Analyse runs and sweeps; ``scaling`` overrides the sweep's `scaling:` choice (auto/strong/weak/none)."""
     inputs, sweeps = discover(refs, root)
     rows, rank_frames, step_frames, heatmaps, goodputs = [], [], [], {}, []
-    for inp in inputs:
+    for inp, name in zip(inputs, describe(inputs)):
         row, ranks, steps, rec = analyse_run(inp, warmup)
+        row.update(short_label=name.label, group=name.group, config_key=name.config_key)
         goodputs.append(run_goodput(inp))
         row.update(goodput=goodputs[-1].goodput, allocation_hours=goodputs[-1].summary()["allocation_hours"])
         rows.append(row)
@@ -120,7 +133,8 @@ def analyse(refs: list[str], warmup: int | None = None, root: str | Path | None 
 NUMERIC = tuple(f for f in JOB_FIGURES if f not in ("ranks_measured", "steps_measured", "warmup_steps", "slowest_rank",
                                                     "peak_mem_kind", "stragglers", "straggler_nodes",
                                                     "straggler_verdict", "bubble_share_per_stage")) + (
-    "predicted_step_time_s", "predicted_vs_measured", "goodput", "allocation_hours")
+    "predicted_step_time_s", "predicted_mem_allocated_bytes", "predicted_mem_gb", "predicted_vs_measured", "goodput",
+    "allocation_hours", "last_val_loss")
 
 
 def _numeric(runs: pd.DataFrame) -> pd.DataFrame:

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from hpc_tools.analysis.inputs import RunInput
-from hpc_tools.analysis.records import RunRecords
+from hpc_tools.analysis.records import TIMELINES, RunRecords
 from profiling import goodput as goodput_mod
 
 
@@ -27,13 +27,21 @@ def rank_table(rec: RunRecords, run_id: str) -> pd.DataFrame:
     return df
 
 
-def step_table(rec: RunRecords, run_id: str) -> pd.DataFrame:
-    """One row per recorded step: the slowest rank's step time, the mean loss over ranks that report it, warm-up."""
+def step_table(rec: RunRecords, run_id: str, tokens_per_step: float | None = None) -> pd.DataFrame:
+    """One row per recorded step: the slowest rank's step time, the mean training and validation loss over the ranks
+    that report them (validation: evaluation steps only, NaN elsewhere and in version-1 records), warm-up, the tokens
+    consumed up to the step (``tokens_per_step``: the run's figure) and the timelines over the ranks
+    (``records.TIMELINES``: MFU, memory max/min)."""
     red = rec.reducer
     st = red.step_time_max_s
     steps = np.nonzero(~np.isnan(st))[0]
-    return pd.DataFrame({"run_id": run_id, "step": steps, "step_time_s": st[steps], "loss": red.step_losses(steps),
-                         "warmup": red.step_warmup[steps]})
+    df = pd.DataFrame({"run_id": run_id, "step": steps, "step_time_s": st[steps], "loss": red.step_losses(steps),
+                       "val_loss": red.step_losses(steps, validation=True), "warmup": red.step_warmup[steps],
+                       "tokens": steps * tokens_per_step if tokens_per_step else np.nan})
+    for name in TIMELINES:
+        for col, values in rec.timeline(name, steps).items():
+            df[col] = values
+    return df
 
 
 def run_metrics(inp: RunInput, rec: RunRecords) -> dict[str, Any]:
@@ -61,6 +69,9 @@ def run_metrics(inp: RunInput, rec: RunRecords) -> dict[str, Any]:
     per_stage = figures.pop("bubble_share_per_stage")
     row.update(figures)
     row["bubble_share_per_stage"] = ", ".join(f"{k}: {v:.4g}" for k, v in per_stage.items()) if per_stage else ""
+    evaluated = np.nonzero(rec.reducer.val_loss_count > 0)[0]  # the last evaluation, by the figures' own mean
+    row["last_val_loss"] = float(rec.reducer.step_losses(evaluated[-1:], validation=True)[0]) if evaluated.size \
+        else None
     return row
 
 

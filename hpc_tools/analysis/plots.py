@@ -1,15 +1,32 @@
-"""PNG plots of an analysis (matplotlib, Agg backend: no display needed). Each function returns the files it wrote."""
+"""PNG plots of an analysis (matplotlib, Agg backend: no display needed). Each function returns the files it wrote.
+
+Layout rules every plot follows (``layout_problems`` checks them; the tests run it on every figure):
+- legends sit outside the axes (right of them, inside the figure: constrained layout makes room), never over the
+  data, never cut; one entry per name;
+- series are named by their short labels (``analysis.labels``: only what varies across the runs);
+- repeats of one configuration are one line with a band (their min-max) or one bar with an error bar;
+- only a scaling series (runs that differ in scale alone, ``analysis.scaling``) is drawn against the GPU count.
+"""
 
 from __future__ import annotations
 
+import re
 import textwrap
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
 from hpc_tools.analysis.analyze import Analysis
+from hpc_tools.analysis.labels import short_name
 
 MAX_HEATMAPS = 4
+MAX_BAR_GROUPS = 24  # configurations shown in a bar chart (the tables carry every run)
+GB = 1e9
+DPI = 110
+_kept: list[list] = []  # one list of (figure, path) per active ``kept()``, innermost last
+_saved: set[int] = set()  # ids of kept figures laid out by their save (drawn at the figure's own dpi)
 
 
 def _plt():
@@ -21,19 +38,123 @@ def _plt():
     return plt
 
 
+@contextmanager
+def kept():
+    """Keep the figures the plots make open, as [(figure, path)], e.g. to check their layout; closed on exit."""
+    import matplotlib
+
+    mine: list = []
+    _kept.append(mine)
+    try:
+        with matplotlib.rc_context({"figure.max_open_warning": 0}):  # kept open on purpose
+            yield mine
+    finally:
+        _kept.remove(mine)
+        plt = _plt()
+        for fig, _ in mine:
+            _saved.discard(id(fig))
+            plt.close(fig)
+
+
+def _figure(width: float = 7.6, height: float = 4.2, ncols: int = 1, nrows: int = 1):
+    fig = _plt().figure(figsize=(width, height), layout="constrained", dpi=DPI)
+    axes = fig.subplots(nrows, ncols)
+    return fig, axes
+
+
 def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    _plt().close(fig)
+    fig.savefig(path, dpi="figure")
+    if _kept:
+        _kept[-1].append((fig, path))
+        _saved.add(id(fig))
+    else:
+        _plt().close(fig)
     return path
 
 
-def _short(run_id: str, label: str | None) -> str:
-    return label or run_id[-22:]
+def _legend(fig, axes=None, title: str | None = None, extra: list | None = None) -> None:
+    """One legend right of the axes, each name once (``extra``: (handle, label) pairs appended, e.g. line styles)."""
+    seen: dict[str, object] = {}
+    for ax in (axes if isinstance(axes, (list, tuple, np.ndarray)) else [axes or fig.axes[0]]):
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            if label and not label.startswith("_"):
+                seen.setdefault(label, handle)
+    for handle, label in extra or []:
+        seen.setdefault(label, handle)
+    if not seen:
+        return
+    fig.legend(list(seen.values()), list(seen), loc="outside right upper", fontsize=8, title=title,
+               title_fontsize=8, ncol=1 if len(seen) <= 14 else 2, frameon=False)
 
 
-def _series_name(s) -> str:
-    return ", ".join(f"{k}={v}" for k, v in s.series.items() if k in ("tensor_size", "pipeline_size")) or "runs"
+def _colors(n: int) -> list:
+    plt = _plt()
+    cmap = plt.get_cmap("tab10" if n <= 10 else "tab20")
+    return [cmap(i % cmap.N) for i in range(n)]
+
+
+def groups(a: Analysis) -> list[tuple[str, list[str]]]:
+    """(label, run ids) per configuration, in the labels' natural order: repeats of a configuration are one group."""
+    runs = a.runs
+    if runs.empty:
+        return []
+    if "group" not in runs:  # an analysis made without labels: every run its own group
+        return [(str(r.run_id)[-22:], [r.run_id]) for r in runs.itertuples()]
+    out: dict[int, tuple[str, list[str]]] = {}
+    for r in runs.itertuples():
+        out.setdefault(int(r.group), (str(r.short_label), []))[1].append(r.run_id)
+    return sorted(out.values(), key=lambda g: _natural(g[0]))
+
+
+def _natural(text: str) -> list:
+    """Sort key that orders numbers by value: "hidden=64" before "hidden=128"."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", text) if part]
+
+
+def _band(ax, steps: pd.DataFrame, run_ids: list[str], x: str, y: str, color, label: str | None, lo: str | None = None,
+          hi: str | None = None, **style) -> bool:
+    """The mean over ``run_ids`` of ``y`` against ``x``, with the band from their min to their max (or from the
+    ``lo``/``hi`` columns' min and max, e.g. the ranks' range). False when no run has the column."""
+    if y not in steps:
+        return False
+    part = steps[steps["run_id"].isin(run_ids)].dropna(subset=[y])
+    if part.empty:
+        return False
+    by = part.groupby(x)
+    mean = by[y].mean()
+    ax.plot(mean.index, mean.to_numpy(), color=color, label=label, **style)
+    low = by[lo].min() if lo in part else by[y].min()
+    high = by[hi].max() if hi in part else by[y].max()
+    if (high - low).abs().max() > 0:
+        ax.fill_between(mean.index, low.to_numpy(), high.to_numpy(), color=color, alpha=0.2, lw=0)
+    return True
+
+
+def _series_names(a: Analysis) -> list[str]:
+    """A name per scaling series: what its runs' short labels have in common (the label less the scale, e.g.
+    ``hidden=128``), else the series keys that differ between the series; then the scaling kind."""
+    if not a.scaling:
+        return []
+    labels = dict(zip(a.runs["run_id"], a.runs["short_label"])) if "short_label" in a.runs else {}
+    keys = [k for k in a.scaling[0].series if len({str(s.series.get(k)) for s in a.scaling}) > 1]
+    names = []
+    for s in a.scaling:
+        words = [str(labels.get(r, "")).split() for r in s.run_ids]
+        common = " ".join(w for w in words[0] if all(w in other for other in words[1:])) if words else ""
+        if len(a.scaling) > 1 and not common:
+            common = " ".join(f"{short_name(k)}={s.series.get(k)}" for k in keys)
+        names.append(f"{common} ({s.kind})" if common else f"{s.kind} scaling")
+    return names
+
+
+def _gpu_axis(ax, a: Analysis) -> None:
+    """GPU counts on a log-2 axis, labelled with the measured counts as plain numbers."""
+    from matplotlib.ticker import NullFormatter
+
+    ax.set_xscale("log", base=2)
+    counts = sorted({int(n) for s in a.scaling for n in s.table["world_size"]})
+    ax.set_xticks(counts, [str(n) for n in counts])
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def _bars(mid, lo, hi) -> np.ndarray:
@@ -43,43 +164,38 @@ def _bars(mid, lo, hi) -> np.ndarray:
 
 
 def throughput(a: Analysis, out: Path) -> list[Path]:
-    """Tokens/s vs GPUs per scaling series, error bars from its fastest to its slowest repeat, each with its ideal
-    (linear from the smallest run) line."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    drawn = False
-    for s in a.scaling:
+    """Tokens/s vs GPUs per scaling series, error bars from its fastest to its slowest repeat, with the ideal (linear
+    from the smallest run) line. Runs outside any series are not drawn (the report lists them in a table)."""
+    series = [(s, name) for s, name in zip(a.scaling, _series_names(a)) if not s.table["tokens_per_s"].isna().all()]
+    if not series:
+        return []
+    fig, ax = _figure()
+    for i, (s, name) in enumerate(series):
         t = s.table
-        if t["tokens_per_s"].isna().all():
-            continue
-        ax.errorbar(t["world_size"], t["tokens_per_s"], yerr=_bars(t["tokens_per_s"], t["tokens_per_s_lo"],
-                                                                   t["tokens_per_s_hi"]),
-                    marker="o", capsize=3, label=f"measured ({s.kind}; {_series_name(s)}; bars: run-to-run spread)")
+        bars = ax.errorbar(t["world_size"], t["tokens_per_s"], yerr=_bars(t["tokens_per_s"], t["tokens_per_s_lo"],
+                                                                          t["tokens_per_s_hi"]),
+                           marker="o", capsize=3, label=f"measured, {name}")
         base = t["tokens_per_s"].iloc[0] / t["world_size"].iloc[0]
-        ax.plot(t["world_size"], base * t["world_size"], "--", color="grey", label="ideal (linear)")
-        drawn = True
-    if not drawn:
-        runs = a.runs.dropna(subset=["tokens_per_s"])
-        if runs.empty:
-            plt.close(fig)
-            return []
-        ax.plot(runs["world_size"], runs["tokens_per_s"], "o", label="runs")
+        ax.plot(t["world_size"], base * t["world_size"], "--", color=bars[0].get_color(), alpha=0.6, lw=1,
+                label="ideal (linear)" if i == 0 else "_ideal")
+    _gpu_axis(ax, a)
     ax.set_xlabel("GPUs (ranks)")
     ax.set_ylabel("tokens / s")
-    ax.set_title("Throughput vs GPUs")
-    ax.legend(fontsize=8)
+    ax.set_title("Throughput vs GPUs (bars: fastest-slowest repeat)", fontsize=10)
     ax.grid(alpha=0.3)
+    _legend(fig, ax)
     return [_save(fig, out / "throughput_vs_gpus.png")]
 
 
-def _fit_curve(ax, s, color) -> None:
+def _fit_curve(ax, s, color, name: str) -> None:
     """The fitted law over the measured GPU counts only, with the band its interval gives; a fit that does not stand
-    is named in the legend with its reason and not drawn."""
+    is named in the legend (the report's scaling section says why) and not drawn."""
     fit, t = s.fit, s.table
     if fit is None:
         return
     if not fit.ok:
-        ax.plot([], [], " ", label=textwrap.fill(fit.verdict(), 80))  # a legend line, no curve
+        ax.plot([], [], " ", label=f"{name}: no {fit.model.capitalize()} fit\n({fit.gpu_counts} GPU counts; "
+                                   "why: see the report)")  # a legend line, no curve
         return
     n0 = float(t["world_size"].iloc[0])
     n = np.geomspace(n0, float(t["world_size"].max()), 50)
@@ -90,7 +206,7 @@ def _fit_curve(ax, s, color) -> None:
         curve = [fit.scaled_speedup(n / n0, v) / (n / n0) for v in (fit.serial_fraction, hi, lo)]
     sym = "f" if fit.model == "amdahl" else "s"
     ax.plot(n, curve[0], ":", color=color,
-            label=f"{fit.model.capitalize()} fit {sym}={fit.serial_fraction:.3f} [{lo:.3f}, {hi:.3f}], "
+            label=f"{name}: {fit.model.capitalize()} fit\n{sym}={fit.serial_fraction:.3f} [{lo:.3f}, {hi:.3f}], "
                   f"R^2 {fit.r2:.3f}")
     ax.fill_between(n, curve[1], curve[2], color=color, alpha=0.15, lw=0)
 
@@ -100,69 +216,97 @@ def efficiency(a: Analysis, out: Path) -> list[Path]:
     95 % band) where the fit stands."""
     if not a.scaling:
         return []
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7.2, 4.6))
+    fig, ax = _figure()
     top = 1.1
-    for s in a.scaling:
+    for s, name in zip(a.scaling, _series_names(a)):
         t = s.table
         bars = ax.errorbar(t["world_size"], t["efficiency"], yerr=_bars(t["efficiency"], t["efficiency_lo"],
                                                                         t["efficiency_hi"]),
-                           marker="o", capsize=3, label=f"{s.kind} scaling ({_series_name(s)}; bars: run-to-run "
-                                                        "spread)")
-        _fit_curve(ax, s, bars[0].get_color())
+                           marker="o", capsize=3, label=name)
+        _fit_curve(ax, s, bars[0].get_color(), name)
         top = max(top, float(np.nanmax(t["efficiency_hi"])) * 1.05)
     ax.axhline(1.0, color="grey", ls="--", lw=1)
-    ax.set_xscale("log", base=2)
+    _gpu_axis(ax, a)
     ax.set_ylim(0, top)
     ax.set_xlabel("GPUs (ranks)")
     ax.set_ylabel("parallel efficiency")
-    ax.set_title("Scaling efficiency")
-    ax.legend(fontsize=7, loc="lower left")
+    ax.set_title("Scaling efficiency (bars: fastest-slowest repeat)", fontsize=10)
     ax.grid(alpha=0.3)
+    _legend(fig, ax)
     return [_save(fig, out / "efficiency_vs_gpus.png")]
 
 
+CHARS_PER_INCH = 13  # 7-point tick labels, with a gap between neighbours
+
+
+def _ticks(ax, labels: list[str]) -> None:
+    """Category labels that do not overprint: wrapped to the width each category has on the axes (at most three
+    lines), slanted where even that does not fit."""
+    ax.set_xticks(range(len(labels)))
+    fig = ax.get_figure()
+    width_in = fig.get_figwidth() * ax.get_position().width
+    slot = max(4, int(width_in / max(len(labels), 1) * CHARS_PER_INCH))
+    wrapped = [textwrap.wrap(t, slot, break_long_words=False) or [""] for t in labels]
+    fits = all(len(lines) <= 3 and max(len(x) for x in lines) <= slot for lines in wrapped)
+    if fits:
+        ax.set_xticklabels(["\n".join(lines) for lines in wrapped], fontsize=7)
+    else:
+        ax.set_xticklabels(["\n".join(textwrap.wrap(t, 24)[:2]) for t in labels], fontsize=7, rotation=35,
+                           ha="right", rotation_mode="anchor")
+
+
 def breakdown(a: Analysis, out: Path) -> list[Path]:
-    """Median step time per run split into data loading, communication, pipeline bubble and the rest."""
-    runs = a.runs.dropna(subset=["step_time_median_s"])
+    """Median step time per configuration (mean over its repeats, error bar: fastest-slowest repeat) split into data
+    loading, communication, pipeline bubble and the rest."""
+    runs = a.runs.dropna(subset=["step_time_median_s"]) if not a.runs.empty else a.runs
     if runs.empty:
         return []
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(max(6.4, 0.6 * len(runs) + 2), 4.2))
-    # Numbered: two runs may share a layout and GPU count (2 nodes x 1 vs 1 node x 2, or repeats).
-    labels = [f"#{i}\n{r.layout.split(' on ')[0] if isinstance(r.layout, str) else ''}\n"
-              f"{r.nodes}x{r.ranks_per_node} r{r.repeat}" for i, r in enumerate(runs.itertuples())]
-    total = runs["step_time_median_s"].to_numpy()
-    parts = {name: runs[col].fillna(0).to_numpy() * total for name, col in
-             (("data loading", "data_share"), ("communication", "comm_share"), ("pipeline bubble", "bubble_share"))}
-    bottom = np.zeros(len(runs))
-    for name, values in parts.items():
-        ax.bar(labels, values, bottom=bottom, label=name)
-        bottom += values
-    ax.bar(labels, np.clip(total - bottom, 0, None), bottom=bottom, label="compute / other")
+    rows = []
+    for label, ids in groups(a)[:MAX_BAR_GROUPS]:
+        g = runs[runs["run_id"].isin(ids)]
+        if g.empty:
+            continue
+        total = g["step_time_median_s"]
+        rows.append({"label": label, "total": total.mean(), "lo": total.min(), "hi": total.max(),
+                     **{col: (g[col].fillna(0) * total).mean() for col in ("data_share", "comm_share",
+                                                                             "bubble_share") if col in g}})
+    table = pd.DataFrame(rows)
+    fig, ax = _figure(width=max(7.6, 0.55 * len(table) + 4.5), height=4.6)
+    x = np.arange(len(table))
+    bottom = np.zeros(len(table))
+    for (name, col), color in zip((("data loading", "data_share"), ("communication", "comm_share"),
+                                   ("pipeline bubble", "bubble_share")), ("tab:blue", "tab:orange", "tab:green")):
+        values = table[col].fillna(0).to_numpy() if col in table else np.zeros(len(table))
+        if values.any():  # a part no run measured is left out of the bars and the legend
+            ax.bar(x, values, bottom=bottom, label=name, color=color)
+            bottom += values
+    rest = np.clip(table["total"].to_numpy() - bottom, 0, None)
+    ax.bar(x, rest, bottom=bottom, label="compute / other", color="tab:red")
+    if (table["hi"] > table["lo"]).any():
+        ax.errorbar(x, table["total"], yerr=_bars(table["total"], table["lo"], table["hi"]), fmt="none",
+                    ecolor="black", capsize=3, lw=1, label="fastest-slowest repeat")
+    _ticks(ax, list(table["label"]))
     ax.set_ylabel("median step time (s)")
-    ax.set_title("Step-time breakdown per layout")
-    ax.tick_params(axis="x", labelsize=7)
-    ax.legend(fontsize=8)
+    ax.set_title("Step-time breakdown per configuration", fontsize=10)
+    _legend(fig, ax)
     return [_save(fig, out / "step_time_breakdown.png")]
 
 
 def memory(a: Analysis, out: Path) -> list[Path]:
+    """Peak memory per rank, one line per configuration (band: min-max over its repeats)."""
     ranks = a.ranks
-    if ranks.empty or ranks["peak_mem_gb"].isna().all():
+    if ranks.empty or "peak_mem_gb" not in ranks or ranks["peak_mem_gb"].isna().all():
         return []
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    labels = dict(zip(a.runs["run_id"], a.runs["label"].fillna("")))
-    for run_id, group in ranks.groupby("run_id", sort=False):
-        ax.plot(group["rank"], group["peak_mem_gb"], marker="o", ms=3, label=_short(run_id, labels.get(run_id)))
-    kind = a.runs["peak_mem_kind"].dropna()
+    fig, ax = _figure()
+    named = groups(a)
+    for color, (label, ids) in zip(_colors(len(named)), named):
+        _band(ax, ranks, ids, "rank", "peak_mem_gb", color, label, marker="o", ms=3)
+    kind = a.runs["peak_mem_kind"].dropna() if "peak_mem_kind" in a.runs else pd.Series(dtype=object)
     ax.set_xlabel("rank")
     ax.set_ylabel(f"peak memory (GB, {kind.iloc[0] if len(kind) else 'n/a'})")
-    ax.set_title("Peak memory per rank")
-    if ranks["run_id"].nunique() <= 12:
-        ax.legend(fontsize=7)
+    ax.set_title("Peak memory per rank", fontsize=10)
     ax.grid(alpha=0.3)
+    _legend(fig, ax)
     return [_save(fig, out / "memory_per_rank.png")]
 
 
@@ -170,42 +314,171 @@ def heatmaps(a: Analysis, out: Path) -> list[Path]:
     """Per-rank step-time heatmaps for the runs with the most ranks (at most MAX_HEATMAPS)."""
     if not a.heatmaps:
         return []
-    plt = _plt()
     sizes = dict(zip(a.runs["run_id"], a.runs["world_size"]))
+    labels = dict(zip(a.runs["run_id"], a.runs["short_label"])) if "short_label" in a.runs else {}
     chosen = sorted(a.heatmaps, key=lambda r: -int(sizes.get(r, 0) or 0))[:MAX_HEATMAPS]
     files = []
     for i, run_id in enumerate(chosen):
         grid, edges, ranks = a.heatmaps[run_id]
-        fig, ax = plt.subplots(figsize=(6.4, max(2.4, min(8.0, 0.25 * len(ranks) + 1.5))))
+        fig, ax = _figure(height=max(2.6, min(8.0, 0.25 * len(ranks) + 1.8)))
         im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis",
                        extent=(edges[0], edges[-1], len(ranks) - 0.5, -0.5))
         fig.colorbar(im, ax=ax, label="mean step time (s)")
         ax.set_xlabel("step")
         ax.set_ylabel("rank")
-        ax.set_title(f"Step time per rank: {run_id}", fontsize=9)
+        ax.set_title(f"Step time per rank: {labels.get(run_id, '')} ({run_id})", fontsize=9)
         files.append(_save(fig, out / f"heatmap_{i}.png"))
     return files
 
 
+def _has(a: Analysis, col: str) -> bool:
+    return not a.steps.empty and col in a.steps and not a.steps[col].isna().all()
+
+
 def loss(a: Analysis, out: Path) -> list[Path]:
-    steps = a.steps
-    if steps.empty or steps["loss"].isna().all():
+    """Training loss per step, one line per configuration (band: min-max over its repeats), and the validation loss
+    at the evaluation steps (dashed, same colour) where the records carry it."""
+    if not _has(a, "loss"):
         return []
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    labels = dict(zip(a.runs["run_id"], a.runs["label"].fillna("")))
-    for run_id, group in steps.dropna(subset=["loss"]).groupby("run_id", sort=False):
-        ax.plot(group["step"], group["loss"], lw=1, label=_short(run_id, labels.get(run_id)))
+    from matplotlib.lines import Line2D
+
+    fig, ax = _figure()
+    named = groups(a)
+    val = _has(a, "val_loss")
+    for color, (label, ids) in zip(_colors(len(named)), named):
+        _band(ax, a.steps, ids, "step", "loss", color, label, lw=1)
+        if val:
+            _band(ax, a.steps, ids, "step", "val_loss", color, None, ls="--", marker=".", ms=4, lw=1)
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title("Loss curves")
-    if steps["run_id"].nunique() <= 12:
-        ax.legend(fontsize=7)
+    ax.set_ylabel("loss")
+    ax.set_title("Training and validation loss" if val else "Training loss", fontsize=10)
     ax.grid(alpha=0.3)
+    styles = [(Line2D([], [], color="black", lw=1), "train"),
+              (Line2D([], [], color="black", ls="--", marker=".", lw=1), "validation")] if val else []
+    _legend(fig, ax, extra=styles)
     return [_save(fig, out / "loss_curves.png")]
 
 
-PLOTS = (throughput, efficiency, breakdown, memory, heatmaps, loss)
+def val_loss_vs_tokens(a: Analysis, out: Path) -> list[Path]:
+    """Across a sweep (two or more configurations): validation loss against tokens consumed."""
+    named = groups(a)
+    if len(named) < 2 or not _has(a, "val_loss") or not _has(a, "tokens"):
+        return []
+    fig, ax = _figure()
+    for color, (label, ids) in zip(_colors(len(named)), named):
+        _band(ax, a.steps.dropna(subset=["val_loss", "tokens"]), ids, "tokens", "val_loss", color, label,
+              marker=".", ms=4, lw=1)
+    ax.set_xlabel("tokens consumed")
+    ax.set_ylabel("validation loss")
+    ax.set_title("Validation loss vs tokens", fontsize=10)
+    ax.grid(alpha=0.3)
+    _legend(fig, ax)
+    return [_save(fig, out / "val_loss_vs_tokens.png")]
+
+
+def mfu(a: Analysis, out: Path) -> list[Path]:
+    """MFU per step (mean over the ranks), one line per configuration (band: min-max over its repeats)."""
+    if not _has(a, "mfu"):
+        return []
+    fig, ax = _figure()
+    named = groups(a)
+    for color, (label, ids) in zip(_colors(len(named)), named):
+        part = a.steps.assign(mfu_pct=a.steps["mfu"] * 100)
+        _band(ax, part, ids, "step", "mfu_pct", color, label, lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("MFU (%)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Model FLOPs utilisation over steps", fontsize=10)
+    ax.grid(alpha=0.3)
+    _legend(fig, ax)
+    return [_save(fig, out / "mfu_over_steps.png")]
+
+
+MEMORY_KINDS = (("mem_allocated_max_bytes", "allocated (max)"), ("mem_reserved_max_bytes", "reserved (max)"),
+                ("rss_bytes", "host RSS"))
+
+
+def memory_timeline(a: Analysis, out: Path) -> list[Path]:
+    """Memory per step, band: the range over the ranks (and repeats). One configuration: allocated, reserved and host
+    RSS; several: one line per configuration of the allocated peak (host RSS on CPU ranks)."""
+    have = [(col, name) for col, name in MEMORY_KINDS if _has(a, f"{col}_max")]
+    if not have:
+        return []
+    named = groups(a)
+    steps = a.steps.copy()
+    for col, _ in have:
+        for end in ("max", "min"):
+            steps[f"{col}_{end}_gb"] = steps[f"{col}_{end}"] / GB
+    fig, ax = _figure()
+    if len(named) == 1:
+        ids = named[0][1]
+        for color, (col, name) in zip(_colors(len(have)), have):
+            _band(ax, steps, ids, "step", f"{col}_max_gb", color, name, lo=f"{col}_min_gb", hi=f"{col}_max_gb", lw=1)
+        title = f"Memory over steps: {named[0][0]} (band: range over ranks)"
+    else:
+        col, name = have[0]
+        for color, (label, ids) in zip(_colors(len(named)), named):
+            _band(ax, steps, ids, "step", f"{col}_max_gb", color, label, lo=f"{col}_min_gb", hi=f"{col}_max_gb",
+                  lw=1)
+        title = f"Memory over steps: {name} (band: range over ranks and repeats)"
+    ax.set_xlabel("step")
+    ax.set_ylabel("GB")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    _legend(fig, ax)
+    return [_save(fig, out / "memory_timeline.png")]
+
+
+def predicted_vs_measured(a: Analysis, out: Path) -> list[Path]:
+    """The planner's predicted step time and allocated memory next to the measured ones, per configuration (the
+    measured step time's error bar: its p10-p90 over steps, over repeats)."""
+    runs = a.runs
+    if runs.empty or "predicted_step_time_s" not in runs or runs["predicted_step_time_s"].isna().all():
+        return []
+    rows = []
+    for label, ids in groups(a)[:MAX_BAR_GROUPS]:
+        g = runs[runs["run_id"].isin(ids)]
+        if g["predicted_step_time_s"].isna().all():
+            continue
+        rows.append({"label": label, "measured": g["step_time_median_s"].mean(), "lo": g["step_time_p10_s"].min(),
+                     "hi": g["step_time_p90_s"].max(), "predicted": g["predicted_step_time_s"].mean(),
+                     "mem": g["mem_allocated_peak_bytes"].max() / GB if "mem_allocated_peak_bytes" in g else np.nan,
+                     "mem_pred": g["predicted_mem_allocated_bytes"].mean() / GB
+                     if "predicted_mem_allocated_bytes" in g else np.nan})
+    table = pd.DataFrame(rows)
+    with_mem = bool(table["mem"].notna().any() and table["mem_pred"].notna().any())
+    stacked = with_mem and len(table) > 6  # many configurations: memory below step time, not beside it
+    width = 0.5 * len(table) + 4.5 if stacked or not with_mem else 0.9 * len(table) + 4.5
+    fig, axes = _figure(width=max(7.6, width), height=7.6 if stacked else 4.4, ncols=2 if with_mem and not stacked
+                        else 1, nrows=2 if stacked else 1)
+    axes = list(axes) if with_mem else [axes]
+    x, w = np.arange(len(table)), 0.38
+    ax = axes[0]
+    ax.bar(x - w / 2, table["measured"], w, yerr=_bars(table["measured"], table["lo"], table["hi"]), capsize=3,
+           color="tab:blue", label="measured")
+    ax.bar(x + w / 2, table["predicted"], w, color="tab:orange", label="predicted (planner)")
+    for xi, (m, p) in enumerate(zip(table["measured"], table["predicted"])):
+        if m and p and len(table) <= 8:  # more would touch; the runs table has predicted_vs_measured
+            ax.annotate(f"{m / p:.2f}x", (xi, max(m, p)), xytext=(0, 3), textcoords="offset points", ha="center",
+                        fontsize=7)
+    ax.set_ylabel("step time (s)")
+    ax.set_title("Step time (measured: median, bar p10-p90)", fontsize=9)
+    ax.margins(y=0.12)
+    _ticks(ax, list(table["label"]))
+    if with_mem:
+        ax = axes[1]
+        ax.bar(x - w / 2, table["mem"], w, color="tab:blue")
+        ax.bar(x + w / 2, table["mem_pred"], w, color="tab:orange")
+        ax.set_ylabel("allocated peak per GPU (GB)")
+        ax.set_title("Allocated memory peak", fontsize=9)
+        _ticks(ax, list(table["label"]))
+    _legend(fig, axes)
+    return [_save(fig, out / "predicted_vs_measured.png")]
+
+
+PLOTS = (loss, val_loss_vs_tokens, throughput, efficiency, breakdown, predicted_vs_measured, mfu, memory_timeline,
+         memory, heatmaps)
 
 
 def all_plots(a: Analysis, out: Path) -> list[Path]:
@@ -213,3 +486,38 @@ def all_plots(a: Analysis, out: Path) -> list[Path]:
     for plot in PLOTS:
         files.extend(plot(a, out))
     return files
+
+
+def _inside(inner, outer, tol: float = 1.0) -> bool:
+    return (inner.x0 >= outer.x0 - tol and inner.y0 >= outer.y0 - tol and inner.x1 <= outer.x1 + tol
+            and inner.y1 <= outer.y1 + tol)
+
+
+def layout_problems(fig) -> list[str]:
+    """What breaks the layout rules in a drawn figure (empty when nothing does): a legend or any text outside the
+    figure (cut off), a legend over an axes' data area, a name twice in a legend, overlapping tick labels."""
+    if id(fig) not in _saved:  # a kept figure was laid out by its save: drawing it again costs as much
+        fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    problems = []
+    whole = fig.get_tightbbox(renderer).transformed(fig.dpi_scale_trans)
+    if not _inside(whole, fig.bbox, tol=2.0):
+        problems.append(f"content {whole.bounds} extends past the figure {fig.bbox.bounds}")
+    legends = list(fig.legends) + [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    for leg in legends:
+        box = leg.get_window_extent(renderer)
+        if not _inside(box, fig.bbox):
+            problems.append(f"legend {box.bounds} outside the figure {fig.bbox.bounds}")
+        for ax in fig.axes:
+            if box.overlaps(ax.bbox):
+                problems.append(f"legend {box.bounds} over the axes {ax.bbox.bounds}")
+        texts = [t.get_text() for t in leg.get_texts()]
+        if len(texts) != len(set(texts)):
+            problems.append(f"legend names repeated: {texts}")
+    for ax in fig.axes:
+        boxes = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
+        for b1, b2 in zip(boxes, boxes[1:]):
+            if b1.overlaps(b2):
+                problems.append(f"tick labels overlap on {ax.get_title()!r}")
+                break
+    return problems

@@ -4,7 +4,8 @@ and per-step results, never the run's records.
 
 The files are found and read by ``profiling.records`` (the owner of their names) and reduced by
 ``profiling.figures.RunReducer`` (the owner of every figure's definition), the same reducer the run summary and the
-calibration use. This module adds what only the analysis shows: a binned step-time row per rank for the heatmap.
+calibration use. This module adds what only the analysis shows: a binned step-time row per rank for the heatmap and
+per-step timelines over the ranks (MFU, memory) for the report's plots.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from profiling.figures import COLUMNS, RankFigures, RunReducer
 from profiling.records import iter_rank_columns
 
 HEATMAP_BINS = 100
+# Per-step timelines: record field -> how the ranks of a step are combined ("mean", or "range": the max and the min
+# over the ranks, the band of a memory timeline).
+TIMELINES = {"mfu": "mean", "mem_allocated_max_bytes": "range", "mem_reserved_max_bytes": "range", "rss_bytes": "range"}
 
-__all__ = ["COLUMNS", "HEATMAP_BINS", "RunRecords", "read_run"]
+__all__ = ["COLUMNS", "HEATMAP_BINS", "TIMELINES", "RunRecords", "read_run"]
 
 
 @dataclass
@@ -31,6 +35,8 @@ class RunRecords:
     heatmap_edges: np.ndarray = field(default_factory=lambda: np.empty(0))
     heatmap_ranks: list[int] = field(default_factory=list)
     _bin_cache: tuple | None = field(default=None, repr=False)  # (steps, bin index, counts per bin)
+    # field -> per-step arrays indexed by step number: (sum, count) for "mean", (max, min) for "range"
+    timelines: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     @property
     def ranks(self) -> list[RankFigures]:
@@ -44,6 +50,20 @@ class RunRecords:
     def source_files(self) -> int:
         return self.reducer.files
 
+    def timeline(self, name: str, steps: np.ndarray) -> dict[str, np.ndarray]:
+        """A field's per-step timeline at ``steps``: {name: mean} or {name_max, name_min} over the ranks; {} when no
+        rank recorded the field."""
+        if name not in self.timelines:
+            return {}
+        a, b = self.timelines[name]
+        inside = steps < a.size
+        first, second = np.full(steps.size, np.nan), np.full(steps.size, np.nan)
+        first[inside], second[inside] = a[steps[inside]], b[steps[inside]]
+        if TIMELINES[name] == "mean":
+            with np.errstate(invalid="ignore", divide="ignore"):
+                return {name: np.where(second > 0, first / second, np.nan)}
+        return {f"{name}_max": first, f"{name}_min": second}
+
 
 def read_run(records_dir: Path, warmup: int, max_step: int | None = None) -> RunRecords:
     """Reduce every rank file of a run; ``max_step`` (train_iters) sizes the per-step arrays and heatmap bins."""
@@ -54,11 +74,37 @@ def read_run(records_dir: Path, warmup: int, max_step: int | None = None) -> Run
         if prepared is None:
             continue
         cols, _ = prepared
-        heat_rows.append(_heatmap_row(out, cols["step"].astype(np.int64), cols["step_time_s"], max_step))
+        steps = cols["step"].astype(np.int64)
+        heat_rows.append(_heatmap_row(out, steps, cols["step_time_s"], max_step))
         out.heatmap_ranks.append(rank)
+        _add_timelines(out, steps, cols)
     if heat_rows:
         out.heatmap = np.vstack(heat_rows)
     return out
+
+
+def _add_timelines(out: RunRecords, steps: np.ndarray, cols: dict[str, np.ndarray]) -> None:
+    """Fold one rank's prepared columns (one record per step, NaN where not measured) into the per-step timelines."""
+    size = int(steps.max()) + 1
+    # A rank's steps are mostly one contiguous range: a slice then updates the arrays in place without a gather.
+    contiguous = steps.size == int(steps[-1] - steps[0]) + 1 and bool(np.all(np.diff(steps) == 1))
+    at = slice(int(steps[0]), int(steps[-1]) + 1) if contiguous else steps
+    for name, how in TIMELINES.items():
+        values = cols.get(name)
+        if values is None:
+            continue
+        a, b = out.timelines.get(name, (np.empty(0), np.empty(0)))
+        if a.size < size:
+            fill = 0.0 if how == "mean" else np.nan
+            a = np.concatenate([a, np.full(size - a.size, fill)])
+            b = np.concatenate([b, np.full(size - b.size, fill)])
+        if how == "mean":
+            a[at] += np.nan_to_num(values)
+            b[at] += ~np.isnan(values)
+        else:  # fmax / fmin skip NaN: an unmeasured step leaves the others' range as it was
+            a[at] = np.fmax(a[at], values)
+            b[at] = np.fmin(b[at], values)
+        out.timelines[name] = (a, b)
 
 
 def _heatmap_row(out: RunRecords, steps: np.ndarray, step_time: np.ndarray, max_step: int | None) -> np.ndarray:

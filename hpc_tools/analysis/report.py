@@ -15,10 +15,18 @@ from hpc_tools.analysis.plots import all_plots
 from hpc_tools.analysis.scaling import __doc__ as SCALING_METHOD
 from profiling.figures import definitions_text
 
-RUN_COLUMNS = ("run_id", "label", "status", "layout", "world_size", "repeat", "steps_measured", "step_time_median_s",
-               "step_time_p10_s", "step_time_p90_s", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu",
-               "peak_mem_gb", "bubble_share", "bubble_share_theory", "comm_share", "data_share", "rank_skew",
-               "stragglers", "predicted_step_time_s")
+# The per-run table, split into narrower tables that fit a page; "#" and "config" (the short label, only what varies
+# across the runs: analysis.labels) start each, so a row can be followed across them and into the plots.
+RUN_TABLES = (
+    ("Runs", ("#", "config", "run_id", "status", "layout", "world_size", "repeat", "steps_measured")),
+    ("Step time and throughput", ("#", "config", "step_time_median_s", "step_time_p10_s", "step_time_p90_s",
+                                  "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu",
+                                  "predicted_step_time_s", "predicted_vs_measured")),
+    ("Memory, shares, loss", ("#", "config", "peak_mem_gb", "predicted_mem_gb", "bubble_share",
+                              "bubble_share_theory", "comm_share", "data_share", "rank_skew", "stragglers",
+                              "last_loss", "last_val_loss")),
+)
+OUTSIDE_COLUMNS = ("#", "config", "world_size", "nodes", "step_time_median_s", "tokens_per_s", "tokens_per_s_per_gpu")
 SCALING_COLUMNS = ("scaling", "world_size", "nodes", "repeats", "global_batch_size", "step_time_s", "step_time_std_s",
                    "spread", "tokens_per_s", "speedup", "ideal_speedup", "efficiency", "efficiency_lo", "efficiency_hi",
                    "karp_flatt")
@@ -33,10 +41,18 @@ GOODPUT_TEXT = ("Where each run's allocation went: hours = wall time x ranks (GP
 
 
 def _verdict_lines(a: Analysis, template: str, escape=str) -> str:
-    """One line per run: its straggler verdict (``profiling.stragglers``)."""
+    """One line per straggler verdict (``profiling.stragglers``), naming its runs (by id when one run has it, by their
+    "#" in the run tables when several share it: a sweep's runs mostly do)."""
     if a.runs.empty or "straggler_verdict" not in a.runs:
         return ""
-    return "".join(template.format(escape(f"{r.run_id}: {r.straggler_verdict}")) for r in a.runs.itertuples())
+    by_verdict: dict[str, list[tuple[int, str]]] = {}
+    for i, r in enumerate(a.runs.itertuples(), start=1):
+        by_verdict.setdefault(str(r.straggler_verdict), []).append((i, r.run_id))
+    lines = []
+    for verdict, runs in by_verdict.items():
+        who = runs[0][1] if len(runs) == 1 else f"runs #{', #'.join(str(i) for i, _ in runs)}"
+        lines.append(template.format(escape(f"{who}: {verdict}")))
+    return "".join(lines)
 
 
 def _goodput_total_line(a: Analysis) -> str:
@@ -68,14 +84,64 @@ def markdown_table(df: pd.DataFrame, columns=None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cell(text: str) -> str:
+    """A table cell: kept on one line, unless long text that would widen its column past reading (class w wraps)."""
+    return f"<td class='w'>{html.escape(text)}</td>" if len(text) > WRAP_AT else f"<td>{html.escape(text)}</td>"
+
+
+WRAP_AT = 32  # characters of a cell kept on one line
+
+
 def html_table(df: pd.DataFrame, columns=None) -> str:
     cols = [c for c in (columns or df.columns) if c in df.columns]
     if df.empty or not cols:
         return "<p><em>none</em></p>"
     head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row) + "</tr>"
-                   for row in df[cols].itertuples(index=False))
+    body = "".join("<tr>" + "".join(_cell(_fmt(v)) for v in row) + "</tr>" for row in df[cols].itertuples(index=False))
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def numbered_runs(a: Analysis) -> pd.DataFrame:
+    """The runs table with "#" (1-based) and "config" (the short label) in front, as the report's tables show it."""
+    runs = a.runs.copy()
+    if runs.empty:
+        return runs
+    runs.insert(0, "#", range(1, len(runs) + 1))
+    runs.insert(1, "config", runs["short_label"] if "short_label" in runs else runs.get("label", ""))
+    return runs
+
+
+def outside_series(a: Analysis) -> tuple[str, pd.DataFrame | None]:
+    """(sentence, table) on the runs no scaling series holds: they differ from the others in more than scale (nodes,
+    GPUs, global batch), so they are compared in a table, never drawn as a scaling curve."""
+    runs = numbered_runs(a)
+    if runs.empty or len(runs) < 2:
+        return "", None
+    inside = {r for s in a.scaling for r in s.run_ids}
+    rest = runs[~runs["run_id"].isin(inside)]
+    if rest.empty:
+        return "", None
+    if not a.scaling:
+        return ("No scaling series: no runs differ in scale alone (nodes, GPUs per node, global batch) with the rest "
+                "of their configuration equal, so none is drawn against the GPU count; the tables above compare "
+                "them."), None
+    return (f"{len(rest)} run(s) belong to no scaling series (they differ from the others in more than scale, or "
+            "their configuration ran at one GPU count only):"), rest
+
+
+def numbered_goodput(a: Analysis) -> pd.DataFrame:
+    """The goodput table with the run tables' "#" and "config" in place of the long run id."""
+    g = a.goodput
+    if g is None or g.empty or a.runs.empty:
+        return g
+    runs = numbered_runs(a)[["#", "config", "run_id"]]
+    return runs.merge(g.drop(columns=[c for c in ("label",) if c in g]), on="run_id", how="right")
+
+
+# The goodput table in two narrower parts: the allocation and its goodput, then where the rest went.
+_GOODPUT_HEAD = ("unit", "lives", "allocation_hours", "goodput", "productive_hours", "requeue_wait_s")
+GOODPUT_SHOWN = (("#", "config", *(c for c in GOODPUT_COLUMNS if c in _GOODPUT_HEAD)),
+                 ("#", "config", *(c for c in GOODPUT_COLUMNS if c not in _GOODPUT_HEAD and c != "run_id")))
 
 
 def write_tables(a: Analysis, out: Path) -> list[Path]:
@@ -133,45 +199,95 @@ def method_text() -> str:
 
 
 def render_markdown(a: Analysis, images: list[Path], title: str) -> str:
-    parts = [f"# {title}\n", f"{len(a.runs)} run(s){' in sweep ' + ', '.join(a.sweeps) if a.sweeps else ''}.\n",
-             "## Runs\n", markdown_table(a.runs, RUN_COLUMNS)]
+    runs = numbered_runs(a)
+    parts = [f"# {title}\n", f"{len(a.runs)} run(s){' in sweep ' + ', '.join(a.sweeps) if a.sweeps else ''}.\n"]
+    for heading, cols in RUN_TABLES:
+        parts += [f"## {heading}\n", markdown_table(runs, cols)]
     for heading, text, table, proj in _scaling_sections(a):
         parts += [f"## {heading}\n", text + "\n", markdown_table(table, SCALING_COLUMNS)]
         if proj is not None:
             parts += ["\nProjection (beyond the measured GPU counts):\n", markdown_table(proj)]
+    text, rest = outside_series(a)
+    if text:
+        parts += ["## Outside any scaling series\n", text + "\n"]
+        if rest is not None:
+            parts.append(markdown_table(rest, OUTSIDE_COLUMNS))
     parts += ["## Stragglers\n", STRAGGLER_TEXT + "\n", _verdict_lines(a, "- {}\n"),
               markdown_table(a.stragglers, STRAGGLER_COLUMNS)]
-    parts += ["## Goodput\n", GOODPUT_TEXT + "\n", markdown_table(a.goodput, GOODPUT_COLUMNS),
+    goodput = numbered_goodput(a)
+    parts += ["## Goodput\n", GOODPUT_TEXT + "\n", *(markdown_table(goodput, cols) for cols in GOODPUT_SHOWN),
               _goodput_total_line(a) + "\n"]
-    parts += ["## Plots\n"] + [f"![{p.stem}]({p.name})\n" for p in images]
+    parts += ["## Plots\n"] + [f"![{p.stem}]({p.name})\n\n_{caption(p)}_\n" for p in images]
     parts += ["## Method\n", "```\n" + method_text() + "\n```\n"]
     return "\n".join(parts)
 
 
 CSS = """body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;font-size:12px;
-margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}th{background:#eee}
-img{max-width:100%;border:1px solid #ddd;margin:.5em 0}pre{background:#f6f6f6;padding:1em;font-size:12px}"""
+margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right;vertical-align:top}th{background:#eee}
+td{white-space:nowrap}td.w{white-space:normal;min-width:14em;max-width:28em;overflow-wrap:break-word}.scroll{max-width:100%;overflow-x:auto}
+img{max-width:100%;border:1px solid #ddd;margin:.5em 0}figcaption{font-size:13px;color:#444}
+pre{background:#f6f6f6;padding:1em;font-size:12px;white-space:pre-wrap}"""
+
+CAPTIONS = {
+    "loss_curves": "Training loss per step (validation loss dashed, at the evaluation steps); one line per "
+                   "configuration, band: min-max over its repeats.",
+    "val_loss_vs_tokens": "Validation loss against tokens consumed, one line per configuration (band: repeats).",
+    "throughput_vs_gpus": "Tokens/s per scaling series against GPUs, with the ideal linear line; bars: fastest to "
+                          "slowest repeat.",
+    "efficiency_vs_gpus": "Parallel efficiency per scaling series with the fitted law and its 95 % band, or the "
+                          "reason for no fit.",
+    "step_time_breakdown": "Median step time per configuration split into data loading, communication, pipeline "
+                           "bubble and the rest; error bar: fastest to slowest repeat.",
+    "predicted_vs_measured": "The planner's prediction next to the measurement: step time (measured median, bar "
+                             "p10-p90; the numbers above the bars: measured / predicted, up to 8 configurations) "
+                             "and allocated memory per GPU.",
+    "mfu_over_steps": "Model FLOPs utilisation per step (mean over ranks); band: repeats.",
+    "memory_timeline": "Memory per step: maximum over ranks, band: the range over ranks (and repeats).",
+    "memory_per_rank": "Peak memory per rank, one line per configuration.",
+    "heatmap": "Step time per rank and step (binned); a slow rank or a slow phase shows as a stripe.",
+}
+
+
+def caption(path: Path) -> str:
+    """What a plot shows, in one sentence."""
+    stem = path.stem
+    return CAPTIONS.get(stem) or CAPTIONS.get(stem.rsplit("_", 1)[0], stem)
+
+
+def _scroll(table: str) -> str:
+    """A table in a box that scrolls sideways when it is wider than the page."""
+    return f"<div class='scroll'>{table}</div>"
 
 
 def render_html(a: Analysis, images: list[Path], title: str) -> str:
     """One file: CSS inline, every image a base64 data URI, no scripts, no external resources."""
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
              f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>",
-             f"<p>{len(a.runs)} run(s){html.escape(' in sweep ' + ', '.join(a.sweeps)) if a.sweeps else ''}.</p>",
-             "<h2>Runs</h2>", html_table(a.runs, RUN_COLUMNS)]
+             f"<p>{len(a.runs)} run(s){html.escape(' in sweep ' + ', '.join(a.sweeps)) if a.sweeps else ''}.</p>"]
+    runs = numbered_runs(a)
+    for heading, cols in RUN_TABLES:
+        parts += [f"<h2>{html.escape(heading)}</h2>", _scroll(html_table(runs, cols))]
     for heading, text, table, proj in _scaling_sections(a):
-        parts += [f"<h2>{html.escape(heading)}</h2><p>{html.escape(text)}</p>", html_table(table, SCALING_COLUMNS)]
+        parts += [f"<h2>{html.escape(heading)}</h2><p>{html.escape(text)}</p>",
+                  _scroll(html_table(table, SCALING_COLUMNS))]
         if proj is not None:
-            parts += ["<p>Projection (beyond the measured GPU counts):</p>", html_table(proj)]
+            parts += ["<p>Projection (beyond the measured GPU counts):</p>", _scroll(html_table(proj))]
+    text, rest = outside_series(a)
+    if text:
+        parts += ["<h2>Outside any scaling series</h2>", f"<p>{html.escape(text)}</p>"]
+        if rest is not None:
+            parts.append(_scroll(html_table(rest, OUTSIDE_COLUMNS)))
     parts += ["<h2>Stragglers</h2>", f"<p>{html.escape(STRAGGLER_TEXT)}</p>",
               "<ul>" + _verdict_lines(a, "<li>{}</li>", html.escape) + "</ul>",
-              html_table(a.stragglers, STRAGGLER_COLUMNS)]
-    parts += ["<h2>Goodput</h2>", f"<p>{html.escape(GOODPUT_TEXT)}</p>", html_table(a.goodput, GOODPUT_COLUMNS),
-              f"<p>{html.escape(_goodput_total_line(a))}</p>", "<h2>Plots</h2>"]
+              _scroll(html_table(a.stragglers, STRAGGLER_COLUMNS))]
+    parts += ["<h2>Goodput</h2>", f"<p>{html.escape(GOODPUT_TEXT)}</p>",
+              *(_scroll(html_table(numbered_goodput(a), cols)) for cols in GOODPUT_SHOWN),
+              f"<p>{html.escape(_goodput_total_line(a))}</p>",
+              "<h2>Plots</h2>"]
     for p in images:
         data = base64.b64encode(p.read_bytes()).decode("ascii")
         parts.append(f"<figure><img alt='{html.escape(p.stem)}' src='data:image/png;base64,{data}'>"
-                     f"<figcaption>{html.escape(p.stem)}</figcaption></figure>")
+                     f"<figcaption><b>{html.escape(p.stem)}</b>: {html.escape(caption(p))}</figcaption></figure>")
     parts += ["<h2>Method</h2>", f"<pre>{html.escape(method_text())}</pre></body></html>"]
     return "\n".join(parts)
 

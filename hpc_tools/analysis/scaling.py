@@ -1,7 +1,8 @@
 """Strong and weak scaling over a sweep; Amdahl and Gustafson fits reported only where they mean something.
 
 Runs are grouped into series that differ only in the number of GPUs (same tensor/pipeline sizes, micro batch,
-backend). In a series, global batch fixed = strong scaling; global batch / GPUs fixed = weak scaling.
+backend, and the rest of the configuration: ``analysis.labels``); the other runs form no series. In a series,
+global batch fixed = strong scaling; global batch / GPUs fixed = weak scaling.
 
 - Strong: speedup(n) = T(n0) / T(n) with T the median step time (mean over repeats), ideal n / n0,
   efficiency = speedup / ideal. Amdahl: T(n) = T1 (f + (1 - f) / n) is linear in 1/n: a weighted least-squares line
@@ -29,7 +30,7 @@ The projection's speedup and step-time ranges follow the interval of f.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -263,13 +264,15 @@ def series_of(runs: pd.DataFrame) -> list[tuple[dict, pd.DataFrame]]:
     per node: scaling over nodes is then read at a fixed node shape.
     """
     usable = runs[runs["step_time_median_s"].notna()].copy()
-    keys = [k for k in SERIES_KEYS if k in usable]
+    # config_key (analysis.labels): the whole configuration less its scale, so runs that differ in anything else
+    # (model, data, optimiser...) never join one series.
+    keys = [k for k in (*SERIES_KEYS, "config_key") if k in usable]
     out = []
     # As text, with one spelling for "not set" (pandas keeps NaN through astype(str)).
     labels = [usable[k].map(lambda v: "none" if pd.isna(v) else str(v)) for k in keys]
     for key, group in usable.groupby(labels, sort=True):
         named = dict(zip(keys, key if isinstance(key, tuple) else (key,)))
-        named = {k: v for k, v in named.items() if v != "none"}
+        named = {k: v for k, v in named.items() if v != "none" and k != "config_key"}
         shapes = group.groupby("world_size")["ranks_per_node"].nunique()
         parts = group.groupby("ranks_per_node") if (shapes > 1).any() else [(None, group)]
         for rpn, part in parts:
@@ -351,6 +354,7 @@ class ScalingResult:
     amdahl: Fit | None = None  # strong scaling
     gustafson: Fit | None = None  # weak scaling
     projection: pd.DataFrame | None = None  # only when the fit stands
+    run_ids: list[str] = field(default_factory=list)  # the runs of the series
 
     @property
     def fit(self) -> Fit | None:
@@ -375,7 +379,7 @@ def analyse_scaling(runs: pd.DataFrame, requested: str = "auto", project_factors
         if kind == "none":
             continue
         table = scaling_table(group, kind)
-        res = ScalingResult(series=key, kind=kind, table=table)
+        res = ScalingResult(series=key, kind=kind, table=table, run_ids=list(group["run_id"]))
         n0 = float(table["world_size"].iloc[0])
         targets = [int(table["world_size"].max()) * f for f in project_factors]
         rpn = group["ranks_per_node"].dropna()

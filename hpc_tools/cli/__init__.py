@@ -1,22 +1,24 @@
 """``python -m hpc_tools COMMAND``: one module per command in this package.
 
 A command module defines ``NAME``, ``HELP``, ``ORDER`` (position in --help), ``add_arguments(parser)`` and
-``run(args) -> int``. Modules must not import torch or megatron at import time: --help, validate and render stay light.
+``run(args) -> int`` (optionally ``DESCRIPTION``). It is found without being imported: ``NAME``, ``HELP`` and
+``ORDER`` are read from the module's source (plain assignments of literals, or sums of them), and only the command
+being run is imported. Modules must not import torch, pandas or pydantic at import time: --help, validate and render
+stay light. A module whose ``NAME``/``HELP`` are not literals still works; it is imported to read them (slower).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
-import pkgutil
 import sys
-from types import ModuleType
+from dataclasses import dataclass
+from pathlib import Path
 
 from hpc_tools import __version__
 from hpc_tools.errors import RecipeError, UserError
-from hpc_tools.recipe.base import printable
+from hpc_tools.recipe.text import printable
 
 EPILOG = """\
 Typical use:
@@ -24,26 +26,113 @@ Typical use:
   python -m hpc_tools render recipes/gpt_3d.yaml            write jobs/gpt_3d.sbatch
   python -m hpc_tools submit recipes/gpt_3d.yaml            Slurm if installed, else locally on CPU
   python -m hpc_tools status                                the latest run
+  python -m hpc_tools doctor recipes/gpt_3d.yaml            check this machine or cluster for that job
 Precedence of settings: defaults < recipe < local profile (local runs, --profile local) < --set overrides.
 """
+DESCRIPTION = "From a YAML recipe to a finished, analysed training run on Slurm."
+_SPEC_NAMES = ("NAME", "HELP", "ORDER")
 
 
-def command_modules() -> list[ModuleType]:
-    import hpc_tools.cli as pkg
+@dataclass(frozen=True)
+class CommandSpec:
+    """What --help shows of one command, and the module that implements it."""
 
-    mods = [importlib.import_module(f"{pkg.__name__}.{m.name}") for m in pkgutil.iter_modules(pkg.__path__)
-            if not m.name.startswith("_")]
-    return sorted((m for m in mods if hasattr(m, "NAME")), key=lambda m: (getattr(m, "ORDER", 100), m.NAME))
+    module: str
+    name: str
+    help: str
+    order: int = 100
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hpc_tools", description=__doc__.splitlines()[0].split(": ")[0]
-                                     and "From a YAML recipe to a finished, analysed training run on Slurm.",
-                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+def command_specs(folder: Path | None = None, package: str = __name__) -> list[CommandSpec]:
+    """Every command module of this package (``_``-prefixed modules are helpers), in --help order, read from the
+    sources; nothing is imported unless a module's ``NAME``/``HELP`` are computed at import time. ``folder`` and
+    ``package`` name another package of command modules (tests)."""
+    specs = []
+    for path in sorted((folder or Path(__file__).parent).glob("*.py")):
+        if path.name.startswith("_"):
+            continue
+        module = f"{package}.{path.stem}"
+        found = _literal_constants(path)
+        if not {"NAME", "HELP"} <= found.keys():
+            found = _imported_constants(module)
+            if "NAME" not in found:  # a helper module without a command
+                continue
+        specs.append(CommandSpec(module, str(found["NAME"]), str(found.get("HELP", "")),
+                                 int(found.get("ORDER", 100))))
+    return sorted(specs, key=lambda s: (s.order, s.name))
+
+
+def _literal_constants(path: Path) -> dict[str, object]:
+    """NAME / HELP / ORDER assigned at the top of ``path`` as literals, sums of literals or earlier such names.
+    Only the module's head (before its first ``def``/``class``) is parsed: that is where the contract puts them."""
+    import ast
+    import re
+
+    text = path.read_text(encoding="utf-8")
+    head = re.search(r"^(?:def |async def |class |@)", text, re.MULTILINE)
+    try:
+        tree = ast.parse(text[:head.start()] if head else text)
+    except SyntaxError:
+        return {}
+    known: dict[str, object] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    value = _evaluate(node.value, known)
+                    if value is not None:
+                        known[target.id] = value
+    return {k: v for k, v in known.items() if k in _SPEC_NAMES}
+
+
+def _evaluate(node, known: dict[str, object]) -> object | None:
+    import ast
+
+    if isinstance(node, ast.Constant) and isinstance(node.value, (str, int)):
+        return node.value
+    if isinstance(node, ast.Name):
+        return known.get(node.id)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _evaluate(node.left, known), _evaluate(node.right, known)
+        if isinstance(left, str) and isinstance(right, str) or isinstance(left, int) and isinstance(right, int):
+            return left + right
+    return None
+
+
+def _imported_constants(module: str) -> dict[str, object]:
+    import importlib
+
+    mod = importlib.import_module(module)
+    return {k: getattr(mod, k) for k in _SPEC_NAMES if hasattr(mod, k)}
+
+
+def selected_command(argv: list[str], names: set[str]) -> str | None:
+    """The command ``argv`` runs: its first word that is not an option (the top level has only -h and --version)."""
+    for word in argv:
+        if word == "--":
+            continue
+        if not word.startswith("-"):
+            return word if word in names else None
+    return None
+
+
+def build_parser(only: str | None = None, *, lazy: bool = False,
+                 specs: list[CommandSpec] | None = None) -> argparse.ArgumentParser:
+    """The argument parser. ``lazy``: only the command ``only`` gets its full arguments (its module imported); the
+    others are listed for --help and ``invalid choice`` messages. Not lazy: every command is built in full."""
+    import importlib
+
+    parser = argparse.ArgumentParser(prog="python -m hpc_tools", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"hpc_tools {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for mod in command_modules():
-        p = sub.add_parser(mod.NAME, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
+    for spec in specs or command_specs():
+        if lazy and spec.name != only:
+            sub.add_parser(spec.name, help=spec.help)
+            continue
+        mod = importlib.import_module(spec.module)
+        p = sub.add_parser(spec.name, help=spec.help, description=getattr(mod, "DESCRIPTION", spec.help),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
@@ -53,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Every failure the user can act on is one line on stderr (or a JSON error with --json) and
     exit 2: a UserError, a file-system error on a path the user gave, stdout closed by the reader (`--json | head`)."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else [*argv]  # not list(): the `list` command module shadows it here
+    specs = command_specs()
+    parser = build_parser(selected_command(argv, {s.name for s in specs}), lazy=True, specs=specs)
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()

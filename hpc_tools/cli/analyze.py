@@ -10,8 +10,9 @@ NAME = "analyze"
 ORDER = 60
 HELP = ("metrics of runs and sweeps: step time, tokens/s, MFU, memory, shares, stragglers by cause, goodput, "
         "scaling fits (each with its 95-percent interval and R^2, or 'no fit' and why)")
-COLUMNS = ("world_size", "label", "repeat", "status", "step_time_median_s", "tokens_per_s_per_gpu", "tflops_per_gpu",
-           "mfu", "peak_mem_gb", "comm_share", "stragglers", "goodput")
+# short_label: only what varies across the runs (analysis.labels), e.g. "tp=2 pp=4".
+COLUMNS = ("world_size", "short_label", "repeat", "status", "step_time_median_s", "tokens_per_s_per_gpu",
+           "tflops_per_gpu", "mfu", "peak_mem_gb", "comm_share", "stragglers", "goodput", "last_val_loss")
 
 
 def add_analysis_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""``export RUN --out DIR``: a trained DeepSpeed run -> a plain Hugging Face model folder."""
+"""``export RUN --out DIR``: a trained Megatron or DeepSpeed run -> a plain Hugging Face model folder."""
 
 from __future__ import annotations
 
@@ -9,19 +9,24 @@ import sys
 from hpc_tools.cli._common import add_json, add_runs_dir, emit_json, say
 
 NAME = "export"
-HELP = "write a trained DeepSpeed run as a Hugging Face model folder (from_pretrained loads it)"
+HELP = "write a trained Megatron or DeepSpeed run as a Hugging Face model folder (from_pretrained loads it)"
 DESCRIPTION = """\
-Consolidates the run's newest complete checkpoint (or --step) into fp32 weights and writes a folder that
-transformers.AutoModelForCausalLM.from_pretrained(DIR) loads: ZeRO stages 0-3 through DeepSpeed's zero_to_fp32,
-pipeline checkpoints layer by layer. A local tokenizer folder (data.tokenizer) is copied alongside.
+Writes the run's newest verified checkpoint (or --step) as a folder that
+transformers.AutoModelForCausalLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR) load: config.json,
+generation_config.json, fp32 model.safetensors and the run's tokenizer (a local tokenizer folder is copied; the byte
+tokenizer is written as an equivalent byte-level tokenizer.json). Megatron runs of any TP/PP/VPP layout become
+GPT2LMHeadModel (model.family: gpt) or LlamaForCausalLM (family: llama); DeepSpeed runs are consolidated through
+zero_to_fp32 (ZeRO 0-3) or layer by layer (pipeline). The folder is written beside --out and renamed at the end.
+Mapping and tolerances: docs/hf-conversion.md.
 """
 ORDER = 60
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="run folder, run id (or unique prefix), or Slurm job id")
-    p.add_argument("--out", required=True, help="new, empty folder for the model")
+    p.add_argument("--out", required=True, help="folder for the model (new or empty, unless --overwrite)")
     p.add_argument("--step", type=int, default=None, help="export this checkpoint step (default: the newest)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (once the new folder is done)")
     add_runs_dir(p)
     add_json(p)
 
@@ -32,9 +37,9 @@ def run(args: argparse.Namespace) -> int:
     found = find_run(args.run, runs_root(args.runs_dir))
     # DeepSpeed and transformers print to stdout when imported; stdout stays clean for --json.
     with contextlib.redirect_stdout(sys.stderr):
-        from hpc_tools.train.deepspeed.export import export_run
+        from hpc_tools.hf.export import export_run
 
-        summary = export_run(found.path, args.out, args.step)
+        summary = export_run(found.path, args.out, args.step, overwrite=args.overwrite)
     if args.json:
         emit_json({"ok": True, **summary})
     else:

@@ -19,7 +19,10 @@ DESCRIPTION = HELP + """
 
   python -m hpc_tools render recipes/gpt_3d.yaml       write jobs/gpt_3d.sbatch
   python -m hpc_tools render --all                      regenerate jobs/ from every recipes/*.yaml
-  python -m hpc_tools render --all --check              exit 1 (with a diff) if jobs/ drifted from recipes/"""
+  python -m hpc_tools render --all --check              exit 1 (with a diff) if jobs/ drifted from recipes/
+
+Defaults from a site file ($HPC_TOOLS_SITE, else ~/.config/hpc_tools/site.yaml) apply under each recipe
+(docs/site-config.md); jobs/ in the repository is rendered without one (HPC_TOOLS_SITE=none)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,8 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hpc_tools.recipe.load import load_recipe
-    from hpc_tools.registry import atomic_write
+    from hpc_tools.recipe.site import site_note
     from hpc_tools.render.sbatch import job_script_path, render_sbatch
+    from profiling.files import atomic_write  # the owner (registry re-exports it): no run-state imports here
 
     if args.all == bool(args.recipe):
         raise UserError("render needs a recipe file or --all (not both)")
@@ -47,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
         recipe = load_recipe(path, args.overrides, args.profile)
         out = Path(args.output) if args.output and args.output != "-" else job_script_path(path, args.jobs_dir)
         rendered.append((path, out, render_sbatch(recipe, path.as_posix())))
+    note = site_note()  # the site file's defaults went into every script: say which file
+    if note and not args.json:
+        say(note)
     if not args.check and args.output != "-":
         for _, out, _ in rendered:
             _check_output(out)

@@ -9,7 +9,8 @@ from hpc_tools.cli.analyze import add_analysis_arguments, analysed
 
 NAME = "report"
 ORDER = 61
-HELP = "write report.md, a self-contained report.html, plots and tables for runs or a sweep"
+HELP = ("write report.md, a self-contained report.html, plots (loss and validation loss, scaling, step-time breakdown, "
+        "predicted vs measured, MFU, memory) and tables for runs or a sweep")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,8 +9,8 @@ from hpc_tools.cli._common import add_json, add_runs_dir, emit_json
 
 NAME = "status"
 ORDER = 40
-HELP = ("show a run's state and why, job id, layout, times, last step, straggler verdict and goodput so far "
-        "(default: the latest run)")
+HELP = ("show a run's state and why, job id, layout, times, last step, progress (step N/total, ETA, validation loss), "
+        "straggler verdict and goodput so far (default: the latest run)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,14 +22,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from hpc_tools.registry import resolve_run
     from hpc_tools.runstate import classify, hang_markers, last_step, refresh_all
+    from hpc_tools.train.progress import read_progress
 
     r = resolve_run(args.run, args.runs_dir)
     ((manifest, job),) = refresh_all([r])
     verdict = classify(r, job, manifest)
     step = last_step(r)
+    progress = read_progress(r.path)
     health = _health(r)
     if args.json:
-        emit_json({"run_dir": str(r.path), **manifest, **verdict.as_dict(), "last_step": step, **health})
+        emit_json({"run_dir": str(r.path), **manifest, **verdict.as_dict(), "last_step": step, "progress": progress,
+                   **health})
         return 0
     keys = ("state", "slurm_state", "executor", "job_id", "layout", "nodelist", "created", "started", "ended",
             "restart_count", "exit_code", "failed_ranks", "failed_nodes")
@@ -40,13 +43,18 @@ def run(args: argparse.Namespace) -> int:
     if step:
         loss = f", loss {step['loss']:.4f}" if step.get("loss") is not None else ""
         print(f"last step {step['step']}{loss}, {step['step_time_s']:.3f} s/step, {step['tokens_per_s']:.0f} tok/s")
+    if progress:  # rank 0's newest progress line: step N/total, rates, elapsed and ETA
+        print(f"progress {progress.get('line', '')}")
+        if progress.get("latest_val_loss") is not None:
+            print(f"val loss {progress['latest_val_loss']:.4f} at step {progress.get('val_step')}")
     if health:
         g = health["goodput"]
         print(f"stragglers {health['straggler_verdict']}")
         if g.get("allocation_hours"):
             print(f"goodput  {100 * (g['goodput'] or 0):.1f} % of {g['allocation_hours']:.4g} {g['unit']}-hours "
                   f"(start-up {g['startup_s']:.0f} s, checkpoints {g['checkpoint_save_s'] + g['checkpoint_load_s']:.1f}"
-                  f" s, lost work {g['lost_work_s']:.1f} s / {g['recomputed_steps']} steps, requeue wait "
+                  f" s, evaluation {g.get('evaluation_s') or 0:.1f} s, lost work {g['lost_work_s']:.1f} s / "
+                  f"{g['recomputed_steps']} steps, requeue wait "
                   f"{g['requeue_wait_s']:.0f} s, {g['lives']} start(s))")
     if manifest.get("error"):
         print(f"error    {manifest['error']}")

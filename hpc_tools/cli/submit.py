@@ -17,7 +17,11 @@ process per rank, gloo) with the recipe's `local:` profile, and says so in one l
 controller not answering (`scontrol ping` not UP) is an error (exit 2) suggesting a retry or --executor local: a
 login node never silently becomes the job's machine. Every submission gets a
 run folder (runs/<name>-<time>-<id>/) with the resolved recipe, the script, a manifest, logs and records.
-A submitted recipe without overrides or profile also refreshes jobs/<recipe>.sbatch."""
+A submitted recipe without overrides or profile also refreshes jobs/<recipe>.sbatch.
+
+A local run shows rank 0's output as it trains: the start-up phases with their times, then one progress line per
+training.log_interval (step N/total, loss, validation loss, tok/s, TFLOP/s, MFU, memory, elapsed, ETA). Library
+warnings go to each rank's log once each, and one line counts them; `status` shows the newest progress line."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         overrides, executor, profile, extra = measured
     plan = plan_submission(args.recipe, overrides, profile, executor, check_fit=not args.force,
-                           auto=args.auto and not extra)
+                           auto=args.auto and not extra, dry_run=args.dry_run)
     if plan.note and not args.json:
         say(plan.note)
     if args.dry_run:

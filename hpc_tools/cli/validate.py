@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import argparse
 
-from hpc_tools.cli._common import add_json, add_recipe_args, emit_json
+from hpc_tools.cli._common import add_json, add_recipe_args, emit_json, say
 from hpc_tools.errors import RecipeError, UserError
-from hpc_tools.recipe.base import printable
+from hpc_tools.recipe.text import printable
 
 NAME = "validate"
 ORDER = 10
-HELP = "check recipes (schema, layout arithmetic, backend rules, memory fit); report every violation"
+HELP = ("check recipes (schema, layout arithmetic, backend rules, memory fit, the files they name and the live "
+        "Slurm cluster); report every violation")
 DESCRIPTION = HELP + """
 
 Each violation is one line: FIELD=VALUE RULE (FIX). Exit 0 when valid, 2 otherwise.
 A recipe with a `local:` profile is checked as written and with the profile applied.
+
+A recipe that passes its own rules is then checked against the world (skip with --offline):
+  files here     data.paths, data.blend prefixes (.bin/.idx), data.tokenizer, checkpoint.load_path,
+                 a container image file (.sqsh, .sif); relative paths are read from the current folder
+  live Slurm     when sinfo answers within 3 s: the partition exists (or a default one), nodes, GPUs and
+                 CPUs per node, the time limit; otherwise not checked (--verbose says why)
 
 The reference, without a recipe:
   python -m hpc_tools validate --explain parallel.tensor_size   a field: type, default, bounds, doc, rules reading it
@@ -28,22 +35,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_recipe_args(p, nargs="*")
     add_json(p)
     p.add_argument("--no-fit", action="store_true", help="skip the planner's memory-fit check")
+    p.add_argument("--offline", action="store_true",
+                   help="check the recipe alone: not the files it names, not the live Slurm cluster")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also say what the world checks covered (the Slurm partitions, or why Slurm was not checked)")
     p.add_argument("--rules", action="store_true", help="list the layout and backend rules and exit (no recipe needed)")
     p.add_argument("--explain", metavar="NAME", default=None,
                    help="print the reference of a field (parallel.tensor_size), a section (parallel, or recipe for "
                         "all) or a rule (heads_shape) and exit (no recipe needed)")
 
 
-def check(path: str, overrides: list[str], profile: str | None, fit: bool) -> list[dict]:
-    """Violations (as dicts) of one recipe under one profile."""
+def check(path: str, overrides: list[str], profile: str | None, fit: bool, world: bool = False) -> list[dict]:
+    """Violations (as dicts) of one recipe under one profile. With ``world``, a recipe that passes its own rules
+    and the fit is checked against the files it names and the live Slurm cluster (``recipe/world.py``)."""
+    from hpc_tools.planner import fit_violations  # the planner's fit, without submit's machinery (jinja2, runs)
     from hpc_tools.recipe.load import read_yaml, resolve
-    from hpc_tools.submission import fit_violations
 
     try:
         recipe = resolve(read_yaml(path), overrides, profile, path)
         violations = fit_violations(recipe) if fit else []
     except RecipeError as exc:
         violations = exc.violations
+    if world and not violations:
+        from hpc_tools.recipe.world import world_violations
+
+        violations = world_violations(recipe)
     return [v.as_dict() for v in violations]
 
 
@@ -62,10 +78,11 @@ def run(args: argparse.Namespace) -> int:
         profiles = [args.profile] if args.profile else [None] + (["local"] if _has_local(read_yaml(path)) else [])
         for profile in profiles:
             results.append({"recipe": path, "profile": profile,
-                            "errors": check(path, args.overrides, profile, not args.no_fit)})
+                            "errors": check(path, args.overrides, profile, not args.no_fit, not args.offline)})
     ok = all(not r["errors"] for r in results)
+    slurm = _slurm_note(args.offline)
     if args.json:
-        emit_json({"ok": ok, "results": results})
+        emit_json({"ok": ok, "results": results, "slurm": slurm})
     else:
         for r in results:
             where = printable(r["recipe"]) + (f" (profile {r['profile']})" if r["profile"] else "")
@@ -74,9 +91,23 @@ def run(args: argparse.Namespace) -> int:
                     print(f"error: {where}: {printable(e['message'])}")
             else:
                 print(f"ok: {where}")
+        if args.verbose or slurm["unreachable"]:  # Slurm installed but silent: worth one line; absent: normal
+            say(f"note: {slurm['summary']}")
     if not ok:
         return UserError.exit_code
     return 0
+
+
+def _slurm_note(offline: bool) -> dict:
+    """What the world checks knew of Slurm (they ask it once per process), for --verbose and --json."""
+    if offline:
+        return {"checked": False, "unreachable": False, "summary": "not checked against the world (--offline)"}
+    from hpc_tools.recipe.world import slurm_view
+
+    view = slurm_view()
+    return {"checked": view.checked, "unreachable": not view.checked and "not installed" not in view.why,
+            "summary": view.summary(),
+            "partitions": [p.name for p in view.partitions] if view.checked else None}
 
 
 def _explain(name: str, as_json: bool) -> int:

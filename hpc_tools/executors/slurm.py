@@ -15,8 +15,10 @@ from pathlib import Path
 
 from hpc_tools.recipe.schema import Recipe
 from hpc_tools.registry import RunFolder, now_iso
-from hpc_tools.render.envsetup import checked_setup_lines, launch_prefix, srun_args
+from hpc_tools.render.envsetup import checked_setup_lines, launch_prefix, rank_srun_args, srun_args
 from hpc_tools.render.slurm_params import SlurmSpec
+
+REPO = Path(__file__).resolve().parents[2]  # the checkout (or site-packages) that holds hpc_tools
 
 
 def slurm_installed() -> bool:
@@ -53,7 +55,9 @@ def make_executor(recipe: Recipe, folder: Path, exclude: str | None = None, env:
     # Each set-up line checked (submitit's script has no `set -e`): a failure ends the job, named in log and manifest.
     setup = checked_setup_lines(recipe.cluster, shlex.quote(str(run_dir or folder)))
     setup += [f"export {k}={shlex.quote(v)}" for k, v in (env or {}).items()]
-    executor.update_parameters(**params, setup=setup, srun_args=["--kill-on-bad-exit=1", *srun_args(recipe.cluster)],
+    # pyxis: the repository and the folder submitit writes to (the run folder, or the runs root of an array) mounted
+    container = srun_args(recipe.cluster, repo=str(REPO), mount_dir=str(Path(folder).absolute().parent))
+    executor.update_parameters(**params, setup=setup, srun_args=[*rank_srun_args(recipe.cluster), *container],
                                **({"teardown": epilogue_lines(recipe.cluster.python, run_dir)} if run_dir else {}))
     return executor
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import types
 import typing
-import unicodedata
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+
+from hpc_tools.recipe.docstrings import attach_docstrings
+from hpc_tools.recipe.text import is_control, printable  # noqa: F401  (re-exported: light module, no pydantic)
 
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
@@ -36,21 +38,6 @@ class _MultiLine:
 MULTILINE = _MultiLine()
 Text = Annotated[str, MULTILINE]
 """A free-text string field: newlines and tabs allowed, other control characters refused."""
-
-
-def is_control(ch: str) -> bool:
-    """True for characters that would end or corrupt a line: C0/C1 controls, DEL, line/paragraph separators, format
-    characters (bidirectional overrides and the like)."""
-    return unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp", "Cs")
-
-
-def printable(text: str) -> str:
-    """``text`` safe to put on one line (a script comment, an error message): control characters escaped
-    (``\\n``, ``\\x1b``, ``\\u2028``), everything else unchanged."""
-    if text.isprintable():
-        return text
-    return "".join(ch.encode("unicode_escape").decode("ascii") if is_control(ch) or not ch.isprintable() else ch
-                   for ch in text)
 
 
 def check_string(value: str, multiline: bool = False) -> str | None:
@@ -104,8 +91,15 @@ class Section(BaseModel):
     """A recipe section. Field docstrings are the user documentation: ``python -m hpc_tools validate --explain PATH``
     prints them (PATH a field such as ``parallel.tensor_size``, a section such as ``parallel``, or ``recipe``)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=False,
+    # Field docstrings become descriptions in __pydantic_init_subclass__ (recipe/docstrings.py: one parse per module;
+    # pydantic's use_attribute_docstrings re-parses every class and costs a fifth of the schema's import time).
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=False, validate_assignment=False,
                               allow_inf_nan=False)
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        attach_docstrings(cls)
 
     @field_validator("*", mode="before")
     @classmethod

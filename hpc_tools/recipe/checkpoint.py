@@ -21,6 +21,10 @@ class CheckpointConfig(Section):
     """Resume from the newest complete checkpoint in `dir` when one exists (requeued jobs rely on this)."""
     load_path: str | None = None
     """A checkpoint to start from when `dir` has none (e.g. saved under another layout)."""
+    init_from_hf: str | None = None
+    """A local Hugging Face model folder (config.json + model.safetensors, e.g. written by `export`) of the recipe's
+    architecture and shape whose weights start a Megatron run: continued pretraining from step 0 with a fresh
+    optimizer, in any layout. Ignored when the run has a checkpoint to resume from (its own or `load_path`)."""
     verify: Literal["checksum", "size"] = "checksum"
     """What a resume checks before loading, every rank a share of the files: `checksum` = each file's size and
     xxh3-64 checksum recorded at save (~5 GB/s per rank), `size` = sizes only (no checksums computed at save either).

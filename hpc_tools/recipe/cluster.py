@@ -17,6 +17,9 @@ ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")
 # names can hold, so no value can smuggle in a second option or a new line.
 SLURM_NAME_RE = re.compile(r"[A-Za-z0-9_.,:+-]{1,256}")
 SLURM_CONSTRAINT_RE = re.compile(r"[A-Za-z0-9_.,:&|*\[\]()!-]{1,1024}")
+# An extra #SBATCH directive: `--flag` or `--flag=value`, from a charset that cannot start a second option or line.
+SBATCH_EXTRA_RE = re.compile(r"--([a-z][a-z0-9-]{0,63})(=[A-Za-z0-9_.,:+@%/=*-]{1,512})?")
+RUN_DIR_MODE_RE = re.compile(r"0?7[0-7]{2}")  # the owner keeps rwx: the job writes its own run folder
 
 
 def time_limit_minutes(value: str) -> float:
@@ -115,6 +118,13 @@ class ClusterConfig(Section):
     group's own timeout is set 5 minutes longer, so this watchdog fires before NCCL's or gloo's abort."""
     python: str = "python3"
     """Python interpreter on the compute nodes."""
+    sbatch_extra: list[str] = Field(default_factory=list, max_length=64)
+    """Extra `#SBATCH` directives the schema lacks, `--flag` or `--flag=value` each (e.g.
+    `--gres-flags=enforce-binding`, `--switches=1`, `--mail-type=END`); flags the schema owns are refused, naming the
+    field to set instead."""
+    run_dir_mode: str = "0755"
+    """Permissions of run folders, in octal (0755 = group and others may read; 0750 = the group only; 0700 = you only);
+    files in them get the same bits without execute (0644). The user's umask still applies."""
     setup: EnvironmentSetup = Field(default_factory=EnvironmentSetup)
     """Environment set-up run before launching ranks."""
 
@@ -131,6 +141,46 @@ class ClusterConfig(Section):
         if value is not None and not SLURM_CONSTRAINT_RE.fullmatch(value):
             raise ValueError("is not a valid Slurm constraint -- use feature names joined by & | , with [ ] ( ) * :")
         return value
+
+    @field_validator("sbatch_extra")
+    @classmethod
+    def _sbatch_extra(cls, value: list[str]) -> list[str]:
+        from hpc_tools.render.slurm_params import sbatch_flag_owner  # the owner of sbatch flags
+
+        for item in value:
+            m = SBATCH_EXTRA_RE.fullmatch(item)
+            if not m:
+                raise ValueError(f"holds {item[:80]!r}, not an #SBATCH directive -- write --flag or --flag=value "
+                                 "(letters, digits and _ . , : + @ % / = * - only; no spaces)")
+            owner = sbatch_flag_owner(m.group(1))
+            if owner:
+                raise ValueError(f"holds --{m.group(1)}, which hpc_tools sets itself -- {owner}")
+        return value
+
+    @field_validator("run_dir_mode", mode="before")
+    @classmethod
+    def _mode_text(cls, value):
+        # YAML reads `run_dir_mode: 0750` as the octal integer 488 and `750` as decimal 750: take the digits as written
+        if isinstance(value, int) and not isinstance(value, bool):
+            text = oct(value)[2:] if value < 0o1000 and f"{value:o}" != str(value) else str(value)
+            if not RUN_DIR_MODE_RE.fullmatch(text):
+                raise ValueError(f"is {text.zfill(4)} in octal, not a folder mode the job can write -- use octal "
+                                 "digits with the owner's 7, e.g. 0755, 0750 or 0700")
+            return text
+        return value
+
+    @field_validator("run_dir_mode")
+    @classmethod
+    def _run_dir_mode(cls, value: str) -> str:
+        if not RUN_DIR_MODE_RE.fullmatch(value):
+            raise ValueError("is not a folder mode the job can write -- use octal digits with the owner's 7, "
+                             "e.g. 0755, 0750 or 0700")
+        return value.zfill(4)
+
+    @property
+    def run_dir_mode_bits(self) -> int:
+        """``run_dir_mode`` as permission bits (e.g. 0o755)."""
+        return int(self.run_dir_mode, 8)
 
     @field_validator("time_limit", mode="before")
     @classmethod

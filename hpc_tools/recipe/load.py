@@ -2,9 +2,12 @@
 
 Precedence, lowest to highest (the one place it is decided):
     1. defaults declared on the section models,
-    2. the recipe file,
-    3. its `local:` profile, when the job runs locally or with `--profile local`,
-    4. `--set section.key=value` overrides from the command line, in the order given.
+    2. the site file (``hpc_tools.recipe.site``: $HPC_TOOLS_SITE or ~/.config/hpc_tools/site.yaml), merged under every
+       recipe file ``read_yaml`` reads (a run folder's resolved recipe is complete and never gets it again),
+    3. the recipe file,
+    4. its `local:` profile, when the job runs locally or with `--profile local`,
+    5. `--set section.key=value` overrides from the command line, in the order given.
+Mappings merge key by key (a site's `cluster.setup.env` and a recipe's add up); lists and values replace.
 
 Recipe files are untrusted input: reading one is bounded (``MAX_BYTES``, UTF-8 only, ``MAX_DEPTH`` levels of
 nesting, ``MAX_NODES`` values once aliases are expanded, no duplicate keys), so a hostile file is refused in
@@ -35,9 +38,20 @@ MAX_DEPTH = 32  # sections nest 4 deep; config_overrides and sweep cells a few m
 MAX_NODES = 100_000  # YAML values after alias expansion (an alias bomb expands to billions)
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """The recipe file as a mapping; a missing, unreadable, oversized, non-UTF-8 file or bad YAML is a one-line
-    UserError."""
+def read_yaml(path: str | Path, site: bool = True) -> dict[str, Any]:
+    """The recipe file as a mapping, over the site file's defaults unless ``site`` is False; a missing, unreadable,
+    oversized, non-UTF-8 file or bad YAML is a one-line UserError (a bad site file too, naming it)."""
+    raw = read_recipe_file(path)
+    if not site:
+        return raw
+    from hpc_tools.recipe.site import read_site
+
+    _, defaults = read_site()
+    return deep_merge(defaults, raw) if defaults else raw
+
+
+def read_recipe_file(path: str | Path) -> dict[str, Any]:
+    """The recipe file alone as a mapping (no site defaults)."""
     path = Path(path)
     shown = printable(str(path))
     if not path.exists():

@@ -282,10 +282,13 @@ def lr_schedule(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
 
 @rule
 def data_sources(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
-    """source: files needs paths; the byte tokenizer needs vocab_size >= 257."""
+    """source: files needs paths, source: indexed a blend; the byte tokenizer needs vocab_size >= 257."""
     if r.data.source == "files" and not r.data.paths:
         yield Violation("data.paths", [], "is empty but data.source=files",
                         "list local files or folders, or use source: synthetic")
+    if r.data.source == "indexed" and not r.data.blend:
+        yield Violation("data.blend", [], "is empty but data.source=indexed",
+                        "list prepared datasets as {path: PREFIX, weight: W} (python -m hpc_tools data prepare)")
     if r.data.tokenizer == "byte" and r.model.vocab_size < 257:
         yield Violation("model.vocab_size", r.model.vocab_size, "is below the byte tokenizer's 257 tokens",
                         "use vocab_size >= 257")
@@ -308,3 +311,25 @@ def profiler_ranks_exist(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     if r.profiling.torch_profiler.enabled and bad:
         yield Violation("profiling.torch_profiler.ranks", bad, f"are not ranks of a {lay.world_size}-rank job",
                         f"use ranks in 0..{lay.world_size - 1}")
+
+
+@rule
+def trackers_installed(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """An enabled tracking.wandb or tracking.mlflow needs its package installed."""
+    from importlib.util import find_spec  # looked up, never imported: validate stays light
+
+    if r.tracking.wandb is not None and r.tracking.wandb.enabled and find_spec("wandb") is None:
+        yield Violation("tracking.wandb.enabled", True, "needs the 'wandb' package, which is not installed",
+                        "pip install wandb, or set tracking.wandb.enabled=false")
+    if r.tracking.mlflow is not None and r.tracking.mlflow.enabled and find_spec("mlflow") is None:
+        yield Violation("tracking.mlflow.enabled", True, "needs the 'mlflow' package, which is not installed",
+                        "pip install mlflow, or set tracking.mlflow.enabled=false")
+
+
+@rule
+def init_from_hf_megatron(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """checkpoint.init_from_hf is read by Megatron runs (DeepSpeed starts from backend.deepspeed.pretrained_path)."""
+    if r.checkpoint.init_from_hf and r.backend.kind != "megatron":
+        yield Violation("checkpoint.init_from_hf", r.checkpoint.init_from_hf,
+                        f"is read by backend.kind=megatron only, not {r.backend.kind}",
+                        "for deepspeed set backend.deepspeed.pretrained_path to the folder instead")

@@ -16,11 +16,13 @@ from hpc_tools.recipe.model import ModelConfig
 from hpc_tools.recipe.parallel import ParallelConfig
 from hpc_tools.recipe.profiling import ProfilingConfig
 from hpc_tools.recipe.sweep import SweepConfig
+from hpc_tools.recipe.tracking import TrackingConfig
 from hpc_tools.recipe.training import TrainingConfig
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # always fullmatch: `$` accepts a trailing newline
 # Sections a `local:` profile may override (not name/local/sweep).
-PROFILE_SECTIONS = ("model", "parallel", "training", "backend", "data", "checkpoint", "cluster", "profiling")
+PROFILE_SECTIONS = ("model", "parallel", "training", "backend", "data", "checkpoint", "cluster", "profiling",
+                    "tracking")
 
 
 class Recipe(Section):
@@ -46,6 +48,8 @@ class Recipe(Section):
     """Resources and environment."""
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
     """In-job measurements."""
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    """Experiment tracking: TensorBoard (on by default), W&B, MLflow."""
     local: dict[str, Any] | None = None
     """Profile merged over the recipe when the job runs locally (or with --profile local): a small model and a layout
     that fits a CPU laptop. Same sections as the recipe, partial."""

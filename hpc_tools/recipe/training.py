@@ -53,4 +53,10 @@ class TrainingConfig(Section):
     step record's `nonfinite`); one more stops the job with an error naming the step. 0 = stop at the first. No
     checkpoint is saved while the newest step was non-finite."""
     log_interval: int = Field(default=1, gt=0)
-    """Print a progress line on rank 0 every N steps."""
+    """Print a progress line on rank 0 every N steps (step N/total, loss, validation loss, tok/s, TFLOP/s, MFU,
+    memory, elapsed, ETA)."""
+    eval_interval: int | None = Field(default=None, gt=0, le=1 << 40)
+    """Compute the validation loss every N steps and at the last step (forward only, over eval_iters validation
+    batches; recorded as `val_loss` and `eval_time_s`, not counted as step time); null = no evaluation."""
+    eval_iters: int = Field(default=10, ge=1, le=1_000_000)
+    """Global batches of validation data per evaluation (each as large as a training step's global batch)."""

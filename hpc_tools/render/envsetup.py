@@ -56,15 +56,60 @@ def checked_setup_lines(cluster: ClusterConfig, run_dir: str) -> list[str]:
     return lines
 
 
-def srun_args(cluster: ClusterConfig) -> list[str]:
-    """Extra srun arguments: pyxis containers are started by srun itself."""
+def rank_srun_args(cluster: ClusterConfig) -> list[str]:
+    """srun options of the rank step on both launch paths (before any container options).
+
+    ``--cpus-per-task``: Slurm 22.05's srun no longer inherits it from sbatch (each rank would get one CPU while its
+    OpenMP pool is sized to ``cluster.cpus_per_task``). ``--mem=0``: for a job step it means "all the job's memory on
+    each node" (srun(1)), never more than the job holds, so a site's DefMemPerCPU cannot shrink a step below the job.
+    ``--kill-on-bad-exit``: one failed rank ends the step."""
+    return ["--kill-on-bad-exit=1", f"--cpus-per-task={cluster.cpus_per_task}", "--mem=0"]
+
+
+def is_pyxis(cluster: ClusterConfig) -> bool:
     c = cluster.setup.container
-    if c is None or c.kind != "pyxis":
+    return c is not None and c.kind == "pyxis"
+
+
+def srun_args(cluster: ClusterConfig, repo: str | None = None, mount_dir: str | None = None) -> list[str]:
+    """srun's pyxis options (pyxis containers are started by srun itself): the image, the repository and the run
+    folder's parent mounted at their own paths (plus the recipe's mounts), and the repository as the working folder,
+    so ``python -m hpc_tools...`` finds the package inside a stock image. Empty without a pyxis container."""
+    if not is_pyxis(cluster):
         return []
+    c = cluster.setup.container
     args = [f"--container-image={c.image}"]
-    if c.mounts:
-        args.append(f"--container-mounts={','.join(c.mounts)}")
+    mounts = [f"{p}:{p}" for p in (repo, mount_dir) if p] + list(c.mounts)
+    if mounts:
+        args.append(f"--container-mounts={','.join(mounts)}")
+    if repo:
+        args.append(f"--container-workdir={repo}")
     return args
+
+
+def pyxis_script_lines(cluster: ClusterConfig) -> list[str]:
+    """For the rendered batch script with a pyxis container: ``HPC_TOOLS_CONTAINER``, a bash array of srun's
+    container options with the repository (``$HPC_TOOLS_REPO``, default the submit folder), the runs folder (made
+    first: pyxis mounts only what exists) and the script itself (read by the prepare step) mounted. Empty otherwise."""
+    if not is_pyxis(cluster):
+        return []
+    c = cluster.setup.container
+    user = shlex.quote("," + ",".join(c.mounts)) if c.mounts else ""
+    return ['HPC_TOOLS_REPO="${HPC_TOOLS_REPO:-$SLURM_SUBMIT_DIR}"',
+            'mkdir -p "${RUN_DIR%/*}"',
+            f"HPC_TOOLS_CONTAINER=({shlex.quote('--container-image=' + c.image)} "
+            f'"--container-mounts=$HPC_TOOLS_REPO:$HPC_TOOLS_REPO,${{RUN_DIR%/*}}:${{RUN_DIR%/*}},$0:$0:ro"{user} '
+            '"--container-workdir=$HPC_TOOLS_REPO")']
+
+
+def script_python(cluster: ClusterConfig) -> str:
+    """The shell words that run the batch script's own hpc_tools steps (prepare, rendezvous, epilogue): the recipe's
+    interpreter, inside the pyxis container when there is one (one task on the first node), so a host without
+    hpc_tools or its packages can run the job."""
+    python = shlex.quote(cluster.python)
+    if is_pyxis(cluster):
+        return f'srun --nodes=1 --ntasks=1 "${{HPC_TOOLS_CONTAINER[@]}}" {python}'
+    return python
 
 
 def launch_prefix(cluster: ClusterConfig) -> list[str]:

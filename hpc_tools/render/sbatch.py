@@ -12,7 +12,14 @@ from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.base import printable
 from hpc_tools.recipe.load import dump_resolved
 from hpc_tools.recipe.schema import Recipe
-from hpc_tools.render.envsetup import checked_setup_lines, rank_argv, srun_args
+from hpc_tools.render.envsetup import (
+    checked_setup_lines,
+    is_pyxis,
+    pyxis_script_lines,
+    rank_argv,
+    rank_srun_args,
+    script_python,
+)
 from hpc_tools.render.slurm_params import STOP_SIGNAL, SlurmSpec
 
 _ENV = jinja2.Environment(loader=jinja2.PackageLoader("hpc_tools.render", "templates"), trim_blocks=True,
@@ -30,14 +37,17 @@ def render_sbatch(recipe: Recipe, source: str = "a recipe") -> str:
     # A quoted here-document never expands anything; its delimiter carries a hash of the text it encloses, so the
     # text cannot end it early.
     delimiter = "HPC_TOOLS_RECIPE_" + hashlib.sha256(recipe_yaml.encode()).hexdigest()[:12]
-    launch = [*srun_args(recipe.cluster), *rank_argv(recipe.cluster)]
+    # --label: every line of the one batch log starts with its rank ("3: ..."), which `logs --rank` filters on.
+    launch = shlex.join([*rank_srun_args(recipe.cluster), "--label"])
+    if is_pyxis(recipe.cluster):
+        launch += ' "${HPC_TOOLS_CONTAINER[@]}"'
+    launch += " " + shlex.join(rank_argv(recipe.cluster))
     return _ENV.get_template("job.sbatch.j2").render(
         name=recipe.name, source=printable(source), layout=ParallelLayout.from_recipe(recipe).describe(),
         sbatch_lines=SlurmSpec.from_recipe(recipe).sbatch_lines(),
-        setup=checked_setup_lines(recipe.cluster, '"$RUN_DIR"'),
-        python=shlex.quote(recipe.cluster.python), recipe_yaml=recipe_yaml, delimiter=delimiter,
-        signal_delay_s=recipe.cluster.signal_delay_s,
-        stop_signal=STOP_SIGNAL, launch=shlex.join(launch))
+        setup=checked_setup_lines(recipe.cluster, '"$RUN_DIR"'), container=pyxis_script_lines(recipe.cluster),
+        python=script_python(recipe.cluster), recipe_yaml=recipe_yaml, delimiter=delimiter,
+        signal_delay_s=recipe.cluster.signal_delay_s, stop_signal=STOP_SIGNAL, launch=launch)
 
 
 def job_script_path(recipe_path: str | Path, jobs_dir: str | Path = "jobs") -> Path:

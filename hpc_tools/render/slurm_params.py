@@ -12,6 +12,30 @@ from hpc_tools.recipe.schema import Recipe
 
 STOP_SIGNAL = "USR2"  # submitit's choice too; NCCL claims USR1
 
+# Every sbatch flag hpc_tools sets (``SlurmSpec.sbatch_options`` and the output lines), or that would contradict what
+# it sets, with the way to change it instead: ``cluster.sbatch_extra`` may add any other directive.
+OWNED_FLAGS = {
+    "job-name": "it is the recipe's name", "nodes": "set cluster.nodes",
+    "ntasks-per-node": "set cluster.gpus_per_node (one rank per GPU)", "ntasks": "set cluster.nodes and "
+    "cluster.gpus_per_node (one rank per GPU)", "gpus-per-node": "set cluster.gpus_per_node",
+    "gpus": "set cluster.gpus_per_node", "gres": "set cluster.gpus_per_node (sbatch gets --gpus-per-node)",
+    "cpus-per-task": "set cluster.cpus_per_task", "mem": "set cluster.mem_gb",
+    "mem-per-cpu": "set cluster.mem_gb", "mem-per-gpu": "set cluster.mem_gb", "time": "set cluster.time_limit",
+    "partition": "set cluster.partition", "account": "set cluster.account", "qos": "set cluster.qos",
+    "constraint": "set cluster.constraint", "reservation": "set cluster.reservation",
+    "exclusive": "set cluster.exclusive", "signal": "set cluster.signal_delay_s", "requeue": "set cluster.requeue",
+    "no-requeue": "set cluster.requeue", "open-mode": "a requeued job appends to its log",
+    "output": "the log's place is fixed (logs read it there)", "error": "the log's place is fixed (logs read it there)",
+    "chdir": "the run folder is fixed (set --runs-dir or HPC_TOOLS_RUNS_DIR)",
+    "export": "the job needs the variables `submit` passes (set cluster.setup.env for more)",
+    "array": "use a recipe's sweep: section", "wrap": "the script is the job",
+}
+
+
+def sbatch_flag_owner(flag: str) -> str | None:
+    """How to set ``--flag`` when hpc_tools owns it (the fix to name), else None."""
+    return OWNED_FLAGS.get(flag)
+
 
 @dataclass(frozen=True, slots=True)
 class SlurmSpec:
@@ -31,6 +55,7 @@ class SlurmSpec:
     exclusive: bool
     signal_delay_s: int
     requeue: bool
+    extra: tuple[str, ...] = ()
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> "SlurmSpec":
@@ -40,7 +65,7 @@ class SlurmSpec:
                    mem_gb=c.mem_gb, time_limit=c.time_limit, time_min=max(1, math.ceil(c.time_limit_min)),
                    partition=c.partition, account=c.account, qos=c.qos, constraint=c.constraint,
                    reservation=c.reservation, exclusive=c.exclusive, signal_delay_s=c.signal_delay_s,
-                   requeue=c.requeue)
+                   requeue=c.requeue, extra=tuple(c.sbatch_extra))
 
     def sbatch_options(self) -> list[tuple[str, str | None]]:
         """(flag, value) pairs in a fixed order; value None means a bare flag."""
@@ -64,13 +89,16 @@ class SlurmSpec:
 
     def sbatch_lines(self, output: str = "%x-%j.out") -> list[str]:
         lines = [f"#SBATCH --{k}" if v is None else f"#SBATCH --{k}={v}" for k, v in self.sbatch_options()]
-        return lines + [f"#SBATCH --output={output}"]
+        return lines + [f"#SBATCH --output={output}"] + [f"#SBATCH {x}" for x in self.extra]
 
     def submitit_parameters(self) -> dict:
         """Keyword arguments for submitit.SlurmExecutor.update_parameters (submitit adds --signal=USR2@delay)."""
         extra: dict = {"requeue": True} if self.requeue else {"no-requeue": True}
         if self.reservation:
             extra["reservation"] = self.reservation
+        for item in self.extra:  # cluster.sbatch_extra: submitit writes `#SBATCH --key=value`, or `--key` for True
+            key, sep, value = item[2:].partition("=")
+            extra[key] = value if sep else True
         params = {"job_name": self.job_name, "nodes": self.nodes, "ntasks_per_node": self.ntasks_per_node,
                   "cpus_per_task": self.cpus_per_task, "time": self.time_min, "signal_delay_s": self.signal_delay_s,
                   "additional_parameters": extra}

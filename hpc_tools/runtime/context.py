@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -24,6 +25,29 @@ log = logging.getLogger("hpc_tools")
 WATCHDOG_MARGIN_S = 300
 
 
+def _read_flag(work, host, event) -> float:
+    """The stop flag an ``agree_stop`` all-reduce left: wait for it (CPU: the gloo work; GPU: the copy's event)."""
+    if work is not None:
+        work.wait()
+    if event is not None:
+        event.synchronize()
+    return float(host[0])
+
+
+def cuda_unusable(gpu_type: str) -> str:
+    """One line: why torch sees no usable GPU although the recipe asks for ``gpu_type`` GPUs."""
+    import torch
+
+    build = torch.version.cuda
+    if build is None:
+        why = f"torch {torch.__version__} is a CPU-only build (install the CUDA wheel)"
+    else:
+        why = (f"torch {torch.__version__} is built for CUDA {build} but finds no usable GPU (a driver older than "
+               f"CUDA {build} needs, no GPU allocated to this task, or CUDA_VISIBLE_DEVICES empty; check nvidia-smi)")
+    return (f"cluster.gpu_type={gpu_type} asks for GPUs but torch.cuda.is_available() is False on this node: {why}; "
+            "set cluster.gpu_type: cpu to train on CPU")
+
+
 @dataclass
 class RankContext:
     """Everything a trainer needs: the resolved recipe, the layout, this rank's place and device, and the run folder.
@@ -39,6 +63,7 @@ class RankContext:
     run: RunFolder
     stop: StopFlag = field(default_factory=StopFlag)
     watchdog: Watchdog | None = None
+    _stop_pending: tuple | None = field(default=None, init=False, repr=False)  # agree_stop's all-reduce in flight
 
     @property
     def rank(self) -> int:
@@ -58,13 +83,28 @@ class RankContext:
 
     @cached_property
     def device(self) -> "torch.device":
-        """This rank's device, decided once: ``cuda:<local rank>`` when the recipe asks for GPUs and torch sees one
-        (the launcher starts one rank per GPU of the node), otherwise ``cpu``."""
+        """This rank's device, decided once: ``cpu`` when the recipe's ``cluster.gpu_type`` is ``cpu`` (the local
+        profiles say so explicitly), else ``cuda:<local rank % visible GPUs>``: one rank per GPU of the node, or one
+        visible GPU per rank where the site binds them (``--gpus-per-task``: every rank sees its own as device 0).
+
+        A recipe that asks for GPUs on a node where CUDA is unusable fails here with the reason (``cuda_unusable``)
+        instead of training on CPU over gloo. Before the first CUDA call it also sets ``CUDA_DEVICE_MAX_CONNECTIONS``
+        when the Megatron layout's communication overlap relies on it (``train/megatron/config.py``)."""
         import torch
 
-        if self.recipe.cluster.uses_gpus and torch.cuda.is_available():
-            return torch.device("cuda", self.dist.local_rank)
-        return torch.device("cpu")
+        if not self.recipe.cluster.uses_gpus:
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            from hpc_tools.errors import UserError
+
+            raise UserError(cuda_unusable(self.recipe.cluster.gpu_type))
+        if self.recipe.backend.kind == "megatron":
+            from hpc_tools.train.megatron.config import cuda_device_max_connections
+
+            value = cuda_device_max_connections(self.recipe, self.layout)
+            if value is not None:
+                os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", value)
+        return torch.device("cuda", self.dist.local_rank % torch.cuda.device_count())
 
     @property
     def device_type(self) -> str:
@@ -80,20 +120,40 @@ class RankContext:
         """This rank received a stop signal (trainers must agree across ranks before acting)."""
         return self.stop.requested
 
-    def agree_stop(self) -> bool:
-        """Collective: True on every rank when any rank received a stop signal (all-reduce MAX of the flag, on this
-        rank's device: nccl reduces only CUDA tensors).
+    def agree_stop(self, final: bool = False) -> bool:
+        """Collective, called by every rank at every step boundary: True on every rank, at the same step, when any
+        rank received a stop signal (an all-reduce MAX of the flag, on this rank's device: nccl reduces only CUDA
+        tensors). Then every rank marks itself stopped, so rank 0 records the run as preempted even if it was not
+        signalled.
 
-        Then every rank marks itself stopped, so rank 0 records the run as preempted even if it was not signalled.
+        Off the step's critical path: the all-reduce of step s's flag is started at step s and read at step s+1
+        (done by then: no wait, and on GPU the flag comes back through a pinned copy and a CUDA event, not a
+        device-wide sync), so a stop acts one step after the signal, on every rank alike. ``final`` (the last
+        step) reads at once, leaving nothing in flight when the process group ends.
         """
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1.0 if self.stop.requested else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0:
+        pending, self._stop_pending = self._stop_pending, None
+        if pending is not None and _read_flag(*pending) > 0:
             self.stop.requested = True
             return True
+        flag = torch.tensor([1.0 if self.stop.requested else 0.0], device=self.device)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        host, event = flag, None
+        if flag.is_cuda:
+            host = torch.empty(1, dtype=flag.dtype, pin_memory=True)
+            work.wait()  # orders the copy after the all-reduce on the current stream; the host does not block
+            host.copy_(flag, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            work = None
+        if final:
+            if _read_flag(work, host, event) > 0:
+                self.stop.requested = True
+                return True
+            return False
+        self._stop_pending = (work, host, event)
         return False
 
     def heartbeat(self, step: int) -> None:

@@ -44,7 +44,8 @@ def prepare(run_dir: Path, recipe_text: str, script: Path | None) -> RunFolder:
     return RunFolder.create(run.path.parent, run.path.name, text, script_text,
                             {"executor": "sbatch", "state": "STARTING", "batch_started": now_iso(), "name": recipe.name,
                              **job},
-                            check_recipe=lambda t: dump_resolved(resolve(parse_yaml(t))))
+                            check_recipe=lambda t: dump_resolved(resolve(parse_yaml(t))),
+                            mode=recipe.cluster.run_dir_mode_bits)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,12 +21,15 @@ from hpc_tools.runtime.backends import trainer_for
 from hpc_tools.runtime.context import RankContext
 from hpc_tools.runtime.distenv import DistEnv
 from hpc_tools.runtime.preemption import StopFlag
+from hpc_tools.runtime.ranklog import DATEFMT, FORMAT, RankLog
 from hpc_tools.runtime.watchdog import HANG_DIR, HANG_EXIT_CODE, HangVerdict, Watchdog
 
 
-def setup_logging(rank: int) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
-                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+def setup_logging(rank: int, run_dir: str | None = None) -> RankLog:
+    """Log lines to stdout; library warnings (once each) and detail lines to the rank's log file only."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True, format=FORMAT.format(rank=rank),
+                        datefmt=DATEFMT)
+    return RankLog(run_dir, rank)
 
 
 def build_context(run_dir: str) -> RankContext:
@@ -65,7 +68,17 @@ def record_hang(run: RunFolder, verdict: HangVerdict) -> None:
 def run_rank(run_dir: str) -> int:
     """Run this rank's share of the job; returns the process exit code."""
     dist = DistEnv.from_environ()
-    setup_logging(dist.rank)
+    rank_log = setup_logging(dist.rank, run_dir)
+    try:
+        return _run_rank(run_dir, dist)
+    finally:
+        line = rank_log.warnings_line()
+        if line:  # the one console line about them (rank 0's stdout is the console of a foreground run)
+            logging.getLogger("hpc_tools").info("%s", line)
+        rank_log.close()
+
+
+def _run_rank(run_dir: str, dist: DistEnv) -> int:
     ctx = build_context(run_dir)
     if ctx.is_rank0:
         note_restart(ctx.run, dist.restart_count, dist.job_id)

@@ -7,7 +7,13 @@ data position a checkpoint needs is the step number, and any layout sees the sam
 
 Order: global sample slot ``g = (step-1) * B + j`` (``j`` < B) falls in epoch ``g // N`` at position ``g % N``; each
 epoch is its own seeded permutation of the N samples. Data-parallel rank ``r`` takes slots ``[r B/d, (r+1) B/d)`` of
-the step, split into ``num_microbatches`` microbatches of ``micro_batch_size``.
+the step, split into ``num_microbatches`` microbatches of ``micro_batch_size``. A rank-step's rows are gathered in one
+call (``Samples.rows``), vectorised for every source.
+
+Sources: ``synthetic`` (a seeded Markov chain, computed with array ops from a counter-based hash, so any sample is a
+pure function of (seed, index)), ``files`` (small local corpora tokenized at start-up) and ``indexed`` (prepared
+Megatron datasets, memory-mapped; ``hpc_tools.data.indexed``). ``validation_samples`` gives the held-out samples the
+evaluation reads.
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ SYNTHETIC_BRANCHES = 4
 """Each token is followed by one of this many successors: the entropy floor is ln(4) ~ 1.39 nats plus noise."""
 SYNTHETIC_NOISE = 0.05
 """Fraction of tokens replaced by uniform noise."""
+VALIDATION_SYNTHETIC_SAMPLES = 1 << 12
+"""Held-out synthetic samples (chains past the training range)."""
+FILES_VALIDATION_FRACTION = 100
+"""With evaluation on, the files source holds out its last 1/100 of the windows (at least one)."""
 EXTENSIONS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".json": "jsonl",
               ".parquet": "parquet"}
 _BUILDERS = {"text": "text", "jsonl": "json", "parquet": "parquet"}
@@ -42,12 +52,17 @@ _BUILDERS = {"text": "text", "jsonl": "json", "parquet": "parquet"}
 class Samples:
     """Training windows of ``seq_length + 1`` int64 tokens; ``samples[i]`` is a fresh numpy array."""
 
-    def __init__(self, *, length: int, seq_length: int, seed: int, get: Callable[[int], np.ndarray], source: str):
+    def __init__(self, *, length: int, seq_length: int, seed: int, get: Callable[[int], np.ndarray], source: str,
+                 get_rows: Callable[[np.ndarray], np.ndarray] | None = None, shuffle: bool = True):
         self._length = length
         self.seq_length = seq_length
         self.seed = seed
         self._get = get
+        self._get_rows = get_rows
         self.source = source
+        self.shuffle = shuffle
+        """False: the samples are already in a seeded random order (megatron's shuffle index); epoch 0 keeps it and
+        later epochs use an O(1)-memory affine permutation, so no per-rank array grows with the corpus."""
 
     def __len__(self) -> int:
         return self._length
@@ -60,9 +75,32 @@ class Samples:
     def __repr__(self) -> str:
         return f"Samples({self.source}, {self._length} x {self.seq_length + 1} tokens, seed {self.seed})"
 
+    def rows(self, indices: np.ndarray) -> np.ndarray:
+        """``samples[i]`` for every index, as one int64 array [len(indices), seq_length + 1]."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if indices.size and (indices.min() < 0 or indices.max() >= self._length):
+            raise IndexError(f"sample indices outside 0..{self._length - 1}")
+        if self._get_rows is not None:
+            return self._get_rows(indices)
+        return np.stack([self._get(int(i)) for i in indices]) if indices.size else \
+            np.zeros((0, self.seq_length + 1), dtype=np.int64)
+
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The seeded permutation of sample indices for one epoch."""
+        if not self.shuffle:
+            return self.order_at(epoch, np.arange(self._length, dtype=np.int64))
         return _permutation(self.seed, epoch, self._length)
+
+    def order_at(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """``epoch_order(epoch)[positions]``, without building the whole order when the samples are unshuffled."""
+        if self.shuffle:
+            return _permutation(self.seed, epoch, self._length)[positions]
+        if epoch == 0:
+            return np.asarray(positions, dtype=np.int64)
+        a, b = _affine(self.seed, epoch, self._length)
+        if self._length > 1 << 32:  # a p could pass int64: Python integers
+            return ((np.asarray(positions, dtype=object) * a + b) % self._length).astype(np.int64)
+        return (np.asarray(positions, dtype=np.int64) * a + b) % self._length
 
 
 @lru_cache(maxsize=4)
@@ -70,37 +108,112 @@ def _permutation(seed: int, epoch: int, length: int) -> np.ndarray:
     return np.random.default_rng([seed, 0x5EED, epoch]).permutation(length)
 
 
+def _affine(seed: int, epoch: int, length: int) -> tuple[int, int]:
+    """(a, b) with gcd(a, length) = 1: p -> (a p + b) mod length is a permutation of 0..length-1, seeded per epoch."""
+    import math
+
+    rng = np.random.default_rng([seed, 0xAFF1, epoch])
+    b = int(rng.integers(length))
+    top = max(min(length, 1 << 31), 2)
+    a = int(rng.integers(1, top))
+    while math.gcd(a, length) != 1:
+        a = a % (top - 1) + 1
+    return a, b
+
+
 # --- building -----------------------------------------------------------------------------------------------------
 
 def build_samples(recipe: "Recipe") -> Samples:
-    """The training samples of a recipe: synthetic (seeded) or tokenized local files. Deterministic per seed."""
+    """The training samples of a recipe: synthetic (seeded), tokenized local files or prepared indexed datasets.
+    Deterministic per seed. Collective for source: indexed (every rank calls it; see ``hpc_tools.data.indexed``)."""
     if recipe.data.source == "synthetic":
         return synthetic_samples(recipe.model.seq_length, recipe.model.vocab_size, recipe.training.seed)
+    if recipe.data.source == "indexed":
+        from hpc_tools.data.indexed import indexed_splits
+
+        return indexed_splits(recipe)[0]
+    train, _ = _files_split(recipe)
+    return train
+
+
+def validation_samples(recipe: "Recipe") -> Samples | None:
+    """The held-out samples the evaluation reads: synthetic -> windows past the training range (the same chain, never
+    trained on); files -> the corpus' last windows (held out of training whenever training.eval_interval is set);
+    indexed -> the blend's validation split (None when data.split gives it no share)."""
+    if recipe.data.source == "synthetic":
+        return synthetic_samples(recipe.model.seq_length, recipe.model.vocab_size, recipe.training.seed,
+                                 num_samples=VALIDATION_SYNTHETIC_SAMPLES, first=SYNTHETIC_NUM_SAMPLES)
+    if recipe.data.source == "indexed":
+        from hpc_tools.data.indexed import indexed_splits
+
+        return indexed_splits(recipe)[1]
+    return _files_split(recipe)[1]
+
+
+def _files_split(recipe: "Recipe") -> tuple[Samples, Samples | None]:
     tokenizer = load_tokenizer(recipe.data.tokenizer)
     if tokenizer.vocab_size > recipe.model.vocab_size:
         raise UserError(f"model.vocab_size={recipe.model.vocab_size} is smaller than the tokenizer's "
                         f"{tokenizer.vocab_size} tokens (data.tokenizer={recipe.data.tokenizer}) "
                         f"(set vocab_size >= {tokenizer.vocab_size})")
     tokens = tokenize_files(recipe.data.paths, recipe.data.format, recipe.data.text_field, tokenizer)
-    return windows(tokens, recipe.model.seq_length, recipe.training.seed, f"files x{len(recipe.data.paths)}")
+    source = f"files x{len(recipe.data.paths)}"
+    seq, seed = recipe.model.seq_length, recipe.training.seed
+    if not getattr(recipe.training, "eval_interval", None):
+        return windows(tokens, seq, seed, source), None
+    count = (len(tokens) - 1) // seq
+    held = max(1, count // FILES_VALIDATION_FRACTION)
+    if count - held < 1:
+        raise UserError(f"data.paths hold {len(tokens)} tokens: too few to hold out validation windows of "
+                        f"model.seq_length+1={seq + 1} (add text, lower model.seq_length or unset "
+                        "training.eval_interval)")
+    cut = (count - held) * seq
+    return windows(tokens[:cut + 1], seq, seed, source), windows(tokens[cut:], seq, seed + 1, source + " (valid)")
 
 
-def synthetic_samples(seq_length: int, vocab_size: int, seed: int, num_samples: int = SYNTHETIC_NUM_SAMPLES) -> Samples:
-    """Seeded Markov-chain tokens: learnable (a fixed successor table), so the loss visibly falls in a few steps."""
+def synthetic_samples(seq_length: int, vocab_size: int, seed: int, num_samples: int = SYNTHETIC_NUM_SAMPLES,
+                      first: int = 0) -> Samples:
+    """Seeded Markov-chain tokens: learnable (each token has SYNTHETIC_BRANCHES successors), so the loss visibly falls
+    in a few steps. Sample ``i`` is chain ``first + i``: ``first`` picks a disjoint region (held-out validation).
+
+    The chain runs on a hidden state s in 0..vocab-1: s' = s + offsets[pick] (mod vocab), or a uniform noise state
+    with probability SYNTHETIC_NOISE; the token is relabel[s] (a seeded permutation), so the successor table looks
+    random. Additive steps make the chain a cumulative sum, so whole batches are computed with array ops from a
+    counter-based hash of (seed, sample, position): any index, any order, same tokens, no per-token Python."""
     vocab = min(vocab_size, SYNTHETIC_VOCAB)
-    successors = np.random.default_rng([seed, 0x7AB1E]).integers(vocab, size=(vocab, SYNTHETIC_BRANCHES)).tolist()
+    table = np.random.default_rng([seed, 0x7AB1E])
+    offsets = table.integers(0, vocab, size=SYNTHETIC_BRANCHES).astype(np.int32)
+    relabel = table.permutation(vocab).astype(np.int64)
+    key = np.uint32(int(table.integers(1 << 32)))
+    positions = np.arange(seq_length + 1, dtype=np.uint32) * np.uint32(0x85EBCA77)
+    cols = np.arange(seq_length + 1, dtype=np.int32) << 16
+    noise_cut = np.uint32(int(SYNTHETIC_NOISE * 65536))
+    mod = (lambda x: x & (vocab - 1)) if vocab & (vocab - 1) == 0 else (lambda x: x % vocab)
+
+    def get_rows(indices: np.ndarray) -> np.ndarray:
+        chains = (np.asarray(indices, dtype=np.int64) + first).astype(np.uint32) * np.uint32(0x9E3779B1) + key
+        h = _mix32(chains[:, None] + positions[None, :])  # 32 hash bits per token: 2 pick, 14 noise state, 16 reset
+        reset = (h >> np.uint32(16)) < noise_cut
+        reset[:, 0] = True  # every sample starts from a uniform state
+        noise = (((h >> np.uint32(2)) & np.uint32(0x3FFF)) * np.uint32(vocab) >> np.uint32(14)).astype(np.int32)
+        total = np.cumsum(offsets[(h & np.uint32(SYNTHETIC_BRANCHES - 1)).astype(np.intp)], axis=1, dtype=np.int32)
+        # the state after the latest reset r <= t is noise[r] + total[t] - total[r]: carry (noise - total)[r] forward
+        # with a running maximum of (position << 16 | value), which only the later reset can exceed
+        carried = np.maximum.accumulate(np.where(reset, cols | mod(noise - total), 0), axis=1) & 0xFFFF
+        return relabel[mod(carried + total)]
 
     def get(index: int) -> np.ndarray:
-        rng = np.random.default_rng([seed, 0xDA7A, index])  # per-sample stream: any index, any order, same tokens
-        picks = rng.integers(SYNTHETIC_BRANCHES, size=seq_length).tolist()
-        noisy = (rng.random(seq_length) < SYNTHETIC_NOISE).tolist()
-        noise = rng.integers(vocab, size=seq_length).tolist()
-        out = [int(rng.integers(vocab))]
-        for t in range(seq_length):
-            out.append(noise[t] if noisy[t] else successors[out[-1]][picks[t]])
-        return np.asarray(out, dtype=np.int64)
+        return get_rows(np.asarray([index]))[0]
 
-    return Samples(length=num_samples, seq_length=seq_length, seed=seed, get=get, source="synthetic")
+    return Samples(length=num_samples, seq_length=seq_length, seed=seed, get=get, get_rows=get_rows,
+                   source="synthetic" if not first else f"synthetic from {first}")
+
+
+def _mix32(x: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 32-bit finaliser: a bijective mix whose outputs pass as independent uniform bits."""
+    x = (x ^ (x >> np.uint32(16))) * np.uint32(0x85EBCA6B)
+    x = (x ^ (x >> np.uint32(13))) * np.uint32(0xC2B2AE35)
+    return x ^ (x >> np.uint32(16))
 
 
 def windows(tokens: np.ndarray, seq_length: int, seed: int, source: str = "tokens") -> Samples:
@@ -110,11 +223,15 @@ def windows(tokens: np.ndarray, seq_length: int, seed: int, source: str = "token
     if count < 1:
         raise UserError(f"data.paths hold {len(tokens)} tokens, fewer than one sample of model.seq_length+1="
                         f"{seq_length + 1} (add text or lower model.seq_length)")
+    span = np.arange(seq_length + 1, dtype=np.int64)
 
     def get(index: int) -> np.ndarray:
         return tokens[index * seq_length: index * seq_length + seq_length + 1].copy()
 
-    return Samples(length=count, seq_length=seq_length, seed=seed, get=get, source=source)
+    def get_rows(indices: np.ndarray) -> np.ndarray:
+        return tokens[indices[:, None] * seq_length + span[None, :]]
+
+    return Samples(length=count, seq_length=seq_length, seed=seed, get=get, get_rows=get_rows, source=source)
 
 
 # --- files --------------------------------------------------------------------------------------------------------
@@ -192,7 +309,7 @@ def global_batch_indices(samples: Samples, step: int, global_batch_size: int) ->
     out = np.empty(global_batch_size, dtype=np.int64)
     for epoch in np.unique(slots // n):
         mask = slots // n == epoch
-        out[mask] = samples.epoch_order(int(epoch))[slots[mask] % n]
+        out[mask] = samples.order_at(int(epoch), slots[mask] % n)
     return out
 
 
@@ -210,9 +327,7 @@ def microbatches_for_step(samples: Samples, step: int, dp_rank: int, layout: "Pa
     import torch
 
     b = layout.micro_batch_size
-    rows = np.stack([samples[int(i)] for i in rank_batch_indices(samples, step, dp_rank, layout)])
-    batches = []
-    for k in range(layout.num_microbatches):
-        chunk = torch.from_numpy(rows[k * b:(k + 1) * b])
-        batches.append({"tokens": chunk[:, :-1].contiguous(), "labels": chunk[:, 1:].contiguous()})
-    return batches
+    rows = torch.from_numpy(samples.rows(rank_batch_indices(samples, step, dp_rank, layout)))
+    tokens, labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # two copies for the whole rank-step
+    return [{"tokens": tokens[k * b:(k + 1) * b], "labels": labels[k * b:(k + 1) * b]}
+            for k in range(layout.num_microbatches)]

@@ -3,12 +3,18 @@
 What the loop owns, in this order for each step ``s`` of ``start+1 .. training.train_iters``::
 
     collector.start_step(s); batch = engine.batch(s) (timed as data time); result = engine.step(s, batch)
-    collector.end_step(s, ...); ctx.heartbeat(s); rank 0 logs result.note at training.log_interval
+    collector.end_step(s, ...); ctx.heartbeat(s)
     if result.nonfinite: count it; past training.max_nonfinite_steps in a row raise NonFiniteError naming the step
+    every training.eval_interval steps and at the last: val_loss = engine.evaluate(validation batches) (collective,
+        after the step's time was taken; its loss and wall time join step s's record: ``val_loss``, ``eval_time_s``)
+    at training.log_interval, the last step and evaluations: rank 0 logs the progress line (``progress.py``),
+        writes ``progress.json`` and hands the scalars to the experiment trackers (``hpc_tools.tracking``)
     stop = ctx.agree_stop()                          # collective: every rank takes the same branch below
     save(s) if stop, or s is the last step, or s % checkpoint.interval_iters == 0 (at most one save per step),
         unless step s was non-finite (a checkpoint never holds what a non-finite step left behind)
     if stop: ctx.finish_preempted(s) and return      # the checkpoint of step s exists before the requeue
+
+Rank 0 also logs the start-up phases (imports, process group, model build, checkpoint load, first step) once each.
 
 Before the first step (``resume``): the resume source (``checkpoint_dirs.resume_source``) is verified on every rank
 (``checkpoint_verify.agree``: sizes, and checksums unless ``checkpoint.verify: size``) and handed to
@@ -112,9 +118,21 @@ class Engine(Protocol):
 
 
 def run(ctx: "RankContext", build: Callable[["RankContext"], Engine]) -> None:
-    """A backend's ``run(ctx)``: join the process group on this rank's device, build the engine, ``train`` it."""
+    """A backend's ``run(ctx)``: join the process group on this rank's device, build the engine, ``train`` it;
+    rank 0 logs the start-up phases (imports, process group, model build; ``train`` the rest) as they end."""
+    from hpc_tools.train.progress import StartupLog, process_age_s
+
+    startup = StartupLog(ctx.info)
+    age = process_age_s()
+    if age is not None:
+        startup.done("imports", age, "interpreter, packages and the recipe, since the process started")
+    t0 = time.perf_counter()
     with process_group(ctx):
-        train(ctx, build(ctx))
+        startup.done("process group", time.perf_counter() - t0, ctx.dist_backend)
+        t0 = time.perf_counter()
+        engine = build(ctx)
+        startup.done("model build", time.perf_counter() - t0)
+        train(ctx, engine, startup=startup)
 
 
 @contextlib.contextmanager
@@ -260,40 +278,123 @@ def save_due(step: int, last: int, interval: int | None, stop: bool) -> bool:
     return stop or step == last or bool(interval and step % interval == 0)
 
 
-def train(ctx: "RankContext", engine: Engine, collector_for: Callable[..., Any] = default_collector) -> None:
-    """Steps ``resume+1 .. training.train_iters`` of ``engine`` with records, heartbeats, the stop agreement and
-    the saves (see the module docstring); closes the collector, then the engine, whatever happens."""
-    collector = None
+def eval_due(step: int, last: int, interval: int | None) -> bool:
+    """Whether step ``step`` is followed by an evaluation: every ``training.eval_interval`` steps and at the last."""
+    return bool(interval) and (step % interval == 0 or step == last)
+
+
+class Evaluation:
+    """The validation loss of an engine that has ``evaluate``: ``training.eval_iters`` global batches of the
+    validation samples (``hpc_tools.train.data.validation_samples``), the same batches at every evaluation (so that
+    evaluations compare), each rank its data-parallel share, as a training step takes its own."""
+
+    def __init__(self, ctx: "RankContext", engine: Engine):
+        self.ctx, self.engine = ctx, engine
+        self._samples, self._batches = None, None
+
+    @staticmethod
+    def wanted(ctx: "RankContext", engine: Engine) -> bool:
+        return bool(getattr(ctx.recipe.training, "eval_interval", None)) and hasattr(engine, "evaluate")
+
+    def batches(self) -> list:
+        """``eval_iters`` lists of this rank's microbatches (built once, kept: a few global batches)."""
+        if self._batches is None:
+            from hpc_tools.train import data
+
+            samples = data.validation_samples(self.ctx.recipe)
+            if samples is None:
+                self._batches = []
+            else:
+                dp_rank = self.engine.coords().get("dp_rank", 0)
+                self._batches = [data.microbatches_for_step(samples, i, dp_rank, self.ctx.layout)
+                                 for i in range(1, self.ctx.recipe.training.eval_iters + 1)]
+        return self._batches
+
+    def __call__(self) -> tuple[float | None, float]:
+        """(mean validation loss, the same on every rank, or None without validation data; wall seconds)."""
+        t0 = time.perf_counter()
+        batches = self.batches()
+        loss = self.engine.evaluate(batches) if batches else None
+        return loss, time.perf_counter() - t0
+
+
+def _open_trackers(ctx: "RankContext"):
+    """``hpc_tools.tracking.open_trackers`` on rank 0 (None elsewhere, or when tracking is unavailable: it never
+    stops training)."""
+    if not ctx.is_rank0:
+        return None
+    try:
+        from hpc_tools.tracking import open_trackers
+
+        return open_trackers(ctx.run_dir, ctx.recipe)
+    except ImportError:
+        return None  # hpc_tools.tracking not installed: no trackers
+    except Exception as e:  # noqa: BLE001 - an experiment tracker must never stop training
+        log.warning("experiment tracking off: %s: %s", type(e).__name__, str(e).splitlines()[0][:200] if str(e)
+                    else "")
+        return None
+
+
+def train(ctx: "RankContext", engine: Engine, collector_for: Callable[..., Any] = default_collector,
+          startup=None) -> None:
+    """Steps ``resume+1 .. training.train_iters`` of ``engine`` with records, heartbeats, the stop agreement,
+    evaluations, progress lines and the saves (see the module docstring); closes the trackers, the collector, then
+    the engine, whatever happens."""
+    from hpc_tools.train.progress import ProgressMeter, StartupLog
+
+    startup = startup if startup is not None else StartupLog(ctx.info)
+    collector = trackers = None
     try:
         t_load = time.perf_counter()  # checkpoint verify + load, reported to the collector's events for goodput
         first = resume(ctx, engine) + 1
+        load_s = time.perf_counter() - t_load
+        startup.done("checkpoint load", load_s, f"resumed at step {first - 1}" if first > 1 else "fresh start")
         training, interval = ctx.recipe.training, ctx.recipe.checkpoint.interval_iters
         last = training.train_iters
         limit = getattr(training, "max_nonfinite_steps", 0)
+        eval_interval = getattr(training, "eval_interval", None)
         ctx.info("%s; steps %d..%d", engine.describe(), first, last)
         collector = collector_for(ctx, **engine.coords())
         if first > 1:
             report_event(collector, "checkpoint_load", t_load, first - 1)
+        evaluation = Evaluation(ctx, engine) if Evaluation.wanted(ctx, engine) else None
+        meter = ProgressMeter(first=first, total=last, eval_interval=eval_interval) if ctx.is_rank0 else None
+        trackers = _open_trackers(ctx)
         in_row = 0
         for step in range(first, last + 1):
+            t_step = time.perf_counter()
             collector.start_step(step)
             with collector.data_timer():
                 batch = engine.batch(step)
             result = engine.step(step, batch)
-            collector.end_step(step, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
-                               skipped=result.skipped, nonfinite=result.nonfinite)
+            record = collector.end_step(step, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
+                                        skipped=result.skipped, nonfinite=result.nonfinite)
+            if step == first:
+                startup.done("first step", time.perf_counter() - t_step)
             ctx.heartbeat(step)
             in_row = in_row + 1 if result.nonfinite else 0
             if in_row:
                 _nonfinite(ctx, step, result, in_row, limit)
-            if result.note and (step % training.log_interval == 0 or step == last):
-                ctx.info("%s", result.note)
-            stop = ctx.agree_stop()
+            if meter is not None:
+                meter.add(record if isinstance(record, dict) else None, step, result.loss)
+            evaluated = evaluation is not None and eval_due(step, last, eval_interval)
+            if evaluated:  # after the step's time was taken: evaluation is its own goodput bucket
+                val_loss, eval_s = evaluation()
+                getattr(collector, "add_evaluation", lambda *a: None)(step, val_loss, eval_s)
+                if meter is not None and val_loss is not None:
+                    meter.add_eval(step, val_loss, eval_s)
+            if step % training.log_interval == 0 or step == last or evaluated:
+                if result.note:
+                    ctx.info("%s", result.note)
+                if meter is not None:
+                    _progress(ctx, meter, step, last, trackers)
+            stop = ctx.agree_stop(final=step == last)
             if engine.checkpoints and save_due(step, last, interval, stop):
                 if in_row:
                     ctx.info("checkpoint of step %d not saved: the step was not finite (the newest checkpoint "
                              "stays the last good one)", step)
                 else:
+                    getattr(collector, "flush", lambda: None)()  # the checkpoint's steps are on disk before it
                     t_save = time.perf_counter()
                     path = engine.save(step)
                     ctx.info("checkpoint saved: %s%s", path, _save_cost(ctx, path, time.perf_counter() - t_save))
@@ -305,7 +406,25 @@ def train(ctx: "RankContext", engine: Engine, collector_for: Callable[..., Any] 
             ctx.info("nothing to do: the checkpoint is at step %d and training.train_iters=%d", first - 1, last)
     finally:
         try:
+            if trackers is not None:
+                with contextlib.suppress(Exception):  # never raises into training, nor out of its end
+                    trackers.close()
             if collector is not None:
                 collector.close()
         finally:
             engine.close()
+
+
+def _progress(ctx: "RankContext", meter, step: int, last: int, trackers) -> None:
+    """Rank 0's progress line of ``step``, its ``progress.json`` for ``status``, and the trackers' scalars."""
+    from hpc_tools.train.progress import write_progress
+
+    line, scalars = meter.line(step)
+    ctx.info("%s", line)
+    run_dir = getattr(ctx, "run_dir", None)
+    if run_dir is not None:
+        val = (meter.val_step, meter.val_loss) if meter.val_step is not None else None
+        write_progress(run_dir, step, last, line, scalars, meter.eta_s(step), val)
+    if trackers is not None:
+        with contextlib.suppress(Exception):
+            trackers.log(step, scalars)

@@ -1,6 +1,7 @@
 """Tokenizers for ``data.tokenizer``: the built-in byte tokenizer or a local Hugging Face tokenizer folder.
 
-Both expose ``vocab_size``, ``eos_id``, ``encode(text) -> list[int]`` and ``decode(ids) -> str``. Nothing is ever
+Both expose ``vocab_size``, ``eos_id``, ``encode(text) -> list[int]``, ``encode_batch(texts) -> list[list[int]]`` (the
+same ids, many documents per call: what ``data prepare`` uses) and ``decode(ids) -> str``. Nothing is ever
 downloaded: a Hugging Face tokenizer is read from a local folder with ``local_files_only=True``.
 """
 
@@ -23,6 +24,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
@@ -34,6 +37,10 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[bytes]:
+        """UTF-8 bytes per text: a bytes object is already a sequence of token ids 0..255 (no per-byte list)."""
+        return [t.encode("utf-8") for t in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
         # EOS (and anything outside a byte) ends a document; it has no text of its own.
@@ -66,6 +73,10 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Many texts in one call of the Rust tokenizer (the same ids as ``encode`` per text)."""
+        return self._tok(list(texts), add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)

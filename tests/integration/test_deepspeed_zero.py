@@ -178,12 +178,14 @@ def test_checkpoints_follow_the_folder_convention(two):
     root = Path(two["z3_fp32_resumed"]["run_dir"]) / "checkpoints"
     dirs = CheckpointDirs(root)
     steps = [s for s, _ in dirs.complete()]
-    assert steps == [5, 8], steps  # keep_last=2 pruned step 4; 5 = the stop-signal save
+    # keep_last=2 pruned step 4; 6 = the stop-signal save: the flag raised after step 5 is agreed on at step 6 (the
+    # stop agreement is an all-reduce started at one step and read at the next, hpc_tools/runtime/context.py)
+    assert steps == [6, 8], steps
     meta = CheckpointDirs.read_meta(dirs.newest())
     assert meta["zero_stage"] == 3 and meta["step"] == 8
     assert not list(root.glob("*.partial"))
     manifest = json.loads((Path(two["z3_fp32_resumed"]["run_dir"]) / "manifest.json").read_text())
-    assert any(e["event"] == "preempted" and e.get("last_step") == 5 for e in manifest["events"])
+    assert any(e["event"] == "preempted" and e.get("last_step") == 6 for e in manifest["events"])
 
 
 EXPORT_CASES = {  # exported run: (run it trained like, weight tolerance or None, eval-loss tolerance)
@@ -258,6 +260,8 @@ def test_pretrained_path_starts_from_the_folders_weights(two, pretrained):
                 per_mb.append(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                                 mb["labels"].reshape(-1)).item())
     curve = losses(two, "gpt_pretrained_z2_fp32")
-    assert curve[0] == pytest.approx(np.mean(per_mb), abs=1e-4)
-    assert abs(curve[0] - losses(two, "gpt_z1_fp32")[0]) > 1e-3  # not our own initialisation
+    # fp32 on one thread: the run's step-1 loss equals the folder's model's exactly (measured 0.0); two near-uniform
+    # initialisations differ by ~1e-4 on the synthetic data, so the margin is 100x the tolerance
+    assert curve[0] == pytest.approx(np.mean(per_mb), abs=1e-6)
+    assert abs(curve[0] - losses(two, "gpt_z1_fp32")[0]) > 1e-5  # not our own initialisation
     assert curve[-1] < curve[0] - 0.3

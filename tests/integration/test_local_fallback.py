@@ -22,4 +22,11 @@ def test_local_fallback_when_no_slurm_answers(tmp_path):
     (run,) = list_runs(tmp_path / "runs")
     assert run.manifest()["state"] == "COMPLETED" and run.manifest()["executor"] == "local"
     assert sorted(step_records(run.path)) == [0, 1]
+    # Every run writes TensorBoard files as it trains (docs/tracking.md): rank 0's scalars, up to the last step.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run.path / "tensorboard"))
+    events.Reload()
+    last = max(r["step"] for r in step_records(run.path)[0])
+    assert events.Scalars("throughput/tokens_per_s")[-1].step == last
 

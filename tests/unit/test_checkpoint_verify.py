@@ -164,7 +164,7 @@ class Ctx:
     def heartbeat(self, step):
         pass
 
-    def agree_stop(self):
+    def agree_stop(self, final=False):
         return False
 
     def finish_preempted(self, step):

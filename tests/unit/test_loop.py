@@ -31,7 +31,7 @@ class FakeContext:
     def heartbeat(self, step: int) -> None:
         self.events.append(("heartbeat", step))
 
-    def agree_stop(self) -> bool:
+    def agree_stop(self, final: bool = False) -> bool:
         self.events.append(("agree_stop",))
         return self.stop_at is not None and self.events[-2] == ("heartbeat", self.stop_at)
 

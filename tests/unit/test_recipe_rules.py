@@ -66,6 +66,12 @@ CASES = {
                             "lower it or raise the time limit"),
     "profiler_ranks_exist": (["profiling.torch_profiler.enabled=true", "profiling.torch_profiler.ranks=[0, 8]"],
                              "profiling.torch_profiler.ranks=[8] are not ranks of a 8-rank job", "use ranks in 0..7"),
+    # wandb is optional, not in environment/requirements-*.txt (tests/unit/test_tracking.py hides it when present)
+    "trackers_installed": (["tracking.wandb.mode=offline"], "tracking.wandb.enabled=true needs the 'wandb' package",
+                           "pip install wandb"),
+    "init_from_hf_megatron": (["backend.kind=deepspeed", "checkpoint.init_from_hf=hf"],
+                              "checkpoint.init_from_hf=hf is read by backend.kind=megatron only",
+                              "set backend.deepspeed.pretrained_path"),
 }
 
 

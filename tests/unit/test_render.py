@@ -38,7 +38,9 @@ def test_script_shape():
     assert f"#SBATCH --gpus-per-node={c.gpus_per_node}" in sbatch
     assert f"#SBATCH --signal=USR2@{c.signal_delay_s}" in sbatch
     assert "#SBATCH --requeue" in sbatch and "#SBATCH --output=%x-%j.out" in sbatch
-    assert "srun --kill-on-bad-exit=1 python3 -m hpc_tools.runtime.rank" in text
+    # srun does not inherit --cpus-per-task from sbatch (Slurm 22.05); --label tags each line with its rank
+    assert (f"srun --kill-on-bad-exit=1 --cpus-per-task={c.cpus_per_task} --mem=0 --label python3 -m "
+            "hpc_tools.runtime.rank") in text
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
 
@@ -121,7 +123,8 @@ def test_hostile_strings_never_execute(tmp_path):
     bad = hostile(mark)
     assert [c[-1] for c in recorded if c[0] == "module"] == bad
     (srun_call,) = [c for c in recorded if c[0] == "srun"]
-    assert srun_call[1:9] == ["--kill-on-bad-exit=1", "apptainer", "exec", "--bind", bad[2], "--bind", bad[3], bad[0]]
+    assert srun_call[1:12] == ["--kill-on-bad-exit=1", "--cpus-per-task=8", "--mem=0", "--label", "apptainer", "exec",
+                               "--bind", bad[2], "--bind", bad[3], bad[0]]
     run_dir = tmp_path / "runs" / "hostile-j4242"
     assert srun_call[-2:] == ["--run-dir", str(run_dir)]
     saved = yaml.safe_load((run_dir / "recipe.yaml").read_text())

@@ -184,7 +184,8 @@ def test_classification_and_reason(tmp_path):
 
 
 def run_follow(run: RunFolder, out: io.BytesIO) -> threading.Thread:
-    thread = threading.Thread(target=follow, args=(run, 0, out), kwargs={"poll_s": 0.02}, daemon=True)
+    # rank None: the whole log (a shared batch log unfiltered), what `logs -f` prints without --rank
+    thread = threading.Thread(target=follow, args=(run, None, out), kwargs={"poll_s": 0.02}, daemon=True)
     thread.start()
     return thread
 

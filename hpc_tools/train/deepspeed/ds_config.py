@@ -24,36 +24,69 @@ QUIET_STEPS = 10**9
 """DeepSpeed's own progress print interval: never (the step collector logs progress)."""
 
 
-def _offload(device: str, nvme_path: str | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"device": device, "pin_memory": False}
+def _offload(device: str, nvme_path: str | None, on_gpu: bool) -> dict[str, Any]:
+    # Page-locked host buffers make the GPU<->host copies of offloaded states asynchronous; on a CPU-only run there
+    # is no device copy to speed up.
+    out: dict[str, Any] = {"device": device, "pin_memory": on_gpu}
     if device == "nvme":
         out["nvme_path"] = nvme_path
     return out
 
 
-def zero_section(recipe: "Recipe") -> dict[str, Any]:
+def zero_section(recipe: "Recipe", device_type: str | None = None) -> dict[str, Any]:
     """``zero_optimization``: the stage and where optimizer states / parameters live."""
     ds = recipe.backend.deepspeed
+    on_gpu = _device_type(recipe, device_type) == "cuda"
     zero: dict[str, Any] = {"stage": ds.zero_stage}
     if ds.offload_optimizer != "none":
-        zero["offload_optimizer"] = _offload(ds.offload_optimizer, ds.nvme_path)
+        zero["offload_optimizer"] = _offload(ds.offload_optimizer, ds.nvme_path, on_gpu)
     if ds.offload_param != "none":
-        zero["offload_param"] = _offload(ds.offload_param, ds.nvme_path)
+        zero["offload_param"] = _offload(ds.offload_param, ds.nvme_path, on_gpu)
     return zero
 
 
-def build_ds_config(recipe: "Recipe", layout: "ParallelLayout") -> dict[str, Any]:
-    """The DeepSpeed configuration of a recipe, overrides applied."""
+def _device_type(recipe: "Recipe", device_type: str | None) -> str:
+    # The rank's device (RankContext.device): CUDA exactly when the recipe asks for GPUs (it fails fast otherwise).
+    return device_type or ("cuda" if recipe.cluster.uses_gpus else "cpu")
+
+
+def optimizer_section(recipe: "Recipe", device_type: str | None = None) -> dict[str, Any]:
+    """``optimizer``: AdamW. On a GPU with ``offload_optimizer`` DeepSpeed builds DeepSpeedCPUAdam (its vectorised C++
+    Adam over the offloaded states; ``torch_adam`` would take precedence and run torch's AdamW on the host,
+    deepspeed 0.19.8 ``engine.get_optimizer_configuration``), and without offload its FusedAdam. On CPU-only runs
+    torch's AdamW: DeepSpeed's ops compile C++ on first use (over a minute, needs a compiler; docs/gpu-path.md)."""
+    t, ds = recipe.training, recipe.backend.deepspeed
+    params: dict[str, Any] = {"lr": t.lr, "betas": [t.adam_beta1, t.adam_beta2], "eps": t.adam_eps,
+                              "weight_decay": t.weight_decay}
+    if _device_type(recipe, device_type) != "cuda" or ds.offload_optimizer == "none":
+        # Without offload on a GPU: torch's AdamW (foreach) instead of DeepSpeed's FusedAdam, whose JIT build needs
+        # nvcc, absent from the pip CUDA wheels.
+        params["torch_adam"] = True
+    return {"type": "AdamW", "params": params}
+
+
+def grad_accum_section(recipe: "Recipe") -> dict[str, Any]:
+    """``data_types.grad_accum_dtype: fp32`` where deepspeed 0.19.8 honours it: bf16 with ZeRO-1 and no offload
+    (its BF16_Optimizer then accumulates micro-batch gradients in fp32, as the Megatron path does with
+    ``grad_reduce_in_fp32``). ZeRO-0 with bf16 refuses it (``_do_optimizer_sanity_check``: NotImplementedError, an
+    unsupported mix) and ZeRO-2/3 or offload take the ZeRO optimizer, which ignores it (docs/gpu-path.md)."""
+    ds = recipe.backend.deepspeed
+    if recipe.training.precision == "bf16" and ds.zero_stage == 1 and ds.offload_optimizer == "none":
+        return {"data_types": {"grad_accum_dtype": "fp32"}}
+    return {}
+
+
+def build_ds_config(recipe: "Recipe", layout: "ParallelLayout", device_type: str | None = None) -> dict[str, Any]:
+    """The DeepSpeed configuration of a recipe on ``device_type`` (default: the recipe's), overrides applied."""
     t = recipe.training
     config: dict[str, Any] = {
         **layout.deepspeed_batch(),
-        # torch's AdamW: DeepSpeed's FusedAdam / CPUAdam compile C++ on first use (over a minute, needs a compiler).
-        "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "betas": [t.adam_beta1, t.adam_beta2], "eps": t.adam_eps,
-                                                  "weight_decay": t.weight_decay, "torch_adam": True}},
+        "optimizer": optimizer_section(recipe, device_type),
         "gradient_clipping": t.clip_grad,
-        "zero_optimization": zero_section(recipe),
+        "zero_optimization": zero_section(recipe, device_type),
         "bf16": {"enabled": t.precision == "bf16"},
         "fp16": {"enabled": t.precision == "fp16"},
+        **grad_accum_section(recipe),
         "steps_per_print": QUIET_STEPS,
         "wall_clock_breakdown": False,
     }

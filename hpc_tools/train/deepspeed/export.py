@@ -2,60 +2,51 @@
 
 ZeRO checkpoints (any stage) are consolidated with DeepSpeed's ``zero_to_fp32`` (the fp32 master weights, gathered from
 every data-parallel partition). Pipeline checkpoints hold one file per layer; their parameters are renamed back to the
-Hugging Face names through ``pipeline.layer_prefixes``. Torch and transformers are imported only when called.
+Hugging Face names through ``pipeline.layer_prefixes``. The run's tokenizer goes along (``hpc_tools.hf.tokenizer``).
+Which checkpoint (the newest verified one) and the folder's atomic write are ``hpc_tools.hf.export``'s and
+``hpc_tools.hf.folder``'s. Torch and transformers are imported only when called.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from hpc_tools.errors import UserError
-from hpc_tools.recipe.load import parse_yaml, resolve
 from hpc_tools.registry import RunFolder, atomic_write
 from hpc_tools.train.checkpoint_dirs import CheckpointDirs
 
-EXPORT_META = "hpc_tools_export.json"
 
-
-def checkpoint_of(run: RunFolder, step: int | None = None) -> tuple[Any, Path]:
-    """(recipe, checkpoint folder) of a run: the newest complete checkpoint, or the one of ``step``."""
-    recipe = resolve(parse_yaml(run.recipe_path.read_text(), str(run.recipe_path)), source=str(run.recipe_path))
-    if recipe.backend.kind != "deepspeed":
-        raise UserError(f"run {run.run_id} has backend.kind={recipe.backend.kind}; export handles deepspeed runs "
-                        "(convert Megatron checkpoints with Megatron's own tools)")
-    root = Path(recipe.checkpoint.dir) if recipe.checkpoint.dir else run.checkpoints_dir
-    dirs = CheckpointDirs(root)
-    path = dirs.newest() if step is None else (dirs.final_path(step) if dirs.has(step) else None)
-    if path is None:
-        have = ", ".join(str(s) for s, _ in dirs.complete()) or "none"
-        raise UserError(f"run {run.run_id} has no complete checkpoint{'' if step is None else f' at step {step}'} "
-                        f"under {root} (complete steps: {have}; train longer or pick one of them with --step)")
-    return recipe, path
-
-
-def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> dict[str, Any]:
+def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
+               overwrite: bool = False) -> dict[str, Any]:
     """Write the run's trained model into ``out_dir``; returns a summary (folder, step, parameter count)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    run = RunFolder(run_dir)
-    run.manifest()  # a one-line error when this is not a run folder
-    recipe, ckpt = checkpoint_of(run, step)
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"--out {out} is not empty (give a new folder; an export never overwrites files)")
+    from hpc_tools.hf.export import export_run as export_any
+
+    return export_any(run_dir, out_dir, step, overwrite)
+
+
+def export_checkpoint(run: RunFolder, recipe, ckpt: Path, out_dir: str | Path, overwrite: bool = False
+                      ) -> dict[str, Any]:
+    """The DeepSpeed checkpoint ``ckpt`` of ``run`` -> the Hugging Face folder ``out_dir`` (with the tokenizer)."""
+    from hpc_tools.hf.export import EXPORT_META
+    from hpc_tools.hf.folder import staged
+    from hpc_tools.hf.tokenizer import save_tokenizer
+
     meta = CheckpointDirs.read_meta(ckpt)
     model = empty_model(recipe)
     state = pipeline_state(model, ckpt) if meta.get("pipeline_size", 1) > 1 else zero_state(ckpt)
     load_into(model, state, ckpt)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
-    copy_tokenizer(recipe, out)
-    summary = {"folder": str(out), "run_id": run.run_id, "step": meta["step"], "checkpoint": str(ckpt),
-               "parameters": sum(p.numel() for p in model.parameters()), "layout": meta.get("layout"),
-               "zero_stage": meta.get("zero_stage"), "precision": meta.get("precision")}
-    atomic_write(out / EXPORT_META, json.dumps(summary, indent=2, sort_keys=True))
+    with staged(out_dir, overwrite) as tmp:
+        token_ids = save_tokenizer(recipe.data.tokenizer, tmp)
+        for cfg in (model.config, model.generation_config):  # generation stops at the tokenizer's eos
+            cfg.bos_token_id, cfg.eos_token_id = token_ids["bos_token_id"], token_ids["eos_token_id"]
+        model.save_pretrained(str(tmp))
+        summary = {"folder": str(Path(out_dir).absolute()), "run_id": run.run_id, "step": meta["step"],
+                   "checkpoint": str(ckpt), "parameters": sum(p.numel() for p in model.parameters()),
+                   "layout": meta.get("layout"), "zero_stage": meta.get("zero_stage"),
+                   "precision": meta.get("precision"), **token_ids}
+        atomic_write(tmp / EXPORT_META, json.dumps(summary, indent=2, sort_keys=True))
     return summary
 
 
@@ -115,12 +106,3 @@ def load_into(model, state: dict, ckpt: Path) -> None:
                         f"{unexpected[:4]}); was the recipe's model section changed after training?")
     if tied:
         model.tie_weights()
-
-
-def copy_tokenizer(recipe, out: Path) -> None:
-    """A local Hugging Face tokenizer travels with the model; the byte tokenizer needs no files."""
-    if recipe.data.tokenizer == "byte":
-        return
-    from transformers import AutoTokenizer
-
-    AutoTokenizer.from_pretrained(recipe.data.tokenizer, local_files_only=True).save_pretrained(str(out))

@@ -215,6 +215,35 @@ class DeepSpeedJob:
         data = iter([(mb["tokens"], mb["labels"]) for mb in batches])
         return float(self.engine.train_batch(data_iter=data)), None
 
+    def evaluate(self, batches: list[list[dict[str, Any]]]) -> float:
+        """Validation loss: forward only (eval mode, no grad) over each entry of ``batches`` (this rank's
+        microbatches of one global batch), the mean over microbatches and data-parallel ranks (the pipeline engine's
+        ``eval_batch`` reduces and broadcasts it itself): the same on every rank."""
+        import torch
+        import torch.distributed as dist
+
+        from hpc_tools.train.deepspeed.pipeline import causal_lm_loss
+
+        if self.pipeline:
+            losses = [float(self.engine.eval_batch(data_iter=iter([(mb["tokens"], mb["labels"]) for mb in mbs])))
+                      for mbs in batches]
+            return sum(losses) / len(losses)
+        device = self.engine.device
+        total = torch.zeros(1, dtype=torch.float64, device=device)
+        count = 0
+        self.engine.eval()
+        try:
+            with torch.no_grad():
+                for mbs in batches:
+                    for mb in mbs:
+                        logits = self.engine(input_ids=mb["tokens"].to(device)).logits
+                        total += causal_lm_loss(logits, mb["labels"].to(device)).double()
+                        count += 1
+        finally:
+            self.engine.train()
+        dist.all_reduce(total)
+        return total.item() / count / self.layout.data_size
+
     # -- checkpoints ---------------------------------------------------------------------------------------------------
     def save(self, step: int) -> Path:
         """Save through the engine into a partial folder; it becomes ``iter_N`` only once every rank is done."""

@@ -15,6 +15,7 @@ and a warning says so.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -86,11 +87,13 @@ def save(engine: "Engine", dirs: CheckpointDirs, step: int, *, model_only: bool 
     if dist.get_rank() == 0:
         dirs.begin(step)
     dist.barrier()
-    state = model_state(engine)
-    if not model_only:
-        state["optimizer"] = engine.optimizer.sharded_state_dict(dict(state), is_loading=False, metadata=SHARDING)
-        state["rng_state"] = rng_state(engine)
-    dist_checkpointing.save(state, str(dirs.partial_path(step)))
+    with params_gathered(engine):
+        state = model_state(engine)
+        if not model_only:
+            state["optimizer"] = engine.optimizer.sharded_state_dict(dict(state), is_loading=False,
+                                                                     metadata=SHARDING)
+            state["rng_state"] = rng_state(engine)
+        dist_checkpointing.save(state, str(dirs.partial_path(step)))
     dist.barrier()
     files = checkpoint_verify.gather_records(dirs.partial_path(step), exclude=[META],
                                              checksum=engine.recipe.checkpoint.verify == "checksum")
@@ -100,6 +103,26 @@ def save(engine: "Engine", dirs: CheckpointDirs, step: int, *, model_only: bool 
                     files=files)
     dist.barrier()
     return dirs.final_path(step)
+
+
+@contextmanager
+def params_gathered(engine: "Engine"):
+    """The model weights complete while the body runs, whatever ``overlap_param_gather`` deferred.
+
+    With ``overlap_param_gather`` the distributed optimizer's step refreshes only this rank's data-parallel shard of
+    each bucket; the all-gather of the rest runs in the next forward's pre-hooks. A checkpoint written before that
+    forward would hold (DP-1)/DP of every weight one step stale (each weight is written by one DP replica). As
+    Megatron-LM does around its saves: remove the hooks with a synchronous all-gather
+    (``disable_forward_pre_hook(param_sync=True)``), then put them back (megatron-core 0.16.1 DDP API).
+    """
+    hooked = [chunk for chunk in engine.chunks if getattr(chunk, "use_forward_hook", False)]
+    for chunk in hooked:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for chunk in hooked:
+            chunk.enable_forward_pre_hook()
 
 
 def _in_process_results_queue() -> None:
@@ -188,16 +211,33 @@ def optimizer_reshardable(saved: dict[str, Any], here: dict[str, Any]) -> bool:
     return all(saved[k] == here[k] for k in ("tensor_size", "pipeline_size", "virtual_pipeline_size"))
 
 
+def step_in_param_state(inner) -> bool:
+    """Where this inner optimizer keeps Adam's step count.
+
+    torch's Adam/AdamW (megatron-core's fallback when neither Transformer Engine nor apex imports) keep it per
+    parameter, ``state[p]["step"]`` (a tensor). TE's and apex's FusedAdam keep it per parameter group,
+    ``group["step"]`` (an int), and TE's ``FusedAdam.state_dict()``/``load_state_dict()`` pass every per-parameter key
+    through ``name_to_dtype_map`` (``exp_avg``, ``exp_avg_sq``, ``master_param``): a per-parameter ``step`` there
+    raises ``KeyError`` on the next save or load (docs/megatron-on-cpu.md).
+    """
+    import torch
+
+    return isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
+
+
 def _prefill_optimizer(engine: "Engine") -> None:
     # A fresh torch AdamW has no state tensors to load into; allocate them, with a placeholder step that the
-    # distributed optimizer's state_dict() insists on. Without the pre-fill the resumed losses drift from the
-    # uninterrupted run (observed with megatron-core 0.16.1; the resume cases of test_megatron_layouts check it).
+    # distributed optimizer's state_dict() insists on (torch's per-parameter step only). Without the pre-fill the
+    # resumed losses drift from the uninterrupted run (observed with megatron-core 0.16.1; the resume cases of
+    # test_megatron_layouts check it).
     import torch
 
     for opt in inner_optimizers(engine.optimizer):
         init = getattr(opt, "init_state_fn", None)
         if init is not None:
             init(opt.optimizer, opt.config)
+        if not step_in_param_state(opt.optimizer):
+            continue
         for group in opt.optimizer.param_groups:
             for param in group["params"]:
                 state = opt.optimizer.state[param]
@@ -206,13 +246,19 @@ def _prefill_optimizer(engine: "Engine") -> None:
 
 
 def _restore_adam_steps(engine: "Engine", steps: int) -> None:
-    """Each parameter's Adam step count (bias correction) = optimizer steps taken before the checkpoint."""
+    """Adam's step count (bias correction) = optimizer steps taken before the checkpoint, where the optimizer keeps
+    it: per parameter (torch) or per parameter group (TE/apex FusedAdam, an int; ``step_in_param_state``)."""
     import torch
 
     for opt in inner_optimizers(engine.optimizer):
-        for group in opt.optimizer.param_groups:
+        inner = opt.optimizer
+        per_param = step_in_param_state(inner)
+        for group in inner.param_groups:
+            if not per_param:
+                group["step"] = int(steps)  # FusedAdam passes it to its kernel as an int
+                continue
             for param in group["params"]:
-                state = opt.optimizer.state[param]
+                state = inner.state[param]
                 if "exp_avg" in state:
                     state["step"] = torch.tensor(float(steps), dtype=torch.float32)
 

@@ -17,20 +17,76 @@ def params_dtype(recipe: "Recipe"):
     return getattr(torch, PRECISION_DTYPES[recipe.training.precision])
 
 
-def transformer_config(recipe: "Recipe", layout: "ParallelLayout", device_type: str):
-    """TransformerConfig for this recipe and layout.
+def fusions(recipe: "Recipe", device_type: str, plan) -> dict[str, bool]:
+    """The fused kernels to ask megatron-core for: only those this device and these libraries have, so that the
+    config neither asserts nor falls back silently (megatron-core 0.16.1's checks, read from its source):
+
+    - gradient_accumulation_fusion: needs apex's ``fused_weight_gradient_mlp_cuda`` even with TE layers (the output
+      layer is always mcore's ColumnParallelLinear, which raises without it);
+    - bias_activation_fusion: torch-jit kernels; TransformerConfig refuses it for gelu without a bias;
+    - masked_softmax_fusion: Megatron's ``scaled_upper_triang_masked_softmax_cuda`` (local attention only; TE's
+      attention ignores it);
+    - bias_dropout_fusion: torch-jit, any CUDA device;
+    - apply_rope_fusion: TE's fused RoPE (TransformerConfig raises without TE);
+    - persist_layer_norm: only apex's FusedLayerNorm reads it, and no spec here uses that (mcore's torch norm asserts
+      it off): always off.
+    All off on CPU.
+    """
+    from hpc_tools.train.megatron.model import module_available
+
+    off = dict(gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+               bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+    if device_type != "cuda":
+        return off
+    m = recipe.model
+    return {**off,
+            "gradient_accumulation_fusion": module_available("fused_weight_gradient_mlp_cuda"),
+            "bias_activation_fusion": m.activation == "swiglu" or bool(m.add_bias_linear),
+            "masked_softmax_fusion": not plan.transformer_engine
+            and module_available("scaled_upper_triang_masked_softmax_cuda"),
+            "bias_dropout_fusion": True,
+            "apply_rope_fusion": plan.transformer_engine and m.position_embedding == "rope"}
+
+
+def p2p_options(layout: "ParallelLayout", device_type: str) -> dict[str, bool]:
+    """Pipeline p2p: batched isend/irecv, or overlapped with compute (they exclude each other in megatron-core).
+
+    On CUDA with the interleaved schedule, ``overlap_p2p_comm`` (Megatron-LM's default for VPP) hides the p2p behind
+    compute; otherwise batched. On gloo, interleaved 1F1B with PP=2 and batched p2p gives silently wrong losses;
+    plain p2p is exact (docs/megatron-on-cpu.md; test_megatron_layouts' PP2xVPP2 case checks it).
+    """
+    interleaved = layout.interleaved
+    if device_type == "cuda":
+        return {"batch_p2p_comm": not interleaved, "overlap_p2p_comm": interleaved}
+    return {"batch_p2p_comm": not (interleaved and layout.pipeline_size == 2), "overlap_p2p_comm": False}
+
+
+def recompute_granularity(recipe: "Recipe", plan) -> str | None:
+    """``training.recompute_granularity``, except that selective recompute (which recomputes the attention core to
+    drop its s^2 tensors) is dropped under TE's flash/fused attention, which stores none."""
+    g = recipe.training.recompute_granularity
+    if g == "none" or (g == "selective" and plan.transformer_engine and plan.attention in ("flash", "fused")):
+        return None
+    return g
+
+
+def transformer_config(recipe: "Recipe", layout: "ParallelLayout", device_type: str, plan=None):
+    """TransformerConfig for this recipe and layout on ``device_type`` (``plan``: ``model.layer_plan``).
 
     The parallel sizes go into the config as well as into parallel_state: without them sequence parallelism refuses
-    to start and, with PP=2, the distributed and plain optimizers diverge (docs/megatron-on-cpu.md). Fusions that
-    need apex or Transformer Engine stay off on CPU.
+    to start and, with PP=2, the distributed and plain optimizers diverge (docs/megatron-on-cpu.md). Building it
+    creates no CUDA tensor, so the CUDA config can be checked on CPU.
     """
     import torch.nn.functional as F
+    from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from hpc_tools.train.megatron.model import layer_plan
+
+    plan = plan or layer_plan(recipe, device_type)
     m, t = recipe.model, recipe.training
     dtype = params_dtype(recipe)
-    on_gpu = device_type == "cuda"
-    recompute = None if t.recompute_granularity == "none" else t.recompute_granularity
+    recompute = recompute_granularity(recipe, plan)
     interleaved = layout.interleaved
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
@@ -42,18 +98,26 @@ def transformer_config(recipe: "Recipe", layout: "ParallelLayout", device_type: 
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_size if interleaved else None,
         sequence_parallel=layout.sequence_parallel,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=t.precision == "bf16", fp16=t.precision == "fp16",
-        attention_softmax_in_fp32=True,
+        attention_softmax_in_fp32=True, attention_backend=AttnBackend[plan.attention],
         recompute_granularity=recompute,
         recompute_method=t.recompute_method if recompute == "full" else None,
         recompute_num_layers=t.recompute_num_layers if recompute == "full" else None,
-        use_cpu_initialization=not on_gpu,
-        gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        # Interleaved 1F1B with PP=2 and batched p2p gives silently wrong losses on gloo; plain p2p is exact
-        # (docs/megatron-on-cpu.md; test_megatron_layouts' PP2xVPP2 case checks it).
-        batch_p2p_comm=not (interleaved and layout.pipeline_size == 2),
+        use_cpu_initialization=device_type != "cuda",
+        **fusions(recipe, device_type, plan), **p2p_options(layout, device_type),
         deallocate_pipeline_outputs=True,
     )
+
+
+def cuda_device_max_connections(recipe: "Recipe", layout: "ParallelLayout") -> str | None:
+    """``CUDA_DEVICE_MAX_CONNECTIONS`` a CUDA rank needs, or None.
+
+    megatron-core overlaps the tensor-parallel (sequence-parallel) communication and the data-parallel gradient
+    reduce with compute by issuing them in order on one hardware queue, and relies on ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+    for that order (tensor_parallel/layers.py, distributed_data_parallel.py). Set before the first CUDA call.
+    """
+    mg = recipe.backend.megatron
+    needs = layout.tensor_size > 1 or layout.sequence_parallel or mg.overlap_grad_reduce or mg.overlap_param_gather
+    return "1" if needs else None
 
 
 def ddp_config(recipe: "Recipe"):

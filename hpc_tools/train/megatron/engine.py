@@ -31,18 +31,34 @@ class Coords:
 
 def init_parallel(layout: "ParallelLayout", seed: int) -> Coords:
     """Megatron's process groups for this layout (torch.distributed must be up) and its seeded RNG streams."""
-    import torch
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
 
     sizes = layout.megatron_sizes()
     ps.initialize_model_parallel(**sizes)
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    # Megatron-LM's convention: each pipeline stage its own default seed; the tracker adds the TP-rank offset.
-    torch.manual_seed(seed + 100 * pp_rank)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    seed_streams(seed, pp_rank)
     return Coords(tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=pp_rank,
                   dp_rank=ps.get_data_parallel_rank(), is_last_stage=ps.is_pipeline_last_stage(ignore_virtual=True))
+
+
+def stage_seed(seed: int, pp_rank: int) -> int:
+    """Megatron-LM's convention (``_set_random_seed``): every pipeline stage its own seed, ``seed + 100 * pp_rank``."""
+    return seed + 100 * pp_rank
+
+
+def seed_streams(seed: int, pp_rank: int, tp_rank: int | None = None) -> None:
+    """Seed this rank's CPU generator and megatron-core's CUDA streams (the default CUDA generator and the tracker's
+    data-parallel and tensor-parallel streams; the tracker adds the TP-rank offset) from the stage's seed.
+
+    Both get the stage seed: on a GPU (``use_cpu_initialization=False``) the weights are drawn from the CUDA streams,
+    so a seed without the stage offset would give every pipeline stage the same initial weights. On CPU the weights
+    come from the CPU generator, seeded as before."""
+    import torch
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(stage_seed(seed, pp_rank))
+    ranks = {} if tp_rank is None else {"tp_rank": tp_rank, "ep_rank": 0, "etp_rank": 0}
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed(seed, pp_rank), **ranks)
 
 
 class Engine:
@@ -58,7 +74,7 @@ class Engine:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from hpc_tools.train.megatron.config import optimizer_config, transformer_config
-        from hpc_tools.train.megatron.model import build_chunks
+        from hpc_tools.train.megatron.model import build_chunks, layer_plan
 
         self.device = torch.device(device)
         device_type = self.device.type
@@ -72,8 +88,9 @@ class Engine:
                                 "when torch sees one (set cluster.gpu_type to the GPU model, e.g. H100-SXM)")
             cpu_compat.install()
         self.recipe, self.layout, self.device_type = recipe, layout, device_type
+        self.plan = layer_plan(recipe, device_type)  # fails here, before any model is built, when a GPU lacks TE
         self.coords = init_parallel(layout, recipe.training.seed)
-        self.config = transformer_config(recipe, layout, device_type)
+        self.config = transformer_config(recipe, layout, device_type, self.plan)
         self.chunks = build_chunks(recipe, layout, self.config, device_type)
         self.optimizer = get_megatron_optimizer(optimizer_config(recipe), self.chunks)
         self._wire_config(finalize_model_grads)
@@ -162,8 +179,11 @@ class Engine:
         tokens = batch["tokens"]
         positions = torch.arange(tokens.shape[1], dtype=torch.long).unsqueeze(0).expand_as(tokens)
         out = {"tokens": tokens, "labels": batch["labels"], "position_ids": positions}
-        # Batches are built on the host: only a GPU rank copies them (asynchronously, from the host buffers).
-        return {k: v.to(device, non_blocking=True) for k, v in out.items()} if device.type == "cuda" else out
+        if device.type != "cuda":
+            return out
+        # Batches are built on the host: a GPU rank copies them from page-locked memory, so that the copy is truly
+        # asynchronous (from pageable memory, non_blocking still waits for a staging copy on the host).
+        return {k: (v if v.is_pinned() else v.pin_memory()).to(device, non_blocking=True) for k, v in out.items()}
 
     @staticmethod
     def _forward_step(data_iterator, model):
@@ -196,6 +216,33 @@ class Engine:
             torch.distributed.broadcast(loss, src=ps.get_pipeline_model_parallel_last_rank(),
                                         group=ps.get_pipeline_model_parallel_group())
         return float(loss)
+
+    def evaluate(self, batches: list[list[dict[str, Any]]]) -> float:
+        """Validation loss: forward only (eval mode, no grad) over each entry of ``batches`` (one global batch's
+        microbatches of this rank), through the same schedule as training (``forward_only=True``: pipeline stages
+        pass activations, no backward); the mean over them of each one's global-batch loss, broadcast from the last
+        stage like the training loss: the same on every rank."""
+        import torch
+
+        for chunk in self.chunks:
+            chunk.eval()
+        losses = []
+        try:
+            with torch.no_grad():
+                for microbatches in batches:
+                    prepared = [self._prepare(b, self.device) for b in microbatches]
+                    iterators = [iter(prepared) for _ in self.chunks]
+                    out = self.forward_backward(
+                        forward_step_func=self._forward_step,
+                        data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                        model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+                        num_microbatches=len(prepared), seq_length=self.recipe.model.seq_length,
+                        micro_batch_size=self.layout.micro_batch_size, forward_only=True)
+                    losses.append(self._global_loss(out))
+        finally:
+            for chunk in self.chunks:
+                chunk.train()
+        return sum(losses) / len(losses)
 
     def close(self) -> None:
         """Tear down Megatron's parallel state (the torch.distributed world stays up)."""

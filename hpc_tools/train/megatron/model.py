@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -31,21 +32,70 @@ class SequenceParallelNorm:
         return norm
 
 
-def use_transformer_engine(recipe: "Recipe", device_type: str) -> bool:
-    """TE layers when allowed by backend.megatron.transformer_impl, on a GPU, and importable."""
-    impl = recipe.backend.megatron.transformer_impl
-    if impl == "local" or device_type != "cuda":
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        if impl == "transformer_engine":
-            from hpc_tools.errors import UserError
+@dataclass(frozen=True, slots=True)
+class LayerPlan:
+    """What a rank's layers run on: ``layers`` (``transformer_engine`` | ``local``) and ``attention`` (mcore's
+    ``AttnBackend`` name: ``flash``/``fused``/``unfused`` inside TE, ``local`` = Megatron's unfused
+    DotProductAttention, O(s^2) memory), plus a note when ``auto`` fell back. Named on the start line."""
 
+    layers: str
+    attention: str
+    note: str = ""
+
+    @property
+    def transformer_engine(self) -> bool:
+        return self.layers == "transformer_engine"
+
+    def describe(self) -> str:
+        return f"layers={self.layers}, attention={self.attention}" + (f" ({self.note})" if self.note else "")
+
+
+def module_available(name: str) -> bool:
+    """Whether ``name`` can be imported here (found on the path; not imported)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def layer_plan(recipe: "Recipe", device_type: str, *, te_available: bool | None = None,
+               flash_available: bool | None = None) -> LayerPlan:
+    """The layer implementation and attention backend for this recipe on this device.
+
+    On a GPU, a recipe that asks for what this node cannot give fails with one line instead of running slowly:
+    ``transformer_impl: transformer_engine`` without TE, or ``use_flash_attention: true`` without TE (the local
+    layers only have unfused attention). ``auto`` without TE and without flash falls back to the local layers and
+    says so. On CPU the local layers with unfused attention always run (TE and flash attention are CUDA-only):
+    allowed, documented in docs/gpu-path.md. ``te_available``/``flash_available`` override the probes (tests).
+    """
+    from hpc_tools.errors import UserError
+
+    mg = recipe.backend.megatron
+    if device_type != "cuda":
+        note = "" if mg.transformer_impl == "local" else "CPU: Transformer Engine and flash attention are CUDA-only"
+        return LayerPlan("local", "local", note)
+    te = module_available("transformer_engine") if te_available is None else te_available
+    if mg.transformer_impl == "local":
+        if mg.use_flash_attention:
+            raise UserError("backend.megatron.use_flash_attention=true needs Transformer Engine layers but "
+                            "transformer_impl=local (set transformer_impl: auto or use_flash_attention: false)")
+        return LayerPlan("local", "local")
+    if not te:
+        if mg.transformer_impl == "transformer_engine":
             raise UserError("backend.megatron.transformer_impl=transformer_engine but transformer_engine is not "
                             "importable on this node (install it, or use transformer_impl: auto or local)")
-        return False
-    return True
+        if mg.use_flash_attention:
+            raise UserError("backend.megatron.use_flash_attention=true but transformer_engine is not importable on "
+                            "this GPU node, and Megatron's local layers have only unfused O(s^2) attention "
+                            "(install transformer_engine, or set use_flash_attention: false to run slowly)")
+        return LayerPlan("local", "local", "transformer_impl=auto: transformer_engine not importable, local layers")
+    if not mg.use_flash_attention:
+        return LayerPlan("transformer_engine", "unfused")
+    flash = module_available("flash_attn") if flash_available is None else flash_available
+    # Without the flash-attn package TE's cuDNN fused attention is the flash-style kernel (no s^2 tensor either).
+    return LayerPlan("transformer_engine", "flash" if flash else "fused")
 
 
 def block_spec(recipe: "Recipe", config, device_type: str, vp_stage: int | None):
@@ -53,7 +103,7 @@ def block_spec(recipe: "Recipe", config, device_type: str, vp_stage: int | None)
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    if use_transformer_engine(recipe, device_type):
+    if layer_plan(recipe, device_type).transformer_engine:
         return specs.get_gpt_layer_with_transformer_engine_spec()
     layer = specs.get_gpt_layer_local_spec(normalization=config.normalization)
     layer.submodules.input_layernorm = SequenceParallelNorm

@@ -20,7 +20,7 @@ log = logging.getLogger("hpc_tools.megatron")
 
 def run(ctx: RankContext) -> None:
     """Train the recipe on this rank."""
-    _quiet_megatron()
+    _quiet_megatron(ctx.device_type)
     loop.run(ctx, MegatronJob)
 
 
@@ -37,10 +37,15 @@ class MegatronJob:
         self.samples = build_samples(ctx.recipe)  # first: a bad data path fails before a model is built
         self.engine = Engine(ctx.recipe, ctx.layout, ctx.device)
         self.dirs = CheckpointDirs(ctx.checkpoint_dir, keep_last=ctx.recipe.checkpoint.keep_last)
+        if ctx.recipe.checkpoint.init_from_hf:  # step-0 weights from a Hugging Face folder unless resuming
+            from hpc_tools.hf.load import init_unless_resuming
+
+            init_unless_resuming(self.engine, ctx.recipe, self.dirs)
 
     def describe(self) -> str:
         r = self.ctx.recipe
-        return f"megatron: {self.ctx.layout.describe()}, {r.model.family}, {r.training.precision} on {self.ctx.device}"
+        return (f"megatron: {self.ctx.layout.describe()}, {r.model.family}, {r.training.precision} on {self.ctx.device}"
+                f", {self.engine.plan.describe()}")
 
     def coords(self) -> dict[str, int]:
         c = self.engine.coords
@@ -59,6 +64,10 @@ class MegatronJob:
     def step(self, step: int, batch: list[dict[str, Any]]) -> loop.StepResult:
         return self.engine.train_step(step, batch)
 
+    def evaluate(self, batches: list[list[dict[str, Any]]]) -> float:
+        """Validation loss over ``batches`` (``Engine.evaluate``: forward only, the same on every rank)."""
+        return self.engine.evaluate(batches)
+
     def save(self, step: int) -> Path:
         from hpc_tools.train.megatron import checkpoint
 
@@ -68,11 +77,12 @@ class MegatronJob:
         self.engine.close()
 
 
-def _quiet_megatron() -> None:
+def _quiet_megatron(device_type: str = "cpu") -> None:
     # Megatron logs every bucket's parameter list and its whole config at INFO, and warns at import that apex and
-    # Transformer Engine are missing (expected on CPU); keep rank logs readable.
+    # Transformer Engine are missing: expected on CPU (hidden there), a slow path on a GPU (kept there).
     import warnings
 
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    if device_type != "cuda":
+        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     for name in ("megatron.core", "megatron.core.distributed", "megatron.core.optimizer"):
         logging.getLogger(name).setLevel(logging.WARNING)

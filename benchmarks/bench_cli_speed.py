@@ -1,0 +1,89 @@
+"""Wall time of every light command as a user types it (fresh processes, median of N) and the import time of the
+recipe schema. Goal: every light command < 0.5 s, ``--help`` < 0.15 s.
+
+    python benchmarks/bench_cli_speed.py [--repeats 5] [--json]
+
+``status`` and ``list`` run against an empty runs folder (the no-runs path). A command that exits non-zero is timed
+all the same and its exit code printed (``status`` with no runs says so and exits 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+HELP_GOAL_S = 0.15
+LIGHT_GOAL_S = 0.5
+
+
+def light_commands(runs_dir: str) -> dict[str, list[str]]:
+    """The light commands, by label: none of them may import torch, pandas or start a job."""
+    return {
+        "--help": ["--help"],
+        "validate": ["validate", "recipes/gpt_3d.yaml"],
+        "render": ["render", "recipes/gpt_3d.yaml", "-o", "-"],
+        "plan": ["plan", "recipes/gpt_3d.yaml"],
+        "list": ["list", "--runs-dir", runs_dir],
+        "status": ["status", "--runs-dir", runs_dir],
+        "explain": ["validate", "--explain", "parallel.tensor_size"],
+    }
+
+
+def wall(argv: list[str]) -> tuple[float, int]:
+    """Seconds from process start to exit of ``python -m hpc_tools ARGV``, and its exit code."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "hpc_tools", *argv], cwd=REPO, capture_output=True)
+    return time.perf_counter() - t0, proc.returncode
+
+
+def schema_import_s() -> float:
+    """Import time of hpc_tools.recipe.schema measured inside a fresh interpreter (interpreter start excluded)."""
+    code = ("import time; t0 = time.perf_counter(); import hpc_tools.recipe.schema; "
+            "print(time.perf_counter() - t0)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    return float(out.stdout.strip())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = parser.parse_args()
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as runs:
+        for name, argv in light_commands(runs).items():
+            runs_ = [wall(argv) for _ in range(args.repeats)]
+            times = [t for t, _ in runs_]
+            goal = HELP_GOAL_S if name == "--help" else LIGHT_GOAL_S
+            results[name] = {"median_s": statistics.median(times), "min_s": min(times), "exit": runs_[-1][1],
+                             "goal_s": goal}
+    imports = [schema_import_s() for _ in range(args.repeats)]
+    results["import hpc_tools.recipe.schema"] = {"median_s": statistics.median(imports), "min_s": min(imports)}
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    python = [sys.executable, "-c", "pass"]
+    bare = statistics.median([_timed(python) for _ in range(args.repeats)])
+    print(f"(python interpreter start alone: median {bare:.3f} s)")
+    for name, r in results.items():
+        goal = r.get("goal_s")
+        verdict = "" if goal is None else ("  ok" if r["median_s"] < goal else f"  OVER the {goal} s goal")
+        code = f"  exit {r['exit']}" if r.get("exit") else ""
+        print(f"{name:<32} median {r['median_s']:.3f} s  min {r['min_s']:.3f} s  (n={args.repeats}){code}{verdict}")
+
+
+def _timed(argv: list[str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(argv, capture_output=True, check=True)
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    main()

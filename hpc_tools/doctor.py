@@ -1,0 +1,268 @@
+"""``doctor``: does this machine or cluster have what a job needs? One ``Check`` per fact, each pass / warn / fail /
+skip with a one-line detail and, for anything not passing, the fix.
+
+The checks: the Python version (``setup.cfg`` python_requires), the packages a job imports against the pins in
+``environment/`` (requirements files and install.sh), torch's CUDA / driver / NCCL when present, Slurm answering
+(``recipe/world.py``, the same 3 s question ``validate`` asks), and with a recipe: its checks against the files it
+names and the live partition (the same ``world_violations``), the container runtime it asks for, and a writable runs
+folder (``submission.checked_runs_root``). torch is imported inside its check only (seconds; fine here, never on a
+light command).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from hpc_tools.recipe.schema import Recipe
+
+REPO = Path(__file__).resolve().parents[1]
+ENVIRONMENT = REPO / "environment"
+STATUSES = ("pass", "warn", "fail", "skip")
+# The packages a job imports, by the backend that needs them (None: every job, or the tools around it).
+PACKAGES: dict[str, str | None] = {"torch": None, "megatron-core": "megatron", "deepspeed": "deepspeed",
+                                   "transformers": "deepspeed", "datasets": None, "submitit": None, "pandas": None,
+                                   "pyarrow": None}
+_PIN = re.compile(r"(?<![\w.-])([A-Za-z0-9][A-Za-z0-9_.-]*)==([0-9][0-9A-Za-z.+!-]*)")
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One row of the doctor's table."""
+
+    name: str
+    status: str  # pass | warn | fail | skip
+    detail: str
+    fix: str = ""
+
+
+def pins(folder: Path = ENVIRONMENT) -> dict[str, str]:
+    """Pinned versions (normalised package name -> version) from ``environment/requirements-*.txt`` and
+    ``install.sh`` (torch and deepspeed are pinned there: they are installed apart); the first pin seen wins."""
+    found: dict[str, str] = {}
+    files = sorted(folder.glob("requirements-*.txt")) + [folder / "install.sh"]
+    for path in files:
+        if not path.is_file():
+            continue
+        for name, version in _PIN.findall(path.read_text(encoding="utf-8", errors="replace")):
+            found.setdefault(_norm(name), version)
+    return found
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def python_check(minimum: tuple[int, int] | None = None) -> Check:
+    minimum = minimum or _python_requires()
+    have = sys.version_info[:3]
+    text = ".".join(map(str, have))
+    if have[:2] >= minimum:
+        return Check("python", "pass", f"{text} ({sys.executable}; needs >= {minimum[0]}.{minimum[1]})")
+    return Check("python", "fail", f"{text} is older than {minimum[0]}.{minimum[1]}",
+                 f"use Python >= {minimum[0]}.{minimum[1]} (e.g. `module load python` or a newer venv)")
+
+
+def _python_requires() -> tuple[int, int]:
+    cfg = REPO / "setup.cfg"
+    m = re.search(r"python_requires\s*=\s*>=\s*(\d+)\.(\d+)", cfg.read_text()) if cfg.is_file() else None
+    return (int(m.group(1)), int(m.group(2))) if m else (3, 10)
+
+
+def package_checks(backend: str | None = None, pinned: dict[str, str] | None = None) -> list[Check]:
+    """Each package against its pin: missing and needed (by every job, or by ``backend``) = fail; missing and not
+    needed = warn; a version other than the pin = warn (it may work; the pins are what the tests ran)."""
+    pinned = pins() if pinned is None else pinned
+    rows = []
+    for name, needed_by in PACKAGES.items():
+        pin = pinned.get(_norm(name))
+        install = f"pip install {name}=={pin}" if pin else f"pip install {name}"
+        if name in ("torch", "deepspeed"):
+            install = "bash environment/install.sh (it installs torch and deepspeed the right way)"
+        try:
+            have = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            needed = needed_by is None or backend in (None, needed_by)
+            why = "every job" if needed_by is None else f"backend.kind: {needed_by}"
+            rows.append(Check(name, "fail" if needed else "warn", f"not installed (needed by {why})", install))
+            continue
+        if pin is None or have.split("+")[0] == pin:
+            rows.append(Check(name, "pass", have + (f" (pinned {pin})" if pin else " (no pin found)")))
+        else:
+            rows.append(Check(name, "warn", f"{have}, pinned {pin}", install))
+    return rows
+
+
+def torch_checks(wants_gpus: bool | None) -> list[Check]:
+    """torch's build, CUDA, the driver and NCCL (imports torch: seconds). ``wants_gpus``: the recipe's GPU type is
+    not cpu (None: no recipe)."""
+    try:
+        import torch
+    except ImportError:
+        return [Check("cuda", "skip", "torch is not installed (see its row)")]
+    cuda = torch.version.cuda
+    if not cuda:
+        if wants_gpus:
+            return [Check("cuda", "fail", f"torch {torch.__version__} is a CPU build; the recipe asks for GPUs",
+                          'install a CUDA build: HPC_TOOLS_TORCH="torch==<pin> --index-url <CUDA wheel index>" '
+                          "bash environment/install.sh")]
+        return [Check("cuda", "pass" if wants_gpus is False else "skip",
+                      f"torch {torch.__version__} is a CPU build (CPU ranks only)")]
+    rows = []
+    if torch.cuda.is_available():
+        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        rows.append(Check("cuda", "pass", f"CUDA {cuda}, {torch.cuda.device_count()} GPU(s): {', '.join(names)}"))
+    else:
+        rows.append(Check("cuda", "warn" if wants_gpus else "skip",
+                          f"torch built for CUDA {cuda}, but no GPU is visible here",
+                          "fine on a login node; on a compute node check CUDA_VISIBLE_DEVICES and the driver"
+                          if wants_gpus else ""))
+    driver = _nvidia_driver()
+    rows.append(Check("driver", "pass", driver) if driver else
+                Check("driver", "warn" if wants_gpus else "skip", "nvidia-smi is not available here",
+                      "fine on a login node; GPU nodes need the NVIDIA driver" if wants_gpus else ""))
+    try:
+        nccl = torch.cuda.nccl.version()
+        rows.append(Check("nccl", "pass", ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)))
+    except Exception as exc:  # noqa: BLE001 - any failure here means "no usable NCCL"
+        rows.append(Check("nccl", "fail" if wants_gpus else "warn", f"NCCL not usable ({type(exc).__name__})",
+                          "install a torch build with NCCL (the CUDA wheels ship it)"))
+    return rows
+
+
+def _nvidia_driver() -> str | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
+    return f"driver {lines[0].split(',')[0]}" if out.returncode == 0 and lines else None
+
+
+def slurm_check(view=None) -> Check:
+    """Slurm installed and answering (sinfo within 3 s); no Slurm at all is fine (jobs run locally)."""
+    from hpc_tools.recipe.world import slurm_view
+
+    view = view or slurm_view()
+    if view.checked:
+        return Check("slurm", "pass", view.summary().replace("checked against Slurm partitions", "answers; partitions"))
+    if "not installed" in view.why:
+        return Check("slurm", "skip", f"{view.why}: submit runs jobs locally")
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not Path(conf).is_file():
+        fix = f"SLURM_CONF={conf} is not a file: unset it, or point it at the cluster's slurm.conf"
+    else:
+        fix = "check `scontrol ping` (the controller must be UP) and the munge service; ask the admins if it is down"
+    return Check("slurm", "fail", view.why, fix)
+
+
+def recipe_checks(recipe: Recipe, executor: str, view=None) -> list[Check]:
+    """The recipe against this machine's files and, for a Slurm job, the live partition; its container runtime."""
+    from hpc_tools.recipe.world import path_violations, slurm_view, slurm_violations
+
+    rows = []
+    paths = path_violations(recipe)
+    rows += [Check("recipe files", "fail", _rule(v), v.fix) for v in paths] or [
+        Check("recipe files", "pass", "every file and folder it names exists here")]
+    if executor == "slurm":
+        view = view or slurm_view()
+        if view.checked:
+            found = slurm_violations(recipe, view)
+            part = view.find(recipe.cluster.partition)
+            rows += [Check("partition", "fail", _rule(v), v.fix) for v in found] or [
+                Check("partition", "pass", f"{part.name} has the nodes, GPUs, CPUs and time the job asks for")]
+        else:
+            rows.append(Check("partition", "skip", f"Slurm does not answer ({view.why})"))
+    else:
+        rows.append(Check("partition", "skip", "the job runs locally (no Slurm here)"))
+    rows.append(container_check(recipe))
+    return rows
+
+
+def _rule(v) -> str:
+    return str(v).rsplit(f" ({v.fix})", 1)[0]
+
+
+def container_check(recipe: Recipe, which: Callable[[str], str | None] = shutil.which) -> Check:
+    """The runtime the recipe's container needs: apptainer/singularity on PATH, or pyxis (srun --container-image)
+    with enroot. Missing with environment modules set up = warn (a module may bring it), else fail."""
+    container = recipe.cluster.setup.container
+    if container is None:
+        return Check("container", "skip", "the recipe runs no container")
+    via_module = bool(recipe.cluster.setup.modules)
+    level = "warn" if via_module else "fail"
+    if container.kind == "apptainer":
+        found = which("apptainer") or which("singularity")
+        if found:
+            return Check("container", "pass", f"apptainer: {found}")
+        return Check("container", level, "neither apptainer nor singularity is on PATH",
+                     "install apptainer, or load it in cluster.setup.modules (e.g. apptainer)")
+    if not which("srun"):
+        return Check("container", level, "pyxis needs srun, which is not on PATH", "run on a Slurm login node")
+    try:
+        out = subprocess.run(["srun", "--help"], capture_output=True, text=True, timeout=10)
+        has_pyxis = "--container-image" in out.stdout + out.stderr
+    except (OSError, subprocess.TimeoutExpired):
+        has_pyxis = False
+    if not has_pyxis:
+        return Check("container", "fail", "srun has no --container-image option (the pyxis plugin is not loaded)",
+                     "ask the admins for pyxis + enroot, or use container.kind: apptainer")
+    enroot = which("enroot")
+    return Check("container", "pass" if enroot else "warn", "pyxis: srun --container-image" +
+                 (f", enroot {enroot}" if enroot else "; enroot is not on PATH here"),
+                 "" if enroot else "fine if the compute nodes have enroot (pyxis runs it there)")
+
+
+def runs_dir_check(root: str | None = None) -> Check:
+    """The runs folder a submission would write into: creatable and writable (``submission.checked_runs_root``)."""
+    from hpc_tools.errors import UserError
+    from hpc_tools.submission import checked_runs_root
+
+    try:
+        path = checked_runs_root(root)
+    except UserError as exc:
+        return Check("runs folder", "fail", str(exc), "choose a writable --runs-dir or set HPC_TOOLS_RUNS_DIR")
+    return Check("runs folder", "pass", f"{path} is writable" + ("" if path.exists() else " (will be created)"))
+
+
+def run_doctor(recipe: Recipe | None = None, executor: str = "local", runs_dir: str | None = None,
+               with_torch: bool = True) -> list[Check]:
+    """Every check, in the table's order."""
+    wants_gpus = None if recipe is None else recipe.cluster.uses_gpus
+    backend = None if recipe is None else recipe.backend.kind
+    rows = [python_check(), *package_checks(backend)]
+    if with_torch:
+        rows += torch_checks(wants_gpus)
+    rows.append(slurm_check())
+    if recipe is not None:
+        rows += recipe_checks(recipe, executor)
+    rows.append(runs_dir_check(runs_dir))
+    return rows
+
+
+def format_table(rows: list[Check]) -> str:
+    """Plain columns (CHECK, STATUS, DETAIL), each fix on the line under its row."""
+    width = max(len(r.name) for r in rows)
+    lines = [f"{'CHECK':<{width}}  STATUS  DETAIL"]
+    for r in rows:
+        lines.append(f"{r.name:<{width}}  {r.status.upper():<6}  {r.detail}")
+        if r.fix and r.status in ("fail", "warn"):
+            lines.append(f"{'':<{width}}  {'':<6}  fix: {r.fix}")
+    counts = {s: sum(r.status == s for r in rows) for s in STATUSES}
+    lines.append(", ".join(f"{n} {s}" for s, n in counts.items() if n))
+    return "\n".join(lines)
+
+
+def as_json(rows: list[Check]) -> dict:
+    return {"ok": not any(r.status == "fail" for r in rows), "checks": [asdict(r) for r in rows]}

@@ -1,0 +1,251 @@
+"""The GPU path's decisions, checked on CPU (issue 12): the CUDA TransformerConfig (fusions, p2p, attention backend),
+the layer plan and its fail-fast, the device choice and CUDA fail-fast, DeepSpeed's GPU config, per-stage seeds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+from hpc_tools.errors import UserError
+from hpc_tools.layout import ParallelLayout
+from hpc_tools.recipe.load import load_recipe, resolve
+
+REPO_RECIPE = "recipes/gpt_3d.yaml"
+
+
+def gpt3d(*sets: str):
+    return load_recipe(REPO_RECIPE, overrides=list(sets))
+
+
+def plan_of(recipe, device="cuda", te=True, flash=True):
+    from hpc_tools.train.megatron.model import layer_plan
+
+    return layer_plan(recipe, device, te_available=te, flash_available=flash)
+
+
+# -- layer plan (item 5) -----------------------------------------------------------------------------------------------
+
+def test_plan_on_gpu_names_te_and_flash():
+    r = gpt3d()
+    assert plan_of(r).describe() == "layers=transformer_engine, attention=flash"
+    assert plan_of(r, flash=False).attention == "fused"  # TE's cuDNN fused attention: no s^2 tensor either
+    assert plan_of(gpt3d("backend.megatron.use_flash_attention=false")).attention == "unfused"
+
+
+@pytest.mark.parametrize("sets,te,field", [
+    ([], False, "use_flash_attention=true"),  # auto + flash, TE missing: no flash attention without TE
+    (["backend.megatron.transformer_impl=transformer_engine", "backend.megatron.use_flash_attention=false"], False,
+     "transformer_impl=transformer_engine"),
+    (["backend.megatron.transformer_impl=local"], True, "use_flash_attention=true"),  # local layers: unfused only
+])
+def test_gpu_recipe_that_cannot_have_te_or_flash_fails_in_one_line(sets, te, field):
+    with pytest.raises(UserError) as err:
+        plan_of(gpt3d(*sets), te=te)
+    assert field in str(err.value) and "\n" not in str(err.value)
+
+
+def test_auto_without_te_falls_back_and_says_so():
+    plan = plan_of(gpt3d("backend.megatron.use_flash_attention=false"), te=False)
+    assert plan.layers == "local" and plan.attention == "local"
+    assert "transformer_engine not importable" in plan.describe()
+
+
+def test_cpu_always_runs_local_layers_and_says_why():
+    plan = plan_of(gpt3d(), device="cpu", te=True, flash=True)
+    assert (plan.layers, plan.attention) == ("local", "local") and "CUDA-only" in plan.note
+
+
+# -- the CUDA TransformerConfig, built on CPU (item 5, performance) ----------------------------------------------------
+
+def cuda_config(recipe, te=True, flash=True):
+    from hpc_tools.train.megatron.config import transformer_config
+
+    return transformer_config(recipe, ParallelLayout.from_recipe(recipe), "cuda", plan_of(recipe, te=te, flash=flash))
+
+
+def test_cuda_config_turns_on_the_fusions_the_device_has():
+    from megatron.core.transformer.enums import AttnBackend
+
+    c = cuda_config(gpt3d())
+    assert c.bias_activation_fusion and c.bias_dropout_fusion  # torch-jit kernels: any CUDA device
+    assert not c.use_cpu_initialization
+    assert c.attention_backend == AttnBackend.flash
+    assert not c.masked_softmax_fusion  # TE's attention ignores it
+    assert not c.persist_layer_norm  # apex FusedLayerNorm only
+    assert c.recompute_granularity is None  # selective recompute dropped: flash attention stores no s^2 tensor
+    # interleaved (VPP2) on CUDA: p2p overlapped with compute, not batched (they exclude each other)
+    assert c.overlap_p2p_comm and not c.batch_p2p_comm
+
+
+def test_cuda_config_for_llama_uses_te_rope_fusion_and_cpu_keeps_everything_off():
+    from hpc_tools.train.megatron.config import fusions, p2p_options, transformer_config
+
+    r = gpt3d("model.family=llama", "parallel.virtual_pipeline_size=null")
+    # (TransformerConfig itself checks for TE's fused RoPE kernel at construction: only the kwargs here)
+    f = fusions(r, "cuda", plan_of(r))
+    assert f["apply_rope_fusion"] and f["bias_activation_fusion"] and f["bias_dropout_fusion"]
+    assert p2p_options(ParallelLayout.from_recipe(r), "cuda") == {"batch_p2p_comm": True, "overlap_p2p_comm": False}
+    local = plan_of(gpt3d("model.family=llama", "backend.megatron.use_flash_attention=false"), te=False)
+    assert not fusions(r, "cuda", local)["apply_rope_fusion"]  # mcore raises for it without TE
+    cpu = transformer_config(r, ParallelLayout.from_recipe(r), "cpu")
+    assert not any([cpu.gradient_accumulation_fusion, cpu.bias_activation_fusion, cpu.masked_softmax_fusion,
+                    cpu.bias_dropout_fusion, cpu.apply_rope_fusion, cpu.persist_layer_norm, cpu.overlap_p2p_comm])
+    assert cpu.use_cpu_initialization and cpu.recompute_granularity == "selective"
+
+
+def test_gradient_accumulation_fusion_only_with_apex_kernel():
+    # megatron-core's ColumnParallelLinear raises without apex's fused_weight_gradient_mlp_cuda, even under TE
+    from hpc_tools.train.megatron.model import module_available
+
+    assert cuda_config(gpt3d()).gradient_accumulation_fusion == module_available("fused_weight_gradient_mlp_cuda")
+
+
+def test_cuda_device_max_connections_by_layout():
+    from hpc_tools.train.megatron.config import cuda_device_max_connections
+
+    r = gpt3d()
+    assert cuda_device_max_connections(r, ParallelLayout.from_recipe(r)) == "1"
+    flat = gpt3d("parallel.tensor_size=1", "parallel.sequence_parallel=false", "parallel.pipeline_size=1",
+                 "parallel.virtual_pipeline_size=null", "backend.megatron.overlap_grad_reduce=false",
+                 "backend.megatron.overlap_param_gather=false")
+    assert cuda_device_max_connections(flat, ParallelLayout.from_recipe(flat)) is None
+
+
+# -- device choice (items 6, 7) ----------------------------------------------------------------------------------------
+
+def context_for(recipe, local_rank=0):
+    from hpc_tools.runtime.context import RankContext
+
+    return RankContext(recipe=recipe, layout=ParallelLayout.from_recipe(recipe),
+                       dist=SimpleNamespace(local_rank=local_rank, rank=local_rank), run=None)
+
+
+def test_gpu_recipe_without_cuda_fails_with_the_reason(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError) as err:
+        context_for(gpt3d()).device
+    msg = str(err.value)
+    assert "cluster.gpu_type=H100-SXM" in msg and "torch.cuda.is_available() is False" in msg and "\n" not in msg
+    assert ("CPU-only build" in msg) == (torch.version.cuda is None)
+
+
+def test_cpu_recipe_and_local_profile_stay_on_cpu():
+    local = load_recipe(REPO_RECIPE, profile="local")  # README's first command runs this profile
+    assert local.cluster.gpu_type == "cpu"
+    assert context_for(local).device.type == "cpu"
+
+
+@pytest.mark.parametrize("local_rank,visible,expected", [(5, 8, 5), (3, 1, 0), (6, 4, 2)])
+def test_device_index_is_local_rank_modulo_visible_gpus(monkeypatch, local_rank, visible, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    assert context_for(gpt3d(), local_rank).device == torch.device("cuda", expected)
+    import os
+
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # TP2 + SP + overlaps rely on it
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+
+
+# -- DeepSpeed on GPU (item 10) ----------------------------------------------------------------------------------------
+
+def ds_recipe(gpu_type="H100-SXM", stage=2, offload="cpu", precision="bf16"):
+    return resolve({
+        "name": "ds", "model": {"family": "gpt", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                                "seq_length": 32, "vocab_size": 512},
+        "training": {"micro_batch_size": 1, "global_batch_size": 8, "precision": precision},
+        "backend": {"kind": "deepspeed", "deepspeed": {"zero_stage": stage, "offload_optimizer": offload}},
+        "cluster": {"gpus_per_node": 2, "gpu_type": gpu_type}})
+
+
+def test_ds_offload_on_gpu_uses_cpu_adam_and_pinned_memory():
+    from hpc_tools.train.deepspeed.ds_config import build_ds_config, render
+
+    r = ds_recipe()
+    cfg = json.loads(render(build_ds_config(r, ParallelLayout.from_recipe(r))))
+    assert "torch_adam" not in cfg["optimizer"]["params"]  # deepspeed then builds DeepSpeedCPUAdam for the offload
+    assert cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+
+
+def test_ds_cpu_runs_keep_torch_adamw_and_unpinned_buffers():
+    from hpc_tools.train.deepspeed.ds_config import build_ds_config
+
+    r = ds_recipe(gpu_type="cpu")
+    cfg = build_ds_config(r, ParallelLayout.from_recipe(r))
+    assert cfg["optimizer"]["params"]["torch_adam"] is True
+    assert cfg["zero_optimization"]["offload_optimizer"]["pin_memory"] is False
+    no_offload = ds_recipe(offload="none")
+    assert build_ds_config(no_offload, ParallelLayout.from_recipe(no_offload))["optimizer"]["params"]["torch_adam"]
+
+
+@pytest.mark.parametrize("stage,offload,precision,fp32_accum", [
+    (1, "none", "bf16", True), (0, "none", "bf16", False), (2, "none", "bf16", False), (1, "cpu", "bf16", False),
+    (1, "none", "fp32", False)])
+def test_ds_grad_accumulation_in_fp32_where_deepspeed_honours_it(stage, offload, precision, fp32_accum):
+    from hpc_tools.train.deepspeed.ds_config import build_ds_config
+
+    r = ds_recipe(stage=stage, offload=offload, precision=precision)
+    cfg = build_ds_config(r, ParallelLayout.from_recipe(r))
+    assert (cfg.get("data_types") == {"grad_accum_dtype": "fp32"}) == fp32_accum
+
+
+# -- per-stage seeds (item 8) ------------------------------------------------------------------------------------------
+
+def test_each_pipeline_stage_and_tp_rank_gets_its_own_streams():
+    """Runs megatron-core's real seeding (cpu_compat routes the CUDA tracker to CPU generator states) in a child
+    process, since cpu_compat patches torch process-wide."""
+    code = textwrap.dedent("""
+        import json, torch
+        from hpc_tools.train.megatron import cpu_compat
+        cpu_compat.install()
+        from megatron.core import tensor_parallel
+        from hpc_tools.train.megatron.engine import seed_streams
+        out = {}
+        for pp in range(2):
+            for tp in range(2):
+                seed_streams(1234, pp, tp)
+                cpu = torch.rand(4).tolist()
+                tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+                out[f"{pp},{tp}"] = {"cpu": cpu, **{k: torch.as_tensor(v).float().sum().item()
+                                                    for k, v in tracker.items()}}
+        print(json.dumps(out))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    streams = [name for name in out["0,0"] if name != "cpu"]
+    assert "model-parallel-rng" in streams
+    # every stream differs between the stages; the tensor-parallel stream also between TP ranks
+    for name in streams + ["cpu"]:
+        assert out["0,0"][name] != out["1,0"][name] and out["0,1"][name] != out["1,1"][name], name
+    assert out["0,0"]["model-parallel-rng"] != out["0,1"]["model-parallel-rng"]
+    # the CPU generator of stage 0 is seeded as before (seed + 100 * pp): the CPU equality tests rely on it
+    import torch
+
+    torch.manual_seed(1234)
+    assert out["0,0"]["cpu"] == torch.rand(4).tolist()
+
+
+def test_te_apex_warning_hidden_on_cpu_only():
+    import warnings
+
+    from hpc_tools.train.megatron.trainer import _quiet_megatron
+
+    def hidden() -> bool:
+        text = "Transformer Engine and Apex are not installed"
+        return any(f[0] == "ignore" and f[1] is not None and f[1].search(text) for f in warnings.filters)
+
+    with warnings.catch_warnings():
+        _quiet_megatron("cuda")
+        assert not hidden()  # on a GPU the slow-path warning stays visible
+        _quiet_megatron("cpu")
+        assert hidden()

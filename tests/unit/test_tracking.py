@@ -1,0 +1,301 @@
+"""Experiment tracking: event files read back by TensorBoard's own reader, rebuilt from records, a failing tracker that
+never stops training, the recipe rule, and the `tensorboard` command."""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from hpc_tools.errors import RecipeError
+from hpc_tools.testing.synthetic import synthetic_recipe, synthetic_run, write_rank_parquet
+from hpc_tools.tracking import TAGS, Trackers, events, open_trackers, write_from_records
+from hpc_tools.tracking.events import FILE_VERSION, PlainEventWriter, encode_event, event_files
+from hpc_tools.tracking.rebuild import rebuild
+from hpc_tools.tracking.trackers import Sink
+from tests.conftest import run_cli
+
+event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
+                                        reason="tensorboard is in environment/requirements-*.txt")
+
+# What the training loop hands the trackers at a log line (hpc_tools.train.loop, global rank 0).
+LOG_LINES = {
+    10: {"loss": 7.25, "lr": 3e-4, "grad_norm": 1.75, "tokens_per_s": 12345.5, "tflops_per_gpu": 101.5, "mfu": 0.41,
+         "mem_allocated_max_bytes": 21_474_836_480, "step_time_s": 0.83, "val_loss": None},
+    20: {"loss": 6.5, "val_loss": 6.75, "lr": 2.5e-4, "grad_norm": 1.25, "tokens_per_s": 12400.0,
+         "tflops_per_gpu": 102.0, "mfu": 0.42, "mem_allocated_max_bytes": 21_474_836_480, "step_time_s": 0.82},
+}
+
+
+def read_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
+    """tag -> [(step, value)] as TensorBoard itself reads the folder."""
+    acc = event_accumulator.EventAccumulator(str(logdir), size_guidance={event_accumulator.SCALARS: 0})
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+def f32(x: float) -> float:
+    """The value as TensorBoard stores it (Summary.Value.simple_value is a 32-bit float)."""
+    return float(np.float32(x))
+
+
+def expected_from(lines: dict[int, dict]) -> dict[str, list[tuple[int, float]]]:
+    out: dict[str, list[tuple[int, float]]] = {}
+    for step, scalars in lines.items():
+        for name, value in scalars.items():
+            if value is not None:
+                out.setdefault(TAGS[name], []).append((step, f32(value)))
+    return out
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["tensorboard-writer", "self-contained-writer"])
+def test_logged_scalars_read_back_by_tensorboard(tmp_path, monkeypatch, plain):
+    if plain:  # as on a machine without the tensorboard package
+        monkeypatch.setattr("hpc_tools.tracking.events.tensorboard_installed", lambda: False)
+    trackers = open_trackers(tmp_path, synthetic_recipe())
+    assert trackers.names == ["TensorBoard"]
+    for step, scalars in LOG_LINES.items():
+        trackers.log(step, scalars)
+    trackers.close()
+    files = event_files(tmp_path / "tensorboard")
+    assert len(files) == 1
+    assert read_scalars(tmp_path / "tensorboard") == expected_from(LOG_LINES)
+
+
+def test_tensorboard_off_writes_nothing(tmp_path):
+    trackers = open_trackers(tmp_path, synthetic_recipe(["tracking.tensorboard=false"]))
+    trackers.log(1, {"loss": 1.0})
+    trackers.close()
+    assert trackers.names == [] and not (tmp_path / "tensorboard").exists()
+
+
+def test_self_contained_encoding_is_tensorboards_own():
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+
+    summary = summary_pb2.Summary
+    for step in (0, 1, 300_000, 2**40):
+        ours = encode_event(1.5e9, step, scalars={"loss/train": 2.5, "memory/x": 8e10})
+        theirs = event_pb2.Event(wall_time=1.5e9, step=step, summary=summary(value=[
+            summary.Value(tag="loss/train", simple_value=2.5), summary.Value(tag="memory/x", simple_value=8e10)]))
+        assert ours == theirs.SerializeToString()
+    assert encode_event(2.0, file_version=FILE_VERSION) == \
+        event_pb2.Event(wall_time=2.0, file_version=FILE_VERSION).SerializeToString()
+    assert events.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    record = events.tfrecord(b"abc")
+    assert struct.unpack("<Q", record[:8])[0] == 3 and record[12:15] == b"abc"
+    assert struct.unpack("<I", record[15:])[0] == events.masked_crc32c(b"abc")
+
+
+class Broken(Sink):
+    name = "Broken"
+
+    def __init__(self):
+        self.calls = 0
+
+    def log(self, step, scalars):
+        self.calls += 1
+        raise ConnectionError("service unreachable")
+
+
+def test_a_failing_tracker_warns_once_and_the_others_go_on(tmp_path, caplog):
+    broken = Broken()
+    good = PlainEventWriter(tmp_path)
+
+    class Good(Sink):
+        name = "Good"
+
+        def log(self, step, scalars):
+            good.add_scalars(step, scalars)
+
+        def close(self):
+            good.close()
+
+    trackers = Trackers([broken, Good()])
+    with caplog.at_level(logging.WARNING, logger="hpc_tools"):
+        for step in (1, 2, 3):
+            trackers.log(step, {"loss": float(step), "note": "not a number", "lr": None})
+        trackers.close()
+    assert broken.calls == 1 and trackers.names == []
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "Broken" in warnings[0] and "service unreachable" in warnings[0]
+    assert read_scalars(tmp_path) == {"loss/train": [(1, 1.0), (2, 2.0), (3, 3.0)]}
+
+
+def test_a_tracker_that_cannot_open_is_left_out(tmp_path, caplog):
+    (tmp_path / "tensorboard").write_text("a file where the folder should be")
+    with caplog.at_level(logging.WARNING, logger="hpc_tools"):
+        trackers = open_trackers(tmp_path, synthetic_recipe())
+        trackers.log(1, {"loss": 1.0})
+        trackers.close()
+    assert trackers.names == []
+    assert any("TensorBoard could not start" in r.getMessage() for r in caplog.records)
+
+
+def test_an_enabled_tracker_without_its_package_is_a_validation_error(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "mlflow")
+                        else real(name, *a))
+    with pytest.raises(RecipeError) as err:
+        synthetic_recipe(["tracking.wandb.mode=offline", "tracking.mlflow.experiment=e"])
+    wandb, mlflow = (str(v) for v in err.value.violations)
+    assert "tracking.wandb.enabled" in wandb and "'wandb' package" in wandb and "pip install wandb" in wandb
+    assert "tracking.mlflow.enabled" in mlflow and "'mlflow' package" in mlflow
+    synthetic_recipe(["tracking.wandb.enabled=false", "tracking.mlflow={enabled: false}"])  # switched off: valid
+
+
+def _steps_run(tmp_path):
+    """Two ranks, 6 steps; loss on both ranks (different values), mfu and val_loss as the job records them."""
+    st = np.full((2, 6), 0.5)
+    loss = np.array([[4.0, 3.5, 3.0, 2.5, 2.25, 2.0], [4.2, 3.7, 3.2, 2.7, 2.45, 2.2]])
+    mfu = np.array([[0.30, 0.31, 0.32, 0.33, 0.34, 0.35], [0.29, 0.30, 0.31, 0.32, 0.33, 0.34]])
+    val = np.full((2, 6), np.nan)
+    val[:, 2], val[:, 5] = 3.1, 2.4  # evaluation at steps 3 and 6, the same on every rank
+    return synthetic_run(tmp_path, [], st, loss=loss, mfu=mfu, val_loss=val), loss, mfu
+
+
+def test_write_from_records_equals_the_records(tmp_path):
+    run, loss, mfu = _steps_run(tmp_path)
+    folder = write_from_records(run.path)
+    assert folder == run.path / "tensorboard"
+    got = read_scalars(folder)
+    steps = range(1, 7)
+    assert got["loss/train"] == [(s, f32(loss[:, s - 1].mean())) for s in steps]  # mean over the ranks
+    assert got["throughput/mfu"] == [(s, f32(mfu[0, s - 1])) for s in steps]  # rank 0's record
+    assert got["loss/val"] == [(3, f32(3.1)), (6, f32(2.4))]
+    assert [v for _, v in got["time/step_time_s"]] == [0.5] * 6
+    # Rebuilding replaces the old file: TensorBoard never sees a step twice.
+    write_from_records(run.path)
+    assert len(event_files(folder)) == 1 and read_scalars(folder) == got
+
+
+def test_a_resumed_runs_recomputed_steps_count_once(tmp_path):
+    run = synthetic_run(tmp_path, [], np.full((1, 4), 0.5), loss=np.array([[4.0, 3.0, 2.0, 1.0]]))
+    # A second life re-ran steps 3-4 after a checkpoint at step 2, then went on to step 5: its records win.
+    steps = np.array([1, 2, 3, 4, 3, 4, 5])
+    loss = np.array([4.0, 3.0, 2.0, 1.0, 2.5, 1.5, 0.5])
+    write_rank_parquet(run.records_dir, 0, run.run_id, steps, np.full(7, 0.5), 64, 1, loss=loss,
+                       restart=np.array([0, 0, 0, 0, 1, 1, 1]))
+    folder, n = rebuild(run.path, plain=True)
+    assert n == 5
+    assert read_scalars(folder)["loss/train"] == [(1, 4.0), (2, 3.0), (3, 2.5), (4, 1.5), (5, 0.5)]
+
+
+def test_tensorboard_command_on_a_run_and_a_sweep(tmp_path, capsys):
+    from hpc_tools.cli import main
+    from hpc_tools.sweep.folder import SweepFolder
+
+    run, loss, _ = _steps_run(tmp_path)
+    out = run_cli("tensorboard", run.run_id, "--runs-dir", str(tmp_path), "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["logdir"] == str(run.path / "tensorboard") and data["runs"][0]["steps"] == 6
+    assert data["command"] == f"tensorboard --logdir {run.path / 'tensorboard'} --port 6006"
+    assert read_scalars(run.path / "tensorboard")["loss/train"][0] == (1, f32(loss[:, 0].mean()))
+
+    # A sweep: one run done, one still running whose job writes its own event file (left alone).
+    sweep = SweepFolder.create(tmp_path, "sw", {"cells": []})
+    done = synthetic_run(sweep.path, [], np.full((1, 3), 0.5), loss=np.array([[3.0, 2.0, 1.0]]))
+    live = synthetic_run(sweep.path, [], np.full((1, 3), 0.5), state="RUNNING", loss=np.array([[3.0, 2.0, 1.0]]))
+    writer = PlainEventWriter(live.path / "tensorboard")
+    writer.add_scalars(1, {"loss/train": 9.0})
+    writer.close()
+    with sweep.edit() as d:
+        d["cells"] = [{"id": "a", "run_dir": done.path.name}, {"id": "b", "run_dir": live.path.name},
+                      {"id": "c"}]  # a cell not submitted yet
+    capsys.readouterr()
+    assert main(["tensorboard", str(sweep.path), "--write-only"]) == 0  # in this process: one start-up less
+    out = capsys.readouterr().out
+    assert f"{done.run_id}: 3 steps -> " in out and f"{live.run_id}: left as is" in out
+    assert "tensorboard --logdir" not in out
+    assert read_scalars(done.path / "tensorboard")["loss/train"] == [(1, 3.0), (2, 2.0), (3, 1.0)]
+    assert read_scalars(live.path / "tensorboard")["loss/train"] == [(1, 9.0)]
+
+    assert main(["tensorboard", "no-such-run", "--runs-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no run or sweep matches 'no-such-run'" in err
+
+
+@pytest.mark.parametrize("package", ["wandb", "mlflow"])
+def test_optional_trackers_offline(tmp_path, package):
+    pytest.importorskip(package, reason=f"{package} is optional and not installed here")
+    overrides = {"wandb": ["tracking.wandb.mode=offline"],
+                 "mlflow": [f"tracking.mlflow.tracking_uri={(tmp_path / 'mlruns').as_uri()}"]}[package]
+    trackers = open_trackers(tmp_path, synthetic_recipe(overrides))
+    assert len(trackers.names) == 2
+    for step, scalars in LOG_LINES.items():
+        trackers.log(step, scalars)
+    trackers.close()
+    if package == "mlflow":
+        import mlflow
+
+        client = mlflow.MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+        run = client.search_runs([client.get_experiment_by_name("hpc_tools").experiment_id])[0]
+        assert [m.value for m in client.get_metric_history(run.info.run_id, "loss/train")] == [7.25, 6.5]
+    else:
+        assert any((tmp_path / "wandb").rglob("*.wandb"))
+
+
+def test_wandb_and_mlflow_glue_with_stand_in_packages(tmp_path, monkeypatch):
+    """What the W&B and MLflow trackers call, against stand-ins recording the calls (the real packages are optional
+    and not installed here: test_optional_trackers_offline runs them where they are)."""
+    from hpc_tools.recipe.load import resolve
+    from hpc_tools.testing.synthetic import BASE_RECIPE
+
+    calls: list[tuple] = []
+    wandb = types.ModuleType("wandb")
+    wandb.init = lambda **kw: calls.append(("wandb.init", kw)) or types.SimpleNamespace(
+        log=lambda data, step: calls.append(("wandb.log", step, dict(data))), finish=lambda: calls.append(("finish",)))
+
+    class Client:
+        def __init__(self, tracking_uri):
+            calls.append(("mlflow.client", tracking_uri))
+
+        def get_experiment_by_name(self, name):
+            return None
+
+        def create_experiment(self, name):
+            calls.append(("mlflow.experiment", name))
+            return "7"
+
+        def create_run(self, experiment_id, run_name):
+            return types.SimpleNamespace(info=types.SimpleNamespace(run_id="r1"))
+
+        def log_param(self, run_id, key, value):
+            pass
+
+        def log_batch(self, run_id, metrics):
+            calls.append(("mlflow.log", run_id, {m.key: (m.value, m.step) for m in metrics}))
+
+        def set_terminated(self, run_id):
+            calls.append(("mlflow.end", run_id))
+
+    mlflow = types.ModuleType("mlflow")
+    mlflow.MlflowClient = Client
+    entities = types.ModuleType("mlflow.entities")
+    entities.Metric = lambda key, value, timestamp, step: types.SimpleNamespace(key=key, value=value, step=step)
+    for name, module in (("wandb", wandb), ("mlflow", mlflow), ("mlflow.entities", entities)):
+        monkeypatch.setitem(sys.modules, name, module)
+    recipe = resolve(BASE_RECIPE, ["tracking.tensorboard=false", "tracking.wandb.project=p", "tracking.wandb.tags=[a]",
+                                   "tracking.mlflow.experiment=e"], check=False)
+    run_dir = tmp_path / "synthetic-20260101-000000-abcdef"
+    trackers = open_trackers(run_dir, recipe)
+    assert trackers.names == ["W&B", "MLflow"]
+    trackers.log(20, {**LOG_LINES[20], "loss": float("nan")})
+    trackers.close()
+    init = calls[0][1]
+    assert init["project"] == "p" and init["mode"] == "offline" and init["tags"] == ["a"]
+    assert init["dir"] == str(run_dir / "wandb") and init["id"] == run_dir.name and init["resume"] == "allow"
+    assert init["config"]["tracking"]["wandb"]["project"] == "p"  # the resolved recipe goes along
+    assert ("mlflow.client", (run_dir / "mlruns").absolute().as_uri()) in calls and ("mlflow.experiment", "e") in calls
+    logged = {c[0]: c for c in calls}
+    assert logged["wandb.log"][1] == 20 and logged["wandb.log"][2]["loss/val"] == 6.75
+    mlflow_metrics = logged["mlflow.log"][2]
+    assert mlflow_metrics["optim/lr"] == (2.5e-4, 20) and "loss/train" not in mlflow_metrics  # NaN left out
+    assert ("finish",) in calls and ("mlflow.end", "r1") in calls
