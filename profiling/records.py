@@ -226,11 +226,13 @@ def _float64_values(array) -> "np.ndarray":
     import numpy as np
     import pyarrow as pa
 
-    array = array.cast(pa.float64())
+    if array.type != pa.float64():
+        array = array.cast(pa.float64())
     validity, data = array.buffers()[:2]
-    values = np.frombuffer(data, dtype=np.float64, count=len(array), offset=array.offset * 8).copy()
+    values = np.frombuffer(data, dtype=np.float64, count=len(array), offset=array.offset * 8)  # read-only view
     if array.null_count and validity is not None:
         valid = np.unpackbits(np.frombuffer(validity, dtype=np.uint8), bitorder="little")
+        values = values.copy()  # only a column with nulls is copied, to write its NaNs
         values[valid[array.offset:array.offset + len(array)] == 0] = np.nan
     return values
 

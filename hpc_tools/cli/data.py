@@ -17,6 +17,10 @@ is downloaded), and writes one Megatron indexed dataset per input: OUT/<input st
 IndexedDatasetBuilder; EOS after every document) plus a small .meta.json. A text file is one document. Tokenizing runs
 in --workers processes; output appears under its final name only when complete. Train on the result with
 data.source: indexed and data.blend: [{path: OUT/<stem>, weight: 1}] (see docs/data.md).
+
+With --executor slurm --recipe RECIPE the same prepare runs as one Slurm job (submitit): one node, one task with
+--workers CPUs, the recipe's partition (or --partition), account, qos and environment set-up; the inputs are checked
+before anything is queued, the command waits for the job (--no-wait: prints its id) and its logs are in OUT/.slurm/.
 """
 ORDER = 25
 
@@ -36,6 +40,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     prep.add_argument("--recipe", default=None,
                       help="recipe to check against: its tokenizer by default, and model.vocab_size must hold it")
     prep.add_argument("--overwrite", action="store_true", help="replace prepared datasets of the same name")
+    prep.add_argument("--executor", choices=("local", "slurm"), default="local",
+                      help="local (default: here, now) or slurm: one CPU job with --workers CPUs on the --recipe's "
+                           "cluster (its partition, account, qos and set-up; submitit), logs in OUT/.slurm/")
+    prep.add_argument("--partition", default=None,
+                      help="Slurm partition for --executor slurm (default: the recipe's cluster.partition; a CPU "
+                           "partition is the usual choice)")
+    prep.add_argument("--time-min", type=int, default=120, help="time limit of the Slurm job in minutes (120)")
+    prep.add_argument("--no-wait", action="store_true",
+                      help="with --executor slurm: print the job id and return instead of waiting for the job")
     add_json(prep)
 
 
@@ -49,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         recipe = load_recipe(args.recipe)
         tokenizer = tokenizer or recipe.data.tokenizer
         max_vocab = recipe.model.vocab_size
+    if args.executor == "slurm":
+        return _run_on_slurm(args, recipe if args.recipe else None, tokenizer or "byte", max_vocab)
     t0 = time.perf_counter()
     # megatron/transformers may print when imported: stdout stays clean for --json
     with contextlib.redirect_stdout(sys.stderr):
@@ -67,4 +82,40 @@ def run(args: argparse.Namespace) -> int:
             f"({d.tokens / max(d.seconds, 1e-9):,.0f} tokens/s)")
     say(f"prepared {len(done)} dataset(s): {documents:,} documents, {tokens:,} tokens, {tokens / busy:,.0f} tokens/s "
         f"with {args.workers} worker(s) ({wall:.1f} s in all)")
+    return 0
+
+
+def _run_on_slurm(args: argparse.Namespace, recipe, tokenizer: str, max_vocab: int | None) -> int:
+    """``--executor slurm``: check the inputs here, queue the same prepare as one job, wait for it (or not)."""
+    from hpc_tools.data.slurm import submit_prepare
+    from hpc_tools.errors import UserError
+
+    if recipe is None:
+        raise UserError("data prepare --executor slurm needs --recipe RECIPE (its cluster section gives the "
+                        "partition, account and environment set-up of the job)")
+    if args.time_min < 1:
+        raise UserError(f"--time-min={args.time_min} must be at least 1")
+    if args.workers < 1:
+        raise UserError(f"--workers={args.workers} must be at least 1")
+    job = submit_prepare(recipe, args.inputs, args.out, partition=args.partition, time_min=args.time_min,
+                         tokenizer=tokenizer, text_field=args.text_field, workers=args.workers,
+                         overwrite=args.overwrite, max_vocab=max_vocab)
+    if args.no_wait:
+        if args.json:
+            emit_json({"ok": True, "job_id": job.job_id, "logs": job.paths.stdout.parent.as_posix()})
+        else:
+            say(f"queued data prepare as Slurm job {job.job_id}; logs in {job.paths.stdout.parent}")
+        return 0
+    say(f"data prepare running as Slurm job {job.job_id}; waiting (Ctrl-C stops waiting, not the job)")
+    try:
+        datasets = job.result()
+    except Exception as e:  # noqa: BLE001 - the job's own error, as one line
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise UserError(f"Slurm job {job.job_id} failed: {first[:300]} (log: {job.paths.stderr})") from None
+    documents, tokens = sum(d["documents"] for d in datasets), sum(d["tokens"] for d in datasets)
+    if args.json:
+        emit_json({"ok": True, "job_id": job.job_id, "datasets": datasets, "documents": documents,
+                   "tokens": tokens, "workers": args.workers})
+        return 0
+    say(f"prepared {len(datasets)} dataset(s) in Slurm job {job.job_id}: {documents:,} documents, {tokens:,} tokens")
     return 0

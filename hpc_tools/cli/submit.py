@@ -29,7 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--executor", choices=["auto", "slurm", "local"], default="auto",
                    help="where to run (default auto: Slurm if installed, else local)")
     p.add_argument("--wait", action="store_true", help="on Slurm, wait for the job to end (local runs always wait)")
-    p.add_argument("--force", action="store_true", help="submit even if the planner predicts it does not fit")
+    p.add_argument("--force", action="store_true",
+                   help="submit even if the planner predicts it does not fit, and without the checks against the "
+                        "world (files the recipe names, the live partition)")
     p.add_argument("--auto", action="store_true",
                    help="let the planner choose the layout (see `python -m hpc_tools plan --search`)")
     p.add_argument("--measure", type=int, default=None, metavar="K",

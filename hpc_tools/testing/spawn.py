@@ -107,3 +107,20 @@ def _wait(procs: list[subprocess.Popen], deadline: float, poll_s: float) -> tupl
         if time.monotonic() > deadline:
             return 0, True
         time.sleep(poll_s)
+
+
+def spawn_exit_code(argv: Sequence[str], world_size: int, *, env: Mapping[str, str] | None = None,
+                    timeout_s: float = 600, log_tail: int = 6000) -> int:
+    """``spawn_ranks(check=True)`` for a driver script's ``main``: 0, or the failing rank's exit code (124 when it
+    timed out) after printing what failed and the tail of that rank's log to stderr."""
+    import sys
+
+    try:
+        spawn_ranks(argv, world_size, env=env, timeout_s=timeout_s, check=True)
+    except RanksFailed as failed:
+        culprit = failed.ranks[failed.culprit]
+        print(failed, file=sys.stderr)
+        if log_tail:
+            print(culprit.log[-log_tail:], file=sys.stderr)
+        return 124 if culprit.timed_out else culprit.returncode
+    return 0

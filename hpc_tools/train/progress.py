@@ -126,10 +126,11 @@ class ProgressMeter:
                 vals = [(float(r[key]), float(r.get("step_time_s") or 0.0)) for r in w if r.get(key) is not None]
                 if vals:
                     out[key] = sum(v * t for v, t in vals) / max(sum(t for _, t in vals), 1e-12)
-        mem = [r.get("mem_allocated_max_bytes") or r.get("rss_bytes") for r in w]
-        mem = [m for m in mem if m]
-        if mem:
-            out["mem_allocated_max_bytes"] = float(max(mem))
+        for key in ("mem_allocated_max_bytes", "rss_bytes"):  # GPU allocated peak; on CPU the host RSS
+            mem = [r[key] for r in w if r.get(key)]
+            if mem:
+                out[key] = float(max(mem))
+                break
         if self.val_step is not None and any(r.get("step") == self.val_step for r in w):
             out["val_loss"] = float(self.val_loss)
         return out
@@ -144,8 +145,8 @@ class ProgressMeter:
         parts.append(f"tok/s {_si(s['tokens_per_s'])}" if "tokens_per_s" in s else "tok/s -")
         parts.append(f"TFLOP/s {s['tflops_per_gpu']:.3g}" if "tflops_per_gpu" in s else "TFLOP/s -")
         parts.append(f"MFU {100 * s['mfu']:.1f}%" if "mfu" in s else "MFU n/a")
-        parts.append(f"mem {s['mem_allocated_max_bytes'] / 1e9:.2f} GB" if "mem_allocated_max_bytes" in s
-                     else "mem -")
+        mem = s.get("mem_allocated_max_bytes", s.get("rss_bytes"))
+        parts.append(f"mem {mem / 1e9:.2f} GB" if mem is not None else "mem -")
         age = process_age_s()
         elapsed = age if age is not None else time.time() - self.started
         parts.append(f"elapsed {hms(elapsed)} eta {hms(self.eta_s(step))}")

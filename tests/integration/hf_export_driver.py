@@ -160,18 +160,11 @@ def rank_main(work: Path) -> None:
 
 def launch(work: Path, timeout_s: float = 600) -> int:
     """Prepare ``work`` and run WORLD ranks of this script; returns the first non-zero exit code (124: timed out)."""
-    from hpc_tools.testing.spawn import RanksFailed, spawn_ranks
+    from hpc_tools.testing.spawn import spawn_exit_code
 
     prepare(work)
-    try:
-        spawn_ranks([sys.executable, __file__, "--work", str(work)], WORLD, timeout_s=timeout_s, check=True,
-                    env={"PYTHONWARNINGS": "ignore"})
-    except RanksFailed as failed:
-        print(failed, file=sys.stderr)
-        culprit = failed.ranks[failed.culprit]
-        print(culprit.log[-6000:], file=sys.stderr)
-        return 124 if culprit.timed_out else culprit.returncode
-    return 0
+    return spawn_exit_code([sys.executable, __file__, "--work", str(work)], WORLD, timeout_s=timeout_s,
+                           env={"PYTHONWARNINGS": "ignore"})
 
 
 def main() -> int:

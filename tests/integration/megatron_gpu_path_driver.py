@@ -175,19 +175,12 @@ def world_for(device: str) -> int:
 
 
 def launch(out: Path, device: str = "cpu", timeout_s: float = 600) -> int:
-    from hpc_tools.testing.spawn import RanksFailed, spawn_ranks
+    from hpc_tools.testing.spawn import spawn_exit_code
 
     with tempfile.TemporaryDirectory(prefix="mg_gpu_path_") as work:
         env = {"MG_DRIVER_WORK": work, "PYTHONWARNINGS": "ignore", "MG_DEVICE": device}
-        try:
-            spawn_ranks([sys.executable, __file__, "--out", str(out), "--device", device], world_for(device),
-                        env=env, timeout_s=timeout_s, check=True)
-        except RanksFailed as failed:
-            print(failed, file=sys.stderr)
-            culprit = failed.ranks[failed.culprit]
-            print(culprit.log[-6000:], file=sys.stderr)
-            return 124 if culprit.timed_out else culprit.returncode
-        return 0
+        return spawn_exit_code([sys.executable, __file__, "--out", str(out), "--device", device], world_for(device),
+                               env=env, timeout_s=timeout_s)
 
 
 def main() -> int:

@@ -67,9 +67,9 @@ TWO_RANKS = [
     variant("gpt_z1_fp32", stage=1, model=GPT),
     variant("gpt_pp2_z0_fp32", stage=0, pipeline=2, model=GPT),
 ]
-FOUR_RANKS = [
-    variant("dp4_z1_fp32", stage=1, ranks=4, micro=2),
+FOUR_RANKS = [  # a pipeline first: a fresh process builds a PipelineModule before any deepspeed.initialize
     variant("pp2dp2_z1_fp32", stage=1, ranks=4, pipeline=2, micro=2),
+    variant("dp4_z1_fp32", stage=1, ranks=4, micro=2),
     variant("gpt_pp2dp2_z1_fp32", stage=1, ranks=4, pipeline=2, micro=1, model=GPT),
 ]
 

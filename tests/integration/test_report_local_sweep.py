@@ -107,14 +107,20 @@ def chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
 
-def test_report_html_opens_in_headless_chromium(sweep, tmp_path):
-    _, files, report = sweep
+def chromium_or_skip() -> str:
+    """The headless browser, else skip the test (fail it in CI, which installs one)."""
     browser = chromium()
     if browser is None:
         why = "headless Chromium is not installed (apt-get install -y chromium)"
         if os.environ.get("CI") == "true":
             pytest.fail(why)
         pytest.skip(why)
+    return browser
+
+
+def test_report_html_opens_in_headless_chromium(sweep, tmp_path):
+    _, files, report = sweep
+    browser = chromium_or_skip()
     html = (report / "report.html").read_text()
     assert "<script" not in html and "http://" not in html and "https://" not in html  # self-contained, no JS
     n_images = html.count("<img ")

@@ -8,7 +8,6 @@ Data: synthetic run folders written with the real record schema (``hpc_tools.tes
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from contextlib import contextmanager
@@ -23,7 +22,7 @@ from hpc_tools.analysis.analyze import analyse
 from hpc_tools.analysis.report import render_html, render_markdown, write_report
 from hpc_tools.testing.synthetic import amdahl_times, synthetic_run
 from hpc_tools.testing.synthetic_sweep import curves, synthetic_sweep
-from tests.integration.test_report_local_sweep import CHECK_JS, chromium
+from tests.integration.test_report_local_sweep import CHECK_JS, chromium_or_skip
 
 # A GPU recipe the planner models, so that predictions exist (the records are synthetic; no GPU is used).
 GPU = ("backend.kind=megatron", "cluster.gpu_type=h100", "cluster.gpus_per_node=8", "model.num_layers=8",
@@ -222,12 +221,7 @@ def test_tables_fit_the_page(sweep):
 
 def test_report_opens_in_headless_chromium_without_sideways_scroll(sweep, tmp_path):
     files, report = sweep[1], sweep[2]
-    browser = chromium()
-    if browser is None:
-        why = "headless Chromium is not installed (apt-get install -y chromium)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(why)
-        pytest.skip(why)
+    browser = chromium_or_skip()
     html = (report / "report.html").read_text()
     n_images = html.count("<img ")
     assert n_images == len(files["plots"]) >= 9

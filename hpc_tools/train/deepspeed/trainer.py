@@ -74,8 +74,13 @@ class DeepSpeedJob:
         model, self._keepalive = build_model(self.recipe, self.config)
         t_model = time.perf_counter() - t0
         if self.pipeline:
+            import deepspeed.comm
+
             from hpc_tools.train.deepspeed.pipeline import build_pipeline
 
+            # PipelineModule asks deepspeed.comm for ranks and groups before deepspeed.initialize would set its
+            # backend up: attach it to the process group the loop already joined.
+            deepspeed.comm.init_distributed(self.ctx.dist_backend, dist_init_required=False, verbose=False)
             model = build_pipeline(self.recipe, model, self.layout.pipeline_size)
         training = self.recipe.training
 
