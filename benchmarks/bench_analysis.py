@@ -125,15 +125,17 @@ def baseline(run_dirs: list[Path]) -> dict:
     import pyarrow.acero as ac
     import pyarrow.dataset as ds
 
-    cols = list(COLUMNS) + ["rank"]
     rows = ranks = 0
     for run in run_dirs:
         files = [str(p) for p in rank_files(run / "records").values()]
+        dataset = ds.dataset(files, format="parquet")
+        wanted = [c for c in COLUMNS if c in dataset.schema.names]  # files of an older schema lack newer columns
+        cols = wanted + ["rank"]
         table = ac.Declaration.from_sequence([
-            ac.Declaration("scan", ac.ScanNodeOptions(ds.dataset(files, format="parquet"), columns=cols)),
+            ac.Declaration("scan", ac.ScanNodeOptions(dataset, columns=cols)),
             ac.Declaration("project", ac.ProjectNodeOptions([ds.field(c) for c in cols], cols)),
             ac.Declaration("aggregate", ac.AggregateNodeOptions(
-                [(c, "hash_mean", None, c) for c in COLUMNS] + [("step", "hash_count", None, "n")], keys=["rank"])),
+                [(c, "hash_mean", None, c) for c in wanted] + [("step", "hash_count", None, "n")], keys=["rank"])),
         ]).to_table()
         rows += int(np.sum(table.column("n").to_numpy()))
         ranks += table.num_rows

@@ -292,6 +292,30 @@ def bubble_share_theory(bubble_fraction: float | None) -> float | None:
     return None if bubble_fraction is None else bubble_fraction / (1 + bubble_fraction)
 
 
+def step_index(steps: np.ndarray) -> np.ndarray | slice:
+    """``steps`` (unique, int) as a slice when they are one contiguous increasing range, else the array itself."""
+    first, last = int(steps[0]), int(steps[-1])
+    if last - first + 1 == steps.size and (steps.size < 2 or bool(np.all(np.diff(steps) == 1))):
+        return slice(first, last + 1)
+    return steps
+
+
+def _add_mean_terms(total: np.ndarray, count: np.ndarray, n: int, steps: np.ndarray, at: np.ndarray | slice,
+                    values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Add one rank's per-step values (NaN: not reported) to a per-step sum and count of reporting ranks."""
+    ok = ~np.isnan(values)
+    if not ok.any():
+        return total, count
+    total, count = _grow(total, n, 0.0), _grow(count, n, 0.0)
+    if ok.all():
+        total[at] += values
+        count[at] += 1.0
+    else:
+        total[steps[ok]] += values[ok]
+        count[steps[ok]] += 1.0
+    return total, count
+
+
 def _grow(arr: np.ndarray, size: int, fill: float | bool) -> np.ndarray:
     if arr.size >= size:
         return arr
@@ -356,22 +380,19 @@ class RunReducer:
         n = int(max(steps.max(), self.max_step or 0)) + 1
         self.step_time_max_s = _grow(self.step_time_max_s, n, np.nan)
         self.step_warmup = _grow(self.step_warmup, n, False)
-        # Steps are unique after keep_last: plain fancy indexing is exact.
-        self.step_time_max_s[steps] = np.fmax(self.step_time_max_s[steps], cols["step_time_s"])
-        self.step_warmup[steps[~measured]] = True
+        # Steps are unique after keep_last: plain indexing is exact, and a slice where they are one contiguous range
+        # (the common case) updates in place without the gather and scatter of fancy indexing.
+        at = step_index(steps)
+        self.step_time_max_s[at] = np.fmax(self.step_time_max_s[at], cols["step_time_s"])
+        if not measured.all():
+            self.step_warmup[steps[~measured]] = True
         loss = cols.get("loss")
-        if loss is not None and not np.all(np.isnan(loss)):
-            self.loss_sum, self.loss_count = _grow(self.loss_sum, n, 0.0), _grow(self.loss_count, n, 0.0)
-            ok = ~np.isnan(loss)
-            self.loss_sum[steps[ok]] += loss[ok]
-            self.loss_count[steps[ok]] += 1.0
+        if loss is not None:
+            self.loss_sum, self.loss_count = _add_mean_terms(self.loss_sum, self.loss_count, n, steps, at, loss)
         val = cols.get("val_loss")  # the same rule as the training loss: the mean over the ranks that report it
-        if val is not None and not np.all(np.isnan(val)):
-            self.val_loss_sum = _grow(self.val_loss_sum, n, 0.0)
-            self.val_loss_count = _grow(self.val_loss_count, n, 0.0)
-            ok = ~np.isnan(val)
-            self.val_loss_sum[steps[ok]] += val[ok]
-            self.val_loss_count[steps[ok]] += 1.0
+        if val is not None:
+            self.val_loss_sum, self.val_loss_count = _add_mean_terms(self.val_loss_sum, self.val_loss_count, n, steps,
+                                                                     at, val)
         figures = rank_figures(rank, cols, measured)
         if figures is not None:
             self.ranks.append(figures)

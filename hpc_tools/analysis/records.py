@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from profiling.figures import COLUMNS, RankFigures, RunReducer
+from profiling.figures import COLUMNS, RankFigures, RunReducer, step_index
 from profiling.records import iter_rank_columns
 
 HEATMAP_BINS = 100
@@ -86,9 +86,7 @@ def read_run(records_dir: Path, warmup: int, max_step: int | None = None) -> Run
 def _add_timelines(out: RunRecords, steps: np.ndarray, cols: dict[str, np.ndarray]) -> None:
     """Fold one rank's prepared columns (one record per step, NaN where not measured) into the per-step timelines."""
     size = int(steps.max()) + 1
-    # A rank's steps are mostly one contiguous range: a slice then updates the arrays in place without a gather.
-    contiguous = steps.size == int(steps[-1] - steps[0]) + 1 and bool(np.all(np.diff(steps) == 1))
-    at = slice(int(steps[0]), int(steps[-1]) + 1) if contiguous else steps
+    at = step_index(steps)  # a slice for one contiguous range: in-place updates without a gather
     for name, how in TIMELINES.items():
         values = cols.get(name)
         if values is None:
