@@ -5,7 +5,7 @@ traced on every step, a torch.profiler window), interleaved in rounds so that ma
 Prints the median step time of each and the ratios to "off" (goal: default <= 1.01, everything <= 1.05 on CPU).
 The step time is taken by the workload around start_step..end_step, not by the collector under test.
 
-    PYTHONPATH=. python benchmarks/bench_collector_overhead.py [--ranks 2] [--steps 60] [--rounds 3]
+    PYTHONPATH=. python benchmarks/bench_collector_overhead.py [--ranks 2] [--steps 60] [--rounds 3] [--pipeline]
 """
 
 from __future__ import annotations
@@ -27,11 +27,15 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20, help="steps per configuration per round")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--pipeline", action="store_true",
+                        help="the pipeline path: Megatron-core 1F1B over --ranks stages, p2p traced every step")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-collector-") as tmp:
-        results = launch("bench", Path(tmp), args.ranks, "--steps", str(args.steps), "--rounds", str(args.rounds),
-                         timeout_s=1800)
-    print(f"collector overhead: {args.ranks} ranks (gloo), {results[0]['steps_per_config']} steps per configuration")
+        results = launch("bench_pipeline" if args.pipeline else "bench", Path(tmp), args.ranks, "--steps",
+                         str(args.steps), "--rounds", str(args.rounds), timeout_s=1800)
+    job = "1F1B pipeline, p2p traced every step" if args.pipeline else "data-parallel MLP"
+    print(f"collector overhead: {job}, {args.ranks} ranks (gloo), {results[0]['steps_per_config']} steps per "
+          "configuration")
     print(f"{'configuration':<12} {'rank':>4} {'median step':>12} {'ratio':>7} {'goal':>6} "
           f"{'collector/step (median, mean)':>30} {'share':>7}")
     for rank, res in enumerate(results):

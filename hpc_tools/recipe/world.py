@@ -185,6 +185,8 @@ def path_violations(recipe: Recipe) -> list[Violation]:
         found.append(Violation("checkpoint.init_from_hf", ck.init_from_hf, "is not an existing folder",
                                "give a local Hugging Face model folder (config.json and weights); nothing is "
                                "downloaded"))
+    elif ck.init_from_hf:
+        found += _hf_folder_violations(recipe)
     container = recipe.cluster.setup.container
     if container and is_local_image(container.image) and not _path(container.image).is_file():
         found.append(Violation("cluster.setup.container.image", container.image, "is not an existing image file",
@@ -263,3 +265,20 @@ def _hms(minutes: float) -> str:
 
 def _path(raw: str) -> Path:
     return Path(os.path.expanduser(raw))
+
+
+def _hf_folder_violations(recipe: "Recipe") -> list[Violation]:
+    """checkpoint.init_from_hf against the recipe before anything is queued: the folder's config.json is the
+    recipe's architecture and shape (the check the ranks make again when they load it; config.json only, no torch)."""
+    from hpc_tools.errors import UserError
+    from hpc_tools.hf.load import read_config
+
+    folder = recipe.checkpoint.init_from_hf
+    try:
+        read_config(_path(folder), recipe.model)
+    except UserError as e:
+        # read_config's line without its field prefix and its own fix: "PATH has n_layer=3 (model.num_layers=...)"
+        reason = str(e).split(": ", 1)[-1].split("; the folder is")[0].rsplit(" (give", 1)[0]
+        return [Violation("checkpoint.init_from_hf", folder, reason,
+                          "give a folder of this model, or set the recipe's model section to the folder's")]
+    return []

@@ -128,47 +128,52 @@ def scenario_comm(out: Path, steps: int, interval: int) -> dict[str, Any]:
     return result
 
 
-def scenario_pipeline(out: Path, steps: int, microbatches: list[int]) -> dict[str, Any]:
-    """Megatron-core's 1F1B schedule over 2 stages; returns each configuration's measured bubble share."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.enums import ModelType
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer import TransformerConfig
+class _PipelineJob:
+    """Megatron-core's 1F1B schedule over ``WORLD_SIZE`` stages of a 4-layer MLP each; ``step()`` runs one global
+    batch of ``microbatches``. Each microbatch's compute (~0.8 GFLOP fwd+bwd per stage) dwarfs OS scheduling noise."""
 
-    from hpc_tools.train.megatron import cpu_compat
-    from profiling.collector import StepCollector
-
-    cpu_compat.install()
-    world = int(os.environ["WORLD_SIZE"])
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world)
-    stage = parallel_state.get_pipeline_model_parallel_rank()
-    # Each microbatch's compute (~0.8 GFLOP fwd+bwd per stage) must dwarf OS scheduling noise on a shared CPU.
     seq, micro, hidden = 16, 8, 512
-    config = TransformerConfig(num_layers=world, hidden_size=hidden, num_attention_heads=4,
-                               pipeline_model_parallel_size=world, pipeline_dtype=torch.float32,
-                               batch_p2p_comm=False, deallocate_pipeline_outputs=False)
 
-    class Stage(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.config = config
-            self.model_type = ModelType.encoder_or_decoder
-            self.layers = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden) for _ in range(4)])
-            self.input_tensor = None
+    def __init__(self):
+        import torch
+        from megatron.core import parallel_state
+        from megatron.core.enums import ModelType
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.transformer import TransformerConfig
 
-        def set_input_tensor(self, tensor):
-            self.input_tensor = tensor[0] if isinstance(tensor, list) else tensor
+        from hpc_tools.train.megatron import cpu_compat
 
-        def forward(self, x):
-            return self.layers(x if self.input_tensor is None else self.input_tensor)
+        cpu_compat.install()
+        self.world = int(os.environ["WORLD_SIZE"])
+        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=self.world)
+        self.stage = parallel_state.get_pipeline_model_parallel_rank()
+        hidden = self.hidden
+        config = TransformerConfig(num_layers=self.world, hidden_size=hidden, num_attention_heads=4,
+                                   pipeline_model_parallel_size=self.world, pipeline_dtype=torch.float32,
+                                   batch_p2p_comm=False, deallocate_pipeline_outputs=False)
 
-    torch.manual_seed(stage)
-    model = Stage()
-    fb = get_forward_backward_func()
+        class Stage(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.config = config
+                self.model_type = ModelType.encoder_or_decoder
+                self.layers = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden) for _ in range(4)])
+                self.input_tensor = None
 
-    def forward_step(data_iterator, module):
+            def set_input_tensor(self, tensor):
+                self.input_tensor = tensor[0] if isinstance(tensor, list) else tensor
+
+            def forward(self, x):
+                return self.layers(x if self.input_tensor is None else self.input_tensor)
+
+        torch.manual_seed(self.stage)
+        self.model = Stage()
+        self.fb = get_forward_backward_func()
+        self._torch = torch
+        self.inputs: list = []
+
+    @staticmethod
+    def _forward_step(data_iterator, module):
         out = module(next(data_iterator))
 
         def loss_func(output):
@@ -177,23 +182,41 @@ def scenario_pipeline(out: Path, steps: int, microbatches: list[int]) -> dict[st
 
         return out, loss_func
 
-    result: dict[str, Any] = {"stage": stage, "bubble": {}, "theory": {}}
+    def step(self, microbatches: int) -> None:
+        while len(self.inputs) < microbatches:  # made once, outside the timed steps, and reused
+            self.inputs.append(self._torch.randn(self.seq, self.micro, self.hidden))
+        data = iter(self.inputs[:microbatches])
+        self.fb(forward_step_func=self._forward_step, data_iterator=data, model=[self.model],
+                num_microbatches=microbatches, seq_length=self.seq, micro_batch_size=self.micro, forward_only=False)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        dist.barrier()
+        parallel_state.destroy_model_parallel()
+
+
+def scenario_pipeline(out: Path, steps: int, microbatches: list[int]) -> dict[str, Any]:
+    """Megatron-core's 1F1B schedule over 2 stages; returns each configuration's measured bubble share."""
+    from profiling.collector import StepCollector
+
+    job = _PipelineJob()
+    result: dict[str, Any] = {"stage": job.stage, "bubble": {}, "theory": {}}
     for m in microbatches:
-        ctx = make_ctx(out / f"m{m}", world, {"communication": False, "warmup_steps": 1, "summary_interval": steps},
-                       pipeline=world, micro=micro, global_batch=micro * m)
-        collector = StepCollector.for_rank(ctx, pp_rank=stage, dp_rank=0)
-        data = iter([torch.randn(seq, micro, hidden) for _ in range(steps * m)])
+        ctx = make_ctx(out / f"m{m}", job.world, {"communication": False, "warmup_steps": 1,
+                                                  "summary_interval": steps},
+                       pipeline=job.world, micro=job.micro, global_batch=job.micro * m)
+        collector = StepCollector.for_rank(ctx, pp_rank=job.stage, dp_rank=0)
         for step in range(1, steps + 1):
             collector.start_step(step)
-            fb(forward_step_func=forward_step, data_iterator=data, model=[model], num_microbatches=m,
-               seq_length=seq, micro_batch_size=micro, forward_only=False)
+            job.step(m)
             collector.end_step(step)
         collector.close()
         summary = collector.summary_dict()
         result["bubble"][m] = summary["bubble_share"]
         result["theory"][m] = ctx.layout.bubble_fraction
-    dist.barrier()
-    parallel_state.destroy_model_parallel()
+    job.close()
     return result
 
 
@@ -205,33 +228,43 @@ BENCH_CONFIGS = {
 }
 
 
-def scenario_bench(out: Path, steps: int, rounds: int) -> dict[str, Any]:
-    """Median step time (taken here, outside the collector) of the same job under each configuration."""
+def scenario_bench(out: Path, steps: int, rounds: int, pipeline: bool = False) -> dict[str, Any]:
+    """Median step time (taken here, outside the collector) of the same job under each configuration: the
+    data-parallel MLP, or (``pipeline``) the 1F1B pipeline with its p2p traced on every step for the bubble."""
     from profiling.collector import StepCollector
 
     world = int(os.environ["WORLD_SIZE"])
-    job = _DPJob(extra_collectives=False, rows=512)  # ~10-50 ms steps here: small, but not launch-bound
+    microbatches = 4
+    if pipeline:
+        pipe = _PipelineJob()
+        run_step, pp_rank, dp_rank = (lambda: pipe.step(microbatches)), pipe.stage, 0
+        shape = {"pipeline": world, "micro": pipe.micro, "global_batch": pipe.micro * microbatches}
+    else:
+        job = _DPJob(extra_collectives=False, rows=512)  # ~10-50 ms steps here: small, but not launch-bound
+        run_step, pp_rank, dp_rank, shape = job.step, 0, int(os.environ["RANK"]), {}
     times: dict[str, list[float]] = {name: [] for name in BENCH_CONFIGS}
     inside: dict[str, list[float]] = {name: [] for name in BENCH_CONFIGS}  # time in start_step + end_step
     for _ in range(3):  # warm the allocator and gloo
-        job.step()
+        run_step()
     names = list(BENCH_CONFIGS)
     for rnd in range(rounds):
         for name in names[rnd % 3:] + names[:rnd % 3]:  # rotate the order: no configuration always runs first
             profiling = BENCH_CONFIGS[name]
-            ctx = make_ctx(out / f"{name}-{rnd}", world, {**profiling, "summary_interval": 10 ** 6})
-            collector = StepCollector.for_rank(ctx, dp_rank=ctx.rank)
+            ctx = make_ctx(out / f"{name}-{rnd}", world, {**profiling, "summary_interval": 10 ** 6}, **shape)
+            collector = StepCollector.for_rank(ctx, pp_rank=pp_rank, dp_rank=dp_rank)
             for step in range(1, steps + 1):
                 t0 = time.perf_counter()
                 collector.start_step(step)
                 t1 = time.perf_counter()
-                job.step()
+                run_step()
                 t2 = time.perf_counter()
                 collector.end_step(step, loss=None)
                 t3 = time.perf_counter()
                 times[name].append(t3 - t0)
                 inside[name].append((t1 - t0) + (t3 - t2))
             collector.close()
+    if pipeline:
+        pipe.close()
     medians = {name: statistics.median(v) for name, v in times.items()}
     # The collector's own host time per step is robust to a noisy machine; the step-time ratio is the end-to-end view.
     return {"median_step_s": medians, "steps_per_config": len(times["off"]),
@@ -242,7 +275,7 @@ def scenario_bench(out: Path, steps: int, rounds: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpc_tools.testing.workload", description=__doc__)
-    parser.add_argument("scenario", choices=("comm", "pipeline", "bench"))
+    parser.add_argument("scenario", choices=("comm", "pipeline", "bench", "bench_pipeline"))
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--interval", type=int, default=2, help="comm: communication_sample_interval")
@@ -262,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.scenario == "pipeline":
             result = scenario_pipeline(args.out, args.steps, args.microbatches)
         else:
-            result = scenario_bench(args.out, args.steps, args.rounds)
+            result = scenario_bench(args.out, args.steps, args.rounds, pipeline=args.scenario == "bench_pipeline")
         dist.barrier()
     finally:
         dist.destroy_process_group()

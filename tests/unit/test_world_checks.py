@@ -150,3 +150,21 @@ def test_submit_refuses_a_missing_path_before_writing_anything(tmp_path):
     lines = (out.stdout + out.stderr).strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and "data.paths[0]=" in lines[0] and "does not exist" in lines[0]
     assert not (tmp_path / "runs").exists()
+
+
+def test_init_from_hf_folder_of_another_shape_is_caught_before_queueing(tmp_path, monkeypatch):
+    from hpc_tools.hf.mapping import hf_config_fields
+
+    monkeypatch.chdir(tmp_path)
+    r = recipe("backend.kind=megatron", "checkpoint.init_from_hf=hf")
+    (tmp_path / "hf").mkdir()
+    config = hf_config_fields(r.model)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert not [v for v in path_violations(r) if v.path == "checkpoint.init_from_hf"]
+    key = "n_layer" if config["model_type"] == "gpt2" else "num_hidden_layers"
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, key: 3}))
+    got = [str(v) for v in path_violations(r) if v.path == "checkpoint.init_from_hf"]
+    assert len(got) == 1 and f"{key}=3" in got[0] and "model.num_layers=2" in got[0], got
+    (tmp_path / "hf" / "config.json").write_text("{not json")
+    got = [str(v) for v in path_violations(r) if v.path == "checkpoint.init_from_hf"]
+    assert len(got) == 1 and "not readable JSON" in got[0], got

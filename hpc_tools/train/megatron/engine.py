@@ -130,8 +130,9 @@ class Engine:
             model=self.chunks if len(self.chunks) > 1 else self.chunks[0], num_microbatches=len(batches),
             seq_length=self.recipe.model.seq_length, micro_batch_size=self.layout.micro_batch_size,
             forward_only=False)
-        loss = self._global_loss(losses)
-        if self._nonfinite(loss):
+        # One host read for both: the loss and the all-reduced non-finite flag come back together.
+        loss, bad = torch.cat([self._global_loss_tensor(losses), self._nonfinite_flag(losses)]).tolist()
+        if bad > 0:
             # Skipped before the optimizer sees the gradients: no update, no Adam step, the weights stay finite.
             self.skipped_steps += 1
             return StepResult(loss=loss, grad_norm=None, lr=lr, skipped=True, nonfinite=True)
@@ -142,8 +143,9 @@ class Engine:
         return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, skipped=not ok,
                           nonfinite=grad_norm is not None and not math.isfinite(grad_norm))
 
-    def _nonfinite(self, loss: float) -> bool:
-        """Whether any rank saw a non-finite loss or gradient this step (all-reduced: the same answer everywhere).
+    def _nonfinite_flag(self, losses: list[dict]):
+        """1.0 when any rank saw a non-finite loss or gradient this step, else 0.0: a one-element tensor on the
+        device, all-reduced (the same everywhere), read by the caller together with the loss.
 
         The gradients are checked in this rank's grad buffers after the data-parallel reduction. With fp16,
         Megatron's own check (the loss scaler's found_inf, all-reduced by the optimizer) handles gradient overflow:
@@ -152,14 +154,15 @@ class Engine:
         import torch
 
         bad = torch.zeros(1, dtype=torch.float32, device=self.device)
-        if not math.isfinite(loss):
-            bad += 1.0
-        elif self.recipe.training.precision != "fp16":
+        own = [d["lm loss"].float().reshape(1) for d in losses]  # this rank's microbatch losses (last stage)
+        if own:
+            bad += (~torch.isfinite(torch.cat(own)).all()).float()
+        if self.recipe.training.precision != "fp16":
             sums = [t.sum(dtype=torch.float32) for t in self._grad_tensors()]
-            if sums:  # a sum is inf/nan when an element is (no buffer-sized temporary, one host sync below)
+            if sums:  # a sum is inf/nan when an element is (no buffer-sized temporary, no host sync)
                 bad += (~torch.isfinite(torch.stack(sums)).all()).float()
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-        return bad.item() > 0
+        return bad
 
     def _grad_tensors(self) -> list:
         """This rank's gradients: megatron DDP's contiguous grad buffers, else each parameter's gradient."""
@@ -201,8 +204,13 @@ class Engine:
         return output, loss_func
 
     def _global_loss(self, losses: list[dict]) -> float:
+        """``_global_loss_tensor`` read to the host."""
+        return float(self._global_loss_tensor(losses))
+
+    def _global_loss_tensor(self, losses: list[dict]):
         """Mean over microbatches and data-parallel ranks, computed on the last stage (the same on every layout) and
-        broadcast along the pipeline, so every rank's record and rank 0's progress line carry the loss."""
+        broadcast along the pipeline, so every rank's record and rank 0's progress line carry the loss: a
+        one-element tensor on the device."""
         import torch
         from megatron.core import parallel_state as ps
 
@@ -215,7 +223,7 @@ class Engine:
         if self.layout.pipeline_size > 1:
             torch.distributed.broadcast(loss, src=ps.get_pipeline_model_parallel_last_rank(),
                                         group=ps.get_pipeline_model_parallel_group())
-        return float(loss)
+        return loss
 
     def evaluate(self, batches: list[list[dict[str, Any]]]) -> float:
         """Validation loss: forward only (eval mode, no grad) over each entry of ``batches`` (one global batch's
