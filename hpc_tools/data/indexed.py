@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
+from hpc_tools.data.prepare import bin_path, idx_path
 from hpc_tools.errors import UserError
 
 if TYPE_CHECKING:
@@ -47,18 +48,10 @@ float32, uint16)."""
 SPLIT_NAMES = ("train", "valid", "test")
 
 
-def _bin(prefix: str) -> Path:
-    return Path(prefix + ".bin")
-
-
-def _idx(prefix: str) -> Path:
-    return Path(prefix + ".idx")
-
-
 def idx_summary(prefix: str, where: str) -> dict:
     """Header facts of ``PREFIX.idx`` (sequences, documents, item size, the token count its pointers imply) after
     checking that ``PREFIX.bin`` holds exactly those bytes. O(1): two small reads."""
-    idx, binary = _idx(prefix), _bin(prefix)
+    idx, binary = idx_path(prefix), bin_path(prefix)
     for path in (binary, idx):
         if not path.is_file():
             raise UserError(f"{where}={prefix}: {path} does not exist (give the prefix of a prepared dataset: "
@@ -121,8 +114,8 @@ def split_sample_counts(prefix: str, summary: dict, shares: list[float], seq_len
     n = summary["sequences"]
     if n == 0:
         return [0, 0, 0]
-    lengths = np.memmap(_idx(prefix), dtype=np.int32, mode="r", offset=34, shape=(n,))
-    pointers = np.memmap(_idx(prefix), dtype=np.int64, mode="r", offset=34 + 4 * n, shape=(n,))
+    lengths = np.memmap(idx_path(prefix), dtype=np.int32, mode="r", offset=34, shape=(n,))
+    pointers = np.memmap(idx_path(prefix), dtype=np.int64, mode="r", offset=34 + 4 * n, shape=(n,))
     matrix = convert_split_vector_to_split_matrix(shares)  # megatron's own book-ends and rounding
     counts = []
     for k in range(3):
@@ -144,7 +137,7 @@ def cache_folder(recipe: "Recipe") -> Path:
     base = Path(data.cache_dir).expanduser() if data.cache_dir else Path(data.blend[0].path).parent / "cache"
     ident = hashlib.sha256()
     for entry in data.blend:
-        for path in (_bin(entry.path), _idx(entry.path)):
+        for path in (bin_path(entry.path), idx_path(entry.path)):
             st = path.stat()
             ident.update(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns};".encode())
     return base / ident.hexdigest()[:16]

@@ -99,7 +99,7 @@ def plan_outputs(raw_inputs: Sequence[str], out: str, text_field: str, overwrite
                             "(rename one, or prepare them into different --out folders)")
         seen[item.stem] = raw
         prefix = out_dir / item.stem
-        taken = [p for p in (_bin(prefix), _idx(prefix)) if p.exists()]
+        taken = [p for p in (bin_path(prefix), idx_path(prefix)) if p.exists()]
         if taken and not overwrite:
             raise UserError(f"{taken[0]} already exists (pass --overwrite to replace it, or choose another --out)")
         planned.append((item, prefix))
@@ -136,7 +136,7 @@ def prepare(raw_inputs: Sequence[str], out: str, *, tokenizer: str = "byte", tex
         dtype = token_dtype(tok.vocab_size)
         for item, prefix in planned:
             tmp = out_dir / f".{prefix.name}.partial-{os.getpid()}"
-            temporaries += [_bin(tmp), _idx(tmp), _meta(tmp)]
+            temporaries += [bin_path(tmp), idx_path(tmp), _meta(tmp)]
             done.append(_write_one(item, prefix, tmp, dtype, tok, tokenizer, pool, workers, batch_docs, log))
     except BaseException:
         for path in temporaries:
@@ -158,7 +158,7 @@ def _write_one(item: Input, prefix: Path, tmp: Path, dtype, tok, spec: str, pool
 
     t0 = last = time.perf_counter()
     documents = tokens = 0
-    builder = IndexedDatasetBuilder(str(_bin(tmp)), dtype=dtype)
+    builder = IndexedDatasetBuilder(str(bin_path(tmp)), dtype=dtype)
     batches = item.chunks(batch_docs)
     results = _bounded_imap(pool, batches, 2 * workers) if pool is not None else map(encode_batch, batches)
     for flat, lengths in results:
@@ -174,12 +174,12 @@ def _write_one(item: Input, prefix: Path, tmp: Path, dtype, tok, spec: str, pool
     if documents == 0:
         raise UserError(f"input {item.path} holds no non-empty documents (field {item.text_field}) "
                         "(check the file and --text-field)")
-    builder.finalize(str(_idx(tmp)))
+    builder.finalize(str(idx_path(tmp)))
     meta = {"format": "megatron-indexed", "input": str(item.path), "tokenizer": spec, "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id, "dtype": np.dtype(dtype).name, "documents": documents, "tokens": tokens}
     _meta(tmp).write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(_bin(tmp), _bin(prefix))  # .bin first: a reader needs the .idx, which comes last
-    os.replace(_idx(tmp), _idx(prefix))
+    os.replace(bin_path(tmp), bin_path(prefix))  # .bin first: a reader needs the .idx, which comes last
+    os.replace(idx_path(tmp), idx_path(prefix))
     os.replace(_meta(tmp), _meta(prefix))
     return Prepared(str(item.path), str(prefix), documents, tokens, time.perf_counter() - t0)
 
@@ -204,11 +204,15 @@ def read_meta(prefix: str | Path) -> dict | None:
         return None
 
 
-def _bin(prefix: Path) -> Path:
+def bin_path(prefix: str | Path) -> Path:
+    """``PREFIX.bin``, a prepared dataset's tokens (this module names a dataset's files; the readers ask it)."""
+    prefix = Path(prefix)
     return prefix.with_name(prefix.name + ".bin")
 
 
-def _idx(prefix: Path) -> Path:
+def idx_path(prefix: str | Path) -> Path:
+    """``PREFIX.idx``, a prepared dataset's index."""
+    prefix = Path(prefix)
     return prefix.with_name(prefix.name + ".idx")
 
 

@@ -197,9 +197,12 @@ def path_violations(recipe: Recipe) -> list[Violation]:
 
 def indexed_violations(recipe: Recipe) -> list[Violation]:
     """``data.blend`` prefixes whose ``PREFIX.bin`` / ``PREFIX.idx`` pair is incomplete here."""
+    from hpc_tools.data.prepare import bin_path, idx_path
+
     found = []
     for i, entry in enumerate(recipe.data.blend):
-        missing = [suffix for suffix in (".bin", ".idx") if not _path(entry.path + suffix).is_file()]
+        files = {".bin": bin_path(_path(entry.path)), ".idx": idx_path(_path(entry.path))}
+        missing = [suffix for suffix, path in files.items() if not path.is_file()]
         if missing:
             found.append(Violation(f"data.blend[{i}].path", entry.path, f"has no {' or '.join(missing)} file",
                                    "prepare it (python -m hpc_tools data prepare) or fix the prefix (PREFIX.bin and "
