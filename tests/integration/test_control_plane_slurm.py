@@ -81,10 +81,10 @@ def test_status_logs_and_cancel_on_a_real_job(slurm, runs_dir):
         follower = subprocess.Popen([sys.executable, "-m", "hpc_tools", "logs", job["job_id"], "-f", "--runs-dir",
                                      str(runs_dir)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True)
-        # sacct can lag the job's own start by a poll or two
+        # sacct can lag the job's own start by a poll or two, and records reach the file at the first flush (2 s)
         status = wait_for(lambda: (s := json.loads(run_cli("status", run.run_id, "--json", "--runs-dir",
-                                                            str(runs_dir)).stdout))["slurm_state"] == "RUNNING" and s,
-                          timeout_s=60)
+                                                            str(runs_dir)).stdout))["slurm_state"] == "RUNNING"
+                          and s.get("last_step") and s, timeout_s=60)
         assert status["state"] == "RUNNING" and status["last_step"]["step"] >= 1
         logs = run_cli("logs", run.run_id, "--runs-dir", str(runs_dir))
         assert "rendezvous ok: 2 ranks" in logs.stdout
