@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from profiling import stragglers as straggler_rules
+from profiling.records import is_constant
 from profiling.schema import fields
 
 # The record fields the figures read; every one but step and step_time_s is optional. val_loss (schema version 2) is
@@ -108,7 +109,8 @@ def warmup_mask(steps: np.ndarray, restart: np.ndarray | None, warmup: int) -> n
     ``warmup`` steps after the first step its start (its ``restart`` value) recorded."""
     if steps.size == 0:
         return np.zeros(0, dtype=bool)
-    one_start = restart is None or restart.min() == restart.max()  # the common case (a NaN makes them differ)
+    # the common case (a NaN makes min and max differ)
+    one_start = restart is None or is_constant(restart) or restart.min() == restart.max()
     if not one_start:
         restart = np.nan_to_num(restart, nan=0.0)
         one_start = bool(np.all(restart == restart[0]))
@@ -128,15 +130,54 @@ def keep_last(steps: np.ndarray) -> np.ndarray | None:
     return np.sort(steps.size - 1 - first_in_rev)
 
 
-def prepare_rank(cols: dict[str, np.ndarray], warmup: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def prepare_rank(cols: dict[str, np.ndarray], warmup: int, layout: StepLayout | None = None
+                 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """One rank's columns with the requeue rule applied (last record of a step wins), and the mask of its measured
-    (not warm-up) records."""
-    warm = warmup_mask(cols["step"], cols.get("restart"), warmup)
-    keep = keep_last(cols["step"])
-    if keep is not None:
-        cols = {k: v[keep] for k, v in cols.items()}
-        warm = warm[keep]
-    return cols, ~warm
+    (not warm-up) records. ``layout``: the rank's ``StepLayout`` when the caller has it (else it is worked out)."""
+    layout = layout or StepLayout.of(cols["step"], cols.get("restart"), warmup)
+    if layout.keep is not None:
+        cols = {k: v[layout.keep] for k, v in cols.items()}
+    return cols, layout.measured
+
+
+@dataclass
+class StepLayout:
+    """What one rank's ``step`` and ``restart`` columns decide, whatever its other columns hold: which records count
+    (the requeue rule), which are warm-up, and where its steps go in per-step arrays. The ranks of a run mostly record
+    the same steps in the same starts, so ``RunReducer`` works it out once and reuses it while they do."""
+
+    step: np.ndarray  # the step column it was worked out from (as read)
+    restart: np.ndarray | None
+    warmup: int
+    keep: np.ndarray | None  # ``keep_last``
+    measured: np.ndarray  # mask over the kept records
+    steps: np.ndarray  # the kept records' steps, int64, unique
+    at: np.ndarray | slice  # ``step_index(steps)``
+    size: int  # the last step + 1
+    warm_steps: np.ndarray  # the kept warm-up records' steps
+    measured_sel: np.ndarray | slice  # ``selector(measured)``
+
+    @classmethod
+    def of(cls, step: np.ndarray, restart: np.ndarray | None, warmup: int) -> StepLayout:
+        warm = warmup_mask(step, restart, warmup)
+        keep = keep_last(step)
+        steps = (step if keep is None else step[keep]).astype(np.int64)
+        if keep is not None:
+            warm = warm[keep]
+        at = step_index(steps, increasing=keep is None or None)
+        return cls(step=step, restart=restart, warmup=warmup, keep=keep, measured=~warm, steps=steps, at=at,
+                   size=int(steps[-1] if isinstance(at, slice) else steps.max()) + 1, warm_steps=steps[warm],
+                   measured_sel=selector(~warm))
+
+    def fits(self, step: np.ndarray, restart: np.ndarray | None, warmup: int) -> bool:
+        """True when a rank with these columns has this layout (the same steps in the same starts)."""
+        if warmup != self.warmup or step.size != self.step.size or not np.array_equal(step, self.step):
+            return False
+        if restart is None or self.restart is None:
+            return restart is None and self.restart is None
+        if is_constant(restart) and is_constant(self.restart):
+            return bool(restart[0] == self.restart[0])
+        return bool(np.array_equal(restart, self.restart, equal_nan=True))
 
 
 # --- per rank ---------------------------------------------------------------------------------------------------------
@@ -183,16 +224,21 @@ def _share(cols: dict[str, np.ndarray], name: str, step_time: np.ndarray) -> flo
     part = cols.get(name)
     if part is None:
         return None
-    ok = ~np.isnan(part)
-    if ok.all():  # recorded on every step (data time): the same sums without the masked copies
+    whole = part.sum()
+    if not np.isnan(whole):  # recorded on every step (data time): a NaN anywhere makes the sum NaN
         total = step_time.sum()
-        return float(part.sum() / total) if ok.size and total > 0 else None
+        return float(whole / total) if part.size and total > 0 else None
+    ok = ~np.isnan(part)
     total = step_time[ok].sum()
     return float(part[ok].sum() / total) if ok.any() and total > 0 else None
 
 
 def _peak(values: np.ndarray | None) -> float | None:
-    if values is None or values.size == 0 or np.all(np.isnan(values)):
+    if values is None or values.size == 0:
+        return None
+    if is_constant(values):
+        return None if np.isnan(values[0]) else float(values[0])
+    if np.all(np.isnan(values)):
         return None
     return float(np.nanmax(values))
 
@@ -235,7 +281,7 @@ def selector(mask: np.ndarray) -> np.ndarray | slice:
     return slice(first, first + count) if count == 0 or mask[first:first + count].all() else mask
 
 
-def rank_figures(rank: int, cols: dict[str, np.ndarray], measured: np.ndarray) -> RankFigures | None:
+def rank_figures(rank: int, cols: dict[str, np.ndarray], measured: np.ndarray | slice) -> RankFigures | None:
     """One rank's figures from its prepared columns (``prepare_rank``); None when it has no measured step."""
     measured = selector(measured)
     st = cols["step_time_s"][measured]
@@ -292,10 +338,11 @@ def bubble_share_theory(bubble_fraction: float | None) -> float | None:
     return None if bubble_fraction is None else bubble_fraction / (1 + bubble_fraction)
 
 
-def step_index(steps: np.ndarray) -> np.ndarray | slice:
-    """``steps`` (unique, int) as a slice when they are one contiguous increasing range, else the array itself."""
+def step_index(steps: np.ndarray, increasing: bool | None = None) -> np.ndarray | slice:
+    """``steps`` (unique, int) as a slice when they are one contiguous increasing range, else the array itself.
+    ``increasing``: the caller knows they are strictly increasing (then the first and last step decide)."""
     first, last = int(steps[0]), int(steps[-1])
-    if last - first + 1 == steps.size and (steps.size < 2 or bool(np.all(np.diff(steps) == 1))):
+    if last - first + 1 == steps.size and (increasing or steps.size < 2 or bool(np.all(np.diff(steps) == 1))):
         return slice(first, last + 1)
     return steps
 
@@ -303,11 +350,12 @@ def step_index(steps: np.ndarray) -> np.ndarray | slice:
 def _add_mean_terms(total: np.ndarray, count: np.ndarray, n: int, steps: np.ndarray, at: np.ndarray | slice,
                     values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Add one rank's per-step values (NaN: not reported) to a per-step sum and count of reporting ranks."""
-    ok = ~np.isnan(values)
-    if not ok.any():
+    complete = not np.isnan(values.sum())  # no NaN: one pass instead of a mask (the training loss of the last stage)
+    ok = None if complete else ~np.isnan(values)
+    if ok is not None and not ok.any():
         return total, count
     total, count = _grow(total, n, 0.0), _grow(count, n, 0.0)
-    if ok.all():
+    if complete:
         total[at] += values
         count[at] += 1.0
     else:
@@ -327,6 +375,10 @@ def _grow(arr: np.ndarray, size: int, fill: float | bool) -> np.ndarray:
 def _median_or_none(values: np.ndarray | None) -> float | None:
     if values is None:
         return None
+    if is_constant(values):
+        return None if np.isnan(values[0]) else float(values[0])
+    if values.size and values.min() == values.max():  # one value, no NaN (a NaN makes the min NaN, never equal)
+        return float(values[0])
     values = values[~np.isnan(values)]
     if values.size and values.min() == values.max():  # a per-job constant (tokens, FLOPs): no partition needed
         return float(values[0])
@@ -341,6 +393,14 @@ def _max_or_none(values: list[float | None]) -> float | None:
 def _mean_or_none(values: list[float | None]) -> float | None:
     values = [v for v in values if v is not None]
     return float(np.mean(values)) if values else None
+
+
+class Prepared(NamedTuple):
+    """One rank as ``RunReducer.add_rank`` folded it in."""
+
+    cols: dict[str, np.ndarray]  # ``prepare_rank``'s columns
+    measured: np.ndarray  # mask of the measured records
+    layout: StepLayout
 
 
 class RunReducer:
@@ -368,24 +428,28 @@ class RunReducer:
         self._hw_flops: list[float | None] = []
         self._peaks: list[float | None] = []
         self._mem: list[tuple[float | None, float | None, float | None]] = []
+        self._layout: StepLayout | None = None  # the last rank's, reused while the ranks record the same steps
 
-    def add_rank(self, rank: int, cols: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
-        """Fold one rank's columns (``profiling.records.read_columns(path, COLUMNS)``) in; returns its prepared columns
-        and measured mask (for callers that bin them further), or None for a file without step records."""
+    def add_rank(self, rank: int, cols: dict[str, np.ndarray]) -> Prepared | None:
+        """Fold one rank's columns (``profiling.records.read_columns(path, COLUMNS)``) in; returns its prepared columns,
+        measured mask and step layout (for callers that bin them further), or None for a file without step records."""
         if any(c not in cols for c in REQUIRED) or cols["step"].size == 0:
             return None
         self.files += 1
-        cols, measured = prepare_rank(cols, self.warmup)
-        steps = cols["step"].astype(np.int64)
-        n = int(max(steps.max(), self.max_step or 0)) + 1
+        layout = self._layout
+        if layout is None or not layout.fits(cols["step"], cols.get("restart"), self.warmup):
+            layout = self._layout = StepLayout.of(cols["step"], cols.get("restart"), self.warmup)
+        cols, measured = prepare_rank(cols, self.warmup, layout)
+        steps = layout.steps
+        n = max(layout.size, (self.max_step or 0) + 1)
         self.step_time_max_s = _grow(self.step_time_max_s, n, np.nan)
         self.step_warmup = _grow(self.step_warmup, n, False)
         # Steps are unique after keep_last: plain indexing is exact, and a slice where they are one contiguous range
         # (the common case) updates in place without the gather and scatter of fancy indexing.
-        at = step_index(steps)
+        at = layout.at
         self.step_time_max_s[at] = np.fmax(self.step_time_max_s[at], cols["step_time_s"])
-        if not measured.all():
-            self.step_warmup[steps[~measured]] = True
+        if layout.warm_steps.size:
+            self.step_warmup[layout.warm_steps] = True
         loss = cols.get("loss")
         if loss is not None:
             self.loss_sum, self.loss_count = _add_mean_terms(self.loss_sum, self.loss_count, n, steps, at, loss)
@@ -393,11 +457,11 @@ class RunReducer:
         if val is not None:
             self.val_loss_sum, self.val_loss_count = _add_mean_terms(self.val_loss_sum, self.val_loss_count, n, steps,
                                                                      at, val)
-        figures = rank_figures(rank, cols, measured)
+        measured_sel = layout.measured_sel  # a view where it can be: the columns below are selected without copies
+        figures = rank_figures(rank, cols, measured_sel)
         if figures is not None:
             self.ranks.append(figures)
-            self.straggler_sample.add_rank(rank, figures.pp_rank, cols, measured)
-        measured_sel = selector(measured)  # a view where it can be: the columns below are selected without copies
+            self.straggler_sample.add_rank(rank, figures.pp_rank, cols, measured_sel)
         self._tokens.append(_median_or_none(cols["tokens"][measured_sel] if "tokens" in cols else None))
         self._flops.append(_median_or_none(cols["model_flops"][measured_sel] if "model_flops" in cols else None))
         self._hw_flops.append(_median_or_none(cols["hardware_flops"][measured_sel] if "hardware_flops" in cols
@@ -411,7 +475,7 @@ class RunReducer:
         else:
             self._mem.append(tuple(_peak(cols.get(c)) for c in ("mem_allocated_max_bytes", "mem_reserved_max_bytes",
                                                                   "rss_bytes")))
-        return cols, measured
+        return Prepared(cols, measured, layout)
 
     def measured_step_times(self) -> np.ndarray:
         """The slowest rank's time of every measured step, in step order."""

@@ -246,18 +246,25 @@ def _anchors(events: dict[int, list[dict[str, Any]]], manifest: dict[str, Any],
 def _productive_and_lost(cols: dict[str, np.ndarray], life_of_step: np.ndarray, lives: list[Life]) -> None:
     """Final records are productive; a record whose step a later life recorded again is lost work."""
     steps, st = cols["step"], cols["step_time_s"]
+    life = np.asarray(life_of_step, dtype=np.int64)
+    if steps.size == 0:
+        return
     # The last life that recorded each step: its record is the one that counts.
-    last_life: dict[float, int] = {}
-    for s, k in zip(steps.tolist(), life_of_step.tolist()):
-        last_life[s] = max(last_life.get(s, -1), k)
-    for s, k, t in zip(steps.tolist(), life_of_step.tolist(), st.tolist()):
-        if k < 0:
-            continue
-        if last_life[s] > k:
-            lives[k].lost_work_s += t
-            lives[k].recomputed_steps += 1
-        else:
-            lives[k].productive_s += t
+    _, which = np.unique(steps, return_inverse=True)
+    last_life = np.full(int(which.max()) + 1, -1, dtype=np.int64)
+    np.maximum.at(last_life, which, life)
+    counted = life >= 0
+    lost = counted & (last_life[which] > life)
+    n = len(lives)
+    # Per life, summed in record order (bincount adds its weights in order, as a loop over the records would).
+    lost_s = np.bincount(life[lost], weights=st[lost], minlength=n)
+    recomputed = np.bincount(life[lost], minlength=n)
+    kept = counted & ~lost
+    productive_s = np.bincount(life[kept], weights=st[kept], minlength=n)
+    for k, item in enumerate(lives):
+        item.lost_work_s += float(lost_s[k])
+        item.recomputed_steps += int(recomputed[k])
+        item.productive_s += float(productive_s[k])
 
 
 def total(goodputs: list[Goodput]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ goodput) finds and reads them through here.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -193,48 +194,124 @@ def _jsonl_columns(path: Path, columns: list[str]) -> dict[str, "np.ndarray"]:
 
 
 def _parquet_columns(path: Path, columns: list[str]) -> dict[str, "np.ndarray"]:
-    """One parquet rank file's wanted columns (projection: the others are never decoded)."""
-    import pyarrow.parquet as pq
+    """One parquet rank file's wanted columns (projection: the others are never decoded). The footer's statistics
+    answer two kinds of column without decoding them: one holding only nulls (left out, as ``_table_columns`` would)
+    and an integer one holding one value (restart, pp_rank, tokens of most runs: a read-only stride-0 view of it,
+    ``is_constant``).
 
-    pf = pq.ParquetFile(path)
-    present = set(pf.schema_arrow.names)
-    table = pf.read(columns=[c for c in columns if c in present], use_threads=True)
-    return _batch_columns(table.to_batches() or [], columns) if table.num_rows else {}
+    Reads through ``pyarrow.parquet.ParquetReader`` (what ``ParquetFile`` wraps, without its per-file Python set-up):
+    the analysis reads thousands of files from threads, and the Python work per file, which holds the GIL, is what
+    limits it on few cores."""
+    import numpy as np
+    from pyarrow.parquet import ParquetReader
+
+    reader = ParquetReader()
+    reader.open(str(path))
+    try:
+        meta = reader.metadata
+        if meta.num_rows == 0:
+            return {}
+        groups = [meta.row_group(g) for g in range(meta.num_row_groups)]
+        known: dict[str, Any] = {}  # column -> None (only nulls) or its one value
+        decode: dict[str, int] = {}  # column -> its index in the file
+        for c in columns:
+            try:
+                i = reader.column_name_idx(c)
+            except KeyError:  # a file of an older schema
+                continue
+            found = _chunk_facts(groups, i, c)
+            if found is _UNKNOWN:
+                decode[c] = i
+            else:
+                known[c] = found
+        out = _table_columns(reader.read_all(column_indices=list(decode.values()), use_threads=False)) if decode else {}
+    finally:
+        reader.close()
+    for c, value in known.items():
+        if value is not None:  # one value, no copies of it: a read-only view with stride 0 (``is_constant``)
+            out[c] = np.broadcast_to(np.float64(value), (meta.num_rows,))
+    return {c: out[c] for c in columns if c in out}  # the caller's column order
 
 
-def _batch_columns(batches: list, columns: list[str]) -> dict[str, "np.ndarray"]:
-    """One file's record batches as float64 arrays; all-null columns left out (the figures read them as absent)."""
+def is_constant(values: "np.ndarray") -> bool:
+    """True for a column the reader knows holds one value (``_parquet_columns`` gives it as a stride-0 view): its
+    reductions are its first value, without a pass over it."""
+    return values.ndim == 1 and values.size > 1 and values.strides[0] == 0
+
+
+_UNKNOWN = object()
+_INTEGER = ("INT32", "INT64")
+
+
+def _chunk_facts(groups: list, i: int, name: str) -> Any:
+    """What column ``i`` (``name``)'s statistics prove in every row group (``groups``: the file's row-group metadata):
+    None (only nulls), the one integer value it holds, or ``_UNKNOWN`` (decode it). Float statistics are never taken
+    for a value: they skip NaN."""
+    value = _UNKNOWN
+    for g, group in enumerate(groups):
+        chunk = group.column(i)
+        stats = chunk.statistics
+        if stats is None or not stats.has_null_count or chunk.path_in_schema != name:  # (a flat column, as written)
+            return _UNKNOWN
+        nulls = stats.null_count
+        if nulls == chunk.num_values:
+            here = None
+        elif nulls == 0 and chunk.physical_type in _INTEGER and stats.has_min_max and stats.min == stats.max:
+            here = stats.min
+        else:
+            return _UNKNOWN
+        if g and here != value:
+            return _UNKNOWN
+        value = here
+    return value
+
+
+def _table_columns(table) -> dict[str, "np.ndarray"]:
+    """A table's columns as float64 arrays; all-null columns left out (the figures read them as absent)."""
     import numpy as np
 
     out = {}
-    index = {name: i for i, name in enumerate(batches[0].schema.names)}  # by position: a name lookup costs more
-    for c in columns:
-        i = index.get(c)
-        if i is None:
+    for name, column in zip(table.column_names, table.columns):
+        if column.null_count == len(column):
             continue
-        chunks = [b.column(i) for b in batches]
-        if all(ch.null_count == len(ch) for ch in chunks):
-            continue
-        arrays = [_float64_values(ch) for ch in chunks]
-        out[c] = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        arrays = [_float64_values(chunk) for chunk in column.chunks]
+        out[name] = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
     return out
 
 
 def _float64_values(array) -> "np.ndarray":
-    """A numeric Arrow array as float64, nulls NaN, read from its buffers: ``Array.to_numpy`` imports pandas (a
-    third of a second), which `status` must not pay for a scan of the records."""
+    """A numeric Arrow array as float64, nulls NaN, read from its buffers: ``Array.to_numpy`` (and any Arrow scalar
+    made from a Python float, e.g. for ``fill_null``) imports pandas (a third of a second), which `status` must not
+    pay for a scan of the records. Integers are converted by numpy (Arrow's safe cast checks every value for precision
+    loss first: several times slower)."""
     import numpy as np
     import pyarrow as pa
 
-    if array.type != pa.float64():
+    dtype = _numpy_dtype(str(array.type))
+    if dtype is None:  # e.g. bool: bit-packed
         array = array.cast(pa.float64())
+        dtype = np.dtype(np.float64)
     validity, data = array.buffers()[:2]
-    values = np.frombuffer(data, dtype=np.float64, count=len(array), offset=array.offset * 8)  # read-only view
+    values = np.frombuffer(data, dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
+    converted = dtype != np.float64
+    if converted:
+        values = values.astype(np.float64)
     if array.null_count and validity is not None:
         valid = np.unpackbits(np.frombuffer(validity, dtype=np.uint8), bitorder="little")
-        values = values.copy()  # only a column with nulls is copied, to write its NaNs
+        if not converted:
+            values = values.copy()  # float64 is a read-only view of Arrow's buffer: copied to write its NaNs
         values[valid[array.offset:array.offset + len(array)] == 0] = np.nan
     return values
+
+
+@functools.lru_cache(maxsize=None)
+def _numpy_dtype(arrow_type: str) -> "np.dtype | None":
+    """The numpy dtype whose buffer layout an Arrow numeric type shares (None: not one of them, e.g. bool)."""
+    import numpy as np
+
+    known = {"double": np.float64, "float": np.float32, "int64": np.int64, "int32": np.int32, "int16": np.int16,
+             "int8": np.int8, "uint64": np.uint64, "uint32": np.uint32, "uint16": np.uint16, "uint8": np.uint8}
+    return np.dtype(known[arrow_type]) if arrow_type in known else None
 
 
 def read_comm_rows(records_dir: Path, rank: int) -> list[dict[str, Any]]:

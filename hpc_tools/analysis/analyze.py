@@ -6,7 +6,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pandas as pd
@@ -87,10 +87,29 @@ def planner_prediction(recipe, row: dict | None = None) -> tuple[float | None, f
     return c.predicted_step_s, c.predicted_allocated_bytes
 
 
-def analyse_run(inp: RunInput, warmup: int | None = None) -> tuple[dict, pd.DataFrame, pd.DataFrame, RunRecords]:
-    w = warmup_for(inp, warmup)
+def read_records(inp: RunInput, warmup: int | None = None) -> RunRecords:
+    """A run's records reduced (``read_run``) under its warm-up (``warmup`` overrides the recipe's)."""
     max_step = inp.recipe.training.train_iters if inp.recipe is not None else None
-    rec = read_run(inp.run.records_dir, w, max_step)
+    return read_run(inp.run.records_dir, warmup_for(inp, warmup), max_step)
+
+
+def records_ahead(inputs: list[RunInput], warmup: int | None = None) -> Iterator[RunRecords]:
+    """``read_records`` of each input in turn, the next run read in a background thread while the caller works on
+    this one (its figures, straggler verdict and goodput leave the readers idle otherwise); two runs at most held."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="run-reader") as pool:
+        ahead = pool.submit(read_records, inputs[0], warmup) if inputs else None
+        for i in range(len(inputs)):
+            rec = ahead.result()
+            ahead = pool.submit(read_records, inputs[i + 1], warmup) if i + 1 < len(inputs) else None
+            yield rec
+
+
+def analyse_run(inp: RunInput, warmup: int | None = None, rec: RunRecords | None = None
+                ) -> tuple[dict, pd.DataFrame, pd.DataFrame, RunRecords]:
+    """One run's figures row, rank table and step table (``rec``: its records when already read)."""
+    rec = rec if rec is not None else read_records(inp, warmup)
     rec.reducer.node_of = node_reader(inp.run.records_dir)  # names the node of a straggler
     row = run_metrics(inp, rec)
     ranks = rank_table(rec, inp.run_id)
@@ -108,8 +127,8 @@ def analyse(refs: list[str], warmup: int | None = None, root: str | Path | None 
     """Analyse runs and sweeps; ``scaling`` overrides the sweep's `scaling:` choice (auto/strong/weak/none)."""
     inputs, sweeps = discover(refs, root)
     rows, rank_frames, step_frames, heatmaps, goodputs = [], [], [], {}, []
-    for inp, name in zip(inputs, describe(inputs)):
-        row, ranks, steps, rec = analyse_run(inp, warmup)
+    for inp, name, read in zip(inputs, describe(inputs), records_ahead(inputs, warmup)):
+        row, ranks, steps, rec = analyse_run(inp, warmup, read)
         row.update(short_label=name.label, group=name.group, config_key=name.config_key)
         goodputs.append(run_goodput(inp))
         row.update(goodput=goodputs[-1].goodput, allocation_hours=goodputs[-1].summary()["allocation_hours"])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from profiling.figures import COLUMNS, RankFigures, RunReducer, step_index
+from profiling.figures import COLUMNS, RankFigures, RunReducer, StepLayout
 from profiling.records import iter_rank_columns
 
 HEATMAP_BINS = 100
@@ -34,7 +34,7 @@ class RunRecords:
     heatmap: np.ndarray = field(default_factory=lambda: np.empty((0, 0)))  # ranks x bins, mean step time
     heatmap_edges: np.ndarray = field(default_factory=lambda: np.empty(0))
     heatmap_ranks: list[int] = field(default_factory=list)
-    _bin_cache: tuple | None = field(default=None, repr=False)  # (steps, bin index, counts per bin)
+    _bin_cache: tuple | None = field(default=None, repr=False)  # (steps, bin index, counts, runs per bin)
     # field -> per-step arrays indexed by step number: (sum, count) for "mean", (max, min) for "range"
     timelines: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
@@ -73,20 +73,19 @@ def read_run(records_dir: Path, warmup: int, max_step: int | None = None) -> Run
         prepared = out.reducer.add_rank(rank, cols)
         if prepared is None:
             continue
-        cols, _ = prepared
-        steps = cols["step"].astype(np.int64)
-        heat_rows.append(_heatmap_row(out, steps, cols["step_time_s"], max_step))
+        cols, layout = prepared.cols, prepared.layout
+        heat_rows.append(_heatmap_row(out, layout.steps, cols["step_time_s"], max_step))
         out.heatmap_ranks.append(rank)
-        _add_timelines(out, steps, cols)
+        _add_timelines(out, layout, cols)
     if heat_rows:
         out.heatmap = np.vstack(heat_rows)
     return out
 
 
-def _add_timelines(out: RunRecords, steps: np.ndarray, cols: dict[str, np.ndarray]) -> None:
+def _add_timelines(out: RunRecords, layout: StepLayout, cols: dict[str, np.ndarray]) -> None:
     """Fold one rank's prepared columns (one record per step, NaN where not measured) into the per-step timelines."""
-    size = int(steps.max()) + 1
-    at = step_index(steps)  # a slice for one contiguous range: in-place updates without a gather
+    size = layout.size
+    at = layout.at  # a slice for one contiguous range: in-place updates without a gather
     for name, how in TIMELINES.items():
         values = cols.get(name)
         if values is None:
@@ -113,12 +112,21 @@ def _heatmap_row(out: RunRecords, steps: np.ndarray, step_time: np.ndarray, max_
         out.heatmap_edges = np.linspace(1, last + 1, bins + 1)
     bins = out.heatmap_edges.size - 1
     cached = out._bin_cache
-    if cached is not None and cached[0].size == steps.size and np.array_equal(cached[0], steps):
-        _, idx, counts = cached  # the ranks of a run mostly record the same steps: bin them once
+    if cached is not None and (cached[0] is steps or (cached[0].size == steps.size
+                                                      and np.array_equal(cached[0], steps))):
+        _, idx, counts, runs = cached  # the ranks of a run mostly record the same steps: bin them once
     else:
         idx = np.clip(np.searchsorted(out.heatmap_edges, steps, side="right") - 1, 0, bins - 1)
         counts = np.bincount(idx, minlength=bins)
-        out._bin_cache = (steps, idx, counts)
-    sums = np.bincount(idx, weights=step_time, minlength=bins)
+        runs = None  # steps in order (the common case): each bin's records are one run, summed by one reduceat
+        if idx.size and bool(np.all(idx[1:] >= idx[:-1])):
+            starts = np.flatnonzero(np.concatenate(([True], idx[1:] != idx[:-1])))
+            runs = (starts, idx[starts])
+        out._bin_cache = (steps, idx, counts, runs)
+    if runs is None:
+        sums = np.bincount(idx, weights=step_time, minlength=bins)
+    else:
+        sums = np.zeros(bins)
+        sums[runs[1]] = np.add.reduceat(step_time, runs[0])
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
