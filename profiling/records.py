@@ -256,7 +256,8 @@ def _chunk_facts(groups: list, i: int, name: str) -> Any:
         nulls = stats.null_count
         if nulls == chunk.num_values:
             here = None
-        elif nulls == 0 and chunk.physical_type in _INTEGER and stats.has_min_max and stats.min == stats.max:
+        elif (nulls == 0 and chunk.physical_type in _INTEGER and stats.has_min_max and stats.min == stats.max
+              and type(stats.min) is int):  # a plain integer (not a date or time stored as one)
             here = stats.min
         else:
             return _UNKNOWN
