@@ -117,6 +117,29 @@ def _check_overrides(overrides: Iterable[str]) -> list[str]:
     return out
 
 
+# What a resumed job no longer reads: its weights come from its own newest checkpoint.
+_NOT_READ_ON_RESUME = ("checkpoint.load_path", "checkpoint.init_from_hf")
+
+
+def _check_world(recipe, executor: str, source: str) -> None:
+    """The files the resumed job will read (its data, tokenizer) and, on Slurm, the partition it asks for must still
+    be there: the same checks as `submit` (``recipe.world``), before anything is queued. Relative paths are read from
+    this folder, where a local or submitit job runs; a re-submitted job.sbatch runs from its first submission's
+    folder, so its files are left to the job."""
+    from hpc_tools.errors import RecipeError
+    from hpc_tools.recipe.world import path_violations, slurm_view, slurm_violations
+
+    found = []
+    if executor != "sbatch":
+        found += [v for v in path_violations(recipe) if v.path not in _NOT_READ_ON_RESUME]
+    if executor != "local":
+        view = slurm_view()
+        if view.checked:
+            found += slurm_violations(recipe, view)
+    if found:
+        raise RecipeError(found, source)
+
+
 def plan_resume(ref: str, runs_dir: str | Path | None = None, executor: str = "auto", exclude: str | None = None,
                 overrides: Iterable[str] = ()) -> ResumePlan:
     """Check that run ``ref`` can be resumed and how; raises UserError (nothing written) when it cannot."""
@@ -170,6 +193,7 @@ def plan_resume(ref: str, runs_dir: str | Path | None = None, executor: str = "a
         if not ok:
             raise UserError(f"Slurm does not answer: {why} (retry when it does, or resume on this machine with "
                             "--executor local)")
+    _check_world(recipe, chosen, str(run.recipe_path))
     restart = max(int(manifest.get("restart_count") or 0), int(tail.get("restart") or 0)) + 1
     new_text = dump_resolved(recipe)
     return ResumePlan(run=run, recipe=recipe, executor=chosen, checkpoint=newest, from_step=from_step,

@@ -78,7 +78,7 @@ def _plan_rows(plan) -> list[dict]:
 def _start(args, recipe_path: str) -> int:
     from hpc_tools.recipe.load import read_yaml
     from hpc_tools.submission import choose_executor
-    from hpc_tools.sweep.grid import expand
+    from hpc_tools.sweep.grid import check_world, expand
     from hpc_tools.sweep.runner import create_sweep, require_cells, submit_cells, summary
 
     raw = read_yaml(recipe_path)
@@ -86,6 +86,7 @@ def _start(args, recipe_path: str) -> int:
     executor, note = ("slurm", "") if args.dry_run and args.executor == "slurm" else choose_executor(args.executor)
     profile = args.profile or ("local" if executor == "local" and raw.get("local") is not None else None)
     plan = expand(raw, args.overrides, profile, recipe_path)
+    check_world(plan, slurm=executor == "slurm" and not args.dry_run)  # the files it names; the live partition
     if note and not args.json:
         say(note)
     for c in plan.invalid:

@@ -125,3 +125,15 @@ def expand(raw: dict[str, Any], overrides: Iterable[str] = (), profile: str | No
         cells.append(cell)
     return SweepPlan(name=str(raw.get("name", "sweep")), config=config, cells=cells, base_overrides=base,
                      profile=profile)
+
+
+def check_world(plan: SweepPlan, slurm: bool) -> None:
+    """Drop the cells that do not fit this machine's files or (with ``slurm``) the live cluster, as `submit` refuses
+    such a recipe (``recipe.world.world_violations``; the cluster is asked once for every cell)."""
+    from hpc_tools.recipe.world import slurm_view, world_violations
+
+    view = slurm_view() if slurm and plan.valid else None
+    for cell in plan.valid:
+        found = world_violations(cell.recipe, slurm=slurm, view=view)
+        if found:
+            cell.recipe, cell.reasons = None, [str(v) for v in found]

@@ -195,3 +195,25 @@ def test_cli_refusal_is_one_line_with_exit_code_2(tmp_path):
     run = make_run(tmp_path, checkpoint=None)
     out = run_cli("resume", run.run_id, "--runs-dir", str(tmp_path))
     assert out.returncode == 2 and out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
+
+
+def test_refuses_when_the_files_the_job_reads_are_gone(tmp_path):
+    """The resumed job would read its data files again: gone since the first start -> the same one-line refusal as
+    `submit`, nothing written. A vanished init_from_hf folder does not matter (the weights come from the checkpoint)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text to train on\n" * 50)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    recipe = load_recipe(REPO / "recipes" / "gpt_3d.yaml", [f"training.train_iters={ITERS}", "data.source=files",
+                                                            f"data.paths=[{corpus}]"], profile="local")
+    recipe.checkpoint.init_from_hf = str(hf)  # as if the first start had loaded these weights
+    run = prepare_run(recipe, tmp_path / "runs", "local", source="recipes/gpt_3d.yaml")
+    run.update(event="test", state="FAILED")
+    dirs = CheckpointDirs(run.checkpoints_dir)
+    (dirs.begin(6) / "model.bin").write_bytes(b"x" * 100)
+    dirs.commit(6)
+    hf.rmdir()
+    assert plan_resume(str(run.path)).from_step == 6  # the data is there: resumable
+    corpus.unlink()
+    message = refused(run)
+    assert "data.paths[0]" in message and "does not exist" in message and "init_from_hf" not in message

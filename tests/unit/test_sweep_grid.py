@@ -5,12 +5,13 @@ from __future__ import annotations
 import copy
 
 import pytest
+import yaml
 
 from hpc_tools.errors import RecipeError, UserError
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import read_yaml
-from hpc_tools.sweep.grid import expand
-from tests.conftest import REPO
+from hpc_tools.sweep.grid import check_world, expand
+from tests.conftest import REPO, run_cli
 
 
 @pytest.fixture
@@ -83,3 +84,29 @@ def test_shipped_sweep_recipe_expands(repo):
     worlds = sorted({ParallelLayout.from_recipe(c.recipe).world_size for c in plan.valid})
     assert worlds == [1, 2, 4]
     assert all(c.reasons for c in plan.invalid)
+
+
+def test_cells_whose_files_are_missing_are_refused_before_anything_is_made(gpt3d, tmp_path):
+    """`sweep` applies submit's world checks to every cell: a data path that does not exist drops the cells that
+    name it with the rule's text, and when no cell is left the command fails in one line, leaving no sweep folder."""
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("text\n" * 100)
+    raw = with_sweep(gpt3d, {"grid": {"data.paths": [[str(corpus)], [str(tmp_path / "gone.txt")]]}})
+    raw["data"] = {**raw.get("data", {}), "source": "files"}
+    plan = expand(raw, profile="local")
+    check_world(plan, slurm=False)
+    assert [c.params["data.paths"] for c in plan.valid] == [[str(corpus)]]
+    (bad,) = plan.invalid
+    assert "data.paths[0]" in bad.reasons[0] and "does not exist" in bad.reasons[0]
+
+    recipe = tmp_path / "sweep.yaml"
+    raw["sweep"] = {"grid": {"training.micro_batch_size": [1, 2]}}
+    raw["data"]["paths"] = [str(tmp_path / "gone.txt")]
+    recipe.write_text(yaml.safe_dump(raw))
+    out = run_cli("sweep", str(recipe), "--executor", "local", "--runs-dir", str(tmp_path / "runs"))
+    *dropped, error = out.stderr.strip().splitlines()  # each dropped cell named, then the one-line error
+    assert out.returncode == 2 and error.startswith("error: every cell") and "does not exist" in error, out.stderr
+    assert [line.split(":")[0] for line in dropped] == ["dropped cell 0 (micro_batch_size=1)",
+                                                        "dropped cell 1 (micro_batch_size=2)"]
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("sweep.json"))
