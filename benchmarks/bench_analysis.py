@@ -14,7 +14,8 @@ each in a fresh subprocess so that its peak RSS (getrusage ru_maxrss) is its own
 2. analysis: hpc_tools.analysis.analyze.analyse over the same folders (every figure of profiling.figures, per-rank
    table, per-step slowest rank and loss, heatmap bins, planner prediction, scaling fit), without plotting.
 Baseline and analysis alternate --repeat times; each time is the best of its repeats (the file cache is warm for
-both). Prints both times, their ratio (goal <= 1.3) and each side's peak RSS (goal < 2 GB at 100 M records).
+both). Prints both times, their ratio (goal <= 1.3) and each side's peak RSS (goal < 2 GB at 100 M records; VmHWM,
+the child's own high-water mark).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from profiling.figures import COLUMNS  # noqa: E402
-from profiling.records import parquet_path, rank_files  # noqa: E402
+from profiling.records import parquet_path, rank_files, write_parquet  # noqa: E402
 
 MARKER = "bench_analysis.json"
 
@@ -57,7 +58,6 @@ def _run_folder(root: Path, nodes: int, gpus_per_node: int, steps: int):
 def generate(root: Path, runs: int, ranks: int, steps: int, seed: int = 0) -> list[Path]:
     """``runs`` run folders of ``ranks`` x ``steps`` records; run i is (i + 1) x faster (a strong-scaling look)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     from profiling.schema import SCHEMA_VERSION, arrow_schema
 
@@ -95,14 +95,17 @@ def generate(root: Path, runs: int, ranks: int, steps: int, seed: int = 0) -> li
             }
             arrays = [pa.array(cols[f.name], type=f.type) if f.name in cols else pa.nulls(steps, type=f.type)
                       for f in schema]
-            pq.write_table(pa.Table.from_arrays(arrays, schema=schema), parquet_path(run.records_dir, r))
+            write_parquet(pa.Table.from_arrays(arrays, schema=schema), parquet_path(run.records_dir, r))
         out.append(run.path)
     return out
 
 
 def dataset(data: Path | None, runs: int, ranks: int, steps: int) -> tuple[list[Path], float]:
     """The run folders (reused from ``data`` when it holds this dataset) and the seconds spent generating them."""
-    params = {"runs": runs, "ranks": ranks, "steps": steps}
+    from profiling.records import DELTA_FIELDS, DICTIONARY_FIELDS
+
+    # The files are rebuilt when the record files' encoding changes (the reader's speed depends on it).
+    params = {"runs": runs, "ranks": ranks, "steps": steps, "encoding": [list(DICTIONARY_FIELDS), list(DELTA_FIELDS)]}
     marker = data / MARKER if data else None
     if marker is not None and marker.is_file():
         saved = json.loads(marker.read_text())
@@ -176,8 +179,20 @@ def child(kind: str, run_dirs: list[Path]) -> None:
     t0 = time.perf_counter()
     result = PROGRAMS[kind](run_dirs)
     wall = time.perf_counter() - t0
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    print(json.dumps({"kind": kind, "wall_s": wall, "peak_rss_bytes": peak_kb * 1024, **result}))
+    print(json.dumps({"kind": kind, "wall_s": wall, "peak_rss_bytes": peak_rss_bytes(), **result}))
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak RSS. On Linux VmHWM of /proc/self/status: ``getrusage``'s ru_maxrss keeps the high-water
+    mark of the memory image exec replaced, i.e. the parent's RSS at fork (the generator's, when it just wrote the
+    dataset)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def main() -> int:

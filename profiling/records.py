@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-from profiling.schema import FIELD_NAMES, arrow_schema, validate_record
+from profiling.schema import FIELD_NAMES, arrow_schema, fields, validate_record
 
 if TYPE_CHECKING:
     import numpy as np
@@ -108,16 +108,34 @@ def read_jsonl(path: Path) -> Iterable[dict[str, Any]]:
 def compact_rank(records_dir: Path, rank: int) -> Path:
     """Rewrite this rank's JSON lines as parquet (written to a temporary name, then renamed)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     rows = list(read_jsonl(jsonl_path(records_dir, rank)))
     schema = arrow_schema()
     table = pa.Table.from_pylist([{k: r.get(k) for k in FIELD_NAMES} for r in rows], schema=schema)
     out = parquet_path(records_dir, rank)
     tmp = out.with_suffix(".parquet.tmp")
-    pq.write_table(table, tmp)
+    write_parquet(table, tmp)
     os.replace(tmp, out)
     return out
+
+
+# How step records are encoded in parquet (every writer of rank files goes through ``write_parquet``): a dictionary for
+# the fields that hold few values in a rank's file (identity, per-job constants, strings, memory plateaus), delta
+# encoding for the step counter, plain for the per-step measurements. Measured on 10k-record files: their distinct
+# floats decode ~20 % faster plain than through a 10k-entry dictionary, and the step 4x faster delta-encoded.
+DICTIONARY_FIELDS = fields("schema_version", "run_id", "job_id", "restart", "rank", "node", "tp_rank", "pp_rank",
+                           "dp_rank", "tokens", "model_flops", "hardware_flops", "mem_allocated_max_bytes",
+                           "mem_reserved_max_bytes", "comm_bytes")
+DELTA_FIELDS = fields("step")
+
+
+def write_parquet(table, path: Path) -> None:
+    """Write a table of step records (``arrow_schema`` columns, or some of them) as one rank's parquet file."""
+    import pyarrow.parquet as pq
+
+    names = set(table.column_names)
+    pq.write_table(table, path, use_dictionary=[c for c in DICTIONARY_FIELDS if c in names],
+                   column_encoding={c: "DELTA_BINARY_PACKED" for c in DELTA_FIELDS if c in names})
 
 
 def rank_files(records_dir: Path) -> dict[int, Path]:
@@ -229,7 +247,9 @@ def _parquet_columns(path: Path, columns: list[str]) -> dict[str, "np.ndarray"]:
         reader.close()
     for c, value in known.items():
         if value is not None:  # one value, no copies of it: a read-only view with stride 0 (``is_constant``)
-            out[c] = np.broadcast_to(np.float64(value), (meta.num_rows,))
+            one = np.ndarray((meta.num_rows,), dtype=np.float64, buffer=np.array([float(value)]), strides=(0,))
+            one.flags.writeable = False
+            out[c] = one
     return {c: out[c] for c in columns if c in out}  # the caller's column order
 
 

@@ -31,9 +31,8 @@ def write_rank_parquet(records_dir: Path, rank: int, run_id: str, steps: np.ndar
                        tokens: int, world_size: int, **columns: np.ndarray) -> Path:
     """One rank's records as parquet with every schema field (unmeasured optional fields null)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    from profiling.records import parquet_path
+    from profiling.records import parquet_path, write_parquet
     from profiling.schema import SCHEMA_VERSION, arrow_schema
 
     schema = arrow_schema()
@@ -48,7 +47,7 @@ def write_rank_parquet(records_dir: Path, rank: int, run_id: str, steps: np.ndar
     }
     arrays = [pa.array(known[f.name], type=f.type) if f.name in known else pa.nulls(n, type=f.type) for f in schema]
     path = parquet_path(records_dir, rank)
-    pq.write_table(pa.Table.from_arrays(arrays, schema=schema), path)
+    write_parquet(pa.Table.from_arrays(arrays, schema=schema), path)
     return path
 
 

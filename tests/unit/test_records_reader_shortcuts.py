@@ -102,3 +102,28 @@ def test_the_reused_step_layout_gives_what_a_fresh_one_gives(monkeypatch):
     # The requeued rank's warm-up is its own: steps 1-3 and 9-11 (the second start's first three) are warm-up.
     assert reused.ranks[4].steps_measured == 20 - 6 and reused.ranks[2].steps_measured == 20 - 6
     assert reused.ranks[0].steps_measured == 17 and reused.ranks[3].steps_measured == 12
+
+
+def test_record_files_are_written_with_the_stated_encodings(tmp_path):
+    """compact_rank writes through write_parquet: the step delta-encoded, few-valued fields through a dictionary,
+    per-step measurements plain; what is read back is what was written."""
+    from profiling.records import DELTA_FIELDS, DICTIONARY_FIELDS, RecordWriter, parquet_path, read_columns
+    from profiling.schema import SCHEMA_VERSION
+
+    writer = RecordWriter(tmp_path, 3, validate_every=1)
+    for step in range(1, 41):
+        writer.write({"schema_version": SCHEMA_VERSION, "run_id": "r", "restart": 0, "rank": 3, "node": "n1",
+                      "tp_rank": 0, "pp_rank": 1, "dp_rank": 1, "step": step, "time": 1.7e9 + step,
+                      "step_time_s": 0.1 + step / 1000, "tokens": 512, "tokens_per_s": 512 / (0.1 + step / 1000),
+                      "tokens_per_s_per_gpu": 128.0, "loss": 5 - step / 100})
+    writer.close()
+    meta = pq.ParquetFile(parquet_path(tmp_path, 3)).metadata
+    chunks = {meta.row_group(0).column(i).path_in_schema: meta.row_group(0).column(i) for i in range(meta.num_columns)}
+    assert "DELTA_BINARY_PACKED" in chunks["step"].encodings and not chunks["step"].has_dictionary_page
+    assert chunks["run_id"].has_dictionary_page and chunks["tokens"].has_dictionary_page
+    assert not chunks["step_time_s"].has_dictionary_page and not chunks["loss"].has_dictionary_page
+    assert set(DELTA_FIELDS).isdisjoint(DICTIONARY_FIELDS)
+    cols = read_columns(parquet_path(tmp_path, 3), ["step", "step_time_s", "tokens", "loss"])
+    np.testing.assert_array_equal(cols["step"], np.arange(1, 41))
+    np.testing.assert_array_equal(cols["step_time_s"], 0.1 + np.arange(1, 41) / 1000)
+    assert set(cols["tokens"]) == {512.0}
