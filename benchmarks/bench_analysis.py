@@ -7,7 +7,7 @@
 
 Writes synthetic run folders (real run folders, every schema field, one parquet file per rank written directly with
 pyarrow) into --data (kept and reused when it already holds the same dataset) or a temporary folder, then measures,
-each in a fresh subprocess so that its peak RSS (getrusage ru_maxrss) is its own:
+each in a fresh subprocess so that its peak RSS (VmHWM) is its own:
 1. baseline: per run, one pyarrow dataset scan of every rank file with the analysis columns (column projection)
    feeding Acero's streaming hash group-by on rank (the mean of each column) -- the least any analysis must do, with
    bounded memory;
