@@ -164,7 +164,7 @@ class StepLayout:
         steps = (step if keep is None else step[keep]).astype(np.int64)
         if keep is not None:
             warm = warm[keep]
-        at = step_index(steps, increasing=keep is None or None)
+        at = step_index(steps, increasing=keep is None)  # keep_last found them strictly increasing
         return cls(step=step, restart=restart, warmup=warmup, keep=keep, measured=~warm, steps=steps, at=at,
                    size=int(steps[-1] if isinstance(at, slice) else steps.max()) + 1, warm_steps=steps[warm],
                    measured_sel=selector(~warm))
@@ -338,7 +338,7 @@ def bubble_share_theory(bubble_fraction: float | None) -> float | None:
     return None if bubble_fraction is None else bubble_fraction / (1 + bubble_fraction)
 
 
-def step_index(steps: np.ndarray, increasing: bool | None = None) -> np.ndarray | slice:
+def step_index(steps: np.ndarray, increasing: bool = False) -> np.ndarray | slice:
     """``steps`` (unique, int) as a slice when they are one contiguous increasing range, else the array itself.
     ``increasing``: the caller knows they are strictly increasing (then the first and last step decide)."""
     first, last = int(steps[0]), int(steps[-1])
