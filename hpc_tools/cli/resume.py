@@ -19,7 +19,8 @@ step that ran twice). On Slurm the new job id goes into the manifest with a `res
 earlier life (job id, state, reason, checkpoint).
 
 Refused (exit 2, nothing written): a run that is still live (cancel it first), a run that completed all its steps,
-a run without a complete checkpoint of its own (submit it afresh).
+a run without a complete checkpoint of its own (submit it afresh), a run whose data files or tokenizer are gone or
+whose partition no longer holds what it asks for (the same checks as `submit`).
 --set changes only supervision fields: cluster.time_limit, cluster.signal_delay_s, cluster.hang_timeout_min."""
 
 

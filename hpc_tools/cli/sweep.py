@@ -12,7 +12,8 @@ HELP = "run a recipe's sweep grid (Slurm job arrays, or locally), show cell stat
 DESCRIPTION = """\
 Three forms:
   python -m hpc_tools sweep RECIPE [--profile local] [--set K=V] [--executor auto|slurm|local] [--dry-run] [--json]
-      expand the recipe's sweep: grid, drop cells that break a rule (listed with the reason), create
+      expand the recipe's sweep: grid, drop cells that break a rule, do not fit in memory, name missing files or
+      do not fit the live partition (listed with the reason, as `submit` would refuse them), create
       <runs root>/sweeps/<name>-<stamp>/ with sweep.json and one run folder per cell x repeat, and submit them
       (cells with equal Slurm resources as one job array; without Slurm, locally one after another).
   python -m hpc_tools sweep status SWEEP [--json]
