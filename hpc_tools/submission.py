@@ -14,9 +14,10 @@ from typing import Iterable
 from hpc_tools.errors import RecipeError, UserError
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.base import printable
-from hpc_tools.recipe.load import dump_resolved, parse_yaml, read_yaml, resolve
+from hpc_tools.recipe.load import dump_resolved, read_yaml, resolve
 from hpc_tools.recipe.schema import Recipe
 from hpc_tools.recipe.site import site_path
+from hpc_tools.recipe.yamlfile import parse_yaml
 from hpc_tools.registry import RunFolder, new_run_id, runs_root
 from hpc_tools.render.sbatch import render_sbatch
 

@@ -33,7 +33,8 @@ EXPORT_META = "hpc_tools_export.json"
 
 def run_recipe(run: RunFolder):
     """The resolved recipe a run was started with (its recipe.yaml)."""
-    from hpc_tools.recipe.load import parse_yaml, resolve
+    from hpc_tools.recipe.load import resolve
+    from hpc_tools.recipe.yamlfile import parse_yaml
 
     return resolve(parse_yaml(run.recipe_path.read_text(), str(run.recipe_path)), source=str(run.recipe_path))
 

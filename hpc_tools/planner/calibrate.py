@@ -91,7 +91,8 @@ class Measured:
 def read_run(run_dir: str | Path) -> Measured:
     """The recipe and the measured figures of one run folder."""
     from hpc_tools.layout import ParallelLayout
-    from hpc_tools.recipe.load import parse_yaml, resolve
+    from hpc_tools.recipe.load import resolve
+    from hpc_tools.recipe.yamlfile import parse_yaml
     from profiling.figures import reduce_records
     from profiling.records import rank_files
 

@@ -1,1 +1,1 @@
-"""The recipe: typed sections (``schema.Recipe``), reading and resolving YAML (``load``), cross-field rules (``rules``)."""
+"""The recipe: typed sections (``schema.Recipe``), reading YAML (``load``), cross-field rules (``rules``)."""

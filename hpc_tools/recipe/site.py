@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from hpc_tools.errors import RecipeError, UserError
-from hpc_tools.recipe.base import printable
+from hpc_tools.recipe.pydantic_errors import violation_from_pydantic
+from hpc_tools.recipe.text import printable
+from hpc_tools.recipe.yamlfile import MAX_BYTES, decode, parse_yaml
 
 SITE_ENV = "HPC_TOOLS_SITE"
 OFF = ("", "none")
@@ -42,7 +44,6 @@ def site_path(env: dict[str, str] | None = None) -> Path | None:
 
 def read_site(env: dict[str, str] | None = None) -> tuple[Path | None, dict[str, Any]]:
     """(site file, its checked mapping); (None, {}) without one. Raises a one-line UserError for a bad file."""
-    from hpc_tools.recipe.load import MAX_BYTES, decode, parse_yaml
 
     path = site_path(env)
     if path is None:
@@ -67,7 +68,6 @@ def check_site(raw: dict[str, Any], source: str) -> None:
     from pydantic import BaseModel, ValidationError
 
     from hpc_tools.errors import Violation
-    from hpc_tools.recipe.load import violation_from_pydantic
     from hpc_tools.recipe.schema import Recipe
 
     violations = []

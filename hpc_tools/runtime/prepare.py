@@ -13,7 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hpc_tools.recipe.load import dump_resolved, parse_yaml, resolve
+from hpc_tools.recipe.load import dump_resolved, resolve
+from hpc_tools.recipe.yamlfile import parse_yaml
 from hpc_tools.registry import RunFolder, now_iso
 from hpc_tools.runtime.distenv import restart_count
 

@@ -14,7 +14,8 @@ import sys
 import time
 
 from hpc_tools.layout import ParallelLayout
-from hpc_tools.recipe.load import parse_yaml, resolve
+from hpc_tools.recipe.load import resolve
+from hpc_tools.recipe.yamlfile import parse_yaml
 from hpc_tools.registry import RunFolder, now_iso
 from hpc_tools.runstate import note_restart
 from hpc_tools.runtime.backends import trainer_for

@@ -14,7 +14,8 @@ import yaml
 from pydantic import ValidationError
 
 from hpc_tools.errors import RecipeError, UserError
-from hpc_tools.recipe.load import resolve, violation_from_pydantic
+from hpc_tools.recipe.load import resolve
+from hpc_tools.recipe.pydantic_errors import violation_from_pydantic
 from hpc_tools.recipe.schema import Recipe
 from hpc_tools.recipe.sweep import SweepConfig, axis_keys
 

@@ -12,8 +12,9 @@ from typing import Any, Callable
 
 from hpc_tools.errors import UserError
 from hpc_tools.layout import ParallelLayout
-from hpc_tools.recipe.load import parse_yaml, resolve
+from hpc_tools.recipe.load import resolve
 from hpc_tools.recipe.schema import Recipe
+from hpc_tools.recipe.yamlfile import parse_yaml
 from hpc_tools.registry import RunFolder, now_iso
 from hpc_tools.runstate import FAILURE_STATUSES, READER, SlurmJob, Verdict, classify
 from hpc_tools.runstate import refresh as refresh_run

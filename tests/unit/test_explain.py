@@ -11,8 +11,9 @@ from hpc_tools.errors import RecipeError
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.explain import explain
 from hpc_tools.recipe.fields import iter_paths, leaf_paths, schema_path
-from hpc_tools.recipe.load import load_recipe, resolve, violation_from_pydantic
+from hpc_tools.recipe.load import load_recipe, resolve
 from hpc_tools.recipe.parallel import ParallelConfig
+from hpc_tools.recipe.pydantic_errors import violation_from_pydantic
 from hpc_tools.recipe.rules import RULES
 from tests.conftest import REPO, run_cli
 from tests.unit.test_recipe_rules import BASE, CASES

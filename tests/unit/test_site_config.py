@@ -7,8 +7,9 @@ import pytest
 import yaml
 
 from hpc_tools.errors import UserError
-from hpc_tools.recipe.load import dump_resolved, load_recipe, parse_yaml, resolve
+from hpc_tools.recipe.load import dump_resolved, load_recipe, resolve
 from hpc_tools.recipe.site import site_path
+from hpc_tools.recipe.yamlfile import parse_yaml
 from tests.conftest import REPO, run_cli
 
 COMM = "recipes/comm_check.yaml"

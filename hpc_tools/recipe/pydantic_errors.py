@@ -1,0 +1,66 @@
+"""A pydantic validation error as the one-line ``Violation`` users read: the field, the value, the rule and the fix
+(unknown keys get the nearest valid key). Used for recipes (``recipe/load.py``) and the site file (``recipe/site.py``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from hpc_tools.errors import Violation
+from hpc_tools.recipe.fields import field_at, schema_path, valid_keys
+from hpc_tools.recipe.text import printable
+
+
+def violation_from_pydantic(err: dict[str, Any], raw: dict[str, Any]) -> Violation:
+    """One pydantic error as a one-line Violation (unknown keys get the nearest valid key)."""
+    loc = [printable(str(x))[:80] for x in err["loc"] if not str(x).startswith("function-")]
+    path = ".".join(loc) or "recipe"
+    kind = err["type"]
+    err = {**err, "input": _shown_input(err.get("input"))}
+    if kind == "extra_forbidden":
+        keys = valid_keys(loc[:-1])
+        near = difflib.get_close_matches(loc[-1], keys, n=1, cutoff=0.5)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        return Violation(path, err.get("input"), "is not a known key", f"{hint}valid keys: {', '.join(keys)}")
+    if kind == "missing":
+        doc = _field_doc(loc)
+        return Violation(path, Ellipsis, "is required", f"add it{': ' + doc if doc else ''}")
+    message = err["msg"].removeprefix("Value error, ")
+    if kind == "value_error" and " -- " in message:
+        rule_text, fix = message.split(" -- ", 1)
+        return Violation(path, err.get("input"), rule_text, fix)
+    if kind.startswith("literal_error"):
+        expected = err.get("ctx", {}).get("expected", "")
+        return Violation(path, err.get("input"), "is not one of the allowed values", f"use one of {expected}")
+    return Violation(path, err.get("input"), _lower_first(message), _fix_for(kind, path))
+
+
+def _shown_input(value: Any, limit: int = 120) -> Any:
+    """The offending value as an error message shows it: long strings and containers cut to ``limit`` characters
+    (a hostile recipe's megabyte-long value stays a one-line error)."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit // 2]}...({len(value)} characters)"
+    if isinstance(value, (list, dict, tuple)):
+        text = repr(value) if len(value) < 1000 else f"<{type(value).__name__} of {len(value)} items>"
+        return value if len(text) <= limit else f"{text[:limit // 2]}...({len(text)} characters)"
+    return value
+
+
+def _fix_for(kind: str, path: str) -> str:
+    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        return "choose a value in range"
+    if kind.endswith("_parsing") or kind.endswith("_type"):
+        noun = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
+                "list": "a list", "dict": "a mapping", "model": "a mapping"}.get(kind.split("_")[0], kind.split("_")[0])
+        return f"give {noun}"
+    return f"see `python -m hpc_tools validate --explain {schema_path(path)}`"
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]
+
+
+def _field_doc(loc: list[str]) -> str:
+    info = field_at(loc)
+    return (info.description or "").split("\n")[0] if info else ""
