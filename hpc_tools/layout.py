@@ -7,10 +7,7 @@ read this class; nothing else multiplies parallel degrees.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from hpc_tools.recipe.schema import Recipe
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -26,8 +23,11 @@ class ParallelLayout:
     global_batch_size: int
 
     @classmethod
-    def from_recipe(cls, recipe: "Recipe") -> "ParallelLayout":
-        """Resolve -1/null degrees against the cluster; the result may still break rules (see recipe.rules)."""
+    def from_recipe(cls, recipe: Any) -> "ParallelLayout":
+        """Resolve -1/null degrees against the cluster; the result may still break rules (see recipe.rules).
+
+        ``recipe`` is a ``hpc_tools.recipe.schema.Recipe`` (its parallel, training and cluster sections); it is not
+        imported here, since the recipe's rules build on this class (the layout sits below the recipe)."""
         p, t, c = recipe.parallel, recipe.training, recipe.cluster
         world = c.nodes * c.gpus_per_node
         data = p.data_size if p.data_size != -1 else max(world // (p.tensor_size * p.pipeline_size), 1)

@@ -41,6 +41,31 @@ def time_limit_minutes(value: str) -> float:
     return days * 1440 + hours * 60 + minutes + seconds / 60
 
 
+# Every sbatch flag hpc_tools sets (``render.slurm_params.SlurmSpec.sbatch_options`` and the output lines), or that
+# would contradict what it sets, with the way to change it instead: ``cluster.sbatch_extra`` may add any other
+# directive. Stated here, beside the fields that set these flags, so the section's validator needs nothing above it.
+OWNED_FLAGS = {
+    "job-name": "it is the recipe's name", "nodes": "set cluster.nodes",
+    "ntasks-per-node": "set cluster.gpus_per_node (one rank per GPU)", "ntasks": "set cluster.nodes and "
+    "cluster.gpus_per_node (one rank per GPU)", "gpus-per-node": "set cluster.gpus_per_node",
+    "gpus": "set cluster.gpus_per_node", "gres": "set cluster.gpus_per_node (sbatch gets --gpus-per-node)",
+    "cpus-per-task": "set cluster.cpus_per_task", "mem": "set cluster.mem_gb",
+    "mem-per-cpu": "set cluster.mem_gb", "mem-per-gpu": "set cluster.mem_gb", "time": "set cluster.time_limit",
+    "partition": "set cluster.partition", "account": "set cluster.account", "qos": "set cluster.qos",
+    "constraint": "set cluster.constraint", "reservation": "set cluster.reservation",
+    "exclusive": "set cluster.exclusive", "signal": "set cluster.signal_delay_s", "requeue": "set cluster.requeue",
+    "no-requeue": "set cluster.requeue", "open-mode": "a requeued job appends to its log",
+    "output": "the log's place is fixed (logs read it there)", "error": "the log's place is fixed (logs read it there)",
+    "chdir": "the run folder is fixed (set --runs-dir or HPC_TOOLS_RUNS_DIR)",
+    "export": "the job needs the variables `submit` passes (set cluster.setup.env for more)",
+    "array": "use a recipe's sweep: section", "wrap": "the script is the job",
+}
+
+
+def sbatch_flag_owner(flag: str) -> str | None:
+    """How to set ``--flag`` when hpc_tools owns it (the fix to name), else None."""
+    return OWNED_FLAGS.get(flag)
+
 class ContainerConfig(Section):
     kind: Literal["apptainer", "pyxis"]
     """`apptainer` (apptainer exec --nv IMAGE) or `pyxis` (srun --container-image=IMAGE)."""
@@ -145,8 +170,6 @@ class ClusterConfig(Section):
     @field_validator("sbatch_extra")
     @classmethod
     def _sbatch_extra(cls, value: list[str]) -> list[str]:
-        from hpc_tools.render.slurm_params import sbatch_flag_owner  # the owner of sbatch flags
-
         for item in value:
             m = SBATCH_EXTRA_RE.fullmatch(item)
             if not m:

@@ -1,5 +1,7 @@
 """The one owner of Slurm resource flags. Both the rendered sbatch script and the submitit executor read them here,
-derived from the parallel layout (nodes, one task per GPU) and the recipe's cluster section.
+derived from the parallel layout (nodes, one task per GPU) and the recipe's cluster section. Which flags that makes
+hpc_tools' own (and so refused in ``cluster.sbatch_extra``) is stated beside the fields that set them:
+``hpc_tools.recipe.cluster.OWNED_FLAGS``.
 """
 
 from __future__ import annotations
@@ -11,31 +13,6 @@ from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.schema import Recipe
 
 STOP_SIGNAL = "USR2"  # submitit's choice too; NCCL claims USR1
-
-# Every sbatch flag hpc_tools sets (``SlurmSpec.sbatch_options`` and the output lines), or that would contradict what
-# it sets, with the way to change it instead: ``cluster.sbatch_extra`` may add any other directive.
-OWNED_FLAGS = {
-    "job-name": "it is the recipe's name", "nodes": "set cluster.nodes",
-    "ntasks-per-node": "set cluster.gpus_per_node (one rank per GPU)", "ntasks": "set cluster.nodes and "
-    "cluster.gpus_per_node (one rank per GPU)", "gpus-per-node": "set cluster.gpus_per_node",
-    "gpus": "set cluster.gpus_per_node", "gres": "set cluster.gpus_per_node (sbatch gets --gpus-per-node)",
-    "cpus-per-task": "set cluster.cpus_per_task", "mem": "set cluster.mem_gb",
-    "mem-per-cpu": "set cluster.mem_gb", "mem-per-gpu": "set cluster.mem_gb", "time": "set cluster.time_limit",
-    "partition": "set cluster.partition", "account": "set cluster.account", "qos": "set cluster.qos",
-    "constraint": "set cluster.constraint", "reservation": "set cluster.reservation",
-    "exclusive": "set cluster.exclusive", "signal": "set cluster.signal_delay_s", "requeue": "set cluster.requeue",
-    "no-requeue": "set cluster.requeue", "open-mode": "a requeued job appends to its log",
-    "output": "the log's place is fixed (logs read it there)", "error": "the log's place is fixed (logs read it there)",
-    "chdir": "the run folder is fixed (set --runs-dir or HPC_TOOLS_RUNS_DIR)",
-    "export": "the job needs the variables `submit` passes (set cluster.setup.env for more)",
-    "array": "use a recipe's sweep: section", "wrap": "the script is the job",
-}
-
-
-def sbatch_flag_owner(flag: str) -> str | None:
-    """How to set ``--flag`` when hpc_tools owns it (the fix to name), else None."""
-    return OWNED_FLAGS.get(flag)
-
 
 @dataclass(frozen=True, slots=True)
 class SlurmSpec:

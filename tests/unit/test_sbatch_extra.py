@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from hpc_tools.errors import RecipeError
+from hpc_tools.recipe.cluster import OWNED_FLAGS
 from hpc_tools.recipe.load import resolve
 from hpc_tools.render.sbatch import render_sbatch
-from hpc_tools.render.slurm_params import OWNED_FLAGS, SlurmSpec
+from hpc_tools.render.slurm_params import SlurmSpec
 from tests.unit.test_render import small_recipe, submitit_script
 
 EXTRA = ["--gres-flags=enforce-binding", "--switches=1@00:10:00", "--mail-type=END,FAIL", "--mail-user=a.b@c.org",
