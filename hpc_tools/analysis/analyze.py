@@ -70,7 +70,8 @@ def planner_prediction(recipe, row: dict | None = None) -> tuple[float | None, f
     run (``planner.calibrate.compare``: the stored efficiency of the recipe's cluster, else the default; memory as
     torch's allocator sees it, GPUs only); (None, None) without a planner or a model for the recipe."""
     try:
-        from hpc_tools.planner.calibrate import Measured, compare, resolve_efficiency
+        from hpc_tools.planner.calibrate import Measured, compare
+        from hpc_tools.planner.efficiency import resolve_efficiency
         from hpc_tools.planner.steptime import DEFAULT_EFFICIENCY
     except ImportError:
         return None, None

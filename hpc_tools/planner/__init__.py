@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpc_tools.planner.calibrate import resolve_efficiency
+from hpc_tools.planner.efficiency import resolve_efficiency
 from hpc_tools.planner.estimate import Plan, make_plan
 from hpc_tools.planner.fit import fit_violations
 from hpc_tools.planner.search import SearchResult, auto_configure, search

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_tools.errors import UserError
 from hpc_tools.planner.arch import Arch, arch_for, total_parameters
-from hpc_tools.planner.hardware import Hardware, hardware_for
+from hpc_tools.planner.hardware import Hardware, hardware_for, headroom_bytes, headroom_note
 from hpc_tools.planner.knobs import Knobs
 from hpc_tools.planner.memory import MemoryPlan, estimate_memory, memory_notes
 from hpc_tools.planner.steptime import DEFAULT_EFFICIENCY, StepTime, estimate_step_time, step_flops, time_notes
@@ -28,7 +28,7 @@ class Plan:
     efficiency_source: str  # "default", "calibration <file>", "--efficiency"
     convention: str
     parameters: int  # whole model, TP1 padding
-    headroom_bytes: float = 0.0  # GPU memory kept free (fit.headroom_bytes)
+    headroom_bytes: float = 0.0  # GPU memory kept free (hardware.headroom_bytes)
     headroom_note: str = ""
 
     @property
@@ -81,8 +81,6 @@ def make_plan(recipe: "Recipe", knobs: Knobs | None = None, efficiency: float | 
               efficiency_source: str = "default", hardware: Hardware | None = None) -> Plan:
     """Memory and step time of ``recipe`` (with ``knobs`` instead of the recipe's own, when given), checked against
     the GPU memory less the recipe's headroom."""
-    from hpc_tools.planner.fit import headroom_bytes, headroom_note
-
     if recipe.backend.kind not in ("megatron", "deepspeed"):
         raise UserError(f"backend.kind={recipe.backend.kind} trains no model, so there is nothing to plan "
                         "(plan a megatron or deepspeed recipe)")

@@ -12,35 +12,12 @@ from typing import TYPE_CHECKING, Iterator
 
 from hpc_tools.errors import UserError, Violation
 from hpc_tools.planner.arch import Arch, arch_for
-from hpc_tools.planner.hardware import GB, hardware_for
-from hpc_tools.planner.knobs import Knobs
+from hpc_tools.planner.hardware import GB, hardware_for, headroom_bytes, headroom_note
+from hpc_tools.planner.knobs import Knobs, apply_knobs
 from hpc_tools.planner.memory import estimate_memory
 
 if TYPE_CHECKING:
-    from hpc_tools.recipe.cluster import ClusterConfig
     from hpc_tools.recipe.schema import Recipe
-
-# Default headroom: PyTorch's caching allocator typically leaves 5-10 % of reserved memory fragmented, and NCCL
-# allocates buffers per communicator and channel beyond the 0.5 GB the plan counts (docs/formulas.md, "Headroom").
-HEADROOM_FRACTION = 0.05
-HEADROOM_FIXED_BYTES = 1.0 * GB
-
-
-def headroom_bytes(cluster: "ClusterConfig", mem_bytes: float | None) -> float:
-    """Bytes of GPU memory the fit check and the search keep free: ``cluster.memory_headroom_gb`` when set, else
-    5 % of the GPU memory + 1 GB; 0 when there is no GPU memory to check."""
-    if mem_bytes is None:
-        return 0.0
-    if cluster.memory_headroom_gb is not None:
-        return cluster.memory_headroom_gb * GB
-    return HEADROOM_FRACTION * mem_bytes + HEADROOM_FIXED_BYTES
-
-
-def headroom_note(cluster: "ClusterConfig", mem_bytes: float | None) -> str:
-    """Where the headroom comes from, in words (for ``plan``)."""
-    if cluster.memory_headroom_gb is not None:
-        return f"cluster.memory_headroom_gb={cluster.memory_headroom_gb:g}"
-    return f"default: {HEADROOM_FRACTION:.0%} of {(mem_bytes or 0) / GB:.1f} GB + {HEADROOM_FIXED_BYTES / GB:g} GB"
 
 
 def fit_violations(recipe: "Recipe") -> list[Violation]:
@@ -83,7 +60,6 @@ def fitting_changes(recipe: "Recipe", arch: Arch, k: Knobs, mem_bytes: float) ->
     """Single changes (``--set`` strings, one to three) that bring the peak under ``mem_bytes`` and keep the recipe
     rules, roughly cheapest first: attention recompute and optimizer sharding, then wider TP / deeper PP, then full
     recomputation and smaller microbatches."""
-    from hpc_tools.planner.search import apply_knobs
     from hpc_tools.recipe.rules import check_recipe
 
     out = []

@@ -134,3 +134,28 @@ def hardware_for(cluster: "ClusterConfig", precision: str = "bf16", strict: bool
                     mem_bytes=None if mem_gb is None else mem_gb * GB, peak_flops=peak,
                     intra_node_bw=intra * GB, inter_node_bw=inter * GB, host_bw=base.host_bw_gbps * GB,
                     sources=sources)
+
+
+# Default headroom: PyTorch's caching allocator typically leaves 5-10 % of reserved memory fragmented, and NCCL
+# allocates buffers per communicator and channel beyond the 0.5 GB the plan counts (docs/formulas.md, "Headroom").
+HEADROOM_FRACTION = 0.05
+
+
+HEADROOM_FIXED_BYTES = 1.0 * GB
+
+
+def headroom_bytes(cluster: "ClusterConfig", mem_bytes: float | None) -> float:
+    """Bytes of GPU memory the fit check and the search keep free: ``cluster.memory_headroom_gb`` when set, else
+    5 % of the GPU memory + 1 GB; 0 when there is no GPU memory to check."""
+    if mem_bytes is None:
+        return 0.0
+    if cluster.memory_headroom_gb is not None:
+        return cluster.memory_headroom_gb * GB
+    return HEADROOM_FRACTION * mem_bytes + HEADROOM_FIXED_BYTES
+
+
+def headroom_note(cluster: "ClusterConfig", mem_bytes: float | None) -> str:
+    """Where the headroom comes from, in words (for ``plan``)."""
+    if cluster.memory_headroom_gb is not None:
+        return f"cluster.memory_headroom_gb={cluster.memory_headroom_gb:g}"
+    return f"default: {HEADROOM_FRACTION:.0%} of {(mem_bytes or 0) / GB:.1f} GB + {HEADROOM_FIXED_BYTES / GB:g} GB"

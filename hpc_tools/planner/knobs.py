@@ -123,3 +123,14 @@ class Knobs:
             upd["deepspeed"] = {"zero_stage": self.zero_stage, "offload_optimizer": self.offload_optimizer,
                                 "offload_param": self.offload_param}
         return upd
+
+
+def apply_knobs(recipe: "Recipe", k: Knobs) -> "Recipe":
+    """A copy of ``recipe`` with the knobs written into its sections (not re-validated: the values are typed)."""
+    upd = k.section_updates()
+    backend = recipe.backend
+    kind = "megatron" if k.backend == "megatron" else "deepspeed"
+    backend = backend.model_copy(update={kind: getattr(backend, kind).model_copy(update=upd[kind])})
+    return recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update=upd["parallel"]),
+                                     "training": recipe.training.model_copy(update=upd["training"]),
+                                     "backend": backend})

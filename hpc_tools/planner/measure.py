@@ -289,7 +289,7 @@ def measured_search(recipe_path: str | Path, k: int, overrides: list[str] = (), 
     """Run the analytic search's top ``k`` candidates for ``steps`` measured steps each and rank them by measured
     step time (see the module docstring). Locally (no Slurm, or ``executor="local"``) the recipe's local profile
     applies, as for ``submit``, and the search covers that profile's world (its cluster.nodes x gpus_per_node)."""
-    from hpc_tools.planner.calibrate import resolve_efficiency
+    from hpc_tools.planner.efficiency import resolve_efficiency
     from hpc_tools.planner.search import search
     from hpc_tools.planner.steptime import DEFAULT_EFFICIENCY
     from hpc_tools.recipe.load import read_yaml, resolve

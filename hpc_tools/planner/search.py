@@ -6,7 +6,7 @@ the training, not just its speed). Turned: TP (inside a node, dividing heads and
 layers), VPP, DP (what is left), micro batch, recomputation, and the distributed optimizer (Megatron) or ZeRO
 stage and offload (DeepSpeed); sequence parallelism is on whenever TP > 1 allows it (it dominates: same time in the
 model, less memory). A candidate fits when its peak stays under the GPU memory less the headroom
-(``hpc_tools.planner.fit.headroom_bytes``, the same margin ``validate`` and ``submit`` keep). Candidates are scored
+(``hpc_tools.planner.hardware.headroom_bytes``, the same margin ``validate`` and ``submit`` keep). Candidates are scored
 with the same memory and step-time model as ``plan``; the recipe rules (``hpc_tools.recipe.rules.check_recipe``)
 are run on candidates in rank order, lazily, because every enumerated layout already satisfies the divisibility rules
 by construction.
@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Iterator
 from hpc_tools.errors import UserError, Violation
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.planner.arch import arch_for
-from hpc_tools.planner.hardware import GB, Hardware, hardware_for
-from hpc_tools.planner.knobs import Knobs
+from hpc_tools.planner.efficiency import resolve_efficiency
+from hpc_tools.planner.hardware import GB, Hardware, hardware_for, headroom_bytes, headroom_note
+from hpc_tools.planner.knobs import Knobs, apply_knobs
 from hpc_tools.planner.memory import estimate_memory
 from hpc_tools.planner.steptime import DEFAULT_EFFICIENCY, StepTime, estimate_step_time, step_flops
 
@@ -55,7 +56,7 @@ class SearchResult:
     fitting: int = 0
     elapsed_s: float = 0.0
     mem_bytes: float | None = None
-    headroom_bytes: float = 0.0  # kept free of the GPU memory (fit.headroom_bytes)
+    headroom_bytes: float = 0.0  # kept free of the GPU memory (hardware.headroom_bytes)
     headroom_note: str = ""
 
     @property
@@ -142,24 +143,11 @@ def _optimizer_options(base: Knobs, p: int, d: int) -> Iterator[dict]:
             yield {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu", "ds_overlap_comm": True}
 
 
-def apply_knobs(recipe: "Recipe", k: Knobs) -> "Recipe":
-    """A copy of ``recipe`` with the knobs written into its sections (not re-validated: the values are typed)."""
-    upd = k.section_updates()
-    backend = recipe.backend
-    kind = "megatron" if k.backend == "megatron" else "deepspeed"
-    backend = backend.model_copy(update={kind: getattr(backend, kind).model_copy(update=upd[kind])})
-    return recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update=upd["parallel"]),
-                                     "training": recipe.training.model_copy(update=upd["training"]),
-                                     "backend": backend})
-
-
 def search(recipe: "Recipe", top: int = 5, losers: int = 5, efficiency: float | None = None,
            hardware: Hardware | None = None, use_calibration: bool = True) -> SearchResult:
     """Rank the configurations of ``recipe`` that fit and keep the rules; ``ranked`` holds top + losers of them.
 
     ``efficiency`` None: the calibrated factor for the recipe's cluster when stored, else the default."""
-    from hpc_tools.planner.calibrate import resolve_efficiency
-    from hpc_tools.planner.fit import headroom_bytes, headroom_note
     from hpc_tools.recipe.rules import check_recipe
 
     started = time.perf_counter()

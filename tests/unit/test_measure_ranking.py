@@ -13,7 +13,7 @@ import yaml
 
 from hpc_tools.cli import main
 from hpc_tools.errors import UserError
-from hpc_tools.planner.calibrate import efficiency_for
+from hpc_tools.planner.efficiency import efficiency_for
 from hpc_tools.planner.measure import (
     CPU_PLANNING_PEAK_TFLOPS,
     NOT_RUN,

@@ -14,7 +14,8 @@ import pytest
 
 from hpc_tools.cli import main
 from hpc_tools.planner import plan_recipe
-from hpc_tools.planner.calibrate import calibrate, efficiency_for, read_run
+from hpc_tools.planner.calibrate import calibrate, read_run
+from hpc_tools.planner.efficiency import efficiency_for
 from hpc_tools.planner.estimate import make_plan
 from hpc_tools.recipe.load import dump_resolved, load_recipe
 from profiling.records import RecordWriter

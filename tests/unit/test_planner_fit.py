@@ -69,7 +69,7 @@ def test_nothing_single_fits_says_so():
 def test_the_fit_keeps_the_headroom():
     """A plan between the GPU memory less the headroom and the GPU memory does not fit; the violation names the
     margin and cluster.memory_headroom_gb moves it."""
-    from hpc_tools.planner.fit import headroom_bytes
+    from hpc_tools.planner.hardware import headroom_bytes
 
     r = recipe("gpt_zero.yaml", "training.micro_batch_size=16", "cluster.gpu_mem_gb=141")
     plan = plan_recipe(r, use_calibration=False)

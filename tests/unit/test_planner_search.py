@@ -8,8 +8,8 @@ import pytest
 
 from hpc_tools.errors import UserError
 from hpc_tools.planner import auto_configure, fit_violations, plan_recipe, search
-from hpc_tools.planner.knobs import Knobs
-from hpc_tools.planner.search import apply_knobs, why_slower
+from hpc_tools.planner.knobs import Knobs, apply_knobs
+from hpc_tools.planner.search import why_slower
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.recipe.rules import check_recipe
 from tests.unit.inline_recipes import inline_recipe
