@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
+from urllib.parse import urlparse
 
 if TYPE_CHECKING:
     from hpc_tools.recipe.schema import Recipe
@@ -114,6 +116,10 @@ class MlflowSink(Sink):
         cfg = recipe.tracking.mlflow
         assert cfg is not None
         uri = cfg.tracking_uri or (Path(run_dir) / MLRUNS_DIR).absolute().as_uri()
+        if urlparse(uri).scheme in ("", "file"):
+            # MLflow 3 keeps its file store "in maintenance mode" and refuses to open one unless this is true; the file
+            # store is this tracker's default (no server, no database package), so it opts in unless told otherwise.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = mlflow.MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(cfg.experiment)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(cfg.experiment)

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import struct
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -222,80 +221,102 @@ def test_tensorboard_command_on_a_run_and_a_sweep(tmp_path, capsys):
     assert err.count("\n") == 1 and "no run or sweep matches 'no-such-run'" in err
 
 
-@pytest.mark.parametrize("package", ["wandb", "mlflow"])
-def test_optional_trackers_offline(tmp_path, package):
-    pytest.importorskip(package, reason=f"{package} is optional and not installed here")
-    overrides = {"wandb": ["tracking.wandb.mode=offline"],
-                 "mlflow": [f"tracking.mlflow.tracking_uri={(tmp_path / 'mlruns').as_uri()}"]}[package]
-    trackers = open_trackers(tmp_path, synthetic_recipe(overrides))
-    assert len(trackers.names) == 2
-    for step, scalars in LOG_LINES.items():
+RUN_NAME = "synthetic-20260101-000000-abcdef"  # a run folder's name: the W&B run id, the MLflow run name
+# The second log line with a NaN loss (the guard skipped that step): W&B takes it, MLflow leaves it out.
+LOGGED = {10: LOG_LINES[10], 20: {**LOG_LINES[20], "loss": float("nan")}}
+
+
+def wandb_records(run_file) -> list:
+    """The protobuf records of a W&B offline run file (``run-ID.wandb``), read as W&B's own sync reads them: a
+    7-byte header (``:W&B``, magic 0xBEE1, version 0), then LevelDB-style 32 KiB blocks of chunks, each with a
+    CRC-32 of its type and data, a length and a type (1 full, 2 first, 3 middle, 4 last)."""
+    import zlib
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = run_file.read_bytes()
+    assert struct.unpack("<4sHB", data[:7]) == (b":W&B", 0xBEE1, 0)
+    block, pos, pending, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # too little room left for a chunk header: the rest of the block is padding
+            pos += block - pos % block
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if (crc, length, kind) == (0, 0, 0):
+            break
+        chunk = data[pos + 7:pos + 7 + length]
+        assert zlib.crc32(bytes([kind]) + chunk) == crc
+        pos += 7 + length
+        pending += chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def test_wandb_offline_run_file_holds_the_logged_scalars(tmp_path, monkeypatch):
+    """The real wandb package, offline: the run file it writes under RUN/wandb/ holds the recipe, the run's id (the
+    run folder's name: a requeued job continues the same W&B run) and tags, and every scalar at its step, as logged
+    (W&B takes the NaN); the run is finished."""
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / RUN_NAME
+    recipe = synthetic_recipe(["tracking.tensorboard=false", "tracking.wandb.project=p", "tracking.wandb.tags=[a]"])
+    trackers = open_trackers(run_dir, recipe)
+    assert trackers.names == ["W&B"]
+    for step, scalars in LOGGED.items():
         trackers.log(step, scalars)
     trackers.close()
-    if package == "mlflow":
-        import mlflow
+    assert trackers.names == []
+    (run_file,) = (run_dir / "wandb").rglob("*.wandb")
+    assert run_file.name == f"run-{RUN_NAME}.wandb"
+    records = wandb_records(run_file)
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    assert (run.run_id, run.project, list(run.tags)) == (RUN_NAME, "p", ["a"])
+    config = {u.key: json.loads(u.value_json) for u in run.config.update}
+    assert config["tracking"]["wandb"]["project"] == "p" and config["name"] == recipe.name  # the resolved recipe
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item} for r in records
+               if r.WhichOneof("record_type") == "history"]
+    assert [h["_step"] for h in history] == list(LOGGED)
+    for h, scalars in zip(history, LOGGED.values()):
+        want = {TAGS[k]: v for k, v in scalars.items() if v is not None}
+        got = {k: v for k, v in h.items() if not k.startswith("_")}
+        assert got.keys() == want.keys()
+        assert all(got[k] == v or (math.isnan(got[k]) and math.isnan(v)) for k, v in want.items()), (got, want)
+    assert any(r.WhichOneof("record_type") == "exit" for r in records)  # finished, not left open
 
-        client = mlflow.MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
-        run = client.search_runs([client.get_experiment_by_name("hpc_tools").experiment_id])[0]
-        assert [m.value for m in client.get_metric_history(run.info.run_id, "loss/train")] == [7.25, 6.5]
-    else:
-        assert any((tmp_path / "wandb").rglob("*.wandb"))
 
+def test_mlflow_file_store_holds_the_logged_scalars(tmp_path, monkeypatch):
+    """The real mlflow package with its default store here, the file store under RUN/mlruns/ (MLflow 3 refuses one
+    unless MLFLOW_ALLOW_FILE_STORE is true: the tracker opts in). Read back with MLflow's own client: one run per
+    life in the recipe's experiment, named after the run folder, each metric's history as logged (the NaN loss left
+    out), the run ended."""
+    import mlflow
 
-def test_wandb_and_mlflow_glue_with_stand_in_packages(tmp_path, monkeypatch):
-    """What the W&B and MLflow trackers call, against stand-ins recording the calls (the real packages are optional
-    and not installed here: test_optional_trackers_offline runs them where they are)."""
-    from hpc_tools.recipe.load import resolve
-    from hpc_tools.testing.synthetic import BASE_RECIPE
-
-    calls: list[tuple] = []
-    wandb = types.ModuleType("wandb")
-    wandb.init = lambda **kw: calls.append(("wandb.init", kw)) or types.SimpleNamespace(
-        log=lambda data, step: calls.append(("wandb.log", step, dict(data))), finish=lambda: calls.append(("finish",)))
-
-    class Client:
-        def __init__(self, tracking_uri):
-            calls.append(("mlflow.client", tracking_uri))
-
-        def get_experiment_by_name(self, name):
-            return None
-
-        def create_experiment(self, name):
-            calls.append(("mlflow.experiment", name))
-            return "7"
-
-        def create_run(self, experiment_id, run_name):
-            return types.SimpleNamespace(info=types.SimpleNamespace(run_id="r1"))
-
-        def log_param(self, run_id, key, value):
-            pass
-
-        def log_batch(self, run_id, metrics):
-            calls.append(("mlflow.log", run_id, {m.key: (m.value, m.step) for m in metrics}))
-
-        def set_terminated(self, run_id):
-            calls.append(("mlflow.end", run_id))
-
-    mlflow = types.ModuleType("mlflow")
-    mlflow.MlflowClient = Client
-    entities = types.ModuleType("mlflow.entities")
-    entities.Metric = lambda key, value, timestamp, step: types.SimpleNamespace(key=key, value=value, step=step)
-    for name, module in (("wandb", wandb), ("mlflow", mlflow), ("mlflow.entities", entities)):
-        monkeypatch.setitem(sys.modules, name, module)
-    recipe = resolve(BASE_RECIPE, ["tracking.tensorboard=false", "tracking.wandb.project=p", "tracking.wandb.tags=[a]",
-                                   "tracking.mlflow.experiment=e"], check=False)
-    run_dir = tmp_path / "synthetic-20260101-000000-abcdef"
-    trackers = open_trackers(run_dir, recipe)
-    assert trackers.names == ["W&B", "MLflow"]
-    trackers.log(20, {**LOG_LINES[20], "loss": float("nan")})
-    trackers.close()
-    init = calls[0][1]
-    assert init["project"] == "p" and init["mode"] == "offline" and init["tags"] == ["a"]
-    assert init["dir"] == str(run_dir / "wandb") and init["id"] == run_dir.name and init["resume"] == "allow"
-    assert init["config"]["tracking"]["wandb"]["project"] == "p"  # the resolved recipe goes along
-    assert ("mlflow.client", (run_dir / "mlruns").absolute().as_uri()) in calls and ("mlflow.experiment", "e") in calls
-    logged = {c[0]: c for c in calls}
-    assert logged["wandb.log"][1] == 20 and logged["wandb.log"][2]["loss/val"] == 6.75
-    mlflow_metrics = logged["mlflow.log"][2]
-    assert mlflow_metrics["optim/lr"] == (2.5e-4, 20) and "loss/train" not in mlflow_metrics  # NaN left out
-    assert ("finish",) in calls and ("mlflow.end", "r1") in calls
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "unset below; restored to unset after the test")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    run_dir = tmp_path / RUN_NAME
+    recipe = synthetic_recipe(["tracking.tensorboard=false", "tracking.mlflow.experiment=e"])
+    for _ in range(2):  # a second life finds the experiment the first made
+        trackers = open_trackers(run_dir, recipe)
+        assert trackers.names == ["MLflow"]
+        for step, scalars in LOGGED.items():
+            trackers.log(step, scalars)
+        trackers.close()
+    client = mlflow.MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
+    assert [e.name for e in client.search_experiments()].count("e") == 1
+    runs = client.search_runs([client.get_experiment_by_name("e").experiment_id])
+    assert len(runs) == 2
+    for run in runs:
+        assert run.info.run_name == RUN_NAME and run.info.status == "FINISHED"
+        assert run.data.params == {"recipe": recipe.name}
+        for name in TAGS:
+            want = [(step, scalars[name]) for step, scalars in LOGGED.items()
+                    if scalars.get(name) is not None and math.isfinite(scalars[name])]  # the NaN loss left out
+            history = client.get_metric_history(run.info.run_id, TAGS[name])
+            assert [(m.step, m.value) for m in history] == want, name
+        assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss/train")] == [(10, 7.25)]
