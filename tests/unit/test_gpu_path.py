@@ -23,7 +23,7 @@ def gpt3d(*sets: str):
 
 
 def plan_of(recipe, device="cuda", te=True, flash=True):
-    from hpc_tools.train.megatron.model import layer_plan
+    from hpc_tools.train.megatron.layers import layer_plan
 
     return layer_plan(recipe, device, te_available=te, flash_available=flash)
 
@@ -100,7 +100,7 @@ def test_cuda_config_for_llama_uses_te_rope_fusion_and_cpu_keeps_everything_off(
 
 def test_gradient_accumulation_fusion_only_with_apex_kernel():
     # megatron-core's ColumnParallelLinear raises without apex's fused_weight_gradient_mlp_cuda, even under TE
-    from hpc_tools.train.megatron.model import module_available
+    from hpc_tools.train.megatron.layers import module_available
 
     assert cuda_config(gpt3d()).gradient_accumulation_fusion == module_available("fused_weight_gradient_mlp_cuda")
 
@@ -249,3 +249,31 @@ def test_te_apex_warning_hidden_on_cpu_only():
         assert not hidden()  # on a GPU the slow-path warning stays visible
         _quiet_megatron("cpu")
         assert hidden()
+
+
+def test_megatron_modules_import_one_way():
+    """``layers`` <- ``config`` <- ``model``: the layer decision has its own module, imported by both (no cycle
+    between config and model, whatever is imported inside a function)."""
+    from pathlib import Path
+
+    from tests.unit.test_import_graph import REPO, imports
+
+    package = "hpc_tools.train.megatron"
+    folder = REPO / "hpc_tools" / "train" / "megatron"
+    graph = {p.stem: {m.split(".")[3] for m, _, typing_only in imports(p) if not typing_only
+                      and m.startswith(package + ".") and m.split(".")[3] != p.stem}
+             for p in sorted(Path(folder).glob("*.py")) if p.stem != "__init__"}
+    assert graph["layers"] == set()
+    assert "model" not in graph["config"] and "config" in graph["model"] and "layers" in graph["config"]
+    done: set[str] = set()
+
+    def visit(node, path):
+        assert node not in path, f"import cycle: {' -> '.join(path + [node])}"
+        if node in done:
+            return
+        for dep in graph.get(node, ()):
+            visit(dep, path + [node])
+        done.add(node)
+
+    for node in graph:
+        visit(node, [])

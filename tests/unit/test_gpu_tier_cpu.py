@@ -25,7 +25,7 @@ def test_gpu_mfu_builds_the_real_shape_recipe_and_the_fast_path_plan():
     m, lay = recipe.model, recipe.parallel
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (24, 2048, 16, 2048)
     assert (lay.tensor_size, lay.pipeline_size) == (1, 1) and recipe.training.global_batch_size == 32
-    from hpc_tools.train.megatron.model import layer_plan
+    from hpc_tools.train.megatron.layers import layer_plan
 
     plan = layer_plan(recipe, "cuda", te_available=True, flash_available=True)
     assert plan.describe() == "layers=transformer_engine, attention=flash"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hpc_tools.train.megatron.layers import layer_plan, module_available
+
 if TYPE_CHECKING:
     from hpc_tools.layout import ParallelLayout
     from hpc_tools.recipe.schema import Recipe
@@ -32,8 +34,6 @@ def fusions(recipe: "Recipe", device_type: str, plan) -> dict[str, bool]:
       it off): always off.
     All off on CPU.
     """
-    from hpc_tools.train.megatron.model import module_available
-
     off = dict(gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
                bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
     if device_type != "cuda":
@@ -71,7 +71,7 @@ def recompute_granularity(recipe: "Recipe", plan) -> str | None:
 
 
 def transformer_config(recipe: "Recipe", layout: "ParallelLayout", device_type: str, plan=None):
-    """TransformerConfig for this recipe and layout on ``device_type`` (``plan``: ``model.layer_plan``).
+    """TransformerConfig for this recipe and layout on ``device_type`` (``plan``: ``layers.layer_plan``).
 
     The parallel sizes go into the config as well as into parallel_state: without them sequence parallelism refuses
     to start and, with PP=2, the distributed and plain optimizers diverge (docs/megatron-on-cpu.md). Building it
@@ -80,8 +80,6 @@ def transformer_config(recipe: "Recipe", layout: "ParallelLayout", device_type: 
     import torch.nn.functional as F
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from hpc_tools.train.megatron.model import layer_plan
 
     plan = plan or layer_plan(recipe, device_type)
     m, t = recipe.model, recipe.training

@@ -74,7 +74,8 @@ class Engine:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from hpc_tools.train.megatron.config import optimizer_config, transformer_config
-        from hpc_tools.train.megatron.model import build_chunks, layer_plan
+        from hpc_tools.train.megatron.layers import layer_plan
+        from hpc_tools.train.megatron.model import build_chunks
 
         self.device = torch.device(device)
         device_type = self.device.type
