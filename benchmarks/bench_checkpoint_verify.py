@@ -1,6 +1,6 @@
 """Cost of verified checkpoints for one rank: checksum speed, and its share of a save and of a load.
 
-1. Hash speed over an in-memory buffer: xxh3-64 (what ``hpc_tools.train.checkpoint_verify`` uses), and for the
+1. Hash speed over an in-memory buffer: xxh3-64 (what ``hpc_tools.checkpoints.verify`` uses), and for the
    choice zlib.crc32 (stdlib) and crc32c / google-crc32c when installed.
 2. One rank's checkpoint: ``--gb`` of fp32 tensors in ``--files`` shard files written with torch.save and fsync
    (what a save costs), then ``record_share`` (sizes + xxh3-64 of every file, what each rank adds at save), then
@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hpc_tools.train import checkpoint_verify as cv  # noqa: E402
+from hpc_tools.checkpoints import verify as cv  # noqa: E402
 
 
 def best_of(fn, repeat: int = 3) -> float:

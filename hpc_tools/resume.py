@@ -93,8 +93,8 @@ def live_reason(run: RunFolder, manifest: dict[str, Any]) -> str | None:
 def newest_verified(dirs) -> tuple[Path | None, list[str]]:
     """The newest complete checkpoint whose files all have their recorded sizes (a cheap stat of each file; the
     job verifies checksums too when it loads, and sets a bad one aside), and one line per newer one skipped."""
-    from hpc_tools.train.checkpoint_dirs import CheckpointDirs
-    from hpc_tools.train.checkpoint_verify import verify_share
+    from hpc_tools.checkpoints.dirs import CheckpointDirs
+    from hpc_tools.checkpoints.verify import verify_share
 
     skipped: list[Path] = []
     lines: list[str] = []
@@ -144,8 +144,8 @@ def _check_world(recipe, executor: str, source: str) -> None:
 def plan_resume(ref: str, runs_dir: str | Path | None = None, executor: str = "auto", exclude: str | None = None,
                 overrides: Iterable[str] = ()) -> ResumePlan:
     """Check that run ``ref`` can be resumed and how; raises UserError (nothing written) when it cannot."""
+    from hpc_tools.checkpoints.dirs import CheckpointDirs, parse_step
     from hpc_tools.runstate import classify, last_step, refresh
-    from hpc_tools.train.checkpoint_dirs import CheckpointDirs, parse_step
 
     if executor not in EXECUTORS:
         raise UserError(f"--executor {executor} is unknown (use one of {', '.join(EXECUTORS)})")

@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from hpc_tools.registry import resolve_run
     from hpc_tools.runstate import classify, hang_markers, last_step, refresh_all
-    from hpc_tools.train.progress import read_progress
+    from hpc_tools.runtime.progress import read_progress
 
     r = resolve_run(args.run, args.runs_dir)
     ((manifest, job),) = refresh_all([r])

@@ -37,8 +37,8 @@ from hpc_tools.data.prepare import bin_path, idx_path
 from hpc_tools.errors import UserError
 
 if TYPE_CHECKING:
+    from hpc_tools.data.samples import Samples
     from hpc_tools.recipe.schema import Recipe
-    from hpc_tools.train.data import Samples
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 """The first bytes of a Megatron ``.idx`` file (megatron/core/datasets/indexed_dataset.py ``_INDEX_HEADER``)."""
@@ -210,7 +210,7 @@ def _samples(dataset, seq_length: int, seed: int, source: str) -> "Samples":
     """Samples over a megatron BlendedDataset or GPTDataset: rows are token windows from the memory-mapped .bin."""
     from megatron.core.datasets.blended_dataset import BlendedDataset
 
-    from hpc_tools.train.data import Samples
+    from hpc_tools.data.samples import Samples
 
     if isinstance(dataset, BlendedDataset):
         parts, which, within = dataset.datasets, dataset.dataset_index, dataset.dataset_sample_index

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -167,9 +168,8 @@ def _first_jsonl_fields(path: Path) -> list[str]:
 
 
 def _load_saved(path: Path):
-    from hpc_tools.train.data import _offline_datasets
 
-    datasets = _offline_datasets()
+    datasets = offline_datasets()
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as exc:  # datasets raises several types for a damaged folder
@@ -182,3 +182,15 @@ def _load_saved(path: Path):
                             "(save the split to prepare as its own dataset)")
         ds = ds["train"]
     return ds
+
+
+def offline_datasets():
+    """Import `datasets` with the hub switched off: local files only, never a network request."""
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import datasets
+
+    # The environment is read at import time; an earlier import (e.g. by transformers) would have missed it.
+    datasets.config.HF_DATASETS_OFFLINE = True
+    datasets.config.HF_HUB_OFFLINE = True
+    return datasets

@@ -113,7 +113,7 @@ def prepare(raw_inputs: Sequence[str], out: str, *, tokenizer: str = "byte", tex
 
     ``max_vocab``: refuse a tokenizer with more tokens (a recipe's ``model.vocab_size``)."""
     global _TOKENIZER
-    from hpc_tools.train.tokenizer import load_tokenizer
+    from hpc_tools.data.tokenizer import load_tokenizer
 
     if workers < 1:
         raise UserError(f"--workers={workers} must be at least 1")

@@ -8,7 +8,7 @@ generation_config.json, model.safetensors (fp32) and the run's tokenizer. DeepSp
 (``hpc_tools.hf.folder``).
 
 "Verified": the newest complete checkpoint (``CheckpointDirs.newest``) whose files still have the sizes and xxh3-64
-checksums recorded at save (``checkpoint_verify.verify_share`` over all files); a bad one is reported and the next
+checksums recorded at save (``checkpoints.verify.verify_share`` over all files); a bad one is reported and the next
 older one is tried.
 """
 
@@ -21,9 +21,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from hpc_tools.checkpoints.dirs import CheckpointDirs
 from hpc_tools.errors import UserError
 from hpc_tools.registry import RunFolder, atomic_write
-from hpc_tools.train.checkpoint_dirs import CheckpointDirs
 
 log = logging.getLogger("hpc_tools.hf")
 
@@ -47,7 +47,7 @@ def checkpoint_root(recipe, run: RunFolder) -> Path:
 def verified_checkpoint(run: RunFolder, root: Path, step: int | None = None) -> Path:
     """The newest complete checkpoint under ``root`` (or the one of ``step``) whose files verify; UserError when none
     does, naming the bad files."""
-    from hpc_tools.train import checkpoint_verify
+    from hpc_tools.checkpoints.verify import verify_share
 
     dirs = CheckpointDirs(root)
     skip: list[Path] = []
@@ -64,7 +64,7 @@ def verified_checkpoint(run: RunFolder, root: Path, step: int | None = None) -> 
                             f" under {root} (complete steps: {have}{why}) (train until a checkpoint is saved, e.g. "
                             "with checkpoint.interval_iters, or pick a complete step with --step)")
         meta = CheckpointDirs.read_meta(path)
-        problems = checkpoint_verify.verify_share(path, meta, 0, 1, checksum=True).problems
+        problems = verify_share(path, meta, 0, 1, checksum=True).problems
         if not problems:
             return path
         bad.append(problems[0].line(path))

@@ -94,7 +94,7 @@ class Weights(Mapping):
 def init_unless_resuming(engine: "Engine", recipe, dirs) -> bool:
     """``init_engine`` from ``checkpoint.init_from_hf`` when the run has no checkpoint to resume from (its own, or
     ``checkpoint.load_path``); returns whether it did. Called by every rank once the engine is built."""
-    from hpc_tools.train.checkpoint_dirs import resume_source
+    from hpc_tools.checkpoints.dirs import resume_source
 
     ck = recipe.checkpoint
     if not ck.init_from_hf or resume_source(dirs, resume=ck.resume, load_path=ck.load_path) is not None:

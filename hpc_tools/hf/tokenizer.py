@@ -4,7 +4,7 @@ A local Hugging Face tokenizer folder (``data.tokenizer: DIR``) is re-saved into
 (``data.tokenizer: byte``: UTF-8 bytes 0..255, end-of-document 256) has no files; the export writes an equivalent
 fast tokenizer built locally with ``tokenizers``: a byte-level BPE with no merges whose vocabulary maps byte ``b`` to
 id ``b`` (under GPT-2's printable byte alphabet), and ``<|endoftext|>`` = 256 as eos/bos. Encoding any text gives
-its UTF-8 bytes, exactly as ``hpc_tools.train.tokenizer.ByteTokenizer`` does.
+its UTF-8 bytes, exactly as ``hpc_tools.data.tokenizer.ByteTokenizer`` does.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hpc_tools.train.tokenizer import BYTE_EOS_ID, BYTE_VOCAB_SIZE
+from hpc_tools.data.tokenizer import BYTE_EOS_ID, BYTE_VOCAB_SIZE
 
 BYTE_EOS_TOKEN = "<|endoftext|>"
 
@@ -57,7 +57,7 @@ def save_tokenizer(spec: str, out: Path) -> dict[str, object]:
         tok = byte_tokenizer()
         kind = "byte"
     else:
-        from hpc_tools.train.tokenizer import HFTokenizer
+        from hpc_tools.data.tokenizer import HFTokenizer
 
         tok = HFTokenizer(Path(spec).expanduser())._tok  # one loader of data.tokenizer folders (its errors)
         kind = "copied"

@@ -17,7 +17,7 @@ What the loop owns, in this order for each step ``s`` of ``start+1 .. training.t
 Rank 0 also logs the start-up phases (imports, process group, model build, checkpoint load, first step) once each.
 
 Before the first step (``resume``): the resume source (``checkpoint_dirs.resume_source``) is verified on every rank
-(``checkpoint_verify.agree``: sizes, and checksums unless ``checkpoint.verify: size``) and handed to
+(``checkpoint_agree.agree``: sizes, and checksums unless ``checkpoint.verify: size``) and handed to
 ``engine.resume``, whose step the run continues from (steps are 1-based and continue across resumes; records are
 appended). A checkpoint that fails verification or loading is set aside (``CheckpointDirs.set_aside``) and the next
 older complete one is tried; with none left the run fails naming the file. Whatever happens, the collector is closed
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
+from hpc_tools.checkpoints.dirs import CheckpointDirs, resume_source
 from hpc_tools.errors import UserError
-from hpc_tools.train.checkpoint_dirs import CheckpointDirs, resume_source
 
 if TYPE_CHECKING:
     from hpc_tools.runtime.context import RankContext
@@ -120,7 +120,7 @@ class Engine(Protocol):
 def run(ctx: "RankContext", build: Callable[["RankContext"], Engine]) -> None:
     """A backend's ``run(ctx)``: join the process group on this rank's device, build the engine, ``train`` it;
     rank 0 logs the start-up phases (imports, process group, model build; ``train`` the rest) as they end."""
-    from hpc_tools.train.progress import StartupLog, process_age_s
+    from hpc_tools.runtime.progress import StartupLog, process_age_s
 
     startup = StartupLog(ctx.info)
     age = process_age_s()
@@ -174,7 +174,7 @@ def resume(ctx: "RankContext", engine: Engine) -> int:
     one that fails either is set aside when it is the run's own (renamed ``iter_N.bad-<reason>``, never deleted) or
     skipped when it came from ``checkpoint.load_path``, logged with the file and the reason, and the next older one
     is tried. None left after a failure: ``CheckpointError`` naming the file(s)."""
-    from hpc_tools.train import checkpoint_verify
+    from hpc_tools.train import checkpoint_agree
 
     if not engine.checkpoints:
         return 0
@@ -204,16 +204,16 @@ def resume(ctx: "RankContext", engine: Engine) -> int:
             moved = dirs.set_aside(source, problem.reason, problem.line(source)) if own else None
             log.error("checkpoint %s is bad: %s; %s; falling back to the previous complete checkpoint", source,
                       problem.line(source), f"set aside as {moved.name}" if moved else "skipped (checkpoint.load_path)")
-        checkpoint_verify.gather(None)  # the others wait for the rename before listing the folder again
+        checkpoint_agree.gather(None)  # the others wait for the rename before listing the folder again
 
 
 def _verified_load(ctx: "RankContext", engine: Engine, source: Path, *, checksum: bool):
     """Collective: (step, None) once ``source`` verified and loaded on every rank, else (None, the first problem)."""
-    from hpc_tools.train import checkpoint_verify
-    from hpc_tools.train.checkpoint_verify import Problem
+    from hpc_tools.checkpoints.verify import Problem
+    from hpc_tools.train import checkpoint_agree
 
     meta = CheckpointDirs.read_meta(source)
-    problems, cost = checkpoint_verify.agree(source, meta, checksum=checksum)
+    problems, cost = checkpoint_agree.agree(source, meta, checksum=checksum)
     if problems:
         for p in problems[1:]:
             ctx.info("  also: %s", p.line(source))
@@ -227,7 +227,7 @@ def _verified_load(ctx: "RankContext", engine: Engine, source: Path, *, checksum
     except Exception as e:  # noqa: BLE001 - any failure to load falls back, with its type and text
         error = f"{type(e).__name__}: {e}".splitlines()[0][:500]
     load_s = time.perf_counter() - t0
-    errors = [(r, e) for r, e in enumerate(checkpoint_verify.gather(error)) if e]
+    errors = [(r, e) for r, e in enumerate(checkpoint_agree.gather(error)) if e]
     if errors:
         rank, text = errors[0]
         return None, Problem(".", "load", f"failed to load on rank {rank}: {text}")
@@ -340,7 +340,7 @@ def train(ctx: "RankContext", engine: Engine, collector_for: Callable[..., Any] 
     """Steps ``resume+1 .. training.train_iters`` of ``engine`` with records, heartbeats, the stop agreement,
     evaluations, progress lines and the saves (see the module docstring); closes the trackers, the collector, then
     the engine, whatever happens."""
-    from hpc_tools.train.progress import ProgressMeter, StartupLog
+    from hpc_tools.runtime.progress import ProgressMeter, StartupLog
 
     startup = startup if startup is not None else StartupLog(ctx.info)
     collector = trackers = None
@@ -417,7 +417,7 @@ def train(ctx: "RankContext", engine: Engine, collector_for: Callable[..., Any] 
 
 def _progress(ctx: "RankContext", meter, step: int, last: int, trackers) -> None:
     """Rank 0's progress line of ``step``, its ``progress.json`` for ``status``, and the trackers' scalars."""
-    from hpc_tools.train.progress import write_progress
+    from hpc_tools.runtime.progress import write_progress
 
     line, scalars = meter.line(step)
     ctx.info("%s", line)

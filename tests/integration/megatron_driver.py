@@ -120,7 +120,7 @@ def build(case: str):
 def rank_main(out: Path, only: list[str]) -> None:
     import torch.distributed as dist
 
-    from hpc_tools.train.checkpoint_dirs import CheckpointDirs
+    from hpc_tools.checkpoints.dirs import CheckpointDirs
     from hpc_tools.train.megatron import checkpoint
     from hpc_tools.train.megatron.trainer import _quiet_megatron
 

@@ -90,7 +90,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def resume_case(sets: list[str], work: Path) -> dict:
-    from hpc_tools.train.checkpoint_dirs import CheckpointDirs
+    from hpc_tools.checkpoints.dirs import CheckpointDirs
     from hpc_tools.train.megatron import checkpoint
 
     straight, engine = train(sets, 1, STEPS)
@@ -114,7 +114,7 @@ def overlap_case(work: Path) -> dict:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from hpc_tools.train.checkpoint_dirs import CheckpointDirs
+    from hpc_tools.checkpoints.dirs import CheckpointDirs
     from hpc_tools.train.megatron import checkpoint
     from hpc_tools.train.megatron.model import unwrap
 

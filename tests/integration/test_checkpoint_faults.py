@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
+from hpc_tools.checkpoints.dirs import META, CheckpointDirs
 from hpc_tools.executors.local import run_local
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe
-from hpc_tools.train.checkpoint_dirs import META, CheckpointDirs
 from hpc_tools.train.loop import INJECT_NONFINITE_ENV
 from profiling.records import read_jsonl
 

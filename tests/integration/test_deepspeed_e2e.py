@@ -58,7 +58,7 @@ def test_gpt_zero_local_profile_trains(finished_run):
 @pytest.mark.deepspeed
 @pytest.mark.slow
 def test_ds_config_and_checkpoints_in_the_run_folder(finished_run):
-    from hpc_tools.train.checkpoint_dirs import CheckpointDirs
+    from hpc_tools.checkpoints.dirs import CheckpointDirs
     from hpc_tools.train.deepspeed.ds_config import build_ds_config
 
     recipe, layout, run, _ = finished_run

@@ -173,7 +173,7 @@ def test_lr_schedule_warmup_then_cosine(two):
 def test_checkpoints_follow_the_folder_convention(two):
     from pathlib import Path
 
-    from hpc_tools.train.checkpoint_dirs import CheckpointDirs
+    from hpc_tools.checkpoints.dirs import CheckpointDirs
 
     root = Path(two["z3_fp32_resumed"]["run_dir"]) / "checkpoints"
     dirs = CheckpointDirs(root)

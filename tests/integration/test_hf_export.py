@@ -139,8 +139,8 @@ def test_layouts_train_alike_and_resume_wins(driven):
 def test_folder_has_tokenizer_and_generation_config(driven, tmp_path):
     from transformers import AutoTokenizer, GenerationConfig
 
+    from hpc_tools.data.tokenizer import BYTE_EOS_ID, ByteTokenizer
     from hpc_tools.hf.export import EXPORT_META, export_run
-    from hpc_tools.train.tokenizer import BYTE_EOS_ID, ByteTokenizer
 
     _, results = driven
     export_run(results["llama-tp2pp2"]["run"], tmp_path / "hf")
@@ -179,7 +179,7 @@ def _corrupt(ckpt: Path) -> Path:
 
 
 def test_corrupt_checkpoint_falls_back_then_refuses(driven, tmp_path, capsys):
-    from hpc_tools.train.checkpoint_dirs import dir_name
+    from hpc_tools.checkpoints.dirs import dir_name
 
     _, results = driven
     run = tmp_path / "run"

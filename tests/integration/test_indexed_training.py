@@ -49,8 +49,8 @@ def rank_main(data: Path, out: Path) -> None:
     sys.path.insert(0, str(HERE))
     import megatron_driver as driver
 
+    from hpc_tools.checkpoints.dirs import CheckpointDirs
     from hpc_tools.layout import ParallelLayout
-    from hpc_tools.train.checkpoint_dirs import CheckpointDirs
     from hpc_tools.train.data import validation_samples
     from hpc_tools.train.megatron import checkpoint
     from hpc_tools.train.megatron.engine import Engine

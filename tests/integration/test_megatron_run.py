@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from hpc_tools.checkpoints.dirs import CheckpointDirs
 from hpc_tools.executors.local import run_local
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe
-from hpc_tools.train.checkpoint_dirs import CheckpointDirs
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "gpt_3d.yaml"

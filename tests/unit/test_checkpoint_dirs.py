@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from hpc_tools.checkpoints.dirs import LATEST, META, CheckpointDirs, dir_name, parse_step, resume_source
 from hpc_tools.errors import UserError
-from hpc_tools.train.checkpoint_dirs import LATEST, META, CheckpointDirs, dir_name, parse_step, resume_source
 
 
 def save(dirs: CheckpointDirs, step: int, payload: str = "x", **meta) -> None:

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from hpc_tools.train import checkpoint_verify as cv
+from hpc_tools.checkpoints import verify as cv
+from hpc_tools.checkpoints.dirs import LATEST, META, SET_ASIDE_NOTE, CheckpointDirs, resume_source
 from hpc_tools.train import loop
-from hpc_tools.train.checkpoint_dirs import LATEST, META, SET_ASIDE_NOTE, CheckpointDirs, resume_source
 
 
 def save(dirs: CheckpointDirs, step: int, files: dict[str, bytes] | None = None) -> Path:

@@ -8,6 +8,7 @@ import socket
 import numpy as np
 import pytest
 
+from hpc_tools.data.tokenizer import BYTE_EOS_ID, ByteTokenizer, load_tokenizer
 from hpc_tools.errors import UserError
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import resolve
@@ -20,7 +21,6 @@ from hpc_tools.train.data import (
     synthetic_samples,
     windows,
 )
-from hpc_tools.train.tokenizer import BYTE_EOS_ID, ByteTokenizer, load_tokenizer
 
 
 def make_recipe(*, data=None, seed=1234, seq=16, vocab=512, micro=2, global_batch=8, ranks=2, pipeline=1):

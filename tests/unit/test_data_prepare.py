@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hpc_tools.data.prepare import plan_outputs, prepare, read_meta
+from hpc_tools.data.tokenizer import BYTE_EOS_ID, load_tokenizer
 from hpc_tools.errors import RecipeError, UserError
 from hpc_tools.recipe.load import resolve
 from hpc_tools.train.data import (
@@ -19,7 +20,6 @@ from hpc_tools.train.data import (
     synthetic_samples,
     validation_samples,
 )
-from hpc_tools.train.tokenizer import BYTE_EOS_ID, load_tokenizer
 
 WORDS = "the quick brown fox jumps over a lazy dog while pipelines shard tensors across many ranks".split()
 
@@ -148,10 +148,10 @@ def test_an_interrupted_run_leaves_nothing_under_the_final_name(corpus, tmp_path
 
 
 def test_saved_dataset_folder(corpus, tmp_path):
-    from hpc_tools.train.data import _offline_datasets
+    from hpc_tools.data.inputs import offline_datasets
 
     root, docs = corpus
-    datasets = _offline_datasets()
+    datasets = offline_datasets()
     datasets.Dataset.from_dict({"text": docs["web"][:20]}).save_to_disk(str(tmp_path / "saved"))
     (done,) = prepare([str(tmp_path / "saved")], str(tmp_path / "o"))
     assert done.documents == 20 and done.prefix.endswith("/saved")

@@ -169,8 +169,8 @@ def test_missing_folder_files_are_named(tmp_path):
 def test_byte_tokenizer_folder_encodes_like_training(tmp_path):
     from transformers import AutoTokenizer
 
+    from hpc_tools.data.tokenizer import BYTE_EOS_ID, BYTE_VOCAB_SIZE, ByteTokenizer
     from hpc_tools.hf.tokenizer import save_tokenizer
-    from hpc_tools.train.tokenizer import BYTE_EOS_ID, BYTE_VOCAB_SIZE, ByteTokenizer
 
     ids = save_tokenizer("byte", tmp_path)
     assert ids["eos_token_id"] == BYTE_EOS_ID

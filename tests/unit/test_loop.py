@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from hpc_tools.checkpoints.dirs import CheckpointDirs
 from hpc_tools.errors import UserError
 from hpc_tools.train import loop
-from hpc_tools.train.checkpoint_dirs import CheckpointDirs
 
 
 class FakeContext:

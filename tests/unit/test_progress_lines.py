@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from hpc_tools.runtime.progress import ProgressMeter, StartupLog, hms, read_progress, write_progress
 from hpc_tools.train import loop
-from hpc_tools.train.progress import ProgressMeter, StartupLog, hms, read_progress, write_progress
 from profiling.records import RecordWriter, jsonl_path, read_columns
 from profiling.schema import FIELD_NAMES, SCHEMA_VERSION
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import hpc_tools.runstate as runstate
+from hpc_tools.checkpoints.dirs import CheckpointDirs
 from hpc_tools.errors import UserError
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.registry import RunFolder
@@ -19,7 +20,6 @@ from hpc_tools.resume import launch, plan_resume
 from hpc_tools.runstate import SacctReader
 from hpc_tools.runtime.distenv import RESTART_BASE_ENV, DistEnv
 from hpc_tools.submission import prepare_run
-from hpc_tools.train.checkpoint_dirs import CheckpointDirs
 from tests.conftest import run_cli
 
 REPO = Path(__file__).resolve().parents[2]

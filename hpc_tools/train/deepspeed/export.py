@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hpc_tools.checkpoints.dirs import CheckpointDirs
 from hpc_tools.errors import UserError
 from hpc_tools.registry import RunFolder, atomic_write
-from hpc_tools.train.checkpoint_dirs import CheckpointDirs
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,

@@ -13,8 +13,8 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
+from hpc_tools.data.tokenizer import BYTE_EOS_ID
 from hpc_tools.errors import UserError
-from hpc_tools.train.tokenizer import BYTE_EOS_ID
 
 if TYPE_CHECKING:
     from hpc_tools.recipe.schema import Recipe

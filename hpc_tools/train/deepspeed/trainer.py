@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpc_tools.checkpoints.dirs import META, CheckpointDirs
 from hpc_tools.runtime.context import RankContext
-from hpc_tools.train import checkpoint_verify, loop, rng
-from hpc_tools.train.checkpoint_dirs import META, CheckpointDirs
+from hpc_tools.train import checkpoint_agree, loop, rng
 from hpc_tools.train.data import build_samples, microbatches_for_step
 from hpc_tools.train.deepspeed.ds_config import build_ds_config, write_ds_config
 from hpc_tools.train.deepspeed.model import build_model
@@ -264,7 +264,7 @@ class DeepSpeedJob:
         self.engine.save_checkpoint(str(self.dirs.root), tag=partial.name, client_state=state, save_latest=False)
         torch.save(rng.capture(), partial / RNG_FILE.format(rank=self.ctx.rank))
         dist.barrier()
-        files = checkpoint_verify.gather_records(partial, exclude=[META],
+        files = checkpoint_agree.gather_records(partial, exclude=[META],
                                                  checksum=self.recipe.checkpoint.verify == "checksum")
         final = self.dirs.final_path(step)
         if self.ctx.is_rank0:

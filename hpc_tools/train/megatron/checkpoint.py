@@ -1,9 +1,9 @@
-"""Checkpoints with megatron.core.dist_checkpointing (torch_dist), in the folders of hpc_tools.train.checkpoint_dirs.
+"""Checkpoints with megatron.core.dist_checkpointing (torch_dist), in the folders of hpc_tools.checkpoints.dirs.
 
 What a checkpoint holds: the model (ShardedTensors with layout-independent keys, so any TP/PP/VPP can load it), the
 optimizer (the distributed optimizer in Megatron's `dp_reshardable` format, see below), every rank's RNG states, and
 in the meta file the step, the number of optimizer steps taken, the layout it was saved under and every rank's list
-of the files it saved with sizes and checksums (``checkpoint_verify``; the loop verifies them before ``load``). The
+of the files it saved with sizes and checksums (``checkpoint_agree``; the loop verifies them before ``load``). The
 data position is the step.
 
 Loading under another layout always restores the model; the optimizer state comes along when it can be resharded:
@@ -19,8 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_tools.train import checkpoint_verify, rng
-from hpc_tools.train.checkpoint_dirs import META, CheckpointDirs
+from hpc_tools.checkpoints.dirs import META, CheckpointDirs
+from hpc_tools.train import checkpoint_agree, rng
 
 if TYPE_CHECKING:
     from hpc_tools.train.megatron.engine import Engine
@@ -95,7 +95,7 @@ def save(engine: "Engine", dirs: CheckpointDirs, step: int, *, model_only: bool 
             state["rng_state"] = rng_state(engine)
         dist_checkpointing.save(state, str(dirs.partial_path(step)))
     dist.barrier()
-    files = checkpoint_verify.gather_records(dirs.partial_path(step), exclude=[META],
+    files = checkpoint_agree.gather_records(dirs.partial_path(step), exclude=[META],
                                              checksum=engine.recipe.checkpoint.verify == "checksum")
     if dist.get_rank() == 0:
         dirs.commit(step, meta={"format": FORMAT, "model_only": model_only,

@@ -11,9 +11,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from hpc_tools.checkpoints.dirs import CheckpointDirs
 from hpc_tools.runtime.context import RankContext
 from hpc_tools.train import loop
-from hpc_tools.train.checkpoint_dirs import CheckpointDirs
 
 log = logging.getLogger("hpc_tools.megatron")
 
@@ -37,6 +37,9 @@ class MegatronJob:
         self.samples = build_samples(ctx.recipe)  # first: a bad data path fails before a model is built
         self.engine = Engine(ctx.recipe, ctx.layout, ctx.device)
         self.dirs = CheckpointDirs(ctx.checkpoint_dir, keep_last=ctx.recipe.checkpoint.keep_last)
+        self._attention_told = False
+        for note in self.engine.notes:
+            ctx.info("note: %s", note)
         if ctx.recipe.checkpoint.init_from_hf:  # step-0 weights from a Hugging Face folder unless resuming
             from hpc_tools.hf.load import init_unless_resuming
 
@@ -62,7 +65,14 @@ class MegatronJob:
         return microbatches_for_step(self.samples, step, self.engine.coords.dp_rank, self.ctx.layout)
 
     def step(self, step: int, batch: list[dict[str, Any]]) -> loop.StepResult:
-        return self.engine.train_step(step, batch)
+        result = self.engine.train_step(step, batch)
+        if not self._attention_told:  # TE chooses at the first forward (attention=auto): say what it chose, once
+            self._attention_told = True
+            if self.engine.plan.attention == "auto":
+                from hpc_tools.train.megatron.layers import te_attention_choice
+
+                self.ctx.info("attention: Transformer Engine chose %s", te_attention_choice() or "(no record)")
+        return result
 
     def evaluate(self, batches: list[list[dict[str, Any]]]) -> float:
         """Validation loss over ``batches`` (``Engine.evaluate``: forward only, the same on every rank)."""

@@ -4,10 +4,11 @@ At save, after every rank has written its files (the barrier before ``Checkpoint
 partial folder and records the size and the xxh3-64 checksum of its share of the files: the files it wrote where the
 name tells (torch_dist's ``__<rank>_<n>.distcp``, ``rng_rank<R>.pt``), the rest spread over the ranks by size.
 Rank 0 gathers the lists into the meta file (``files``); a checkpoint is complete only when every rank's list is
-there (``checkpoint_dirs.CheckpointDirs.is_complete``).
+there (``checkpoints.dirs.CheckpointDirs.is_complete``).
 
 At load every rank verifies a share of the recorded files (sizes always, checksums unless ``checkpoint.verify:
-size``), and the ranks agree on the result (``agree``), so that every rank falls back to the same checkpoint.
+size``), and the ranks agree on the result (``hpc_tools.train.checkpoint_agree``), so that every rank falls back to
+the same checkpoint. This module is the files' part, torch-free: ``export`` and the control plane verify with it too.
 
 Why xxh3-64: ~5 GB/s per core here, against ~3.8 GB/s for crc32c and ~0.7 GB/s for zlib.crc32
 (``benchmarks/bench_checkpoint_verify.py``). It detects corruption, not tampering.
@@ -155,55 +156,3 @@ def verify_share(folder: Path, meta: dict[str, Any], rank: int, world: int, *, c
                 problems.append(Problem(name, "checksum", f"{ALGORITHM} {got}, {want[ALGORITHM]} at save "
                                                           "(the bytes changed after the save)"))
     return Verified(problems, len(mine), nbytes, time.perf_counter() - t0, summed)
-
-
-# -- collectives (no-ops in a single process without torch.distributed) ------------------------------------------------
-
-def _dist():
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return None
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def rank_and_world() -> tuple[int, int]:
-    dist = _dist()
-    return (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
-
-
-def gather(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order, on every rank (one all_gather_object; only at save and resume)."""
-    dist = _dist()
-    if dist is None:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def gather_records(folder: Path, *, checksum: bool, exclude: Iterable[str] = ()) -> dict[str, Any]:
-    """Collective at save: every rank records its share of ``folder``; returns the meta's ``files`` value (on every
-    rank): ``{"algorithm", "world_size", "by_rank": {"0": {...}, ...}, "seconds": slowest rank}``."""
-    rank, world = rank_and_world()
-    t0 = time.perf_counter()
-    mine = record_share(folder, rank, world, checksum=checksum, exclude=exclude)
-    lists = gather((mine, time.perf_counter() - t0))
-    return {"algorithm": ALGORITHM if checksum else None, "world_size": world,
-            "by_rank": {str(r): entries for r, (entries, _) in enumerate(lists)},
-            "seconds": max(s for _, s in lists)}
-
-
-def agree(folder: Path, meta: dict[str, Any], *, checksum: bool) -> tuple[list[Problem], dict[str, float]]:
-    """Collective at load: every rank verifies its share; returns every rank's problems and the cost
-    (files, bytes checksummed, the slowest rank's seconds, GB/s per rank)."""
-    rank, world = rank_and_world()
-    mine = verify_share(folder, meta, rank, world, checksum=checksum)
-    everyone = gather(mine)
-    problems = [p for v in everyone for p in v.problems]
-    slowest = max(v.seconds for v in everyone)
-    cost = {"files": sum(v.files for v in everyone), "bytes": sum(v.bytes for v in everyone), "seconds": slowest,
-            "checksums": any(v.checksums for v in everyone),
-            "gb_per_s_per_rank": max((v.bytes / v.seconds / 1e9 for v in everyone if v.seconds > 0), default=0.0)}
-    return problems, cost
-

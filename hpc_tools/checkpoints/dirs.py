@@ -18,7 +18,7 @@ Protocol of one save, the same on every backend (``rank0`` = global rank 0; the 
     barrier()
     ...every rank writes into path...    # e.g. dist_checkpointing.save(..., path), engine.save_checkpoint(...)
     barrier()
-    files = checkpoint_verify.gather_records(path, checksum=...)   # every rank: sizes and checksums of its share
+    files = checkpoint_agree.gather_records(path, checksum=...)   # every rank: sizes and checksums of its share
     dirs.commit(step, meta={...}, files=files)   # rank 0: meta file, fsync, rename to iter_N, write `latest`, prune
     barrier()
 
@@ -184,13 +184,13 @@ class CheckpointDirs:
     def commit(self, step: int, meta: dict[str, Any] | None = None, files: dict[str, Any] | None = None) -> Path:
         """Make the partial folder of ``step`` the complete ``iter_N``, point ``latest`` at it, prune old ones.
 
-        ``files`` is every rank's file list (``checkpoint_verify.gather_records``); without it (one process, e.g. a
+        ``files`` is every rank's file list (``checkpoint_agree.gather_records``); without it (one process, e.g. a
         test) this process records every file of the folder as rank 0 of 1."""
         partial, final = self.partial_path(step), self.final_path(step)
         if not partial.is_dir():
             raise FileNotFoundError(f"no save in progress at {partial} (call begin({step}) first)")
         if files is None:
-            from hpc_tools.train.checkpoint_verify import ALGORITHM, record_share
+            from hpc_tools.checkpoints.verify import ALGORITHM, record_share
 
             files = {"algorithm": ALGORITHM, "world_size": 1,
                      "by_rank": {"0": record_share(partial, 0, 1, checksum=True, exclude=[META])}}
