@@ -3,7 +3,7 @@ skip with a one-line detail and, for anything not passing, the fix.
 
 The checks: the Python version (``setup.cfg`` python_requires), the packages a job imports against the pins in
 ``environment/`` (requirements files and install.sh), torch's CUDA / driver / NCCL when present, Slurm answering
-(``recipe/world.py``, the same 3 s question ``validate`` asks), and with a recipe: its checks against the files it
+(``hpc_tools/world.py``, the same 3 s question ``validate`` asks), and with a recipe: its checks against the files it
 names and the live partition (the same ``world_violations``), the container runtime it asks for, and a writable runs
 folder (``submission.checked_runs_root``). torch is imported inside its check only (seconds; fine here, never on a
 light command).
@@ -152,7 +152,7 @@ def _nvidia_driver() -> str | None:
 
 def slurm_check(view=None) -> Check:
     """Slurm installed and answering (sinfo within 3 s); no Slurm at all is fine (jobs run locally)."""
-    from hpc_tools.recipe.world import slurm_view
+    from hpc_tools.world import slurm_view
 
     view = view or slurm_view()
     if view.checked:
@@ -169,7 +169,7 @@ def slurm_check(view=None) -> Check:
 
 def recipe_checks(recipe: Recipe, executor: str, view=None) -> list[Check]:
     """The recipe against this machine's files and, for a Slurm job, the live partition; its container runtime."""
-    from hpc_tools.recipe.world import path_violations, slurm_view, slurm_violations
+    from hpc_tools.world import path_violations, slurm_view, slurm_violations
 
     rows = []
     paths = path_violations(recipe)

@@ -128,7 +128,7 @@ def _check_world(recipe, executor: str, source: str) -> None:
     this folder, where a local or submitit job runs; a re-submitted job.sbatch runs from its first submission's
     folder, so its files are left to the job."""
     from hpc_tools.errors import RecipeError
-    from hpc_tools.recipe.world import path_violations, slurm_view, slurm_violations
+    from hpc_tools.world import path_violations, slurm_view, slurm_violations
 
     found = []
     if executor != "sbatch":

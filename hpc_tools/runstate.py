@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
-from hpc_tools.runtime.watchdog import HANG_EXIT_CODE
-from hpc_tools.runtime.watchdog import MARKER as HANG_MARKER
-from hpc_tools.runtime.watchdog import MARKER_GLOB as HANG_MARKER_GLOB
+# -- a hang's traces (written by the rank's watchdog, ``runtime/watchdog.py``; read here) ------------------------------
+HANG_EXIT_CODE = 86
+HANG_MARKER = "HANG.txt"  # the one verdict file, in the run folder
+HANG_MARKER_GLOB = "HANG*.txt"  # also matches the per-rank HANG-rank<R>.txt files of older runs
 
 # -- run states --------------------------------------------------------------------------------------------------------
 LIVE_STATES = ("CREATED", "PENDING", "STARTING", "RUNNING", "REQUEUED")

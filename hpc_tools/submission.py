@@ -102,7 +102,7 @@ def plan_submission(recipe_path: str | Path, overrides: Iterable[str] = (), prof
         violations = fit_violations(recipe)
         if violations:
             raise RecipeError(violations, str(recipe_path))
-        from hpc_tools.recipe.world import world_violations  # files it names; the live cluster (not for a dry run)
+        from hpc_tools.world import world_violations  # files it names; the live cluster (not for a dry run)
 
         violations = world_violations(recipe, slurm=chosen == "slurm" and not dry_run)
         if violations:

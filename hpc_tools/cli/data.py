@@ -87,8 +87,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_on_slurm(args: argparse.Namespace, recipe, tokenizer: str, max_vocab: int | None) -> int:
     """``--executor slurm``: check the inputs here, queue the same prepare as one job, wait for it (or not)."""
-    from hpc_tools.data.slurm import submit_prepare
     from hpc_tools.errors import UserError
+    from hpc_tools.executors.prepare_job import submit_prepare
 
     if recipe is None:
         raise UserError("data prepare --executor slurm needs --recipe RECIPE (its cluster section gives the "

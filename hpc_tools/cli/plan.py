@@ -115,7 +115,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _measure(args: argparse.Namespace) -> int:
-    from hpc_tools.planner.measure import DEFAULT_MEASURE_STEPS, measured_search, print_measure
+    from hpc_tools.sweep.measure import DEFAULT_MEASURE_STEPS, measured_search, print_measure
 
     if args.measure is None or not args.search:
         raise UserError("--measure K runs the layout search's top K: use it with --search "

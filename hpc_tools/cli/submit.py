@@ -94,11 +94,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure(args: argparse.Namespace) -> tuple[list[str], str, str | None, dict] | None:
-    """``--auto --measure K``: the measured layout search (hpc_tools/planner/measure.py); returns the overrides that
+    """``--auto --measure K``: the measured layout search (hpc_tools/sweep/measure.py); returns the overrides that
     give its winner, the executor and profile it measured with, and its report for --json; None (after saying why)
     when no candidate measured a step."""
     from hpc_tools.errors import UserError
-    from hpc_tools.planner.measure import DEFAULT_MEASURE_STEPS, measured_search, print_measure
+    from hpc_tools.sweep.measure import DEFAULT_MEASURE_STEPS, measured_search, print_measure
 
     if args.measure is None or not args.auto:
         raise UserError("--measure K measures the planner's top K layouts: use it with --auto "

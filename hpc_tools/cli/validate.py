@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check(path: str, overrides: list[str], profile: str | None, fit: bool, world: bool = False) -> list[dict]:
     """Violations (as dicts) of one recipe under one profile. With ``world``, a recipe that passes its own rules
-    and the fit is checked against the files it names and the live Slurm cluster (``recipe/world.py``)."""
+    and the fit is checked against the files it names and the live Slurm cluster (``hpc_tools/world.py``)."""
     from hpc_tools.planner import fit_violations  # the planner's fit, without submit's machinery (jinja2, runs)
     from hpc_tools.recipe.load import read_yaml, resolve
 
@@ -57,7 +57,7 @@ def check(path: str, overrides: list[str], profile: str | None, fit: bool, world
     except RecipeError as exc:
         violations = exc.violations
     if world and not violations:
-        from hpc_tools.recipe.world import world_violations
+        from hpc_tools.world import world_violations
 
         violations = world_violations(recipe)
     return [v.as_dict() for v in violations]
@@ -102,7 +102,7 @@ def _slurm_note(offline: bool) -> dict:
     """What the world checks knew of Slurm (they ask it once per process), for --verbose and --json."""
     if offline:
         return {"checked": False, "unreachable": False, "summary": "not checked against the world (--offline)"}
-    from hpc_tools.recipe.world import slurm_view
+    from hpc_tools.world import slurm_view
 
     view = slurm_view()
     return {"checked": view.checked, "unreachable": not view.checked and "not installed" not in view.why,

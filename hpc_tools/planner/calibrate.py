@@ -119,7 +119,7 @@ def calibrate(run_dirs: list[str | Path], store: Path | None = None, save: bool 
 
 def calibrate_runs(runs: list[Measured], store: Path | None = None, save: bool = True,
                    efficiency: float | None = None) -> dict[str, Any]:
-    """``calibrate`` for runs already read (``read_run``): the measured layout search (``planner/measure.py``) feeds
+    """``calibrate`` for runs already read (``read_run``): the measured layout search (``sweep/measure.py``) feeds
     its candidates' runs through here, with the planning peak it ranked them by in their recipes."""
     from hpc_tools.planner.steptime import DEFAULT_EFFICIENCY
 

@@ -29,11 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpc_tools.registry import RunFolder, now_iso
-from hpc_tools.runstate import from_logs, is_terminal, log_files, log_tail
+from hpc_tools.runstate import HANG_EXIT_CODE, from_logs, is_terminal, log_files, log_tail
 from hpc_tools.runtime import heartbeat
 from hpc_tools.runtime.distenv import restart_count
 from hpc_tools.runtime.heartbeat import Beat, ranks_text
-from hpc_tools.runtime.watchdog import HANG_EXIT_CODE
 
 # srun's messages about its tasks (Slurm's srun/launch code): "srun: error: n2: task 2: Killed",
 # "srun: error: n1: tasks 0-1: Exited with exit code 3", "srun: error: Node failure on n2".

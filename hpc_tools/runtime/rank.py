@@ -17,13 +17,13 @@ from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import resolve
 from hpc_tools.recipe.yamlfile import parse_yaml
 from hpc_tools.registry import RunFolder, now_iso
-from hpc_tools.runstate import note_restart
+from hpc_tools.runstate import HANG_EXIT_CODE, note_restart
 from hpc_tools.runtime.backends import trainer_for
 from hpc_tools.runtime.context import RankContext
 from hpc_tools.runtime.distenv import DistEnv
 from hpc_tools.runtime.preemption import StopFlag
 from hpc_tools.runtime.ranklog import DATEFMT, FORMAT, RankLog
-from hpc_tools.runtime.watchdog import HANG_DIR, HANG_EXIT_CODE, HangVerdict, Watchdog
+from hpc_tools.runtime.watchdog import HANG_DIR, HangVerdict, Watchdog
 
 
 def setup_logging(rank: int, run_dir: str | None = None) -> RankLog:

@@ -29,12 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from hpc_tools.runstate import HANG_EXIT_CODE
+from hpc_tools.runstate import HANG_MARKER as MARKER
 from hpc_tools.runtime import heartbeat
 from hpc_tools.runtime.heartbeat import Beat, ranks_text
 
-HANG_EXIT_CODE = 86
-MARKER = "HANG.txt"  # the one verdict file, in the run folder
-MARKER_GLOB = "HANG*.txt"  # also matches the per-rank HANG-rank<R>.txt files of older runs
 HANG_DIR = "hang"  # per-rank stacks and NCCL flight-recorder dumps
 CHECK_S = heartbeat.INTERVAL_S
 GATHER_S = 2.0  # time the peers get to dump their stacks and refresh their heartbeats before the verdict

@@ -131,7 +131,7 @@ def expand(raw: dict[str, Any], overrides: Iterable[str] = (), profile: str | No
 def check_world(plan: SweepPlan, slurm: bool) -> None:
     """Drop the cells that do not fit this machine's files or (with ``slurm``) the live cluster, as `submit` refuses
     such a recipe (``recipe.world.world_violations``; the cluster is asked once for every cell)."""
-    from hpc_tools.recipe.world import slurm_view, world_violations
+    from hpc_tools.world import slurm_view, world_violations
 
     view = slurm_view() if slurm and plan.valid else None
     for cell in plan.valid:

@@ -14,11 +14,11 @@ import pytest
 
 from hpc_tools import registry
 from hpc_tools.registry import RunFolder
-from hpc_tools.runstate import classify, note_restart
+from hpc_tools.runstate import HANG_EXIT_CODE, classify, note_restart
 from hpc_tools.runtime import heartbeat
 from hpc_tools.runtime.epilogue import failures_from_exit_codes, record_end, srun_failures, this_life
 from hpc_tools.runtime.heartbeat import Beat, describe_frames
-from hpc_tools.runtime.watchdog import HANG_EXIT_CODE, hang_verdict
+from hpc_tools.runtime.watchdog import hang_verdict
 
 # srun's own words after `kill -9` of task 2 (recorded on the 2-node test cluster): the first report is the culprit,
 # the later ones are the ranks that --kill-on-bad-exit stopped.

@@ -14,7 +14,9 @@ import yaml
 from hpc_tools.cli import main
 from hpc_tools.errors import UserError
 from hpc_tools.planner.efficiency import efficiency_for
-from hpc_tools.planner.measure import (
+from hpc_tools.planner.search import search
+from hpc_tools.recipe.load import dump_resolved, resolve
+from hpc_tools.sweep.measure import (
     CPU_PLANNING_PEAK_TFLOPS,
     NOT_RUN,
     MeasureReport,
@@ -27,8 +29,6 @@ from hpc_tools.planner.measure import (
     rank_agreement,
     rank_outcomes,
 )
-from hpc_tools.planner.search import search
-from hpc_tools.recipe.load import dump_resolved, resolve
 from hpc_tools.testing.synthetic import write_rank_parquet
 
 # The shape of gpt_3d's local profile: a tiny GPT on 4 CPU ranks.
@@ -196,7 +196,7 @@ def test_cli_refusals(argv, message, tmp_path, capsys):
 
 
 def test_a_candidate_that_breaks_a_rule_is_kept_with_the_reason():
-    from hpc_tools.planner.measure import _candidate_cells, _grid
+    from hpc_tools.sweep.measure import _candidate_cells, _grid
 
     planning, _ = planning_recipe(tiny())
     cands = search(planning, top=2, losers=0, use_calibration=False).ranked[:2]

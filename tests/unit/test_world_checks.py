@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from hpc_tools.recipe.load import resolve
-from hpc_tools.recipe.world import (
+from hpc_tools.world import (
     Partition,
     SlurmView,
     gres_gpus,
