@@ -73,8 +73,23 @@ def python_check(minimum: tuple[int, int] | None = None) -> Check:
 
 def _python_requires() -> tuple[int, int]:
     cfg = REPO / "setup.cfg"
-    m = re.search(r"python_requires\s*=\s*>=\s*(\d+)\.(\d+)", cfg.read_text()) if cfg.is_file() else None
+    if cfg.is_file():
+        m = re.search(r"python_requires\s*=\s*>=\s*(\d+)\.(\d+)", cfg.read_text())
+    else:  # installed from a wheel: setup.cfg stayed behind; its python_requires is the metadata's Requires-Python
+        try:
+            m = re.search(r">=\s*(\d+)\.(\d+)", importlib.metadata.metadata("hpc_tools")["Requires-Python"] or "")
+        except importlib.metadata.PackageNotFoundError:
+            m = None
     return (int(m.group(1)), int(m.group(2))) if m else (3, 10)
+
+
+def pins_check(folder: Path = ENVIRONMENT) -> list[Check]:
+    """A row only where the pins are not beside the package: installed from a wheel, the checkout's environment/ is
+    not there, and the package rows compare with nothing."""
+    if any(folder.glob("requirements-*.txt")):
+        return []
+    return [Check("pins", "skip", f"no environment/ beside {REPO} (installed from a wheel, not a checkout): the "
+                                  "package versions are not compared with the tested pins")]
 
 
 def package_checks(backend: str | None = None, pinned: dict[str, str] | None = None) -> list[Check]:
@@ -241,7 +256,7 @@ def run_doctor(recipe: Recipe | None = None, executor: str = "local", runs_dir: 
     """Every check, in the table's order."""
     wants_gpus = None if recipe is None else recipe.cluster.uses_gpus
     backend = None if recipe is None else recipe.backend.kind
-    rows = [python_check(), *package_checks(backend)]
+    rows = [python_check(), *pins_check(), *package_checks(backend)]
     if with_torch:
         rows += torch_checks(wants_gpus)
     rows.append(slurm_check())
