@@ -8,8 +8,8 @@ MFU uses the Megatron FLOPs convention (``profiling/flops.py``: model FLOPs = 3 
 matrices, attention scores counted for the causal half, logits over the padded vocabulary, no recomputation), over
 the peak of ``profiling/peaks.py`` for the detected GPU and bf16. Step time = the median of the timed steps after
 the warm-up, each bracketed by ``torch.cuda.synchronize()``. The run is TP1 x PP1 on one GPU, bf16, Transformer
-Engine layers with flash attention (the script refuses to report a figure without them: that would measure the slow
-path), no recomputation, synthetic data.
+Engine layers with TE's own choice of attention (``attention: auto``; the script refuses to report a figure unless TE
+chose its flash or cuDNN fused attention: anything else measures the slow path), no recomputation, synthetic data.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_recipe(args: argparse.Namespace, gpu_type: str):
-    """gpt_3d's recipe reshaped to one GPU: TP1 x PP1, bf16, TE + flash attention, no recompute."""
+    """gpt_3d's recipe reshaped to one GPU: TP1 x PP1, bf16, TE layers, flash-style attention, no recompute."""
     from hpc_tools.recipe.load import load_recipe
 
     layers, hidden, heads = SIZES[args.size]
@@ -101,6 +101,7 @@ def measure(recipe, args: argparse.Namespace) -> dict:
     from hpc_tools.layout import ParallelLayout
     from hpc_tools.train.data import build_samples, microbatches_for_step
     from hpc_tools.train.megatron.engine import Engine
+    from hpc_tools.train.megatron.layers import te_attention_choice
     from profiling.peaks import peak_for_recipe
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -110,7 +111,7 @@ def measure(recipe, args: argparse.Namespace) -> dict:
     layout = ParallelLayout.from_recipe(recipe)
     engine = Engine(recipe, layout, torch.device("cuda", 0))
     plan = engine.plan
-    if not (plan.transformer_engine and plan.attention in ("flash", "fused")):
+    if not (plan.transformer_engine and plan.flash_style):
         raise SystemExit(f"gpu_mfu: {plan.describe()}: not the fast path (Transformer Engine with flash/fused "
                          "attention); no figure reported")
     samples = build_samples(recipe)
@@ -125,13 +126,20 @@ def measure(recipe, args: argparse.Namespace) -> dict:
         if step > args.warmup:
             times.append(time.perf_counter() - t0)
         losses.append(result.loss)
+        if step == 1:
+            attention = te_attention_choice()  # TE chose at the first forward (attention=auto)
+            if not attention or not attention.startswith(("flash", "fused")):
+                raise SystemExit(f"gpu_mfu: Transformer Engine runs {attention or 'no recorded'} attention: not the "
+                                 "fast path; no figure reported (run with NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 for TE's "
+                                 "reasons)")
     engine.close()
     dist.destroy_process_group()
     step_s = statistics.median(times)
     name = torch.cuda.get_device_name(0)
     peak = peak_for_recipe(recipe, device_name=name)
     flops = model_flops(recipe)
-    return {"device": name, "peak_tflops": peak, "layer_plan": plan.describe(), "step_s": step_s,
+    return {"device": name, "peak_tflops": peak, "layer_plan": plan.describe(), "attention": attention,
+            "step_s": step_s,
             "tokens_per_s": recipe.training.global_batch_size * recipe.model.seq_length / step_s,
             "mfu": flops / step_s / (peak * 1e12) if peak else None, "model_flops": flops,
             "peak_memory_gib": torch.cuda.max_memory_allocated(0) / 2**30, "losses": losses}
@@ -144,7 +152,7 @@ def report(args: argparse.Namespace, recipe, predicted: dict, measured: dict | N
              f"{recipe.cluster.gpu_type}",
              f"MFU convention: Megatron (profiling/flops.py), {model_flops(recipe):.3e} model FLOPs per step"]
     if measured:
-        lines.append(f"layers: {measured['layer_plan']}")
+        lines.append(f"layers: {measured['layer_plan']}; Transformer Engine chose {measured['attention']} attention")
         mfu = f"{measured['mfu']:.1%}" if measured["mfu"] is not None else "n/a (GPU not in the peak table)"
         lines.append(f"measured:  step {measured['step_s']:.3f} s (median of {args.steps}), "
                      f"{measured['tokens_per_s']:,.0f} tok/s, MFU {mfu}, "

@@ -90,8 +90,11 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def resume_case(sets: list[str], work: Path) -> dict:
+    """Uninterrupted vs saved-and-resumed losses, with the layer plan and the attention Transformer Engine chose
+    (None without TE)."""
     from hpc_tools.checkpoints.dirs import CheckpointDirs
     from hpc_tools.train.megatron import checkpoint
+    from hpc_tools.train.megatron.layers import te_attention_choice
 
     straight, engine = train(sets, 1, STEPS)
     engine.close()
@@ -105,9 +108,10 @@ def resume_case(sets: list[str], work: Path) -> dict:
                                for g in opt.optimizer.param_groups if "step" in g})
     rest, engine = train(sets, step + 1, STEPS, engine)
     optimizer = type(checkpoint.inner_optimizers(engine.optimizer)[0].optimizer).__name__
+    plan = engine.plan.describe()
     engine.close()
     return {"straight": straight, "resumed": first + rest, "group_steps_after_load": steps_after_load,
-            "optimizer": optimizer}
+            "optimizer": optimizer, "plan": plan, "te_attention": te_attention_choice()}
 
 
 def overlap_case(work: Path) -> dict:

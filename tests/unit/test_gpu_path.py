@@ -22,19 +22,93 @@ def gpt3d(*sets: str):
     return load_recipe(REPO_RECIPE, overrides=list(sets))
 
 
-def plan_of(recipe, device="cuda", te=True, flash=True):
+def plan_of(recipe, device="cuda", te=True):
     from hpc_tools.train.megatron.layers import layer_plan
 
-    return layer_plan(recipe, device, te_available=te, flash_available=flash)
+    return layer_plan(recipe, device, te_available=te)
 
 
-# -- layer plan (item 5) -----------------------------------------------------------------------------------------------
+# -- layer plan (item 5; issue 25 items 1 and 7) -----------------------------------------------------------------------
 
-def test_plan_on_gpu_names_te_and_flash():
+def test_plan_on_gpu_names_te_and_lets_te_choose_the_attention():
     r = gpt3d()
-    assert plan_of(r).describe() == "layers=transformer_engine, attention=flash"
-    assert plan_of(r, flash=False).attention == "fused"  # TE's cuDNN fused attention: no s^2 tensor either
-    assert plan_of(gpt3d("backend.megatron.use_flash_attention=false")).attention == "unfused"
+    assert r.training.precision == "bf16"
+    plan = plan_of(r)
+    assert plan.describe() == "layers=transformer_engine, attention=auto" and plan.flash_style
+    off = plan_of(gpt3d("backend.megatron.use_flash_attention=false"))
+    assert off.attention == "unfused" and not off.flash_style
+
+
+def test_plan_does_not_depend_on_the_flash_attn_package(monkeypatch):
+    """Item 7: forcing ``flash`` whenever flash_attn imports ended in item 1's error outside TE's supported
+    flash-attn versions, and overrode TE's faster cuDNN choice on H100. The plan is TE's ``auto`` either way."""
+    from hpc_tools.train.megatron import layers
+
+    plans = []
+    for has_flash in (True, False):
+        monkeypatch.setattr(layers, "module_available", lambda name, f=has_flash: name != "flash_attn" or f)
+        plans.append(layers.layer_plan(gpt3d(), "cuda"))
+    assert plans[0] == plans[1] and plans[0].attention == "auto"
+
+
+# TE v2.11 and main, dot_product_attention/utils.py get_attention_backend: FlashAttention 2/3 and FusedAttention are
+# disabled for a qkv_dtype outside {bfloat16, float16} (float8 too for fused/FA3); UnfusedDotProductAttention takes
+# any dtype. The backends TE could still pick for the recipe's precision:
+TE_BACKENDS_FOR_PRECISION = {"fp32": {"UNFUSED"}, "bf16": {"FLASH", "FUSED", "UNFUSED"},
+                             "fp16": {"FLASH", "FUSED", "UNFUSED"}}
+
+
+def backends_mcore_leaves_on(monkeypatch, attention: str) -> set[str]:
+    """The TE backends megatron-core leaves enabled for ``attention``: its own ``_set_attention_backend`` run on
+    CPU (it only sets NVTE_FLASH_ATTN / NVTE_FUSED_ATTN / NVTE_UNFUSED_ATTN, which TE reads)."""
+    import os
+
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.transformer.enums import AttnBackend
+
+    names = ("FLASH", "FUSED", "UNFUSED")
+    for name in names:
+        monkeypatch.delenv(f"NVTE_{name}_ATTN", raising=False)
+    LanguageModule._set_attention_backend(SimpleNamespace(config=SimpleNamespace(
+        attention_backend=AttnBackend[attention])))
+    on = {name for name in names if os.environ[f"NVTE_{name}_ATTN"] == "1"}
+    for name in names:
+        monkeypatch.delenv(f"NVTE_{name}_ATTN")
+    return on
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("flash", [True, False])
+def test_every_precision_leaves_te_an_attention_backend(monkeypatch, precision, flash):
+    """Item 1: with TE, fp32 had no attention backend (a pinned flash/fused backend, which TE refuses for fp32)."""
+    r = gpt3d(f"training.precision={precision}", f"backend.megatron.use_flash_attention={str(flash).lower()}")
+    plan = plan_of(r)
+    usable = backends_mcore_leaves_on(monkeypatch, plan.attention) & TE_BACKENDS_FOR_PRECISION[precision]
+    assert usable, f"{plan.describe()}: no TE attention backend for {precision}"
+    # flash_style (selective recompute dropped, no s^2 in the plan) only where TE has a flash or fused kernel
+    assert plan.flash_style == (flash and bool(usable & {"FLASH", "FUSED"}))
+    assert ("fp32" in plan.note) == (precision == "fp32" and flash)
+
+
+def test_the_old_pinned_backends_left_fp32_without_attention(monkeypatch):
+    # the control: what layer_plan used to pick (flash, or fused without the flash-attn package) for every precision
+    for pinned in ("flash", "fused"):
+        assert not backends_mcore_leaves_on(monkeypatch, pinned) & TE_BACKENDS_FOR_PRECISION["fp32"]
+
+
+def test_te_choice_is_read_from_tes_own_record():
+    from hpc_tools.train.megatron.layers import describe_te_choice, te_attention_choice
+
+    # the keys of TE's dot_product_attention._attention_backends (v2.11 and main)
+    record = {"attention_params": object(), "use_flash_attention": False, "flash_attention_backend": None,
+              "use_fused_attention": True, "fused_attention_backend": 1, "use_unfused_attention": True,
+              "backend_selection_requires_update": False}
+    assert describe_te_choice(record) == "fused (cuDNN, arbitrary sequence)"
+    assert describe_te_choice({**record, "use_fused_attention": False}) == "unfused"
+    assert describe_te_choice({**record, "use_flash_attention": True, "flash_attention_backend": "2.8.3"}) == \
+        "flash (flash-attn 2.8.3)"
+    assert describe_te_choice({**record, "attention_params": None}) is None  # no forward yet
+    assert te_attention_choice() is None  # no Transformer Engine on this machine
 
 
 @pytest.mark.parametrize("sets,te,field", [
@@ -56,16 +130,16 @@ def test_auto_without_te_falls_back_and_says_so():
 
 
 def test_cpu_always_runs_local_layers_and_says_why():
-    plan = plan_of(gpt3d(), device="cpu", te=True, flash=True)
+    plan = plan_of(gpt3d(), device="cpu", te=True)
     assert (plan.layers, plan.attention) == ("local", "local") and "CUDA-only" in plan.note
 
 
 # -- the CUDA TransformerConfig, built on CPU (item 5, performance) ----------------------------------------------------
 
-def cuda_config(recipe, te=True, flash=True):
+def cuda_config(recipe, te=True):
     from hpc_tools.train.megatron.config import transformer_config
 
-    return transformer_config(recipe, ParallelLayout.from_recipe(recipe), "cuda", plan_of(recipe, te=te, flash=flash))
+    return transformer_config(recipe, ParallelLayout.from_recipe(recipe), "cuda", plan_of(recipe, te=te))
 
 
 def test_cuda_config_turns_on_the_fusions_the_device_has():
@@ -74,12 +148,14 @@ def test_cuda_config_turns_on_the_fusions_the_device_has():
     c = cuda_config(gpt3d())
     assert c.bias_activation_fusion and c.bias_dropout_fusion  # torch-jit kernels: any CUDA device
     assert not c.use_cpu_initialization
-    assert c.attention_backend == AttnBackend.flash
+    assert c.attention_backend == AttnBackend.auto  # TE's own choice (issue 25 items 1, 7)
     assert not c.masked_softmax_fusion  # TE's attention ignores it
     assert not c.persist_layer_norm  # apex FusedLayerNorm only
     assert c.recompute_granularity is None  # selective recompute dropped: flash attention stores no s^2 tensor
     # interleaved (VPP2) on CUDA: p2p overlapped with compute, not batched (they exclude each other)
     assert c.overlap_p2p_comm and not c.batch_p2p_comm
+    fp32 = cuda_config(gpt3d("training.precision=fp32"))  # TE runs its unfused attention: selective recompute kept
+    assert fp32.attention_backend == AttnBackend.auto and fp32.recompute_granularity == "selective"
 
 
 def test_cuda_config_for_llama_uses_te_rope_fusion_and_cpu_keeps_everything_off():
@@ -103,6 +179,21 @@ def test_gradient_accumulation_fusion_only_with_apex_kernel():
     from hpc_tools.train.megatron.layers import module_available
 
     assert cuda_config(gpt3d()).gradient_accumulation_fusion == module_available("fused_weight_gradient_mlp_cuda")
+
+
+def test_missing_apex_is_noted_at_start_on_cuda_only(monkeypatch):
+    """Item 13: without apex TE's weight-gradient fusion is off too (mcore passes gradient_accumulation_fusion to TE's
+    fuse_wgrad_accumulation); the run says so where it starts (``Engine.notes``, logged by the trainer)."""
+    from hpc_tools.train.megatron import config
+
+    r = gpt3d()
+    assert config.fusion_notes(r, "cpu") == []
+    for has_apex in (False, True):
+        monkeypatch.setattr(config, "module_available", lambda name, a=has_apex: a)
+        notes = config.fusion_notes(r, "cuda")
+        assert notes == ([] if has_apex else [config.NO_APEX_NOTE])
+        assert cuda_config(r).gradient_accumulation_fusion == has_apex
+    assert "Transformer Engine's weight-gradient fusion" in config.NO_APEX_NOTE
 
 
 def test_cuda_device_max_connections_by_layout():

@@ -27,8 +27,8 @@ def test_gpu_mfu_builds_the_real_shape_recipe_and_the_fast_path_plan():
     assert (lay.tensor_size, lay.pipeline_size) == (1, 1) and recipe.training.global_batch_size == 32
     from hpc_tools.train.megatron.layers import layer_plan
 
-    plan = layer_plan(recipe, "cuda", te_available=True, flash_available=True)
-    assert plan.describe() == "layers=transformer_engine, attention=flash"
+    plan = layer_plan(recipe, "cuda", te_available=True)
+    assert plan.describe() == "layers=transformer_engine, attention=auto" and plan.flash_style  # bf16: TE's choice
     # gpt_3d's 4.44e15 FLOPs per 256-sequence step, Megatron convention, per 32 sequences
     assert abs(mfu.model_flops(recipe) - 4.44e15 / 8) / 5.55e14 < 0.01
     predicted = mfu.prediction(recipe)

@@ -40,12 +40,26 @@ def fusions(recipe: "Recipe", device_type: str, plan) -> dict[str, bool]:
         return off
     m = recipe.model
     return {**off,
-            "gradient_accumulation_fusion": module_available("fused_weight_gradient_mlp_cuda"),
+            "gradient_accumulation_fusion": module_available(APEX_WGRAD),
             "bias_activation_fusion": m.activation == "swiglu" or bool(m.add_bias_linear),
             "masked_softmax_fusion": not plan.transformer_engine
             and module_available("scaled_upper_triang_masked_softmax_cuda"),
             "bias_dropout_fusion": True,
             "apply_rope_fusion": plan.transformer_engine and m.position_embedding == "rope"}
+
+
+APEX_WGRAD = "fused_weight_gradient_mlp_cuda"
+NO_APEX_NOTE = ("gradient_accumulation_fusion off: apex's fused_weight_gradient_mlp_cuda is not installed, and "
+                "Transformer Engine's weight-gradient fusion is tied to the same switch, so each micro-batch "
+                "writes its 16-bit weight gradients and adds them to the fp32 main gradients in a separate pass "
+                "(install apex with its CUDA extensions to fuse them)")
+
+
+def fusion_notes(recipe: "Recipe", device_type: str) -> list[str]:
+    """What a CUDA run pays for a fusion it cannot have, for the start line (``doctor`` says the same)."""
+    if device_type != "cuda" or module_available(APEX_WGRAD):
+        return []
+    return [NO_APEX_NOTE]
 
 
 def p2p_options(layout: "ParallelLayout", device_type: str) -> dict[str, bool]:
@@ -63,9 +77,10 @@ def p2p_options(layout: "ParallelLayout", device_type: str) -> dict[str, bool]:
 
 def recompute_granularity(recipe: "Recipe", plan) -> str | None:
     """``training.recompute_granularity``, except that selective recompute (which recomputes the attention core to
-    drop its s^2 tensors) is dropped under TE's flash/fused attention, which stores none."""
+    drop its s^2 tensors) is dropped where TE's flash/fused attention runs (``plan.flash_style``), which stores
+    none. Kept under TE's unfused attention (fp32, or ``use_flash_attention: false``)."""
     g = recipe.training.recompute_granularity
-    if g == "none" or (g == "selective" and plan.transformer_engine and plan.attention in ("flash", "fused")):
+    if g == "none" or (g == "selective" and plan.flash_style):
         return None
     return g
 
@@ -117,6 +132,12 @@ def cuda_device_max_connections(recipe: "Recipe", layout: "ParallelLayout") -> s
     needs = layout.tensor_size > 1 or layout.sequence_parallel or mg.overlap_grad_reduce or mg.overlap_param_gather
     return "1" if needs else None
 
+
+
+def rank_environment(recipe: "Recipe", layout: "ParallelLayout") -> dict[str, str]:
+    """What a CUDA rank of this recipe sets before its first CUDA call (the backend table's ``rank_setup``)."""
+    value = cuda_device_max_connections(recipe, layout)
+    return {} if value is None else {"CUDA_DEVICE_MAX_CONNECTIONS": value}
 
 def ddp_config(recipe: "Recipe"):
     from megatron.core.distributed import DistributedDataParallelConfig

@@ -73,7 +73,7 @@ class Engine:
         from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from hpc_tools.train.megatron.config import optimizer_config, transformer_config
+        from hpc_tools.train.megatron.config import fusion_notes, optimizer_config, transformer_config
         from hpc_tools.train.megatron.layers import layer_plan
         from hpc_tools.train.megatron.model import build_chunks
 
@@ -90,6 +90,7 @@ class Engine:
             cpu_compat.install()
         self.recipe, self.layout, self.device_type = recipe, layout, device_type
         self.plan = layer_plan(recipe, device_type)  # fails here, before any model is built, when a GPU lacks TE
+        self.notes = fusion_notes(recipe, device_type)  # what this node's missing fusions cost; told at start
         self.coords = init_parallel(layout, recipe.training.seed)
         self.config = transformer_config(recipe, layout, device_type, self.plan)
         self.chunks = build_chunks(recipe, layout, self.config, device_type)

@@ -17,12 +17,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class LayerPlan:
     """What a rank's layers run on: ``layers`` (``transformer_engine`` | ``local``) and ``attention`` (mcore's
-    ``AttnBackend`` name: ``flash``/``fused``/``unfused`` inside TE, ``local`` = Megatron's unfused
-    DotProductAttention, O(s^2) memory), plus a note when ``auto`` fell back. Named on the start line."""
+    ``AttnBackend`` name: ``auto`` = Transformer Engine chooses among its flash, cuDNN fused and unfused attention at
+    the first forward, ``unfused`` inside TE, ``local`` = Megatron's unfused DotProductAttention, O(s^2) memory),
+    ``flash_style`` (the attention keeps no s^2 tensor: TE's ``auto`` on 16-bit inputs, where TE has a flash or fused
+    kernel), plus a note when the plan is not what the recipe's words suggest. Named on the start line."""
 
     layers: str
     attention: str
     note: str = ""
+    flash_style: bool = False
 
     @property
     def transformer_engine(self) -> bool:
@@ -42,15 +45,24 @@ def module_available(name: str) -> bool:
         return False
 
 
-def layer_plan(recipe: "Recipe", device_type: str, *, te_available: bool | None = None,
-               flash_available: bool | None = None) -> LayerPlan:
+FP32_NOTE = "fp32: Transformer Engine's flash and fused attention take bf16/fp16 only, TE runs its unfused O(s^2) one"
+
+
+def layer_plan(recipe: "Recipe", device_type: str, *, te_available: bool | None = None) -> LayerPlan:
     """The layer implementation and attention backend for this recipe on this device.
 
     On a GPU, a recipe that asks for what this node cannot give fails with one line instead of running slowly:
     ``transformer_impl: transformer_engine`` without TE, or ``use_flash_attention: true`` without TE (the local
     layers only have unfused attention). ``auto`` without TE and without flash falls back to the local layers and
     says so. On CPU the local layers with unfused attention always run (TE and flash attention are CUDA-only):
-    allowed, documented in docs/gpu-path.md. ``te_available``/``flash_available`` override the probes (tests).
+    allowed, documented in docs/gpu-path.md. ``te_available`` overrides the probe (tests).
+
+    With TE and ``use_flash_attention: true`` the attention backend is ``auto``, TE's own choice, never a pinned
+    ``flash``/``fused``: megatron-core turns the other TE backends off for a pinned one (``NVTE_*_ATTN=0``,
+    ``language_module.py``), and TE disables flash and fused attention for fp32 inputs and flash attention outside
+    its supported flash-attn versions (``dot_product_attention/utils.py``), so a pinned backend can leave none
+    ("No dot product attention backend is available"). ``auto`` also lets TE prefer cuDNN's fused attention where it
+    is faster (H100). The engine logs what TE chose (``te_attention_choice``).
     """
     from hpc_tools.errors import UserError
 
@@ -75,6 +87,38 @@ def layer_plan(recipe: "Recipe", device_type: str, *, te_available: bool | None 
         return LayerPlan("local", "local", "transformer_impl=auto: transformer_engine not importable, local layers")
     if not mg.use_flash_attention:
         return LayerPlan("transformer_engine", "unfused")
-    flash = module_available("flash_attn") if flash_available is None else flash_available
-    # Without the flash-attn package TE's cuDNN fused attention is the flash-style kernel (no s^2 tensor either).
-    return LayerPlan("transformer_engine", "flash" if flash else "fused")
+    if recipe.training.precision == "fp32":
+        return LayerPlan("transformer_engine", "auto", FP32_NOTE)
+    return LayerPlan("transformer_engine", "auto", flash_style=True)
+
+
+def te_attention_choice() -> str | None:
+    """The attention backend Transformer Engine chose at its latest forward (under ``attention: auto``), or None
+    (no TE here, or no forward yet). Read from TE's module state ``_attention_backends`` in
+    ``transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py`` (v2.11 and main), the
+    record TE itself keeps of its last choice."""
+    try:
+        from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa
+    except Exception:  # noqa: BLE001 - TE missing, or present without a usable CUDA build: nothing to report
+        return None
+    return describe_te_choice(getattr(dpa, "_attention_backends", None))
+
+
+FUSED_SUB_BACKENDS = {0: "max-512 sequence", 1: "arbitrary sequence", 2: "FP8"}
+"""TE's ``NVTE_Fused_Attn_Backend`` values (``transformer_engine/common/include/transformer_engine/fused_attn.h``)."""
+
+
+def describe_te_choice(backends: dict | None) -> str | None:
+    """``flash (flash-attn 2.8.3)``, ``fused (cuDNN, arbitrary sequence)``, ``unfused`` from TE's
+    ``_attention_backends`` record; None when it holds no choice yet."""
+    if not backends or backends.get("attention_params") is None:
+        return None
+    if backends.get("use_flash_attention"):
+        return f"flash (flash-attn {backends.get('flash_attention_backend')})"
+    if backends.get("use_fused_attention"):
+        sub = backends.get("fused_attention_backend")
+        sub = None if sub is None else int(sub)
+        return f"fused (cuDNN, {FUSED_SUB_BACKENDS.get(sub, f'sub-backend {sub}')})"
+    if backends.get("use_unfused_attention"):
+        return "unfused"
+    return None
