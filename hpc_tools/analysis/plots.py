@@ -72,6 +72,20 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _finish(fig, ax, path: Path, xlabel: str | None, ylabel: str, title: str, title_size: int = 10,
+            grid: bool = True, extra: list | None = None) -> list[Path]:
+    """The ending of a one-axes plot: axis labels, title, a light grid, the legend right of the axes, saved to
+    ``path`` (returned as the plot's list of files)."""
+    if xlabel is not None:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=title_size)
+    if grid:
+        ax.grid(alpha=0.3)
+    _legend(fig, ax, extra=extra)
+    return [_save(fig, path)]
+
+
 def _legend(fig, axes=None, title: str | None = None, extra: list | None = None) -> None:
     """One legend right of the axes, each name once (``extra``: (handle, label) pairs appended, e.g. line styles)."""
     seen: dict[str, object] = {}
@@ -179,12 +193,8 @@ def throughput(a: Analysis, out: Path) -> list[Path]:
         ax.plot(t["world_size"], base * t["world_size"], "--", color=bars[0].get_color(), alpha=0.6, lw=1,
                 label="ideal (linear)" if i == 0 else "_ideal")
     _gpu_axis(ax, a)
-    ax.set_xlabel("GPUs (ranks)")
-    ax.set_ylabel("tokens / s")
-    ax.set_title("Throughput vs GPUs (bars: fastest-slowest repeat)", fontsize=10)
-    ax.grid(alpha=0.3)
-    _legend(fig, ax)
-    return [_save(fig, out / "throughput_vs_gpus.png")]
+    return _finish(fig, ax, out / "throughput_vs_gpus.png", "GPUs (ranks)", "tokens / s",
+                   "Throughput vs GPUs (bars: fastest-slowest repeat)")
 
 
 def _fit_curve(ax, s, color, name: str) -> None:
@@ -228,12 +238,8 @@ def efficiency(a: Analysis, out: Path) -> list[Path]:
     ax.axhline(1.0, color="grey", ls="--", lw=1)
     _gpu_axis(ax, a)
     ax.set_ylim(0, top)
-    ax.set_xlabel("GPUs (ranks)")
-    ax.set_ylabel("parallel efficiency")
-    ax.set_title("Scaling efficiency (bars: fastest-slowest repeat)", fontsize=10)
-    ax.grid(alpha=0.3)
-    _legend(fig, ax)
-    return [_save(fig, out / "efficiency_vs_gpus.png")]
+    return _finish(fig, ax, out / "efficiency_vs_gpus.png", "GPUs (ranks)", "parallel efficiency",
+                   "Scaling efficiency (bars: fastest-slowest repeat)")
 
 
 CHARS_PER_INCH = 13  # 7-point tick labels, with a gap between neighbours
@@ -286,10 +292,8 @@ def breakdown(a: Analysis, out: Path) -> list[Path]:
         ax.errorbar(x, table["total"], yerr=_bars(table["total"], table["lo"], table["hi"]), fmt="none",
                     ecolor="black", capsize=3, lw=1, label="fastest-slowest repeat")
     _ticks(ax, list(table["label"]))
-    ax.set_ylabel("median step time (s)")
-    ax.set_title("Step-time breakdown per configuration", fontsize=10)
-    _legend(fig, ax)
-    return [_save(fig, out / "step_time_breakdown.png")]
+    return _finish(fig, ax, out / "step_time_breakdown.png", None, "median step time (s)",
+                   "Step-time breakdown per configuration", grid=False)
 
 
 def memory(a: Analysis, out: Path) -> list[Path]:
@@ -302,12 +306,8 @@ def memory(a: Analysis, out: Path) -> list[Path]:
     for color, (label, ids) in zip(_colors(len(named)), named):
         _band(ax, ranks, ids, "rank", "peak_mem_gb", color, label, marker="o", ms=3)
     kind = a.runs["peak_mem_kind"].dropna() if "peak_mem_kind" in a.runs else pd.Series(dtype=object)
-    ax.set_xlabel("rank")
-    ax.set_ylabel(f"peak memory (GB, {kind.iloc[0] if len(kind) else 'n/a'})")
-    ax.set_title("Peak memory per rank", fontsize=10)
-    ax.grid(alpha=0.3)
-    _legend(fig, ax)
-    return [_save(fig, out / "memory_per_rank.png")]
+    return _finish(fig, ax, out / "memory_per_rank.png", "rank",
+                   f"peak memory (GB, {kind.iloc[0] if len(kind) else 'n/a'})", "Peak memory per rank")
 
 
 def heatmaps(a: Analysis, out: Path) -> list[Path]:
@@ -349,14 +349,10 @@ def loss(a: Analysis, out: Path) -> list[Path]:
         _band(ax, a.steps, ids, "step", "loss", color, label, lw=1)
         if val:
             _band(ax, a.steps, ids, "step", "val_loss", color, None, ls="--", marker=".", ms=4, lw=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("Training and validation loss" if val else "Training loss", fontsize=10)
-    ax.grid(alpha=0.3)
     styles = [(Line2D([], [], color="black", lw=1), "train"),
               (Line2D([], [], color="black", ls="--", marker=".", lw=1), "validation")] if val else []
-    _legend(fig, ax, extra=styles)
-    return [_save(fig, out / "loss_curves.png")]
+    return _finish(fig, ax, out / "loss_curves.png", "step", "loss",
+                   "Training and validation loss" if val else "Training loss", extra=styles)
 
 
 def val_loss_vs_tokens(a: Analysis, out: Path) -> list[Path]:
@@ -368,12 +364,8 @@ def val_loss_vs_tokens(a: Analysis, out: Path) -> list[Path]:
     for color, (label, ids) in zip(_colors(len(named)), named):
         _band(ax, a.steps.dropna(subset=["val_loss", "tokens"]), ids, "tokens", "val_loss", color, label,
               marker=".", ms=4, lw=1)
-    ax.set_xlabel("tokens consumed")
-    ax.set_ylabel("validation loss")
-    ax.set_title("Validation loss vs tokens", fontsize=10)
-    ax.grid(alpha=0.3)
-    _legend(fig, ax)
-    return [_save(fig, out / "val_loss_vs_tokens.png")]
+    return _finish(fig, ax, out / "val_loss_vs_tokens.png", "tokens consumed", "validation loss",
+                   "Validation loss vs tokens")
 
 
 def mfu(a: Analysis, out: Path) -> list[Path]:
@@ -385,13 +377,8 @@ def mfu(a: Analysis, out: Path) -> list[Path]:
     for color, (label, ids) in zip(_colors(len(named)), named):
         part = a.steps.assign(mfu_pct=a.steps["mfu"] * 100)
         _band(ax, part, ids, "step", "mfu_pct", color, label, lw=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("MFU (%)")
     ax.set_ylim(bottom=0)
-    ax.set_title("Model FLOPs utilisation over steps", fontsize=10)
-    ax.grid(alpha=0.3)
-    _legend(fig, ax)
-    return [_save(fig, out / "mfu_over_steps.png")]
+    return _finish(fig, ax, out / "mfu_over_steps.png", "step", "MFU (%)", "Model FLOPs utilisation over steps")
 
 
 MEMORY_KINDS = (("mem_allocated_max_bytes", "allocated (max)"), ("mem_reserved_max_bytes", "reserved (max)"),
@@ -421,13 +408,8 @@ def memory_timeline(a: Analysis, out: Path) -> list[Path]:
             _band(ax, steps, ids, "step", f"{col}_max_gb", color, label, lo=f"{col}_min_gb", hi=f"{col}_max_gb",
                   lw=1)
         title = f"Memory over steps: {name} (band: range over ranks and repeats)"
-    ax.set_xlabel("step")
-    ax.set_ylabel("GB")
     ax.set_ylim(bottom=0)
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    _legend(fig, ax)
-    return [_save(fig, out / "memory_timeline.png")]
+    return _finish(fig, ax, out / "memory_timeline.png", "step", "GB", title, title_size=9)
 
 
 def predicted_vs_measured(a: Analysis, out: Path) -> list[Path]:
