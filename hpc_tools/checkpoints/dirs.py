@@ -7,7 +7,7 @@ Layout of a checkpoint root (``ctx.checkpoint_dir``)::
                               trainer records (written last, before the rename)
         ...                   the backend's own files
     iter_0000020.partial/     a save in progress, or one interrupted by a kill: never read, removed on the next save
-    iter_0000030.bad-size/    a checkpoint that failed verification or loading, set aside (never deleted); its
+    iter_0000030.bad-size/    a checkpoint that failed verification, set aside (never deleted); its
                               SET_ASIDE.txt names the file and the reason
     latest                    the name of the newest complete folder, one line (DeepSpeed reads the same file format)
     verified                  the name of the newest folder a resume verified and loaded: never pruned
@@ -42,6 +42,7 @@ from typing import Any, Collection
 
 from hpc_tools.errors import UserError
 from hpc_tools.registry import atomic_write
+from profiling.files import replace_folder
 
 PREFIX = "iter_"
 PARTIAL_SUFFIX = ".partial"
@@ -197,21 +198,15 @@ class CheckpointDirs:
         record = {"step": step, "saved_unix": time.time(), **(meta or {}), "files": files}
         atomic_write(partial / META, json.dumps(record, indent=2, sort_keys=True))
         _fsync_dir(partial)
-        if final.exists():  # the same step saved again (e.g. an interval save followed by a stop signal)
-            old = self.root / (final.name + ".replaced")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(partial, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(partial, final)
+        # final exists when the same step is saved again (e.g. an interval save followed by a stop signal)
+        replace_folder(partial, final, aside=self.root / (final.name + ".replaced"))
         _fsync_dir(self.root)
         atomic_write(self.root / LATEST, final.name + "\n")
         self.prune()
         return final
 
     def set_aside(self, path: Path, reason: str, detail: str) -> Path:
-        """Rename a checkpoint that failed verification or loading to ``iter_N.bad-<reason>`` (never deleted; a
+        """Rename a checkpoint that failed verification to ``iter_N.bad-<reason>`` (never deleted; a
         ``-2``... suffix when that name is taken), note why inside it, and re-point ``latest`` at the newest complete
         one left (removing the pointer when none is). Returns the new path."""
         tag = re.sub(r"[^a-z0-9]+", "-", reason.lower()).strip("-") or "unknown"

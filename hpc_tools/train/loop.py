@@ -19,9 +19,10 @@ Rank 0 also logs the start-up phases (imports, process group, model build, check
 Before the first step (``resume``): the resume source (``checkpoint_dirs.resume_source``) is verified on every rank
 (``checkpoint_agree.agree``: sizes, and checksums unless ``checkpoint.verify: size``) and handed to
 ``engine.resume``, whose step the run continues from (steps are 1-based and continue across resumes; records are
-appended). A checkpoint that fails verification or loading is set aside (``CheckpointDirs.set_aside``) and the next
-older complete one is tried; with none left the run fails naming the file. Whatever happens, the collector is closed
-and then the engine, in a ``finally``. ``run`` adds the process group around it all.
+appended). A checkpoint that fails verification is set aside (``CheckpointDirs.set_aside``), one that verified but
+failed to load is skipped, and the next older complete one is tried; with none left the run fails naming the file.
+Whatever happens, the collector is closed and then the engine, in a ``finally``. ``run`` adds the process group
+around it all.
 
 Non-finite steps: every engine decides ``StepResult.nonfinite`` the same way on every rank (an all-reduced flag) and
 skips the update of such a step itself (before its optimizer step); the loop counts them.
@@ -171,9 +172,10 @@ def resume(ctx: "RankContext", engine: Engine) -> int:
     """Load the checkpoint the recipe asks for into ``engine``; the last completed step (0 for a fresh start).
 
     Collective. Each candidate (``resume_source``, newest first) is verified by every rank's share and then loaded;
-    one that fails either is set aside when it is the run's own (renamed ``iter_N.bad-<reason>``, never deleted) or
-    skipped when it came from ``checkpoint.load_path``, logged with the file and the reason, and the next older one
-    is tried. None left after a failure: ``CheckpointError`` naming the file(s)."""
+    one that fails verification is set aside when it is the run's own (renamed ``iter_N.bad-<reason>``, never
+    deleted); one that fails to load after its files verified (an out-of-memory, a library mismatch: not the files'
+    fault) or came from ``checkpoint.load_path`` is skipped, left as it is; each is logged with the file and the
+    reason, and the next older one is tried. None left after a failure: ``CheckpointError`` naming the file(s)."""
     from hpc_tools.train import checkpoint_agree
 
     if not engine.checkpoints:
@@ -190,7 +192,8 @@ def resume(ctx: "RankContext", engine: Engine) -> int:
         if source is None:
             if failures:
                 raise CheckpointError("no checkpoint left to resume from: " + "; ".join(failures)
-                                      + " (set aside: the folders named *.bad-*; fix or remove them to retry)")
+                                      + " (set aside: the folders named *.bad-*; fix or remove them, or fix the "
+                                        "load error, to retry)")
             return 0
         step, problem = _verified_load(ctx, engine, source, checksum=ck.verify == "checksum")
         if problem is None:
@@ -201,9 +204,11 @@ def resume(ctx: "RankContext", engine: Engine) -> int:
         skip.append(source)
         if ctx.is_rank0:
             own = source.parent == dirs.root
-            moved = dirs.set_aside(source, problem.reason, problem.line(source)) if own else None
+            verified = problem.reason == "load"  # its files passed verification: kept, only skipped
+            moved = dirs.set_aside(source, problem.reason, problem.line(source)) if own and not verified else None
             log.error("checkpoint %s is bad: %s; %s; falling back to the previous complete checkpoint", source,
-                      problem.line(source), f"set aside as {moved.name}" if moved else "skipped (checkpoint.load_path)")
+                      problem.line(source), f"set aside as {moved.name}" if moved else
+                      "skipped, kept (its files verified)" if verified else "skipped (checkpoint.load_path)")
         checkpoint_agree.gather(None)  # the others wait for the rename before listing the folder again
 
 

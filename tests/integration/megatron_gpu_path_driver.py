@@ -103,6 +103,7 @@ def resume_case(sets: list[str], work: Path) -> dict:
     checkpoint.save(engine, dirs, RESUME_AT)
     engine.close()
     engine, _, _ = build(sets)
+    saved_layers = CheckpointDirs.read_meta(dirs.newest())["layout"]["layers"]
     step = checkpoint.load(engine, dirs.newest())
     steps_after_load = sorted({g.get("step") for opt in checkpoint.inner_optimizers(engine.optimizer)
                                for g in opt.optimizer.param_groups if "step" in g})
@@ -111,7 +112,7 @@ def resume_case(sets: list[str], work: Path) -> dict:
     plan = engine.plan.describe()
     engine.close()
     return {"straight": straight, "resumed": first + rest, "group_steps_after_load": steps_after_load,
-            "optimizer": optimizer, "plan": plan, "te_attention": te_attention_choice()}
+            "optimizer": optimizer, "plan": plan, "te_attention": te_attention_choice(), "saved_layers": saved_layers}
 
 
 def overlap_case(work: Path) -> dict:

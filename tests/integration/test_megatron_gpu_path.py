@@ -44,6 +44,7 @@ def test_resume_under_te_fused_adam_is_bit_identical(results, case):
     assert r["group_steps_after_load"] == [driver.RESUME_AT]  # the step lives in the param groups, as an int
     assert r["resumed"] == r["straight"]
     assert len(r["resumed"]) == driver.STEPS
+    assert r["saved_layers"] == "local" and "layers=local" in r["plan"]  # the layer kind is in the checkpoint's meta
 
 
 def test_overlap_param_gather_saves_gathered_weights(results):

@@ -134,6 +134,26 @@ def test_cpu_always_runs_local_layers_and_says_why():
     assert (plan.layers, plan.attention) == ("local", "local") and "CUDA-only" in plan.note
 
 
+# -- checkpoints of the other layer kind (issue 25 item 5) ------------------------------------------------------------
+
+def test_a_checkpoint_of_the_other_layer_kind_is_refused_in_one_line(tmp_path):
+    """TE layers add ``_extra_state`` and fuse the norms into their linears: a local-layer checkpoint fails in
+    dist_checkpointing with "Missing key", which the loop used to take for corruption. The layer kind is recorded in
+    the layout meta and a mismatch is the user's one-line error (the loop re-raises a UserError, sets nothing
+    aside)."""
+    from hpc_tools.train.megatron.checkpoint import check_layers, layout_meta
+
+    r = gpt3d()
+    here = layout_meta(SimpleNamespace(layout=ParallelLayout.from_recipe(r), recipe=r, plan=plan_of(r)))
+    assert here["layers"] == "transformer_engine"
+    with pytest.raises(UserError) as err:
+        check_layers(tmp_path, {**here, "layers": "local"}, here)
+    assert "holds local layers" in str(err.value) and "transformer_impl: local" in str(err.value)
+    assert "\n" not in str(err.value)
+    check_layers(tmp_path, here, here)
+    check_layers(tmp_path, {k: v for k, v in here.items() if k != "layers"}, here)  # written before the record
+
+
 # -- the CUDA TransformerConfig, built on CPU (item 5, performance) ----------------------------------------------------
 
 def cuda_config(recipe, te=True):

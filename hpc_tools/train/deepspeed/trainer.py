@@ -285,7 +285,7 @@ class DeepSpeedJob:
 
         loaded, client = self.engine.load_checkpoint(str(source.parent), tag=source.name, load_optimizer_states=True,
                                                      load_lr_scheduler_states=True)
-        if loaded is None:  # a checkpoint problem, not the recipe's: the loop sets it aside and falls back
+        if loaded is None:  # not the recipe's problem: the loop skips it and falls back to the previous one
             raise RuntimeError(f"checkpoint {source} could not be loaded by DeepSpeed (is it a DeepSpeed checkpoint "
                                "of this model?)")
         rng_file = source / RNG_FILE.format(rank=self.ctx.rank)

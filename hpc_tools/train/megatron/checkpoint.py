@@ -39,7 +39,7 @@ def layout_meta(engine: "Engine") -> dict[str, Any]:
             "virtual_pipeline_size": lay.virtual_pipeline_size if lay.interleaved else None,
             "data_size": lay.data_size, "distributed_optimizer": mg.distributed_optimizer,
             "precision": engine.recipe.training.precision,
-            "padded_vocab_size": engine.recipe.model.padded_vocab_size(lay.tensor_size)}
+            "padded_vocab_size": engine.recipe.model.padded_vocab_size(lay.tensor_size), "layers": engine.plan.layers}
 
 
 def inner_optimizers(optimizer) -> list:
@@ -156,6 +156,7 @@ def load(engine: "Engine", path: str | Path) -> int:
                         "point checkpoint.load_path at a megatron checkpoint)")
     saved, here = meta["layout"], layout_meta(engine)
     check_vocab(path, saved, here, engine.recipe.model.vocab_size)
+    check_layers(path, saved, here)
     with_optimizer = not meta["model_only"] and optimizer_reshardable(saved, here)
     with_rng = with_optimizer and all(saved[k] == here[k] for k in
                                       ("tensor_size", "pipeline_size", "virtual_pipeline_size", "data_size"))
@@ -200,6 +201,20 @@ def check_vocab(path: Path, saved: dict[str, Any], here: dict[str, Any], vocab_s
                         f"{here['tensor_size']} but checkpoint {path} (tensor_size={saved['tensor_size']}) has {old} "
                         f"(train with a vocab_size that is a multiple of {multiple} to change tensor_size, or keep "
                         f"tensor_size={saved['tensor_size']})")
+
+
+def check_layers(path: Path, saved: dict[str, Any], here: dict[str, Any]) -> None:
+    """The layer kind must match: Transformer Engine's layers name their parameters otherwise than the local ones
+    (the input norm fused into ``linear_qkv``/``linear_fc1``) and add ``_extra_state`` entries, so a checkpoint of the
+    other kind fails in dist_checkpointing with "Missing key". A checkpoint without the record (written before it
+    existed, on CPU: local layers) is not checked."""
+    from hpc_tools.errors import UserError
+
+    old, new = saved.get("layers"), here["layers"]
+    if old is not None and old != new:
+        impl = "local" if old == "local" else "transformer_engine"
+        raise UserError(f"checkpoint {path} holds {old} layers but this run builds {new} layers (see the start line; "
+                        f"set backend.megatron.transformer_impl: {impl} to resume it on this node)")
 
 
 def optimizer_reshardable(saved: dict[str, Any], here: dict[str, Any]) -> bool:
