@@ -22,15 +22,13 @@ import hashlib
 import json
 import os
 import secrets
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
 from hpc_tools.errors import UserError
 from hpc_tools.runstate import LIVE_STATES, TERMINAL_STATES  # the run-state vocabulary's owner
-from profiling.files import atomic_write, current_umask  # the one atomic write, re-exported to hpc_tools
+from profiling.files import atomic_write, current_umask, staged_folder  # the one atomic write, re-exported
 
 MANIFEST = "manifest.json"
 RECIPE = "recipe.yaml"
@@ -125,8 +123,7 @@ class RunFolder:
         final = root / run_id
         if final.exists():
             raise UserError(f"run folder {final} already exists (choose another run name)")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{run_id}.", dir=root))
-        try:
+        with staged_folder(final, prefix=f".{run_id}.") as tmp:
             folder_mode = mode & ~current_umask()
             os.chmod(tmp, folder_mode)
             for sub in SUBDIRS:
@@ -142,10 +139,6 @@ class RunFolder:
                     "versions": package_versions(), "events": []}
             atomic_write(tmp / MANIFEST, json.dumps({**base, **manifest}, indent=2, sort_keys=True))
             (tmp / RESERVE).write_bytes(bytes(RESERVE_BYTES))
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return cls(final)
 
     # -- reading -------------------------------------------------------------------------------------------------------

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
 from hpc_tools.errors import UserError
+from profiling.files import staged_folder
 
 
 def check_out(out: Path, overwrite: bool) -> None:
@@ -31,9 +30,7 @@ def staged(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     ``overwrite``), on an error it is removed and ``out`` is untouched."""
     out = Path(out).absolute()
     check_out(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
-    try:
+    with staged_folder(out, prefix=f".{out.name}.export-", replace=True) as tmp:
         yield tmp
         # mkdtemp and the atomic writers make private files; a model folder is meant to be shared (as umask allows)
         mask = os.umask(0)
@@ -42,13 +39,3 @@ def staged(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
         for f in tmp.rglob("*"):
             if f.is_file():
                 os.chmod(f, 0o666 & ~mask)
-        if out.exists():
-            old = out.with_name(f".{out.name}.replaced-{os.getpid()}")
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

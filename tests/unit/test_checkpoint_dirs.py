@@ -53,6 +53,23 @@ def test_interrupted_save_keeps_last_good(tmp_path):
     assert list(again.iterdir()) == []
 
 
+def test_the_same_step_saved_again_replaces_its_folder_whole(tmp_path):
+    """An interval save, then a stop signal's save of the same step: the second folder replaces the first whole (no
+    file of the first left in it), and nothing is left beside it, not even a folder set aside by an earlier save
+    killed between its two renames."""
+    dirs = CheckpointDirs(tmp_path)
+    (dirs.begin(10) / "interval.txt").write_text("first")
+    dirs.commit(10)
+    stale = tmp_path / "iter_0000010.replaced"
+    stale.mkdir()
+    (stale / "old.txt").write_text("killed between the renames")
+    (dirs.begin(10) / "signal.txt").write_text("second")
+    final = dirs.commit(10, meta={"why": "signal"})
+    assert sorted(p.name for p in final.iterdir()) == [META, "signal.txt"]
+    assert CheckpointDirs.read_meta(final)["why"] == "signal"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000010", LATEST]
+
+
 def test_keep_last_prunes_oldest_and_stale_partials(tmp_path):
     dirs = CheckpointDirs(tmp_path, keep_last=2)
     dirs.begin(3)  # a stale partial from a killed run, older than what follows
