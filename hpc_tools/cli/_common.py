@@ -7,14 +7,29 @@ import json
 import sys
 from typing import Any
 
+RUN_REF = "run folder, run id (or unique prefix) or Slurm job id"
+
 
 def add_recipe_args(p: argparse.ArgumentParser, nargs: str | None = None) -> None:
     p.add_argument("recipe", nargs=nargs, help="recipe YAML file" + ("s" if nargs in ("+", "*") else ""))
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a recipe value (repeatable; the value is read as YAML), "
-                        "e.g. --set parallel.tensor_size=4")
+    add_overrides(p, "override a recipe value (repeatable; the value is read as YAML), "
+                     "e.g. --set parallel.tensor_size=4")
     p.add_argument("--profile", choices=["local"], default=None,
                    help="apply the recipe's local profile (small model and CPU layout)")
+
+
+def add_overrides(p: argparse.ArgumentParser, help: str) -> None:
+    """``--set SECTION.KEY=VALUE``, repeatable, into ``args.overrides`` (what it overrides: ``help``)."""
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help)
+
+
+def add_run_ref(p: argparse.ArgumentParser, latest: bool = False) -> None:
+    """The run a command acts on, ``args.run`` (resolved by ``registry.resolve_run`` / ``find_run`` with
+    ``--runs-dir``); with ``latest`` it may be left out for the latest run."""
+    if latest:
+        p.add_argument("run", nargs="?", help=f"{RUN_REF}; default the latest")
+    else:
+        p.add_argument("run", help=RUN_REF)
 
 
 def add_json(p: argparse.ArgumentParser) -> None:

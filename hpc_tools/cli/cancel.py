@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 
-from hpc_tools.cli._common import add_json, add_runs_dir, emit_json, say
+from hpc_tools.cli._common import add_json, add_run_ref, add_runs_dir, emit_json, say
 from hpc_tools.errors import UserError
 
 NAME = "cancel"
@@ -16,7 +16,7 @@ HELP = "cancel a run (Slurm job or local processes)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run", help="run folder, run id (or prefix) or Slurm job id")
+    add_run_ref(p)
     add_runs_dir(p)
     add_json(p)
 

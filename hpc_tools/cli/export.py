@@ -6,7 +6,7 @@ import argparse
 import contextlib
 import sys
 
-from hpc_tools.cli._common import add_json, add_runs_dir, emit_json, say
+from hpc_tools.cli._common import add_json, add_run_ref, add_runs_dir, emit_json, say
 
 NAME = "export"
 HELP = "write a trained Megatron or DeepSpeed run as a Hugging Face model folder (from_pretrained loads it)"
@@ -23,7 +23,7 @@ ORDER = 60
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run", help="run folder, run id (or unique prefix), or Slurm job id")
+    add_run_ref(p)
     p.add_argument("--out", required=True, help="folder for the model (new or empty, unless --overwrite)")
     p.add_argument("--step", type=int, default=None, help="export this checkpoint step (default: the newest)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (once the new folder is done)")

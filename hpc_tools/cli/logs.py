@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from hpc_tools.cli._common import add_runs_dir
+from hpc_tools.cli._common import add_run_ref, add_runs_dir
 
 NAME = "logs"
 ORDER = 50
@@ -17,7 +17,7 @@ HELP = "print a run's log (rank 0's, or the whole batch log its ranks share); -f
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run", nargs="?", help="run folder, run id (or prefix) or Slurm job id; default the latest")
+    add_run_ref(p, latest=True)
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the run ends")
     p.add_argument("--rank", type=int, default=None,
                    help="only this rank's output: its own log file, or its labelled lines (`N: ...`) of a batch log "

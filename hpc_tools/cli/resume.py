@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpc_tools.cli._common import add_json, add_runs_dir, emit_json, say
+from hpc_tools.cli._common import add_json, add_overrides, add_run_ref, add_runs_dir, emit_json, say
 
 NAME = "resume"
 ORDER = 32
@@ -25,13 +25,12 @@ whose partition no longer holds what it asks for (the same checks as `submit`).
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run", help="run folder, run id (or unique prefix) or Slurm job id")
+    add_run_ref(p)
     p.add_argument("--executor", choices=["auto", "local", "slurm", "sbatch"], default="auto",
                    help="where the new life runs (default auto: as the run ran, from its manifest)")
     p.add_argument("--exclude", metavar="NODES", default=None,
                    help="Slurm nodes the new job must not use (sbatch --exclude, e.g. n2 or n[3-4])")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="change a supervision field for the new life, e.g. --set cluster.time_limit=02:00:00")
+    add_overrides(p, "change a supervision field for the new life, e.g. --set cluster.time_limit=02:00:00")
     p.add_argument("--wait", action="store_true", help="on Slurm, wait for the job to end (local runs always wait)")
     add_runs_dir(p)
     add_json(p)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from hpc_tools.cli._common import add_json, add_runs_dir, emit_json
+from hpc_tools.cli._common import add_json, add_run_ref, add_runs_dir, emit_json
 
 NAME = "status"
 ORDER = 40
@@ -14,7 +14,7 @@ HELP = ("show a run's state and why, job id, layout, times, last step, progress 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run", nargs="?", help="run folder, run id (or unique prefix) or Slurm job id; default the latest")
+    add_run_ref(p, latest=True)
     add_runs_dir(p)
     add_json(p)
 

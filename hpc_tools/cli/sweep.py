@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hpc_tools.cli._common import add_json, add_runs_dir, emit_json, say
+from hpc_tools.cli._common import add_json, add_overrides, add_runs_dir, emit_json, say
 
 NAME = "sweep"
 ORDER = 35
@@ -35,8 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                "       python -m hpc_tools sweep rerun SWEEP --failed [options]")
     p.add_argument("target", nargs="+", metavar="RECIPE | status SWEEP | rerun SWEEP",
                    help="a recipe with a sweep: section, or `status`/`rerun` followed by a sweep folder or id")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a recipe value for every cell (before the cell's own values)")
+    add_overrides(p, "override a recipe value for every cell (before the cell's own values)")
     p.add_argument("--profile", choices=["local"], default=None,
                    help="apply the recipe's local profile (default: when the sweep runs locally)")
     p.add_argument("--executor", choices=["auto", "slurm", "local"], default="auto",
