@@ -346,6 +346,42 @@ def test_each_pipeline_stage_and_tp_rank_gets_its_own_streams():
     assert out["0,0"]["cpu"] == torch.rand(4).tolist()
 
 
+def test_megatron_groups_get_the_watchdogs_timeout_not_30_minutes():
+    """Item 4: megatron-core creates its process groups with its own 30-minute default; the engine passes the
+    world's timeout (``RankContext.collective_timeout``: cluster.hang_timeout_min + the margin), so a hang in load or
+    the first step reaches the watchdog first. Real mcore groups on a 1-rank gloo world, read back from torch."""
+    code = textwrap.dedent("""
+        import json, os, torch, torch.distributed as dist
+        from datetime import timedelta
+        from types import SimpleNamespace
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 1000))
+        from hpc_tools.train.megatron import cpu_compat
+        cpu_compat.install()
+        from megatron.core import parallel_state as ps
+        from hpc_tools.train.megatron.engine import init_parallel
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        layout = SimpleNamespace(megatron_sizes=lambda: {"tensor_model_parallel_size": 1,
+                                                         "pipeline_model_parallel_size": 1,
+                                                         "virtual_pipeline_model_parallel_size": None})
+        out = {}
+        for name, timeout in (("default", None), ("watchdog", timedelta(minutes=12.5))):
+            init_parallel(layout, 1234, timeout)
+            groups = [ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group(),
+                      ps.get_pipeline_model_parallel_group()]
+            out[name] = sorted({g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups})
+            ps.destroy_model_parallel()
+        print(json.dumps(out))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"default": [1800.0], "watchdog": [750.0]}
+    from hpc_tools.runtime.context import RankContext
+
+    ctx = RankContext(recipe=gpt3d("cluster.hang_timeout_min=7.5"), layout=None, dist=None, run=None)
+    assert ctx.collective_timeout.total_seconds() > 7.5 * 60  # what the trainer passes: beyond the watchdog's
+
+
 def test_te_apex_warning_hidden_on_cpu_only():
     import warnings
 

@@ -15,6 +15,8 @@ from hpc_tools.train.megatron.schedule import apply_lr
 from hpc_tools.train.schedule import lr_at
 
 if TYPE_CHECKING:
+    from datetime import timedelta
+
     import torch
 
     from hpc_tools.layout import ParallelLayout
@@ -29,11 +31,17 @@ class Coords:
     is_last_stage: bool
 
 
-def init_parallel(layout: "ParallelLayout", seed: int) -> Coords:
-    """Megatron's process groups for this layout (torch.distributed must be up) and its seeded RNG streams."""
+def init_parallel(layout: "ParallelLayout", seed: int, timeout: "timedelta | None" = None) -> Coords:
+    """Megatron's process groups for this layout (torch.distributed must be up) and its seeded RNG streams.
+
+    ``timeout`` (``RankContext.collective_timeout``) goes to every group Megatron creates, as to the world's: left at
+    megatron-core's 30 minutes (``parallel_state.initialize_model_parallel``), a hang during load or the first step
+    would abort inside NCCL before the hang watchdog names the culprit (cluster.hang_timeout_min)."""
     from megatron.core import parallel_state as ps
 
     sizes = layout.megatron_sizes()
+    if timeout is not None:
+        sizes["distributed_timeout_minutes"] = timeout.total_seconds() / 60
     ps.initialize_model_parallel(**sizes)
     pp_rank = ps.get_pipeline_model_parallel_rank()
     seed_streams(seed, pp_rank)
@@ -64,10 +72,12 @@ def seed_streams(seed: int, pp_rank: int, tp_rank: int | None = None) -> None:
 class Engine:
     """Model chunks + optimizer + forward/backward schedule for one layout.
 
-    ``device`` is the rank's torch device (``RankContext.device``; a string such as ``"cpu"`` is accepted).
+    ``device`` is the rank's torch device (``RankContext.device``; a string such as ``"cpu"`` is accepted);
+    ``timeout`` the process groups' (``RankContext.collective_timeout``; None: megatron-core's default).
     """
 
-    def __init__(self, recipe: "Recipe", layout: "ParallelLayout", device: "torch.device | str" = "cpu"):
+    def __init__(self, recipe: "Recipe", layout: "ParallelLayout", device: "torch.device | str" = "cpu", *,
+                 timeout: "timedelta | None" = None):
         import torch
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import get_megatron_optimizer
@@ -91,7 +101,7 @@ class Engine:
         self.recipe, self.layout, self.device_type = recipe, layout, device_type
         self.plan = layer_plan(recipe, device_type)  # fails here, before any model is built, when a GPU lacks TE
         self.notes = fusion_notes(recipe, device_type)  # what this node's missing fusions cost; told at start
-        self.coords = init_parallel(layout, recipe.training.seed)
+        self.coords = init_parallel(layout, recipe.training.seed, timeout)
         self.config = transformer_config(recipe, layout, device_type, self.plan)
         self.chunks = build_chunks(recipe, layout, self.config, device_type)
         self.optimizer = get_megatron_optimizer(optimizer_config(recipe), self.chunks)

@@ -35,7 +35,7 @@ class MegatronJob:
 
         self.ctx = ctx
         self.samples = build_samples(ctx.recipe)  # first: a bad data path fails before a model is built
-        self.engine = Engine(ctx.recipe, ctx.layout, ctx.device)
+        self.engine = Engine(ctx.recipe, ctx.layout, ctx.device, timeout=ctx.collective_timeout)
         self.dirs = CheckpointDirs(ctx.checkpoint_dir, keep_last=ctx.recipe.checkpoint.keep_last)
         self._attention_told = False
         for note in self.engine.notes:
