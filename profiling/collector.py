@@ -181,6 +181,7 @@ class StepCollector:
     @classmethod
     def for_rank(cls, ctx, *, tp_rank: int = 0, pp_rank: int = 0, dp_rank: int | None = None) -> "StepCollector":
         """The collector for this rank, configured from ``ctx.recipe.profiling`` (FLOPs, peak, hooks)."""
+        from hpc_tools import backends
         from profiling.flops import hardware_flops_per_step, model_flops_per_step
         from profiling.peaks import peak_for_recipe
 
@@ -193,11 +194,11 @@ class StepCollector:
             device_index = torch.cuda.current_device()
             device_name = torch.cuda.get_device_name(device_index)
         model_flops = hardware_flops = peak = None
-        if r.backend.kind != "comm_check":
+        row = backends.of(r)
+        if row.trains_model:
             conv = r.profiling.flops_convention
-            # Megatron pads the vocabulary for TP; the padded logits are computed, so they count.
-            vocab = (r.model.padded_vocab_size(layout.tensor_size) if r.backend.kind == "megatron"
-                     else r.model.vocab_size)
+            # A padded vocabulary (Megatron pads it for TP) is computed, so its logits count.
+            vocab = r.model.padded_vocab_size(layout.tensor_size) if row.pads_vocab else r.model.vocab_size
             model_flops = model_flops_per_step(r.model, layout.global_batch_size, convention=conv, vocab_size=vocab)
             hardware_flops = hardware_flops_per_step(r.model, layout.global_batch_size,
                                                      r.training.recompute_granularity, convention=conv,

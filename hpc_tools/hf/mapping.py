@@ -74,7 +74,7 @@ def hf_config_fields(m: "ModelConfig") -> dict[str, Any]:
     """The config.json fields that fix the shape and the numerics of the model, as ``model:`` implies them.
 
     An imported folder must agree on each (``config_mismatches``); the export writes them (through
-    ``hpc_tools.train.deepspeed.model.hf_config``, the one recipe -> transformers config)."""
+    ``hpc_tools.hf.config.hf_config``, the one recipe -> transformers config)."""
     tied = not m.untie_embeddings
     if architecture(m) == GPT2:
         return {"model_type": GPT2, "vocab_size": m.vocab_size, "n_positions": m.seq_length, "n_embd": m.hidden_size,

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from hpc_tools import backends
+
 if TYPE_CHECKING:
     from hpc_tools.recipe.model import ModelConfig
     from hpc_tools.recipe.schema import Recipe
@@ -57,8 +59,8 @@ class Arch:
 
 
 def arch_for(recipe: "Recipe") -> Arch:
-    """The recipe's model as its job builds it (vocabulary padded for Megatron only)."""
-    return Arch.from_model(recipe.model, pad_vocab=recipe.backend.kind != "deepspeed")
+    """The recipe's model as its job builds it (vocabulary padded where the backend pads it)."""
+    return Arch.from_model(recipe.model, pad_vocab=backends.of(recipe).pads_vocab)
 
 
 @dataclass(frozen=True, slots=True)

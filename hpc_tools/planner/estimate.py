@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hpc_tools import backends
 from hpc_tools.errors import UserError
 from hpc_tools.planner.arch import Arch, arch_for, total_parameters
 from hpc_tools.planner.hardware import Hardware, hardware_for, headroom_bytes, headroom_note
@@ -81,9 +82,9 @@ def make_plan(recipe: "Recipe", knobs: Knobs | None = None, efficiency: float | 
               efficiency_source: str = "default", hardware: Hardware | None = None) -> Plan:
     """Memory and step time of ``recipe`` (with ``knobs`` instead of the recipe's own, when given), checked against
     the GPU memory less the recipe's headroom."""
-    if recipe.backend.kind not in ("megatron", "deepspeed"):
+    if not backends.of(recipe).trains_model:
         raise UserError(f"backend.kind={recipe.backend.kind} trains no model, so there is nothing to plan "
-                        "(plan a megatron or deepspeed recipe)")
+                        f"(plan a recipe of backend.kind {' or '.join(backends.with_feature('trains_model'))})")
     knobs = knobs or Knobs.from_recipe(recipe)
     hw = hardware or hardware_for(recipe.cluster, recipe.training.precision)
     arch = arch_for(recipe)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Iterator
 
+from hpc_tools import backends
 from hpc_tools.errors import UserError, Violation
 from hpc_tools.planner.arch import Arch, arch_for
 from hpc_tools.planner.hardware import GB, hardware_for, headroom_bytes, headroom_note
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 def fit_violations(recipe: "Recipe") -> list[Violation]:
     """[] when the predicted peak memory per GPU fits (or there is no GPU memory to check: CPU ranks, comm_check);
     else one violation naming the total, the GPU memory, the biggest terms and changes that would fit."""
-    if not recipe.cluster.uses_gpus or recipe.backend.kind not in ("megatron", "deepspeed"):
+    if not recipe.cluster.uses_gpus or not backends.of(recipe).trains_model:
         return []
     try:
         hw = hardware_for(recipe.cluster, recipe.training.precision, strict=True, need_peak=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hpc_tools import backends
 from hpc_tools.layout import ParallelLayout
 
 if TYPE_CHECKING:
@@ -40,13 +41,10 @@ class Knobs:
     @classmethod
     def from_recipe(cls, recipe: "Recipe") -> "Knobs":
         t, be = recipe.training, recipe.backend
-        ds_zero = (be.deepspeed.config_overrides.get("zero_optimization") or {}) if be.kind == "deepspeed" else {}
+        row = backends.of(recipe)
+        ds_zero = row.zero_config(recipe)
         stage = be.deepspeed.zero_stage
-        if be.kind == "megatron":
-            flash = (be.megatron.use_flash_attention and recipe.cluster.uses_gpus
-                     and be.megatron.transformer_impl != "local")
-        else:
-            flash = recipe.cluster.uses_gpus  # Hugging Face SDPA picks the flash / memory-efficient kernel on GPU
+        flash = row.flash_attention(recipe)
         return cls(backend=be.kind, layout=ParallelLayout.from_recipe(recipe), precision=t.precision,
                    recompute=t.recompute_granularity, recompute_method=t.recompute_method,
                    recompute_num_layers=t.recompute_num_layers,
@@ -129,7 +127,7 @@ def apply_knobs(recipe: "Recipe", k: Knobs) -> "Recipe":
     """A copy of ``recipe`` with the knobs written into its sections (not re-validated: the values are typed)."""
     upd = k.section_updates()
     backend = recipe.backend
-    kind = "megatron" if k.backend == "megatron" else "deepspeed"
+    kind = backends.backend(k.backend).options
     backend = backend.model_copy(update={kind: getattr(backend, kind).model_copy(update=upd[kind])})
     return recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update=upd["parallel"]),
                                      "training": recipe.training.model_copy(update=upd["training"]),

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
+from hpc_tools import backends
 from hpc_tools.errors import UserError, Violation
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.planner.arch import arch_for
@@ -151,8 +152,9 @@ def search(recipe: "Recipe", top: int = 5, losers: int = 5, efficiency: float | 
     from hpc_tools.recipe.rules import check_recipe
 
     started = time.perf_counter()
-    if recipe.backend.kind not in ("megatron", "deepspeed"):
-        raise UserError(f"backend.kind={recipe.backend.kind} has no model to plan (use a megatron or deepspeed recipe)")
+    if not backends.of(recipe).trains_model:
+        raise UserError(f"backend.kind={recipe.backend.kind} has no model to plan (use a recipe of backend.kind "
+                        f"{' or '.join(backends.with_feature('trains_model'))})")
     hw = hardware or hardware_for(recipe.cluster, recipe.training.precision, strict=True)
     if not hw.peak_flops:
         raise UserError(f"cluster.gpu_type={recipe.cluster.gpu_type} has no peak FLOP/s to rank configurations by "

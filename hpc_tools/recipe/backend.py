@@ -6,9 +6,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from hpc_tools.backends import KINDS
 from hpc_tools.recipe.base import Section
 
-BackendKind = Literal["megatron", "deepspeed", "comm_check"]
+BackendKind = Literal[KINDS]  # the backend table's kinds (hpc_tools/backends.py)
 
 
 class MegatronOptions(Section):

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from hpc_tools import backends
 from hpc_tools.errors import Violation
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.reads import fields_read
@@ -167,21 +168,39 @@ def recompute_layers_fit(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
 
 # --- backends ---------------------------------------------------------------------------------------------------------
 
+def _others(feature: str) -> str:
+    return " or ".join(backends.with_feature(feature))
+
+
+@rule
+def backend_features(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """The parallel features a recipe asks for are ones its backend has (the backend table)."""
+    row, kind = backends.of(r), r.backend.kind
+    if not row.tensor_parallel and lay.tensor_size != 1:
+        yield Violation("parallel.tensor_size", lay.tensor_size, f"must be 1 with backend.kind={kind}",
+                        f"use backend.kind: {_others('tensor_parallel')} for tensor parallelism")
+    if not row.tensor_parallel and r.parallel.sequence_parallel:
+        yield Violation("parallel.sequence_parallel", True, f"needs tensor parallelism, which backend.kind={kind} "
+                        "does not have", f"set it false, or use backend.kind: {_others('tensor_parallel')}")
+    if not row.interleaved_pipeline and r.parallel.virtual_pipeline_size not in (None, 1):
+        yield Violation("parallel.virtual_pipeline_size", r.parallel.virtual_pipeline_size,
+                        f"is not supported by backend.kind={kind}'s pipeline",
+                        f"set it null, or use backend.kind: {_others('interleaved_pipeline')}")
+    if not row.selective_recompute and r.training.recompute_granularity == "selective":
+        yield Violation("training.recompute_granularity", "selective", f"is not available with backend.kind={kind}",
+                        f"use full or none, or backend.kind: {_others('selective_recompute')}")
+    if r.checkpoint.init_from_hf and not row.reads_init_from_hf:
+        yield Violation("checkpoint.init_from_hf", r.checkpoint.init_from_hf,
+                        f"is read by backend.kind={_others('reads_init_from_hf')} only, not {kind}",
+                        "for deepspeed set backend.deepspeed.pretrained_path to the folder instead")
+
+
 @rule
 def deepspeed_layout(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
-    """DeepSpeed jobs: no tensor/sequence parallelism or interleaving; its pipeline only with ZeRO stage 0 or 1."""
-    if r.backend.kind != "deepspeed":
+    """DeepSpeed's pipeline only with ZeRO stage 0 or 1, and not from a pretrained folder."""
+    if backends.of(r).options != "deepspeed":
         return
     ds = r.backend.deepspeed
-    if lay.tensor_size != 1:
-        yield Violation("parallel.tensor_size", lay.tensor_size, "must be 1 with backend.kind=deepspeed",
-                        "use backend.kind: megatron for tensor parallelism")
-    if r.parallel.sequence_parallel:
-        yield Violation("parallel.sequence_parallel", True, "is a Megatron feature",
-                        "set it false with backend.kind=deepspeed")
-    if r.parallel.virtual_pipeline_size not in (None, 1):
-        yield Violation("parallel.virtual_pipeline_size", r.parallel.virtual_pipeline_size,
-                        "is not supported by DeepSpeed's pipeline", "set it null with backend.kind=deepspeed")
     if lay.pipeline_size > 1 and ds.zero_stage >= 2:
         yield Violation("backend.deepspeed.zero_stage", ds.zero_stage,
                         f"cannot be combined with DeepSpeed's pipeline (parallel.pipeline_size={lay.pipeline_size}); "
@@ -195,7 +214,7 @@ def deepspeed_layout(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
 @rule
 def deepspeed_offload(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """Optimizer offload needs ZeRO >= 1, parameter offload ZeRO-3, NVMe offload an nvme_path."""
-    if r.backend.kind != "deepspeed":
+    if backends.of(r).options != "deepspeed":
         return
     ds = r.backend.deepspeed
     if ds.offload_optimizer != "none" and ds.zero_stage == 0:
@@ -209,7 +228,7 @@ def deepspeed_offload(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
                         "give a local NVMe folder, e.g. /local_nvme")
 
 
-# The Hugging Face class behind each family under backend.kind=deepspeed fixes these shapes.
+# The Hugging Face class behind each family fixes these shapes (backends whose row has hf_model_classes).
 HF_FAMILY_SHAPE = {
     "gpt": {"normalization": "LayerNorm", "activation": "gelu", "position_embedding": "learned_absolute"},
     "llama": {"normalization": "RMSNorm", "activation": "swiglu", "position_embedding": "rope"},
@@ -218,12 +237,9 @@ HF_FAMILY_SHAPE = {
 
 @rule
 def deepspeed_model_expressible(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
-    """DeepSpeed jobs build Hugging Face GPT-2 / LLaMA classes: the model section must be one they can express."""
-    if r.backend.kind != "deepspeed":
+    """Backends that build Hugging Face GPT-2 / LLaMA classes: the model section must be one they can express."""
+    if not backends.of(r).hf_model_classes:
         return
-    if r.training.recompute_granularity == "selective":
-        yield Violation("training.recompute_granularity", "selective", "is a Megatron feature",
-                        "use full or none with backend.kind=deepspeed")
     if r.backend.deepspeed.pretrained_path:  # the architecture is the folder's
         return
     m = r.model
@@ -252,7 +268,7 @@ def megatron_overlap(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """overlap_param_gather needs the distributed optimizer and overlap_grad_reduce."""
     mg = r.backend.megatron
     needs_both = not (mg.distributed_optimizer and mg.overlap_grad_reduce)
-    if r.backend.kind == "megatron" and mg.overlap_param_gather and needs_both:
+    if backends.of(r).options == "megatron" and mg.overlap_param_gather and needs_both:
         yield Violation("backend.megatron.overlap_param_gather", True,
                         "needs distributed_optimizer: true and overlap_grad_reduce: true",
                         "enable both or set it false")
@@ -324,12 +340,3 @@ def trackers_installed(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     if r.tracking.mlflow is not None and r.tracking.mlflow.enabled and find_spec("mlflow") is None:
         yield Violation("tracking.mlflow.enabled", True, "needs the 'mlflow' package, which is not installed",
                         "pip install mlflow, or set tracking.mlflow.enabled=false")
-
-
-@rule
-def init_from_hf_megatron(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
-    """checkpoint.init_from_hf is read by Megatron runs (DeepSpeed starts from backend.deepspeed.pretrained_path)."""
-    if r.checkpoint.init_from_hf and r.backend.kind != "megatron":
-        yield Violation("checkpoint.init_from_hf", r.checkpoint.init_from_hf,
-                        f"is read by backend.kind=megatron only, not {r.backend.kind}",
-                        "for deepspeed set backend.deepspeed.pretrained_path to the folder instead")

@@ -11,6 +11,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hpc_tools import backends
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.schema import Recipe
 from hpc_tools.registry import RunFolder
@@ -88,8 +89,9 @@ class RankContext:
         visible GPU per rank where the site binds them (``--gpus-per-task``: every rank sees its own as device 0).
 
         A recipe that asks for GPUs on a node where CUDA is unusable fails here with the reason (``cuda_unusable``)
-        instead of training on CPU over gloo. Before the first CUDA call it also sets ``CUDA_DEVICE_MAX_CONNECTIONS``
-        when the Megatron layout's communication overlap relies on it (``train/megatron/config.py``)."""
+        instead of training on CPU over gloo. Before the first CUDA call it also sets what the backend's layout relies
+        on (the backend table's ``rank_setup``: ``CUDA_DEVICE_MAX_CONNECTIONS`` for Megatron's communication
+        overlap)."""
         import torch
 
         if not self.recipe.cluster.uses_gpus:
@@ -98,12 +100,9 @@ class RankContext:
             from hpc_tools.errors import UserError
 
             raise UserError(cuda_unusable(self.recipe.cluster.gpu_type))
-        if self.recipe.backend.kind == "megatron":
-            from hpc_tools.train.megatron.config import cuda_device_max_connections
-
-            value = cuda_device_max_connections(self.recipe, self.layout)
-            if value is not None:
-                os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", value)
+        setup = backends.of(self.recipe).rank_setup
+        for key, value in (backends.load(setup)(self.recipe, self.layout) if setup else {}).items():
+            os.environ.setdefault(key, value)
         return torch.device("cuda", self.dist.local_rank % torch.cuda.device_count())
 
     @property

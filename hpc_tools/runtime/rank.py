@@ -13,12 +13,12 @@ import socket
 import sys
 import time
 
+from hpc_tools import backends
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import resolve
 from hpc_tools.recipe.yamlfile import parse_yaml
 from hpc_tools.registry import RunFolder, now_iso
 from hpc_tools.runstate import HANG_EXIT_CODE, note_restart
-from hpc_tools.runtime.backends import trainer_for
 from hpc_tools.runtime.context import RankContext
 from hpc_tools.runtime.distenv import DistEnv
 from hpc_tools.runtime.preemption import StopFlag
@@ -90,7 +90,7 @@ def _run_rank(run_dir: str, dist: DistEnv) -> int:
     t0 = time.perf_counter()
     code, error = 1, None
     try:
-        trainer_for(ctx.recipe.backend.kind)(ctx)
+        backends.load(backends.of(ctx.recipe).trainer)(ctx)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1

@@ -69,8 +69,8 @@ def prepare(work: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from hpc_tools.hf.config import hf_config
     from hpc_tools.recipe.load import deep_merge, resolve
-    from hpc_tools.train.deepspeed.model import hf_config
 
     for i, fam in enumerate(FAMILIES):
         torch.manual_seed(100 + i)
@@ -115,7 +115,7 @@ def rank_main(work: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from hpc_tools.hf.load import init_unless_resuming
+    from hpc_tools.train.megatron.hf_import import init_unless_resuming
     from hpc_tools.layout import ParallelLayout
     from hpc_tools.recipe.load import dump_resolved
     from hpc_tools.registry import RunFolder

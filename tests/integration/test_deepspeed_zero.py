@@ -80,8 +80,8 @@ def pretrained(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from hpc_tools.hf.config import hf_config
     from hpc_tools.recipe.load import resolve
-    from hpc_tools.train.deepspeed.model import hf_config
 
     torch.manual_seed(7)
     model = AutoModelForCausalLM.from_config(hf_config(resolve(variant("p", model=GPT)["recipe"])))

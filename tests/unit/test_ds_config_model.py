@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from hpc_tools.errors import UserError
+from hpc_tools.hf.config import hf_config
 from hpc_tools.recipe.load import resolve
-from hpc_tools.train.deepspeed.model import hf_config, initial_value
+from hpc_tools.train.deepspeed.model import initial_value
 
 
 def recipe(model=None, training=None):
@@ -39,7 +40,8 @@ def test_gpt_config_is_gpt2_with_tied_embeddings():
      r"model.normalization=RMSNorm is not available for model.family=gpt"),
     ({"activation": "gelu"}, None, r"model.activation=gelu is not available for model.family=llama"),
     ({"hidden_dropout": 0.1}, None, r"model.hidden_dropout=0.1 is not available"),
-    (None, {"recompute_granularity": "selective"}, r"training.recompute_granularity=selective is a Megatron feature"),
+    (None, {"recompute_granularity": "selective"},
+     r"training.recompute_granularity=selective is not available with backend.kind=deepspeed"),
 ])
 def test_inexpressible_models_are_refused(model, training, match):
     with pytest.raises(UserError, match=match):

@@ -51,8 +51,8 @@ def test_hf_megatron_hf_is_exact(sets):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from hpc_tools.hf.config import hf_config
     from hpc_tools.hf.mapping import EMBED, QKV, hf_to_megatron, megatron_keys, megatron_to_hf
-    from hpc_tools.train.deepspeed.model import hf_config
 
     recipe = resolve(GPT, list(sets), source="test_hf_mapping")
     m = recipe.model
@@ -116,7 +116,7 @@ def test_inexpressible_models_name_the_field(sets, field):
 
 def _folder(tmp_path, sets=(), **changes):
     """config.json of ``model(*sets)`` as the export writes it, with ``changes``."""
-    from hpc_tools.train.deepspeed.model import hf_config
+    from hpc_tools.hf.config import hf_config
 
     cfg = hf_config(resolve(GPT, list(sets), source="test_hf_mapping")).to_dict()
     cfg.update(changes)

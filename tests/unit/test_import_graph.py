@@ -1,7 +1,8 @@
 """The import graph's two rules, read from the source with ``ast`` (every import, top level or inside a function):
 
 1. ``profiling/`` sits below ``hpc_tools``: the in-job collectors take values from their callers and read only the
-   recipe's profiling section (``hpc_tools.recipe.profiling``) themselves. Annotation-only imports (under
+   recipe's profiling section (``hpc_tools.recipe.profiling``) and the backend table (``hpc_tools.backends``)
+   themselves. Annotation-only imports (under
    ``if TYPE_CHECKING:``) may name other recipe sections, the inputs ``profiling.flops`` / ``peaks`` describe; they
    never run.
 2. ``hpc_tools.testing`` (test and benchmark harnesses) is used by tests and benchmarks only, never by the product.
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PROFILING_MAY_IMPORT = ("hpc_tools.recipe.profiling",)
+PROFILING_MAY_IMPORT = ("hpc_tools.recipe.profiling", "hpc_tools.backends")
 PROFILING_MAY_NAME_FOR_TYPES = ("hpc_tools.recipe",)
 
 

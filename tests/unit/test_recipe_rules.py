@@ -69,7 +69,7 @@ CASES = {
     # wandb is installed here (environment/requirements-test.txt): the case hides it (HIDDEN_PACKAGES)
     "trackers_installed": (["tracking.wandb.mode=offline"], "tracking.wandb.enabled=true needs the 'wandb' package",
                            "pip install wandb"),
-    "init_from_hf_megatron": (["backend.kind=deepspeed", "checkpoint.init_from_hf=hf"],
+    "backend_features": (["backend.kind=deepspeed", "checkpoint.init_from_hf=hf"],
                               "checkpoint.init_from_hf=hf is read by backend.kind=megatron only",
                               "set backend.deepspeed.pretrained_path"),
 }

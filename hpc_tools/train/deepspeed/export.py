@@ -55,7 +55,8 @@ def empty_model(recipe):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hpc_tools.train.deepspeed.model import ATTENTION, hf_config, pretrained_config
+    from hpc_tools.hf.config import ATTENTION, hf_config
+    from hpc_tools.train.deepspeed.model import pretrained_config
 
     path = recipe.backend.deepspeed.pretrained_path
     cfg = pretrained_config(path) if path else hf_config(recipe)

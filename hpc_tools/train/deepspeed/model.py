@@ -13,55 +13,11 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
-from hpc_tools.data.tokenizer import BYTE_EOS_ID
 from hpc_tools.errors import UserError
+from hpc_tools.hf.config import ATTENTION, check_expressible, hf_config
 
 if TYPE_CHECKING:
     from hpc_tools.recipe.schema import Recipe
-
-ATTENTION = "sdpa"
-"""Causal masking comes from sdpa's is_causal when no mask is given (the pipeline stages rely on it)."""
-
-
-def check_expressible(recipe: "Recipe") -> None:
-    """Refuse model options the family's Hugging Face class cannot represent (the rule lives in recipe.rules, so
-    `validate` reports it before anything is queued; this re-check guards recipes built in code)."""
-    from hpc_tools.errors import RecipeError
-    from hpc_tools.layout import ParallelLayout
-    from hpc_tools.recipe.rules import deepspeed_model_expressible
-
-    violations = list(deepspeed_model_expressible(recipe, ParallelLayout.from_recipe(recipe)))
-    if violations:
-        raise RecipeError(violations)
-
-
-def hf_config(recipe: "Recipe"):
-    """The transformers config for ``model:`` (fp32 weights; DeepSpeed casts for bf16/fp16)."""
-    check_expressible(recipe)
-    m = recipe.model
-    eos = BYTE_EOS_ID if recipe.data.tokenizer == "byte" else None
-    common: dict[str, Any] = {"vocab_size": m.vocab_size, "tie_word_embeddings": not m.untie_embeddings,
-                              "initializer_range": m.init_method_std, "bos_token_id": eos, "eos_token_id": eos,
-                              "use_cache": False}
-    if m.family == "gpt":
-        from transformers import GPT2Config
-
-        cfg = GPT2Config(n_positions=m.seq_length, n_embd=m.hidden_size, n_layer=m.num_layers,
-                         n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size, activation_function="gelu",
-                         resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
-                         layer_norm_epsilon=m.norm_epsilon, **common)
-    else:
-        from transformers import LlamaConfig
-
-        cfg = LlamaConfig(hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
-                          num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-                          num_key_value_heads=m.num_query_groups, hidden_act="silu",
-                          max_position_embeddings=m.seq_length, rms_norm_eps=m.norm_epsilon,
-                          rope_parameters={"rope_type": "default", "rope_theta": float(m.rotary_base)},
-                          attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear,
-                          attention_dropout=m.attention_dropout, **common)
-    cfg._attn_implementation = ATTENTION
-    return cfg
 
 
 def pretrained_config(path: str):

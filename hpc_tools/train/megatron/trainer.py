@@ -41,7 +41,7 @@ class MegatronJob:
         for note in self.engine.notes:
             ctx.info("note: %s", note)
         if ctx.recipe.checkpoint.init_from_hf:  # step-0 weights from a Hugging Face folder unless resuming
-            from hpc_tools.hf.load import init_unless_resuming
+            from hpc_tools.train.megatron.hf_import import init_unless_resuming
 
             init_unless_resuming(self.engine, ctx.recipe, self.dirs)
 

@@ -1,0 +1,114 @@
+"""The backend table: one record per ``backend.kind``, the one place that knows what a backend is and can do.
+
+Every layer asks its row instead of comparing kinds: the recipe's rules (which parallel features it has), the planner
+(whether there is a model to plan, how the vocabulary is padded, how its options shape memory), the rank (which
+trainer module runs, what it sets before the first CUDA call), ``export`` (the adapter that turns its checkpoint into
+a Hugging Face folder), ``doctor`` (the packages a job of this kind imports). Code lives where its floor is: a row
+names its trainer-side pieces as ``"module:function"`` strings, imported only when called (``load``), so this module
+imports nothing of hpc_tools and the control plane never imports ``hpc_tools.train`` through it.
+
+A new backend is one new row (and its trainer package); ``docs/architecture.md`` lists the row's fields.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+def _no_zero_config(recipe: Any) -> dict:
+    return {}
+
+
+def _deepspeed_zero_config(recipe: Any) -> dict:
+    """The ``zero_optimization`` keys a DeepSpeed recipe overrides (bucket sizes and the like)."""
+    return recipe.backend.deepspeed.config_overrides.get("zero_optimization") or {}
+
+
+def _megatron_flash(recipe: Any) -> bool:
+    """Megatron's fused attention: on GPU, asked for, and not the local layers."""
+    mg = recipe.backend.megatron
+    return mg.use_flash_attention and recipe.cluster.uses_gpus and mg.transformer_impl != "local"
+
+
+def _sdpa_flash(recipe: Any) -> bool:
+    """Hugging Face SDPA picks the flash / memory-efficient kernel on GPU."""
+    return recipe.cluster.uses_gpus
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Backend:
+    kind: str
+    """The value of ``backend.kind``."""
+    summary: str
+    """One line for ``--help`` and the docs."""
+    trainer: str
+    """The module whose ``run(ctx)`` every rank calls."""
+    trains_model: bool
+    """It builds and trains a model (there is something to plan, to count FLOPs of and to export)."""
+    options: str | None = None
+    """Its own options section under ``backend:`` (``backend.<options>``), checked only when it runs."""
+    tensor_parallel: bool = False
+    """``parallel.tensor_size`` > 1 and ``parallel.sequence_parallel``."""
+    interleaved_pipeline: bool = False
+    """``parallel.virtual_pipeline_size`` > 1."""
+    selective_recompute: bool = False
+    """``training.recompute_granularity: selective``."""
+    pads_vocab: bool = False
+    """The embedding is padded to a multiple of 128 x TP (Megatron's ``make_vocab_size_divisible_by``)."""
+    hf_model_classes: bool = False
+    """It builds Hugging Face model classes, so ``model.family`` fixes normalisation, activation and positions."""
+    reads_init_from_hf: bool = False
+    """It starts from ``checkpoint.init_from_hf`` (a Hugging Face folder converted on load)."""
+    hf_export: str | None = None
+    """``"module:function"``: (run, recipe, verified checkpoint, out, overwrite) -> summary; None: nothing to export."""
+    rank_setup: str | None = None
+    """``"module:function"``: (recipe, layout) -> environment variables to set before the first CUDA call."""
+    packages: tuple[str, ...] = ()
+    """What a job of this kind imports beyond every job's set (``doctor``)."""
+    flash_attention: Callable[[Any], bool] = _sdpa_flash
+    """Whether the recipe's attention stores no s^2 activations (the planner's memory model)."""
+    zero_config: Callable[[Any], dict] = _no_zero_config
+    """The ``zero_optimization`` overrides the planner reads (bucket sizes); {} where there is no ZeRO config."""
+
+
+BACKENDS: dict[str, Backend] = {b.kind: b for b in (
+    Backend(kind="megatron", summary="Megatron-core GPT/Llama: tensor, pipeline (1F1B / interleaved) and data "
+            "parallelism, sequence parallelism, distributed optimizer",
+            trainer="hpc_tools.train.megatron.trainer", trains_model=True, options="megatron",
+            tensor_parallel=True, interleaved_pipeline=True, selective_recompute=True, pads_vocab=True,
+            reads_init_from_hf=True, hf_export="hpc_tools.train.megatron.hf_export:export_checkpoint",
+            rank_setup="hpc_tools.train.megatron.config:rank_environment", packages=("megatron.core",),
+            flash_attention=_megatron_flash),
+    Backend(kind="deepspeed", summary="a Hugging Face causal LM under DeepSpeed ZeRO (stages 0-3, offload, "
+            "pipeline with stage 0/1)",
+            trainer="hpc_tools.train.deepspeed.trainer", trains_model=True, options="deepspeed",
+            hf_model_classes=True, hf_export="hpc_tools.train.deepspeed.export:export_checkpoint",
+            packages=("deepspeed", "transformers"), zero_config=_deepspeed_zero_config),
+    Backend(kind="comm_check", summary="no model: every rank joins the process group and times all-reduces "
+            "(a cluster smoke test)",
+            trainer="hpc_tools.train.comm_check", trains_model=False),
+)}
+KINDS = tuple(BACKENDS)
+
+
+def backend(kind: str) -> Backend:
+    """The row of ``kind`` (a recipe's ``backend.kind``, already checked by the schema)."""
+    return BACKENDS[kind]
+
+
+def of(recipe: Any) -> Backend:
+    """The row of a recipe's ``backend.kind``."""
+    return BACKENDS[recipe.backend.kind]
+
+
+def with_feature(feature: str) -> list[str]:
+    """The kinds whose row has ``feature`` true, for the fix an error names."""
+    return [b.kind for b in BACKENDS.values() if getattr(b, feature)]
+
+
+def load(ref: str) -> Callable[..., Any]:
+    """The function a row names as ``"module:function"`` (``"module"`` alone: its ``run``), imported now."""
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name or "run")
