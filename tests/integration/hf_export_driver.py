@@ -27,9 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import _checkout  # noqa: F401  (this checkout on sys.path, before any hpc_tools import)
 
 WORLD = 4
 STEPS = 2
@@ -115,12 +113,12 @@ def rank_main(work: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from hpc_tools.train.megatron.hf_import import init_unless_resuming
     from hpc_tools.layout import ParallelLayout
     from hpc_tools.recipe.load import dump_resolved
     from hpc_tools.registry import RunFolder
     from hpc_tools.runtime.context import RankContext
     from hpc_tools.runtime.distenv import DistEnv
+    from hpc_tools.train.megatron.hf_import import init_unless_resuming
     from hpc_tools.train.megatron.trainer import MegatronJob, _quiet_megatron
 
     _quiet_megatron()

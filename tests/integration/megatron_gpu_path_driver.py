@@ -26,11 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-for path in (REPO, HERE):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+import _checkout  # noqa: F401  (this checkout on sys.path, before any hpc_tools import)
 
 WORLD = 2
 STEPS = 4
