@@ -13,13 +13,13 @@ run state of ``hpc_tools.runstate``), a run that completed all its steps, and a 
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 from hpc_tools.errors import UserError
+from hpc_tools.executors.local import pid_alive
 from hpc_tools.recipe.load import dump_resolved, resolve
 from hpc_tools.recipe.schema import Recipe
 from hpc_tools.recipe.yamlfile import parse_yaml
@@ -57,12 +57,8 @@ class ResumePlan:
 # -- checks ------------------------------------------------------------------------------------------------------------
 def _pid_runs_rank(pid: int, run_dir: Path) -> bool:
     """Whether ``pid`` is alive and (where /proc tells) still a rank program of this run folder (pids are reused)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pid):
         return False
-    except PermissionError:
-        return True
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:

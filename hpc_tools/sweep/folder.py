@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -74,15 +73,3 @@ class SweepFolder:
 
     def run_dir(self, cell: dict[str, Any]) -> Path | None:
         return self.path / cell["run_dir"] if cell.get("run_dir") else None
-
-
-def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hpc_tools.errors import UserError
+from hpc_tools.executors.local import pid_alive
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import resolve
 from hpc_tools.recipe.schema import Recipe
@@ -18,7 +19,7 @@ from hpc_tools.recipe.yamlfile import parse_yaml
 from hpc_tools.registry import RunFolder, now_iso
 from hpc_tools.runstate import FAILURE_STATUSES, READER, SlurmJob, Verdict, classify
 from hpc_tools.runstate import refresh as refresh_run
-from hpc_tools.sweep.folder import SweepFolder, pid_alive
+from hpc_tools.sweep.folder import SweepFolder
 from hpc_tools.sweep.grid import SweepPlan
 
 Say = Callable[[str], None]
