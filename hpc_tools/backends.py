@@ -65,8 +65,15 @@ class Backend:
     """``"module:function"``: (run, recipe, verified checkpoint, out, overwrite) -> summary; None: nothing to export."""
     rank_setup: str | None = None
     """``"module:function"``: (recipe, layout) -> environment variables to set before the first CUDA call."""
+    layers: str = ""
+    """Whose layer code the model runs, for the planner's activation model: ``megatron`` (Megatron-core modules) or
+    ``huggingface`` (transformers modules); "" without a model."""
+    sharding: str = ""
+    """How model states are sharded across data-parallel ranks, for the planner's memory and communication model:
+    ``distributed_optimizer`` (Megatron's: fp32 grads reduce-scattered, optimizer states sharded when on) or ``zero``
+    (ZeRO stages 0-3 with optional offload); "" without a model."""
     packages: tuple[str, ...] = ()
-    """What a job of this kind imports beyond every job's set (``doctor``)."""
+    """The distributions a job of this kind imports beyond every job's set (``doctor``)."""
     flash_attention: Callable[[Any], bool] = _sdpa_flash
     """Whether the recipe's attention stores no s^2 activations (the planner's memory model)."""
     zero_config: Callable[[Any], dict] = _no_zero_config
@@ -79,12 +86,14 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
             trainer="hpc_tools.train.megatron.trainer", trains_model=True, options="megatron",
             tensor_parallel=True, interleaved_pipeline=True, selective_recompute=True, pads_vocab=True,
             reads_init_from_hf=True, hf_export="hpc_tools.train.megatron.hf_export:export_checkpoint",
-            rank_setup="hpc_tools.train.megatron.config:rank_environment", packages=("megatron.core",),
+            rank_setup="hpc_tools.train.megatron.config:rank_environment", layers="megatron",
+            sharding="distributed_optimizer", packages=("megatron-core",),
             flash_attention=_megatron_flash),
     Backend(kind="deepspeed", summary="a Hugging Face causal LM under DeepSpeed ZeRO (stages 0-3, offload, "
             "pipeline with stage 0/1)",
             trainer="hpc_tools.train.deepspeed.trainer", trains_model=True, options="deepspeed",
-            hf_model_classes=True, hf_export="hpc_tools.train.deepspeed.export:export_checkpoint",
+            hf_model_classes=True, hf_export="hpc_tools.train.deepspeed.export:export_checkpoint", layers="huggingface",
+            sharding="zero",
             packages=("deepspeed", "transformers"), zero_config=_deepspeed_zero_config),
     Backend(kind="comm_check", summary="no model: every rank joins the process group and times all-reduces "
             "(a cluster smoke test)",

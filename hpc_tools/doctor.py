@@ -21,16 +21,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from hpc_tools import backends
+
 if TYPE_CHECKING:
     from hpc_tools.recipe.schema import Recipe
 
 REPO = Path(__file__).resolve().parents[1]
 ENVIRONMENT = REPO / "environment"
 STATUSES = ("pass", "warn", "fail", "skip")
-# The packages a job imports, by the backend that needs them (None: every job, or the tools around it).
-PACKAGES: dict[str, str | None] = {"torch": None, "megatron-core": "megatron", "deepspeed": "deepspeed",
-                                   "transformers": "deepspeed", "datasets": None, "submitit": None, "pandas": None,
-                                   "pyarrow": None}
+# The packages a job imports: every job's (or the tools around it), then each backend's (its row's ``packages``).
+EVERY_JOB = ("torch", "datasets", "submitit", "pandas", "pyarrow")
+PACKAGES: dict[str, tuple[str, ...]] = {name: () for name in EVERY_JOB[:1]}  # name -> the kinds that need it
+for _row in backends.BACKENDS.values():
+    for _name in _row.packages:
+        PACKAGES[_name] = PACKAGES.get(_name, ()) + (_row.kind,)
+PACKAGES.update({name: () for name in EVERY_JOB[1:]})
 _PIN = re.compile(r"(?<![\w.-])([A-Za-z0-9][A-Za-z0-9_.-]*)==([0-9][0-9A-Za-z.+!-]*)")
 
 
@@ -97,7 +102,7 @@ def package_checks(backend: str | None = None, pinned: dict[str, str] | None = N
     needed = warn; a version other than the pin = warn (it may work; the pins are what the tests ran)."""
     pinned = pins() if pinned is None else pinned
     rows = []
-    for name, needed_by in PACKAGES.items():
+    for name, kinds in PACKAGES.items():
         pin = pinned.get(_norm(name))
         install = f"pip install {name}=={pin}" if pin else f"pip install {name}"
         if name in ("torch", "deepspeed"):
@@ -105,8 +110,8 @@ def package_checks(backend: str | None = None, pinned: dict[str, str] | None = N
         try:
             have = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
-            needed = needed_by is None or backend in (None, needed_by)
-            why = "every job" if needed_by is None else f"backend.kind: {needed_by}"
+            needed = not kinds or backend is None or backend in kinds
+            why = "every job" if not kinds else f"backend.kind: {' or '.join(kinds)}"
             rows.append(Check(name, "fail" if needed else "warn", f"not installed (needed by {why})", install))
             continue
         if pin is None or have.split("+")[0] == pin:

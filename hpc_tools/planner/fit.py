@@ -84,24 +84,25 @@ def _single_changes(recipe: "Recipe", k: Knobs) -> Iterator[tuple[list[str], Kno
     def with_dp(sets: list[str], alt: Knobs) -> list[str]:
         return sets + [f"parallel.data_size={alt.layout.data_size}"] if explicit_dp else sets
 
-    if k.backend == "megatron":
-        if k.recompute != "selective" and k.recompute != "full":
-            yield ["training.recompute_granularity=selective"], replace(k, recompute="selective")
-        if not k.distributed_optimizer and lay.data_size > 1:
-            yield ["backend.megatron.distributed_optimizer=true"], replace(k, distributed_optimizer=True)
+    row, options = k.row, f"backend.{k.row.options}"
+    if row.selective_recompute and k.recompute != "selective" and k.recompute != "full":
+        yield ["training.recompute_granularity=selective"], replace(k, recompute="selective")
+    if not k.zero and not k.distributed_optimizer and lay.data_size > 1:
+        yield [f"{options}.distributed_optimizer=true"], replace(k, distributed_optimizer=True)
+    if row.tensor_parallel:
         if lay.tensor_size > 1 and not lay.sequence_parallel:
             yield ["parallel.sequence_parallel=true"], replace(k, layout=replace(lay, sequence_parallel=True))
         for t in (lay.tensor_size * 2, lay.tensor_size * 4):
             alt = relayout(t, lay.pipeline_size, sequence_parallel=True)
             if alt and t <= recipe.cluster.gpus_per_node:
                 yield with_dp([f"parallel.tensor_size={t}", "parallel.sequence_parallel=true"], alt), alt
-    else:
+    if k.zero:
         for stage in range(k.zero_stage + 1, 4):
             if lay.pipeline_size == 1 or stage <= 1:
-                yield ([f"backend.deepspeed.zero_stage={stage}"],
+                yield ([f"{options}.zero_stage={stage}"],
                        replace(k, zero_stage=stage, ds_overlap_comm=stage == 3))
         if k.zero_stage >= 1 and k.offload_optimizer == "none":
-            yield ["backend.deepspeed.offload_optimizer=cpu"], replace(k, offload_optimizer="cpu")
+            yield [f"{options}.offload_optimizer=cpu"], replace(k, offload_optimizer="cpu")
     for p in (lay.pipeline_size * 2, lay.pipeline_size * 4):
         alt = relayout(lay.tensor_size, p)
         if alt and m.num_layers % p == 0:

@@ -18,10 +18,13 @@ if TYPE_CHECKING:
 # DeepSpeed's default zero_optimization.reduce_bucket_size (elements); its ZeRO-1/2 gradient bucket.
 DS_DEFAULT_BUCKET_ELEMS = 500_000_000
 
+# The two traits the memory and step-time models branch on, as sets of kinds: they are asked per scored candidate.
+_MEGATRON_LAYERS = frozenset(b.kind for b in backends.BACKENDS.values() if b.layers == "megatron")
+_ZERO = frozenset(b.kind for b in backends.BACKENDS.values() if b.sharding == "zero")
 
 @dataclass(frozen=True, slots=True)
 class Knobs:
-    backend: str  # "megatron" | "deepspeed"
+    backend: str  # a backend.kind that trains a model; its traits are its row of the backend table (``row``)
     layout: ParallelLayout
     precision: str
     recompute: str  # "none" | "selective" | "full"
@@ -58,6 +61,21 @@ class Knobs:
                    on_gpu=recipe.cluster.uses_gpus)
 
     @property
+    def row(self) -> backends.Backend:
+        """The backend table's record of this configuration's backend."""
+        return backends.backend(self.backend)
+
+    @property
+    def megatron_layers(self) -> bool:
+        """The model runs Megatron-core's layers (else Hugging Face's): the activation model's choice."""
+        return self.backend in _MEGATRON_LAYERS
+
+    @property
+    def zero(self) -> bool:
+        """Model states sharded by ZeRO stages (else Megatron's distributed optimizer)."""
+        return self.backend in _ZERO
+
+    @property
     def virtual(self) -> int:
         return self.layout.virtual_pipeline_size if self.layout.interleaved else 1
 
@@ -74,7 +92,7 @@ class Knobs:
             parts.append(f"VPP{lay.virtual_pipeline_size}")
         parts += [f"DP{lay.data_size}"] + (["SP"] if lay.sequence_parallel else []) + [f"mb{lay.micro_batch_size}"]
         parts.append(f"rc={self.recompute}")
-        if self.backend == "megatron":
+        if not self.zero:
             parts.append("distopt" if self.distributed_optimizer else "no-distopt")
         else:
             parts.append(f"zero{self.zero_stage}")
@@ -96,12 +114,9 @@ class Knobs:
         if self.recompute == "full":
             out += [f"training.recompute_method={self.recompute_method}",
                     f"training.recompute_num_layers={self.recompute_num_layers}"]
-        if self.backend == "megatron":
-            out.append(f"backend.megatron.distributed_optimizer={str(self.distributed_optimizer).lower()}")
-        else:
-            out += [f"backend.deepspeed.zero_stage={self.zero_stage}",
-                    f"backend.deepspeed.offload_optimizer={self.offload_optimizer}",
-                    f"backend.deepspeed.offload_param={self.offload_param}"]
+        section = f"backend.{self.row.options}"
+        out += [f"{section}.{key}={str(value).lower() if isinstance(value, bool) else value}"
+                for key, value in self._option_updates().items()]
         return out
 
     def section_updates(self) -> dict[str, dict[str, Any]]:
@@ -115,12 +130,15 @@ class Knobs:
                          "recompute_granularity": self.recompute, "recompute_method": self.recompute_method,
                          "recompute_num_layers": self.recompute_num_layers},
         }
-        if self.backend == "megatron":
-            upd["megatron"] = {"distributed_optimizer": self.distributed_optimizer}
-        else:
-            upd["deepspeed"] = {"zero_stage": self.zero_stage, "offload_optimizer": self.offload_optimizer,
-                                "offload_param": self.offload_param}
+        upd[self.row.options] = self._option_updates()
         return upd
+
+    def _option_updates(self) -> dict[str, Any]:
+        """The sharding knobs as fields of the backend's own options section."""
+        if self.zero:
+            return {"zero_stage": self.zero_stage, "offload_optimizer": self.offload_optimizer,
+                    "offload_param": self.offload_param}
+        return {"distributed_optimizer": self.distributed_optimizer}
 
 
 def apply_knobs(recipe: "Recipe", k: Knobs) -> "Recipe":

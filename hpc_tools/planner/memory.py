@@ -205,7 +205,7 @@ def first_chunk_in_flight(p: int, v: int, m: int) -> int:
 
 def _layer_terms(arch: Arch, k: Knobs, recompute: str) -> dict[str, float]:
     lay = k.layout
-    if k.backend == "megatron":
+    if k.megatron_layers:
         return megatron_layer_terms(arch.seq, lay.micro_batch_size, arch.hidden, arch.heads, lay.tensor_size,
                                     groups=arch.groups, head_dim=arch.head_dim, ffn=arch.ffn, gated=arch.gated,
                                     sp=lay.sequence_parallel, recompute=recompute, flash=k.flash,
@@ -238,18 +238,18 @@ def stage_activation_bytes(arch: Arch, k: Knobs, stage: int) -> tuple[float, flo
     p, m = lay.pipeline_size, lay.num_microbatches
     chunk_layers = arch.layers // (p * v)
     chunks = _chunks_in_flight(p, v, max(m, 1), stage)
-    # HF (DeepSpeed) models have no selective recompute; with fused attention it changes nothing anyway.
-    recompute = "none" if k.backend == "deepspeed" and k.recompute == "selective" else k.recompute
+    # Hugging Face models have no selective recompute; with fused attention it changes nothing anyway.
+    recompute = "none" if not k.row.selective_recompute and k.recompute == "selective" else k.recompute
     if recompute != "full":
         return chunks * chunk_layers * layer_bytes(arch, k, recompute), 0.0
     full, ckpt = layer_bytes(arch, k, "none"), _checkpoint_bytes(arch, k)
-    if k.backend == "megatron" and not arch.learned_positions:
+    if k.megatron_layers and not arch.learned_positions:
         # the checkpoints also keep the chunk's RoPE frequencies (fp32, s x d_h, one tensor shared by all of them)
         rope_freqs = 4 * arch.seq * arch.head_dim
     else:
         rope_freqs = 0.0
-    n = min(k.recompute_num_layers if k.backend == "megatron" else 1, chunk_layers)
-    if k.recompute_method == "block" and k.backend == "megatron":
+    n = min(k.recompute_num_layers if k.megatron_layers else 1, chunk_layers)
+    if k.recompute_method == "block" and k.megatron_layers:
         per_chunk = n * ckpt + (chunk_layers - n) * full  # first n layers of each chunk checkpointed one by one
         return chunks * (per_chunk + (rope_freqs if n else 0)), full
     # uniform: one checkpoint per group of n layers
@@ -262,7 +262,7 @@ def embedding_bytes(arch: Arch, k: Knobs) -> float:
     arange, s int64) and the dropout mask."""
     lay = k.layout
     tok = arch.seq * lay.micro_batch_size
-    if k.backend != "megatron":  # Hugging Face embeddings: the dropout mask only
+    if not k.megatron_layers:  # Hugging Face embeddings: the dropout mask only
         return tok * arch.hidden if arch.hidden_dropout else 0.0
     # token ids (the vocab-parallel lookup with t > 1 keeps its shifted copy and its out-of-range mask, 1 byte each)
     out = 8 * tok + (tok if lay.tensor_size > 1 else 0) + (8 * arch.seq if arch.learned_positions else 0)
@@ -277,7 +277,7 @@ def head_bytes(arch: Arch, k: Knobs) -> float:
     lay = k.layout
     t, tok, e = lay.tensor_size, arch.seq * lay.micro_batch_size, k.act_bytes
     vocab = arch.padded_vocab(t)
-    if k.backend != "megatron":
+    if not k.megatron_layers:
         # HF: returned 16-bit logits + fp32 upcast + fp32 log-softmax kept for backward = (2 + 4 + 4) s b V
         return 2 * e * tok * arch.hidden + (e + 8) * tok * vocab
     rep = tok / t if lay.sequence_parallel else tok
@@ -328,7 +328,7 @@ def stage_memory(arch: Arch, k: Knobs, stage: int, on_gpu: bool = True) -> Stage
     """Every term for one GPU of ``stage``."""
     lay = k.layout
     n = stage_parameters(arch, lay.tensor_size, lay.pipeline_size, stage)
-    if k.backend == "deepspeed":
+    if k.zero:
         params, grads, optim = zero_state_bytes(n, lay.data_size, k.zero_stage, k.precision, k.offload_optimizer,
                                                 k.offload_param)
     else:
@@ -336,7 +336,7 @@ def stage_memory(arch: Arch, k: Knobs, stage: int, on_gpu: bool = True) -> Stage
     acts, working = stage_activation_bytes(arch, k, stage)
     terms = {PARAMETERS: params, GRADIENTS: grads, OPTIMIZER: optim, ACTIVATIONS: acts,
              EDGE_ACTIVATIONS: edge_activation_bytes(arch, k, stage), RECOMPUTE_WS: working}
-    if k.backend == "deepspeed" and k.zero_stage == 3:
+    if k.zero and k.zero_stage == 3:
         terms[GATHERED] = _zero3_working_set(arch, k)
     terms[BUCKETS] = _buffer_bytes(k, n) if on_gpu else 0.0
     terms[CONTEXT] = CUDA_CONTEXT_BYTES if on_gpu else 0.0
@@ -362,7 +362,7 @@ def _zero3_working_set(arch: Arch, k: Knobs) -> float:
 
 
 def _buffer_bytes(k: Knobs, n_params: int) -> float:
-    if k.backend == "deepspeed":
+    if k.zero:
         grad_bytes = 4 if k.precision == "fp32" else 2
         return NCCL_BUFFER_BYTES + grad_bytes * min(k.ds_bucket_elems, n_params)
     return NCCL_BUFFER_BYTES
@@ -372,7 +372,7 @@ def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
     """What each term assumes, in words, for this model and configuration."""
     lay = k.layout
     t, d = lay.tensor_size, lay.data_size
-    if k.backend == "deepspeed":
+    if k.zero:
         n = f" / N (N = d = {d})"
         p16 = "4" if k.precision == "fp32" else "2"
         params = f"{p16} bytes/param{n if k.zero_stage >= 3 else ''} (ZeRO-{k.zero_stage})"
@@ -397,15 +397,15 @@ def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
             optim = (f"12 bytes/param{shard}: fp32 master params, Adam m and v; model states "
                      f"{'6 + 12/d' if shard else '18'} bytes/param")
     swiglu = "SwiGLU fc1 2f + silu f + product f" + (
-        " + Megatron's unfused offset copy f" if k.backend == "megatron" else "")
+        " + Megatron's unfused offset copy f" if k.megatron_layers else "")
     tied = "tied: last stage keeps its own copy of the word embedding" if arch.tied and lay.pipeline_size > 1 else (
         "tied (counted once)" if arch.tied else "untied output layer on the last stage")
     attn = ("fused/flash attention: no s^2 terms" if k.flash else
             "explicit attention: softmax (and dropout) s^2 terms stored"
             + (", softmax in fp32 (Megatron attention_softmax_in_fp32), GQA K/V expanded to all heads, causal mask"
-               if k.backend == "megatron" else "")
+               if k.megatron_layers else "")
             if k.recompute != "selective" else "selective recompute: s^2 terms recomputed")
-    if k.backend == "megatron":
+    if k.megatron_layers:
         terms = _layer_terms(arch, k, "none" if k.recompute == "full" else k.recompute)
         big = ", ".join(f"{name} {value / max(sum(terms.values()), 1):.0%}"
                         for name, value in sorted(terms.items(), key=lambda kv: -kv[1])[:4])
@@ -428,7 +428,7 @@ def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
                  f"{first_chunk_in_flight(p, v, max(lay.num_microbatches, 1))} microbatches at most)" if v > 1 else "")
               if p > 1 else "one microbatch at a time (gradient accumulation frees the rest)")
     hf = (" (Hugging Face layers assumed to store what Megatron's do; their fp32 RMSNorm upcast is not counted)"
-          if k.backend == "deepspeed" else "")
+          if not k.megatron_layers else "")
     notes = {
         PARAMETERS: f"{params}; the stage's parameters per GPU, TP{t}-sharded as Megatron does (norms and "
                     f"row-parallel biases replicated); embeddings on the first stage, {tied}; vocab padded to "
@@ -439,14 +439,14 @@ def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
         EDGE_ACTIVATIONS: ("last stage: final norm + output input 4sbh + fp32 logits 4sbV/t (Korthikanti 4.3) + "
                            "the loss's target mask and targets 9sb; first stage: token ids 8sb (+ position ids, "
                            "dropout mask) per microbatch whose embedding chunk is in flight")
-                          if k.backend == "megatron" else
+                          if k.megatron_layers else
                           "last stage: HF logits 16-bit + fp32 upcast + fp32 log-softmax = 10 sbV bytes",
         RECOMPUTE_WS: "one recompute group's full activations, rebuilt during its backward" if k.recompute == "full"
                       else "no full recomputation",
         BUCKETS: ("NCCL buffers 0.5 GB (assumed)" + (f" + DeepSpeed reduce bucket {k.ds_bucket_elems:.3g} elements"
-                                                    if k.backend == "deepspeed" else "")) if on_gpu else "CPU ranks",
+                                                    if k.zero else "")) if on_gpu else "CPU ranks",
         CONTEXT: "CUDA context and kernels 1.5 GB (1-2 GB, Ultra-Scale Playbook)" if on_gpu else "CPU ranks",
     }
-    if k.backend == "deepspeed" and k.zero_stage == 3:
+    if k.zero and k.zero_stage == 3:
         notes[GATHERED] = "16-bit parameters of the current and one prefetched layer (or the whole embedding)"
     return notes

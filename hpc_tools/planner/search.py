@@ -78,13 +78,13 @@ def enumerate_knobs(recipe: "Recipe", base: Knobs) -> Iterator[Knobs]:
     """Every configuration the search scores (layout divisibility holds by construction)."""
     m, c = recipe.model, recipe.cluster
     world, batch = base.layout.world_size, base.layout.global_batch_size
-    megatron = base.backend == "megatron"
-    if megatron:
+    row = base.row
+    if row.tensor_parallel:
         tensors = [t for t in _divisors(c.gpus_per_node)
                    if m.num_attention_heads % t == 0 and m.num_query_groups % t == 0]
     else:
         tensors = [1]
-    recomputes = ("none", "selective", "full") if megatron else ("none", "full")
+    recomputes = ("none", "selective", "full") if row.selective_recompute else ("none", "full")
     for t in tensors:
         # Sequence parallelism is on whenever it can be: same TP traffic, smaller activations and p2p messages, so
         # the model never ranks "off" ahead of "on" (Korthikanti et al.).
@@ -100,7 +100,7 @@ def enumerate_knobs(recipe: "Recipe", base: Knobs) -> Iterator[Knobs]:
             for b in _divisors(per_replica):
                 micro = per_replica // b
                 vs = [1]
-                if megatron and p > 1 and micro % p == 0:
+                if row.interleaved_pipeline and p > 1 and micro % p == 0:
                     vs += [v for v in _divisors(m.num_layers // p) if v > 1]
                 for v in vs:
                     for sp in sps:
@@ -127,7 +127,7 @@ def _knobs(base: Knobs, layout: ParallelLayout, recompute: str, opt: dict) -> Kn
 
 
 def _optimizer_options(base: Knobs, p: int, d: int) -> Iterator[dict]:
-    if base.backend == "megatron":
+    if not base.zero:
         yield {"distributed_optimizer": True}
         if d > 1:
             yield {"distributed_optimizer": False}

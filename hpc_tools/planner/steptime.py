@@ -56,8 +56,8 @@ def step_flops(model_cfg: "ModelConfig", k: Knobs, convention: str) -> tuple[flo
     """(model FLOPs, hardware FLOPs) of one step, over the vocabulary the job pads to."""
     from profiling.flops import hardware_flops_per_step, model_flops_per_step
 
-    vocab = model_cfg.padded_vocab_size(k.layout.tensor_size) if k.backend == "megatron" else model_cfg.vocab_size
-    recompute = "none" if k.backend == "deepspeed" and k.recompute == "selective" else k.recompute
+    vocab = model_cfg.padded_vocab_size(k.layout.tensor_size) if k.row.pads_vocab else model_cfg.vocab_size
+    recompute = "none" if not k.row.selective_recompute and k.recompute == "selective" else k.recompute
     batch = k.layout.global_batch_size
     return (model_flops_per_step(model_cfg, batch, convention=convention, vocab_size=vocab),
             hardware_flops_per_step(model_cfg, batch, recompute, convention=convention, vocab_size=vocab))
@@ -101,7 +101,7 @@ def estimate_step_time(arch: Arch, k: Knobs, hw: Hardware, flops: tuple[float, f
     n = max(stage_parameters(arch, t, p, 0), stage_parameters(arch, t, p, p - 1))
     dp_bw = hw.link_bw(spans_nodes=t * d > hw.gpus_per_node)
     fwd_per_mb, bwd_per_mb = compute / m / 3, 2 * compute / m / 3
-    if k.backend == "megatron":
+    if not k.zero:
         terms[DP_COMM] = _megatron_dp(n, k, d, dp_bw, fwd_per_mb, bwd_per_mb)
         if arch.tied and p > 1:  # the two copies of the word embedding all-reduce their gradients (fp32)
             terms[DP_COMM] += _allreduce(4 * pieces(arch, t).word_embedding, 2, hw.link_bw(lay.nodes > 1))
@@ -165,9 +165,9 @@ def time_notes(k: Knobs, hw: Hardware, efficiency: float, efficiency_source: str
         DP_COMM: ("fp32 grads "
                   f"{'reduce-scatter + 16-bit param all-gather' if k.distributed_optimizer else 'all-reduce'}"
                   f"{' (overlapped with the last backward)' if k.overlap_grad_reduce else ''} at "
-                  if k.backend == "megatron" else f"ZeRO-{k.zero_stage} collectives at ")
+                  if not k.zero else f"ZeRO-{k.zero_stage} collectives at ")
                  + f"{hw.link_bw(lay.tensor_size * lay.data_size > hw.gpus_per_node) / gb:.0f} GB/s",
         OFFLOAD: f"PCIe {hw.host_bw / gb:.0f} GB/s, CPU Adam {CPU_ADAM_PARAMS_PER_S:.0e} params/s per rank (assumed)"
-                 if k.backend == "deepspeed" and (k.offload_optimizer != "none" or k.offload_param != "none")
+                 if k.zero and (k.offload_optimizer != "none" or k.offload_param != "none")
                  else "no offload",
     }
