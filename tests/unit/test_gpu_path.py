@@ -309,6 +309,93 @@ def test_ds_grad_accumulation_in_fp32_where_deepspeed_honours_it(stage, offload,
     assert (cfg.get("data_types") == {"grad_accum_dtype": "fp32"}) == fp32_accum
 
 
+def test_ds_rank_environment_names_the_ranks_own_device():
+    """Issue 25 items 6, 8: DeepSpeed takes LOCAL_RANK for the CUDA index and picks CUDA whenever torch sees a GPU;
+    the rank's device decides both."""
+    import torch
+
+    from hpc_tools.train.deepspeed.device import environment_for
+
+    env = {"LOCAL_RANK": "3"}  # Slurm's local id, one GPU per task
+    assert environment_for(torch.device("cuda", 0), env) == {"DS_ACCELERATOR": "cuda", "LOCAL_RANK": "0"}
+    assert env["LOCAL_RANK"] == "0"
+    env = {"LOCAL_RANK": "3"}
+    assert environment_for(torch.device("cpu"), env) == {"DS_ACCELERATOR": "cpu"} and env["LOCAL_RANK"] == "3"
+    with pytest.raises(UserError) as err:
+        environment_for(torch.device("cpu"), {"DS_ACCELERATOR": "cuda"})
+    assert "DS_ACCELERATOR=cuda" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_deepspeed_follows_the_rank_environment_on_a_machine_with_a_gpu():
+    """DeepSpeed's own code (a child process: its accelerator is cached per process), with torch made to report one
+    visible GPU: without ``environment_for`` a CPU rank would get DeepSpeed's CUDA accelerator (the control); with
+    it, the CPU one. And a one-GPU-per-task CUDA rank with Slurm's LOCAL_RANK=3 gets device 0 from DeepSpeed's
+    engine (``_configure_with_arguments`` + ``_set_distributed_vars``; the accelerator's set_device recorded)."""
+    code = textwrap.dedent("""
+        import json, os, torch
+        from types import SimpleNamespace
+        torch.cuda.is_available = lambda: True
+        torch.cuda.device_count = lambda: 1
+        os.environ["LOCAL_RANK"] = "3"
+        os.environ.pop("DS_ACCELERATOR", None)
+        from deepspeed.accelerator import real_accelerator
+        out = {"auto": real_accelerator.get_accelerator().device_name()}
+        real_accelerator.ds_accelerator = None
+        from hpc_tools.train.deepspeed.device import check_accelerator, environment_for
+        environment_for(torch.device("cpu"))
+        out["cpu rank"] = real_accelerator.get_accelerator().device_name()
+        check_accelerator(torch.device("cpu"))
+        import deepspeed.runtime.engine as eng
+        calls = []
+        eng.get_accelerator = lambda: SimpleNamespace(set_device=calls.append, device_name=lambda i: "cpu")
+        eng.dist = SimpleNamespace(get_world_size=lambda: 1, get_rank=lambda: 0)
+        os.environ.pop("DS_ACCELERATOR")  # this process now plays a CUDA rank
+        for env_local_rank in ("3", environment_for(torch.device("cuda", 0), os.environ)["LOCAL_RANK"]):
+            os.environ["LOCAL_RANK"] = env_local_rank
+            engine = SimpleNamespace()
+            eng.DeepSpeedEngine._configure_with_arguments(engine, None, None)
+            eng.DeepSpeedEngine._set_distributed_vars(engine, None)
+        out["set_device"] = calls
+        print(json.dumps(out))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["auto"] == "cuda", "the control: DeepSpeed picks CUDA when torch sees a GPU"
+    assert out["cpu rank"] == "cpu"
+    assert out["set_device"] == [3, 0]  # Slurm's id as DeepSpeed would use it, then the rank's device index
+
+
+def test_ds_copies_batches_from_pinned_memory_without_blocking():
+    """Issue 25 item 12, the decision on a stand-in tensor (pinning needs CUDA; the GPU tier runs the real copy):
+    pin unless pinned, then a non-blocking copy; on CPU the tensor as it is."""
+    import torch
+
+    from hpc_tools.train.deepspeed.device import to_device
+
+    class Host:
+        def __init__(self, pinned):
+            self.pinned, self.calls = pinned, []
+
+        def is_pinned(self):
+            return self.pinned
+
+        def pin_memory(self):
+            self.calls.append("pin")
+            return self
+
+        def to(self, device, non_blocking=False):
+            self.calls.append(("to", device.type, non_blocking))
+            return self
+
+    for pinned, expected in ((False, ["pin", ("to", "cuda", True)]), (True, [("to", "cuda", True)])):
+        t = Host(pinned)
+        to_device(t, torch.device("cuda", 0))
+        assert t.calls == expected
+    cpu = torch.ones(2)
+    assert to_device(cpu, torch.device("cpu")) is cpu
+
+
 # -- per-stage seeds (item 8) ------------------------------------------------------------------------------------------
 
 def test_each_pipeline_stage_and_tp_rank_gets_its_own_streams():

@@ -19,8 +19,10 @@ from hpc_tools.checkpoints.dirs import META, CheckpointDirs
 from hpc_tools.runtime.context import RankContext
 from hpc_tools.train import checkpoint_agree, loop, rng
 from hpc_tools.train.data import build_samples, microbatches_for_step
+from hpc_tools.train.deepspeed.device import check_accelerator, environment_for, to_device
 from hpc_tools.train.deepspeed.ds_config import build_ds_config, write_ds_config
 from hpc_tools.train.deepspeed.model import build_model
+from hpc_tools.train.prefetch import BatchPrefetcher
 from hpc_tools.train.schedule import lr_at
 
 RNG_FILE = "rng_rank{rank:05d}.pt"
@@ -29,6 +31,7 @@ log = logging.getLogger("hpc_tools")
 
 def run(ctx: RankContext) -> None:
     """Train the recipe on this rank (joins torch.distributed unless the caller already did)."""
+    environment_for(ctx.device)  # before DeepSpeed is imported: its accelerator and CUDA index are the rank's
     if ctx.device.type == "cpu":
         _plain_cpu_collectives()
     loop.run(ctx, DeepSpeedJob)
@@ -62,12 +65,16 @@ class DeepSpeedJob:
         self.build_engine()
         self._coords = self._grid_coords()
         self.samples = build_samples(self.recipe)
+        on_gpu = self.engine.device.type == "cuda"
+        self.prefetch = BatchPrefetcher(self._build_batch, self.recipe.training.train_iters, background=on_gpu,
+                                        pin=on_gpu)
 
     # -- set-up --------------------------------------------------------------------------------------------------------
     def build_engine(self) -> None:
         import deepspeed
         from torch.optim.lr_scheduler import LambdaLR
 
+        check_accelerator(self.ctx.device)
         t0 = time.perf_counter()
         if self.ctx.is_rank0:
             write_ds_config(self.config, self.ctx.run_dir)
@@ -114,6 +121,11 @@ class DeepSpeedJob:
 
     # -- one step ------------------------------------------------------------------------------------------------------
     def batch(self, step: int) -> list[dict[str, Any]]:
+        """This rank's microbatches of ``step``; on a GPU built (and pinned) in the background during the step
+        before (``hpc_tools.train.prefetch``)."""
+        return self.prefetch.get(step)
+
+    def _build_batch(self, step: int) -> list[dict[str, Any]]:
         return microbatches_for_step(self.samples, step, self._coords["dp_rank"], self.layout)
 
     def step(self, step: int, batch: list[dict[str, Any]]) -> loop.StepResult:
@@ -145,6 +157,8 @@ class DeepSpeedJob:
         """Release the engine and DeepSpeed's cached process groups (a later engine in this process builds its own)."""
         import torch.distributed as dist
 
+        if getattr(self, "prefetch", None) is not None:
+            self.prefetch.close()
         if dist.is_initialized():
             dist.barrier()
         if self.engine is not None:
@@ -175,8 +189,8 @@ class DeepSpeedJob:
         total = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, ranks with non-finite grads]
         grad_norm = None
         for i, mb in enumerate(batches):
-            logits = self.engine(input_ids=mb["tokens"].to(device)).logits
-            loss = causal_lm_loss(logits, mb["labels"].to(device))
+            logits = self.engine(input_ids=to_device(mb["tokens"], device)).logits
+            loss = causal_lm_loss(logits, to_device(mb["labels"], device))
             if poison:  # loop.INJECT_NONFINITE_ENV (tests only)
                 loss = loss * float("nan")
             self.engine.backward(loss)
@@ -241,8 +255,8 @@ class DeepSpeedJob:
             with torch.no_grad():
                 for mbs in batches:
                     for mb in mbs:
-                        logits = self.engine(input_ids=mb["tokens"].to(device)).logits
-                        total += causal_lm_loss(logits, mb["labels"].to(device)).double()
+                        logits = self.engine(input_ids=to_device(mb["tokens"], device)).logits
+                        total += causal_lm_loss(logits, to_device(mb["labels"], device)).double()
                         count += 1
         finally:
             self.engine.train()

@@ -14,6 +14,7 @@ from typing import Any
 from hpc_tools.checkpoints.dirs import CheckpointDirs
 from hpc_tools.runtime.context import RankContext
 from hpc_tools.train import loop
+from hpc_tools.train.prefetch import BatchPrefetcher
 
 log = logging.getLogger("hpc_tools.megatron")
 
@@ -36,6 +37,8 @@ class MegatronJob:
         self.ctx = ctx
         self.samples = build_samples(ctx.recipe)  # first: a bad data path fails before a model is built
         self.engine = Engine(ctx.recipe, ctx.layout, ctx.device, timeout=ctx.collective_timeout)
+        self.prefetch = BatchPrefetcher(self._build_batch, ctx.recipe.training.train_iters,
+                                        background=ctx.device.type == "cuda", pin=ctx.device.type == "cuda")
         self.dirs = CheckpointDirs(ctx.checkpoint_dir, keep_last=ctx.recipe.checkpoint.keep_last)
         self._attention_told = False
         for note in self.engine.notes:
@@ -60,6 +63,11 @@ class MegatronJob:
         return checkpoint.load(self.engine, source)
 
     def batch(self, step: int) -> list[dict[str, Any]]:
+        """This rank's microbatches of ``step``; on a GPU built (and pinned) in the background during the step
+        before (``hpc_tools.train.prefetch``)."""
+        return self.prefetch.get(step)
+
+    def _build_batch(self, step: int) -> list[dict[str, Any]]:
         from hpc_tools.train.data import microbatches_for_step
 
         return microbatches_for_step(self.samples, step, self.engine.coords.dp_rank, self.ctx.layout)
@@ -84,6 +92,7 @@ class MegatronJob:
         return checkpoint.save(self.engine, self.dirs, step)
 
     def close(self) -> None:
+        self.prefetch.close()
         self.engine.close()
 
 
