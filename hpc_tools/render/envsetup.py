@@ -87,28 +87,51 @@ def srun_args(cluster: ClusterConfig, repo: str | None = None, mount_dir: str | 
     return args
 
 
+CONTAINER_NAME = "hpc_tools_${SLURM_JOB_ID}"
+"""pyxis ``--container-name`` of a rendered job: one per job, so the image is imported once per node for all of the
+job's steps (unnamed, every step imports it again on every node) and no other job's container is ever joined."""
+
+
 def pyxis_script_lines(cluster: ClusterConfig) -> list[str]:
-    """For the rendered batch script with a pyxis container: ``HPC_TOOLS_CONTAINER``, a bash array of srun's
-    container options with the repository (``$HPC_TOOLS_REPO``, default the submit folder), the runs folder (made
-    first: pyxis mounts only what exists) and the script itself (read by the prepare step) mounted. Empty otherwise."""
+    """For the rendered batch script with a pyxis container: two bash arrays of srun's container options, both naming
+    one container (``CONTAINER_NAME``) with the repository (``$HPC_TOOLS_REPO``, default the submit folder) as the
+    working folder and mounted with the runs folder (made first: pyxis refuses a mount source that does not exist):
+    ``HPC_TOOLS_CONTAINER`` for the rank step, which spans every node, and ``HPC_TOOLS_BATCH_CONTAINER`` for the
+    steps that run on the batch host (``script_python``), which also mounts the script itself (``$0``, read by the
+    prepare step): Slurm spools it on the batch host only, so the rank step must not mount it. Empty otherwise."""
     if not is_pyxis(cluster):
         return []
     c = cluster.setup.container
     user = shlex.quote("," + ",".join(c.mounts)) if c.mounts else ""
+    image = shlex.quote("--container-image=" + c.image)
+    mounts = '"$HPC_TOOLS_REPO:$HPC_TOOLS_REPO,${RUN_DIR%/*}:${RUN_DIR%/*}"' + user
     return ['HPC_TOOLS_REPO="${HPC_TOOLS_REPO:-$SLURM_SUBMIT_DIR}"',
             'mkdir -p "${RUN_DIR%/*}"',
-            f"HPC_TOOLS_CONTAINER=({shlex.quote('--container-image=' + c.image)} "
-            f'"--container-mounts=$HPC_TOOLS_REPO:$HPC_TOOLS_REPO,${{RUN_DIR%/*}}:${{RUN_DIR%/*}},$0:$0:ro"{user} '
-            '"--container-workdir=$HPC_TOOLS_REPO")']
+            f"HPC_TOOLS_MOUNTS={mounts}",
+            f'HPC_TOOLS_CONTAINER=({image} "--container-name={CONTAINER_NAME}" '
+            '"--container-mounts=$HPC_TOOLS_MOUNTS" "--container-workdir=$HPC_TOOLS_REPO")',
+            f'HPC_TOOLS_BATCH_CONTAINER=({image} "--container-name={CONTAINER_NAME}" '
+            '"--container-mounts=$HPC_TOOLS_MOUNTS,$0:$0:ro" "--container-workdir=$HPC_TOOLS_REPO")']
+
+
+def pyxis_cleanup_lines(cluster: ClusterConfig) -> list[str]:
+    """After the job's last container step: remove the named container on every node. pyxis keeps named containers
+    after the job unless the site sets ``container_scope=job`` (its default is global, where the container is
+    ``pyxis_<name>`` and stays, tens of GB per node); with job scope pyxis removes its own (``pyxis_<job>_<name>``)
+    and this finds nothing. Never fails the job. Empty without a pyxis container."""
+    if not is_pyxis(cluster):
+        return []
+    return ['srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 '
+            f'enroot remove --force "pyxis_{CONTAINER_NAME}" >/dev/null 2>&1 || true']
 
 
 def script_python(cluster: ClusterConfig) -> str:
     """The shell words that run the batch script's own hpc_tools steps (prepare, rendezvous, epilogue): the recipe's
-    interpreter, inside the pyxis container when there is one (one task on the first node), so a host without
-    hpc_tools or its packages can run the job."""
+    interpreter, inside the pyxis container when there is one (one task on the batch host, where the script is), so a
+    host without hpc_tools or its packages can run the job."""
     python = shlex.quote(cluster.python)
     if is_pyxis(cluster):
-        return f'srun --nodes=1 --ntasks=1 "${{HPC_TOOLS_CONTAINER[@]}}" {python}'
+        return f'srun --nodes=1 --ntasks=1 --nodelist="$SLURMD_NODENAME" "${{HPC_TOOLS_BATCH_CONTAINER[@]}}" {python}'
     return python
 
 

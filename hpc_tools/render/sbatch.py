@@ -15,6 +15,7 @@ from hpc_tools.recipe.schema import Recipe
 from hpc_tools.render.envsetup import (
     checked_setup_lines,
     is_pyxis,
+    pyxis_cleanup_lines,
     pyxis_script_lines,
     rank_argv,
     rank_srun_args,
@@ -46,6 +47,7 @@ def render_sbatch(recipe: Recipe, source: str = "a recipe") -> str:
         name=recipe.name, source=printable(source), layout=ParallelLayout.from_recipe(recipe).describe(),
         sbatch_lines=SlurmSpec.from_recipe(recipe).sbatch_lines(),
         setup=checked_setup_lines(recipe.cluster, '"$RUN_DIR"'), container=pyxis_script_lines(recipe.cluster),
+        container_cleanup=pyxis_cleanup_lines(recipe.cluster),
         python=script_python(recipe.cluster), recipe_yaml=recipe_yaml, delimiter=delimiter,
         signal_delay_s=recipe.cluster.signal_delay_s, stop_signal=STOP_SIGNAL, launch=launch)
 

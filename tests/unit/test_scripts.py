@@ -51,30 +51,39 @@ def test_module_function_that_reads_unset_variables_runs_before_set_u(tmp_path):
     assert [c[0] for c in recorded(calls)] == ["srun"]  # the ranks started after the set-up
 
 
-def test_pyxis_runs_every_step_in_the_container_with_workdir_and_mounts(tmp_path):
+def test_pyxis_runs_every_step_in_one_named_container_with_workdir_and_mounts(tmp_path):
+    """Every hpc_tools step inside one named container (issue 25 item 10: imported once per node, not once per step);
+    the rank step, which spans every node, mounts nothing that exists on the batch host only (item 3: Slurm spools
+    the script there, and pyxis refuses a missing mount source); the steps that read the script run on the batch host
+    and mount it; the container is removed from every node at the end."""
     mark = tmp_path / "pwned"
     image = f"$(touch {mark})"
     recipe = resolve(small_recipe(cpus_per_task=3, setup={"container": {"kind": "pyxis", "image": image,
                                                                         "mounts": ["/scratch:/scratch", "a b:/c"]}}))
     env, calls = stub_env(tmp_path)
-    env["HPC_TOOLS_REPO"] = str(REPO)
+    env.update(HPC_TOOLS_REPO=str(REPO), SLURMD_NODENAME="node1", SLURM_JOB_NUM_NODES="2")
     script = tmp_path / "job.sbatch"
     script.write_text(render_sbatch(recipe, "pyxis.yaml"))
     out = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert not mark.exists(), "the image name ran as code"
     runs, run_dir = tmp_path / "runs", tmp_path / "runs" / "setup-j4242"
-    container = [f"--container-image={image}",
-                 f"--container-mounts={REPO}:{REPO},{runs}:{runs},{script}:{script}:ro,/scratch:/scratch,a b:/c",
-                 f"--container-workdir={REPO}"]
+    mounts = f"{REPO}:{REPO},{runs}:{runs},/scratch:/scratch,a b:/c"
+    name = "--container-name=hpc_tools_4242"
+    container = [f"--container-image={image}", name, f"--container-mounts={mounts}", f"--container-workdir={REPO}"]
+    on_batch_host = [f"--container-image={image}", name, f"--container-mounts={mounts},{script}:{script}:ro",
+                     f"--container-workdir={REPO}"]
     steps = recorded(calls)
-    one_task = ["srun", "--nodes=1", "--ntasks=1", *container, sys.executable, "-m"]
+    one_task = ["srun", "--nodes=1", "--ntasks=1", "--nodelist=node1", *on_batch_host, sys.executable, "-m"]
     ranks = ["srun", "--kill-on-bad-exit=1", "--cpus-per-task=3", "--mem=0", "--label", *container, sys.executable,
              "-m", "hpc_tools.runtime.rank"]
-    assert len(steps) == 4 and steps[2][:len(ranks)] == ranks
+    assert len(steps) == 5 and steps[2][:len(ranks)] == ranks
+    assert not any(str(script) in word for word in steps[2]), "the rank step must not mount the spooled script"
     assert [steps[i][:len(one_task) + 1] for i in (0, 1, 3)] == [one_task + [f"hpc_tools.runtime.{m}"]
                                                                  for m in ("prepare", "distenv", "epilogue")]
     assert steps[2][-2:] == ["--run-dir", str(run_dir)]
+    assert steps[4] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "enroot", "remove", "--force",
+                        "pyxis_hpc_tools_4242"]
     assert runs.is_dir()  # made before pyxis mounts it
 
 
