@@ -19,7 +19,6 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
-from hpc_tools.recipe.docstrings import attach_docstrings
 from hpc_tools.recipe.text import is_control, printable  # noqa: F401  (re-exported: light module, no pydantic)
 
 INT64_MAX = 2**63 - 1
@@ -91,15 +90,10 @@ class Section(BaseModel):
     """A recipe section. Field docstrings are the user documentation: ``python -m hpc_tools validate --explain PATH``
     prints them (PATH a field such as ``parallel.tensor_size``, a section such as ``parallel``, or ``recipe``)."""
 
-    # Field docstrings become descriptions in __pydantic_init_subclass__ (recipe/docstrings.py: one parse per module;
-    # pydantic's use_attribute_docstrings re-parses every class and costs a fifth of the schema's import time).
+    # Field docstrings become descriptions when first asked for (recipe/docstrings.py ``documented``: one parse per
+    # module; pydantic's use_attribute_docstrings re-parses every class and costs a fifth of the schema's import time).
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=False, validate_assignment=False,
                               allow_inf_nan=False)
-
-    @classmethod
-    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
-        super().__pydantic_init_subclass__(**kwargs)
-        attach_docstrings(cls)
 
     @field_validator("*", mode="before")
     @classmethod

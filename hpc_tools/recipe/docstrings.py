@@ -4,7 +4,8 @@ The docstring under each field is its documentation (``validate --explain``, err
 them itself (``use_attribute_docstrings``), but it finds each class's source by walking stack frames and tokenizing
 and parsing the class block again per class: about a fifth of the schema's import time, paid by every command that
 reads a recipe. This reads each module's source once and gives the same text (``inspect.cleandoc``, as pydantic
-does; a test compares the two on every section).
+does; a test compares the two on every section), and only when a doc is first asked for (``documented``, called by
+``recipe/fields.py``): validating a recipe never needs them, so ``validate`` and ``submit`` never parse a module.
 """
 
 from __future__ import annotations
@@ -40,6 +41,17 @@ def _class_docs(node: ast.ClassDef) -> dict[str, str]:
             docs[previous.target.id] = inspect.cleandoc(stmt.value.value)
         previous = stmt
     return docs
+
+
+_DOCUMENTED: set[type] = set()
+
+
+def documented(cls: type) -> type:
+    """``cls`` with its fields' descriptions set from their docstrings (once per class)."""
+    if cls not in _DOCUMENTED:
+        attach_docstrings(cls)
+        _DOCUMENTED.add(cls)
+    return cls
 
 
 def attach_docstrings(cls: type) -> None:

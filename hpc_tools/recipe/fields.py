@@ -13,6 +13,7 @@ from typing import Any, Iterator
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from hpc_tools.recipe.docstrings import documented
 from hpc_tools.recipe.schema import Recipe
 
 
@@ -43,7 +44,7 @@ def field_at(parts: list[str]) -> FieldInfo | None:
     parent = model_at(parts[:-1])
     if not parts or parent is None:
         return None
-    return parent.model_fields.get(parts[-1])
+    return documented(parent).model_fields.get(parts[-1])
 
 
 def valid_keys(parts: list[str]) -> list[str]:
