@@ -2,7 +2,9 @@
 skip with a one-line detail and, for anything not passing, the fix.
 
 The checks: the Python version (``setup.cfg`` python_requires), the packages a job imports against the pins in
-``environment/`` (requirements files and install.sh), torch's CUDA / driver / NCCL when present, Slurm answering
+``environment/`` (requirements files and install.sh), torch's CUDA / driver / NCCL when present, the Megatron GPU
+path's libraries (Transformer Engine against megatron-core's accepted range, apex, flash-attn) and, for NVMe offload,
+DeepSpeed's async_io op, Slurm answering
 (``hpc_tools/world.py``, the same 3 s question ``validate`` asks), and with a recipe: its checks against the files it
 names and the live partition (the same ``world_violations``), the container runtime it asks for, and a writable runs
 folder (``submission.checked_runs_root``). torch is imported inside its check only (seconds; fine here, never on a
@@ -36,7 +38,7 @@ for _row in backends.BACKENDS.values():
     for _name in _row.packages:
         PACKAGES[_name] = PACKAGES.get(_name, ()) + (_row.kind,)
 PACKAGES.update({name: () for name in EVERY_JOB[1:]})
-_PIN = re.compile(r"(?<![\w.-])([A-Za-z0-9][A-Za-z0-9_.-]*)==([0-9][0-9A-Za-z.+!-]*)")
+_PIN = re.compile(r"(?<![\w.-])([A-Za-z0-9][A-Za-z0-9_.-]*)(?:\[[\w,.-]*\])?==([0-9][0-9A-Za-z.+!-]*)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +160,117 @@ def torch_checks(wants_gpus: bool | None) -> list[Check]:
     return rows
 
 
+def _installed(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def megatron_te_range() -> str | None:
+    """The Transformer Engine versions the installed megatron-core accepts (its ``dev`` extra's requirement, from its
+    metadata), e.g. ``<2.12.0,>=2.9.0a0``; None when megatron-core is not installed or names none."""
+    from packaging.requirements import Requirement
+
+    try:
+        requires = importlib.metadata.requires("megatron-core") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for line in requires:
+        req = Requirement(line)
+        if _norm(req.name) == "transformer-engine" and str(req.specifier):
+            return str(req.specifier)
+    return None
+
+
+def needs_transformer_engine(recipe: Recipe | None) -> bool:
+    """A Megatron recipe on GPUs whose layers fail without TE: ``transformer_impl: transformer_engine``, or ``auto``
+    with flash attention (the defaults). The rule of ``hpc_tools/train/megatron/layers.py`` ``layer_plan`` (the
+    control plane does not import the trainers)."""
+    if recipe is None or recipe.backend.kind != "megatron" or not recipe.cluster.uses_gpus:
+        return False
+    mg = recipe.backend.megatron
+    return mg.transformer_impl == "transformer_engine" or (mg.transformer_impl == "auto" and mg.use_flash_attention)
+
+
+def te_install_fix(pinned: dict[str, str] | None = None) -> str:
+    pin = (pins() if pinned is None else pinned).get("transformer-engine")
+    return ('after the CUDA torch: pip install --no-build-isolation "transformer_engine[pytorch,core_cu12]'
+            + (f"=={pin}" if pin else "") + '" (environment/requirements-gpu.txt)')
+
+
+def gpu_library_checks(recipe: Recipe | None = None, pinned: dict[str, str] | None = None) -> list[Check]:
+    """Transformer Engine (against megatron-core's accepted versions), apex's fused weight-gradient kernel and
+    flash-attn: what the Megatron GPU path can use here (docs/gpu-path.md). Missing ones fail only where the recipe
+    cannot run without them; elsewhere they are skipped (GPU nodes only)."""
+    from packaging.specifiers import SpecifierSet
+
+    megatron_gpu = recipe is not None and recipe.backend.kind == "megatron" and recipe.cluster.uses_gpus
+    rows = []
+    te, accepted = _installed("transformer-engine", "transformer-engine-torch"), megatron_te_range()
+    if te is None:
+        needed = needs_transformer_engine(recipe)
+        rows.append(Check("transformer-engine", "fail" if needed else "skip",
+                          "not installed" + (": the recipe's Megatron layers need it on GPUs (transformer_impl, "
+                                             "use_flash_attention)" if needed else " (GPU nodes only)"),
+                          te_install_fix(pinned)))
+    elif accepted and te.split("+")[0] not in SpecifierSet(accepted, prereleases=True):
+        rows.append(Check("transformer-engine", "fail" if megatron_gpu else "warn",
+                          f"{te}, but megatron-core accepts {accepted}", te_install_fix(pinned)))
+    else:
+        rows.append(Check("transformer-engine", "pass", te + (f" (megatron-core accepts {accepted})" if accepted
+                                                                else "")))
+    if _has_module("fused_weight_gradient_mlp_cuda"):
+        rows.append(Check("apex", "pass", "fused_weight_gradient_mlp_cuda: gradient_accumulation_fusion on (and TE's "
+                                          "weight-gradient fusion)"))
+    else:
+        rows.append(Check("apex", "warn" if megatron_gpu else "skip",
+                          "no fused_weight_gradient_mlp_cuda: gradient_accumulation_fusion off, and with it TE's "
+                          "weight-gradient fusion (an extra 16-bit gradient write and fp32 add per micro-batch)",
+                          "optional: build apex with its CUDA extensions (--cuda_ext) in this environment"
+                          if megatron_gpu else ""))
+    flash = _installed("flash-attn")
+    rows.append(Check("flash-attn", "pass" if flash else "skip",
+                      f"{flash}: Transformer Engine may pick it (attention=auto) when within its supported versions"
+                      if flash else "not installed: Transformer Engine uses cuDNN's fused attention instead (fine)"))
+    return rows
+
+
+def nvme_offload_check(recipe: Recipe) -> Check | None:
+    """DeepSpeed's ``async_io`` op, built at first use, for ``offload_optimizer``/``offload_param: nvme``: it needs
+    libaio's headers and library and a C compiler here (DeepSpeed's own test: ``AsyncIOBuilder.has_function``).
+    None for other recipes. Imports DeepSpeed (seconds)."""
+    if recipe.backend.kind != "deepspeed":
+        return None
+    ds = recipe.backend.deepspeed
+    if "nvme" not in (ds.offload_optimizer, ds.offload_param):
+        return None
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        ok = bool(AsyncIOBuilder().has_function("io_submit", ("aio",)))
+    except Exception as exc:  # noqa: BLE001 - DeepSpeed missing or broken: its own row says which
+        return Check("nvme offload", "fail", f"DeepSpeed's async_io builder not usable ({type(exc).__name__})",
+                     "install deepspeed (bash environment/install.sh)")
+    if ok:
+        return Check("nvme offload", "pass", "libaio found: DeepSpeed builds its async_io op at first use")
+    return Check("nvme offload", "fail", "DeepSpeed's async_io op (NVMe offload, built at first use) needs libaio and "
+                 "a C compiler, and libaio's io_submit does not link here",
+                 "apt-get install libaio-dev (dnf: libaio-devel) on the nodes, or set CFLAGS/LDFLAGS to a libaio "
+                 "build; or offload to cpu")
+
+
 def _nvidia_driver() -> str | None:
     if not shutil.which("nvidia-smi"):
         return None
@@ -264,6 +377,9 @@ def run_doctor(recipe: Recipe | None = None, executor: str = "local", runs_dir: 
     rows = [python_check(), *pins_check(), *package_checks(backend)]
     if with_torch:
         rows += torch_checks(wants_gpus)
+    rows += gpu_library_checks(recipe)
+    if with_torch and recipe is not None:
+        rows += [row for row in [nvme_offload_check(recipe)] if row]
     rows.append(slurm_check())
     if recipe is not None:
         rows += recipe_checks(recipe, executor)
