@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# The GPU smoke run: everything a lent one-GPU machine should check, in one go, with one summary file.
+#
+#   bash benchmarks/gpu_smoke.sh --fetch-wheels DIR   # on a machine with network and torch: the wheels to carry
+#   bash benchmarks/gpu_smoke.sh [--wheels DIR] [--out DIR (default $OUT, else a temp folder)] [--dry-run]
+#
+# On the GPU machine (no network): installs what --wheels holds (megatron-core, a pure-Python deepspeed wheel,
+# pydantic and its parts, submitit, transformers...), then runs, each step with its own time limit and log:
+#   env            `hpc_tools doctor`: Python, packages, torch's CUDA, the GPU, NCCL, TE / apex / flash-attn
+#   profiling      tests/integration/test_profiling_gpu.py (event timing, memory, NVML)
+#   deepspeed      tests/integration/test_deepspeed_gpu.py (ZeRO 1-3, bf16/fp16, NCCL)
+#   megatron_save  gpt_3d local profile on 1 GPU, bf16, local layers, 10 steps, checkpoint at 10
+#   megatron_resume the same from that checkpoint (checkpoint.load_path) to step 20
+#   export         `hpc_tools export` of the resumed run; hf_forward: one forward with transformers on the GPU
+#   with Transformer Engine importable: megatron_gpu (tests/integration/test_megatron_gpu.py and test_gpu_tier.py)
+#   and gpu_mfu (benchmarks/gpu_mfu.py --size 1.3b)
+# and writes OUT/summary.json: each step's status, exit code, seconds and last lines, the GPU, and gpu_mfu's figures.
+# A failing step does not stop the others. --dry-run runs nothing on a GPU: it validates the Megatron runs' recipes
+# (offline) and writes the summary with every other step "planned". Exit status: 0 when no step failed.
+set -uo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+py="${PYTHON:-python3}"
+out="${OUT:-${TMPDIR:-/tmp}/hpc_tools_gpu_smoke}"
+wheels=""
+dry_run=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) out="$2"; shift 2 ;;
+    --wheels) wheels="$2"; shift 2 ;;
+    --dry-run) dry_run=1; shift ;;
+    --fetch-wheels)
+      # What the lent machine lacks (it has torch and transformers): megatron-core (its own wheel, without torch),
+      # deepspeed built here as a pure-Python wheel (no ops compiled; torch must be installed here) and, resolved for
+      # the GPU machine's Python (PY_VERSION, default 3.12), the pure or manylinux wheels of DeepSpeed's other
+      # requirements and of pydantic, submitit and hpc_tools' small requirements (EXTRA_WHEELS adds more).
+      dest="$2"; mkdir -p "$dest"
+      target=(--only-binary=:all: --python-version "${PY_VERSION:-3.12}" --platform manylinux2014_x86_64
+              --platform manylinux_2_17_x86_64 -d "$dest")
+      "$py" -m pip download --no-deps "${target[@]}" megatron-core==0.16.1 || exit 1
+      # shellcheck disable=SC2086  # EXTRA_WHEELS is a list of requirements
+      "$py" -m pip download "${target[@]}" pydantic==2.13.4 submitit==1.5.4 xxhash==4.1.0 Jinja2==3.1.6 \
+        PyYAML==6.0.3 einops hjson msgpack ninja py-cpuinfo psutil tqdm ${EXTRA_WHEELS:-} || exit 1
+      "$py" -m pip wheel --no-deps --no-build-isolation deepspeed==0.19.8 -w "$dest" || exit 1
+      ls -l "$dest"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    *) echo "gpu_smoke: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$out/logs"
+steps="$out/steps.jsonl"
+: > "$steps"
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" HPC_TOOLS_RUNS_DIR="$out/runs"
+cd "$repo" || exit 1
+
+record() {  # name status rc seconds log
+  "$py" - "$@" >> "$steps" <<'PY'
+import json, sys
+name, status, rc, seconds, log = sys.argv[1:6]
+try:
+    tail = open(log, errors="replace").read().splitlines()[-15:]
+except OSError:
+    tail = []
+print(json.dumps({"step": name, "status": status, "rc": int(rc), "seconds": float(seconds), "log": log,
+                  "tail": tail}))
+PY
+}
+
+step() {  # step NAME TIMEOUT_S COMMAND...: run it (unless --dry-run), log it, record it
+  local name="$1" limit="$2"; shift 2
+  local log="$out/logs/$name.log" start=$SECONDS rc
+  if [ "$dry_run" = 1 ]; then
+    printf '%q ' "$@" > "$log"; echo >> "$log"
+    record "$name" planned 0 0 "$log"; echo "gpu_smoke: $name planned"; return 0
+  fi
+  echo "gpu_smoke: $name ..."
+  timeout "$limit" "$@" > "$log" 2>&1; rc=$?
+  local status=passed; [ "$rc" = 0 ] || status=failed
+  record "$name" "$status" "$rc" "$((SECONDS - start))" "$log"
+  echo "gpu_smoke: $name $status (exit $rc, $((SECONDS - start)) s; $log)"
+  return "$rc"
+}
+
+skip() {  # skip NAME REASON
+  local log="$out/logs/$1.log"; echo "$2" > "$log"; record "$1" skipped 0 0 "$log"; echo "gpu_smoke: $1 skipped: $2"
+}
+
+# gpt_3d's local profile on one GPU: bf16, local layers (no Transformer Engine needed), checkpoint at step 10.
+MEGATRON=(recipes/gpt_3d.yaml --profile local --set cluster.gpu_type=H100-SXM --set cluster.gpus_per_node=1
+          --set cluster.nodes=1 --set parallel.tensor_size=1 --set parallel.pipeline_size=1
+          --set parallel.sequence_parallel=false --set training.precision=bf16
+          --set backend.megatron.transformer_impl=local --set backend.megatron.use_flash_attention=false
+          --set checkpoint.interval_iters=10)
+
+newest_run() { ls -td "$out/runs"/*/ 2>/dev/null | head -1; }
+
+if [ -n "$wheels" ]; then
+  step install 900 "$py" -m pip install --no-index --find-links "$wheels" "$wheels"/*.whl
+fi
+step env 300 "$py" -m hpc_tools doctor  # Python, packages, CUDA, driver, NCCL, TE / apex / flash-attn
+step profiling 900 "$py" -m pytest -q -p no:cacheprovider tests/integration/test_profiling_gpu.py
+step deepspeed 1800 "$py" -m pytest -q -p no:cacheprovider tests/integration/test_deepspeed_gpu.py
+if [ "$dry_run" = 1 ]; then
+  # what a dry run can prove: the two Megatron runs' recipes are valid as written here
+  step_rc=0
+  "$py" -m hpc_tools validate --offline "${MEGATRON[@]}" --set training.train_iters=10 \
+    > "$out/logs/megatron_recipes.log" 2>&1 || step_rc=$?
+  "$py" -m hpc_tools validate --offline "${MEGATRON[@]}" --set training.train_iters=20 \
+    --set checkpoint.load_path=runs/x/checkpoints/iter_0000010 >> "$out/logs/megatron_recipes.log" 2>&1 || step_rc=$?
+  record megatron_recipes "$([ "$step_rc" = 0 ] && echo passed || echo failed)" "$step_rc" 0 \
+    "$out/logs/megatron_recipes.log"
+fi
+first=""
+if step megatron_save 1200 "$py" -m hpc_tools submit "${MEGATRON[@]}" --executor local \
+     --set training.train_iters=10; then
+  first="$(newest_run)"
+fi
+second=""
+if [ -n "$first" ] && step megatron_resume 1200 "$py" -m hpc_tools submit "${MEGATRON[@]}" --executor local \
+     --set training.train_iters=20 --set "checkpoint.load_path=${first}checkpoints/iter_0000010"; then
+  second="$(newest_run)"
+elif [ "$dry_run" = 1 ]; then
+  step megatron_resume 1200 "$py" -m hpc_tools submit "${MEGATRON[@]}" --executor local \
+    --set training.train_iters=20 --set "checkpoint.load_path=RUN/checkpoints/iter_0000010"
+else
+  skip megatron_resume "no checkpoint from megatron_save"
+fi
+if [ -n "$second" ] || [ "$dry_run" = 1 ]; then
+  step export 600 "$py" -m hpc_tools export "${second:-RUN}" --out "$out/hf" --overwrite
+  step hf_forward 600 "$py" -c "
+import torch, transformers
+model = transformers.AutoModelForCausalLM.from_pretrained('$out/hf').cuda().eval()
+tokens = torch.randint(0, model.config.vocab_size, (1, 32), device='cuda')
+with torch.no_grad():
+    out = model(tokens, labels=tokens)
+assert torch.isfinite(out.loss), out.loss
+print('forward ok:', type(model).__name__, 'loss', float(out.loss))"
+else
+  skip export "no resumed run"; skip hf_forward "no export"
+fi
+if [ "$dry_run" = 0 ] && ! "$py" -c "import transformer_engine.pytorch" > "$out/logs/te_import.log" 2>&1; then
+  skip megatron_gpu "transformer_engine not importable here (see logs/te_import.log)"
+  skip gpu_mfu "transformer_engine not importable here"
+else
+  step megatron_gpu 3000 "$py" -m pytest -q -p no:cacheprovider tests/integration/test_megatron_gpu.py \
+    tests/integration/test_gpu_tier.py
+  step gpu_mfu 1800 "$py" benchmarks/gpu_mfu.py --size 1.3b --json "$out/mfu_1.3b.json"
+fi
+
+"$py" - "$out" <<'PY'
+import json, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines() if line.strip()]
+mfu = out / "mfu_1.3b.json"
+summary = {"written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": steps,
+           "failed": [s["step"] for s in steps if s["status"] == "failed"],
+           "gpu_mfu": json.loads(mfu.read_text()) if mfu.is_file() else None}
+(out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+print(f"gpu_smoke: {len(steps)} steps, failed: {summary['failed'] or 'none'}; {out / 'summary.json'}")
+sys.exit(1 if summary["failed"] else 0)
+PY
