@@ -27,9 +27,11 @@ def _deepspeed_zero_config(recipe: Any) -> dict:
 
 
 def _megatron_flash(recipe: Any) -> bool:
-    """Megatron's fused attention: on GPU, asked for, and not the local layers."""
+    """Megatron's fused attention: on GPU, asked for, not the local layers, and 16-bit (Transformer Engine's flash
+    and fused backends take fp16/bf16 only; fp32 runs its unfused attention, which stores the s^2 terms)."""
     mg = recipe.backend.megatron
-    return mg.use_flash_attention and recipe.cluster.uses_gpus and mg.transformer_impl != "local"
+    return (mg.use_flash_attention and recipe.cluster.uses_gpus and mg.transformer_impl != "local"
+            and recipe.training.precision != "fp32")
 
 
 def _sdpa_flash(recipe: Any) -> bool:
@@ -53,6 +55,8 @@ class Backend:
     """``parallel.tensor_size`` > 1 and ``parallel.sequence_parallel``."""
     interleaved_pipeline: bool = False
     """``parallel.virtual_pipeline_size`` > 1."""
+    pipeline_parallel: bool = True
+    """``parallel.pipeline_size`` > 1 (False: every rank holds every layer; data parallelism only)."""
     selective_recompute: bool = False
     """``training.recompute_granularity: selective``."""
     pads_vocab: bool = False
@@ -70,8 +74,9 @@ class Backend:
     ``huggingface`` (transformers modules); "" without a model."""
     sharding: str = ""
     """How model states are sharded across data-parallel ranks, for the planner's memory and communication model:
-    ``distributed_optimizer`` (Megatron's: fp32 grads reduce-scattered, optimizer states sharded when on) or ``zero``
-    (ZeRO stages 0-3 with optional offload); "" without a model."""
+    ``distributed_optimizer`` (Megatron's: fp32 grads reduce-scattered, optimizer states sharded when on), ``zero``
+    (ZeRO stages 0-3 with optional offload) or ``fsdp`` (PyTorch FSDP2: parameters, gradients and optimizer states
+    sharded over the shard group, replicated across HSDP's replica groups; or plain DDP); "" without a model."""
     packages: tuple[str, ...] = ()
     """The distributions a job of this kind imports beyond every job's set (``doctor``)."""
     flash_attention: Callable[[Any], bool] = _sdpa_flash
@@ -95,6 +100,11 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
             hf_model_classes=True, hf_export="hpc_tools.train.deepspeed.export:export_checkpoint", layers="huggingface",
             sharding="zero",
             packages=("deepspeed", "transformers"), zero_config=_deepspeed_zero_config),
+    Backend(kind="fsdp", summary="a Hugging Face causal LM under PyTorch FSDP2 (full_shard, hybrid_shard) or DDP, "
+            "checkpoints through torch Distributed Checkpoint",
+            trainer="hpc_tools.train.fsdp.trainer", trains_model=True, options="fsdp", pipeline_parallel=False,
+            hf_model_classes=True, reads_init_from_hf=True, hf_export="hpc_tools.train.fsdp.export:export_checkpoint",
+            layers="huggingface", sharding="fsdp", packages=("transformers",)),
     Backend(kind="comm_check", summary="no model: every rank joins the process group and times all-reduces "
             "(a cluster smoke test)",
             trainer="hpc_tools.train.comm_check", trains_model=False),

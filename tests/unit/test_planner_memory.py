@@ -203,3 +203,15 @@ def test_fused_qkv_output_stays_alive_through_views():
     assert qkv(groups=2, recompute="selective", rope=True) == (a + 2 * 2) + (a + 2)  # QKV output + new Q and K
     assert qkv(groups=1, recompute="selective") == a + 2  # views only: the grouped layout with g = 1 is a view
     assert qkv(groups=2, recompute="selective") == (a + 4) + a  # 1 < g < a: Q is a copy
+
+
+@pytest.mark.parametrize("precision, impl, flash", [("bf16", "auto", True), ("fp16", "transformer_engine", True),
+                                                     ("fp32", "auto", False), ("bf16", "local", False)])
+def test_megatron_plans_fused_attention_only_where_te_has_a_fused_backend(precision, impl, flash):
+    """Transformer Engine's flash and fused attention take 16-bit inputs only: an fp32 GPU run (and the local layers)
+    stores the s^2 terms, and the plan counts them."""
+    from tests.unit.inline_recipes import inline_recipe
+
+    r = inline_recipe("gpt_3d", f"training.precision={precision}", f"backend.megatron.transformer_impl={impl}",
+                      check=False)
+    assert Knobs.from_recipe(r).flash is flash
