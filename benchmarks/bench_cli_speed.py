@@ -1,5 +1,7 @@
-"""Wall time of every light command as a user types it (fresh processes, median of N) and the import time of the
-recipe schema. Goal: every light command < 0.5 s, ``--help`` < 0.15 s.
+"""Wall time of every light command as a user types it (fresh processes, median of N), over a bare interpreter start
+(``python -c pass``, measured in the same run, alternating), and the import time of the recipe schema. Goals: each
+light command at most 0.45 s over the bare start, ``--help`` at most 0.1 s over it (bytecode cached: the first of
+the N runs writes it).
 
     python benchmarks/bench_cli_speed.py [--repeats 5] [--json]
 
@@ -19,8 +21,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-HELP_GOAL_S = 0.15
-LIGHT_GOAL_S = 0.5
+HELP_GOAL_S = 0.10  # over a bare interpreter start
+LIGHT_GOAL_S = 0.45
 
 
 def light_commands(runs_dir: str) -> dict[str, list[str]]:
@@ -57,26 +59,33 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
     results: dict[str, dict] = {}
+    python = [sys.executable, "-c", "pass"]
     with tempfile.TemporaryDirectory() as runs:
         for name, argv in light_commands(runs).items():
-            runs_ = [wall(argv) for _ in range(args.repeats)]
+            wall(argv)  # writes the bytecode
+            runs_, bares = [], []
+            for _ in range(args.repeats):  # alternating, so both sides see the same machine load
+                bares.append(_timed(python))
+                runs_.append(wall(argv))
             times = [t for t, _ in runs_]
             goal = HELP_GOAL_S if name == "--help" else LIGHT_GOAL_S
+            bare = statistics.median(bares)
             results[name] = {"median_s": statistics.median(times), "min_s": min(times), "exit": runs_[-1][1],
-                             "goal_s": goal}
+                             "bare_s": bare, "over_bare_s": statistics.median(times) - bare, "goal_over_bare_s": goal}
     imports = [schema_import_s() for _ in range(args.repeats)]
     results["import hpc_tools.recipe.schema"] = {"median_s": statistics.median(imports), "min_s": min(imports)}
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    python = [sys.executable, "-c", "pass"]
-    bare = statistics.median([_timed(python) for _ in range(args.repeats)])
-    print(f"(python interpreter start alone: median {bare:.3f} s)")
     for name, r in results.items():
-        goal = r.get("goal_s")
-        verdict = "" if goal is None else ("  ok" if r["median_s"] < goal else f"  OVER the {goal} s goal")
+        goal = r.get("goal_over_bare_s")
         code = f"  exit {r['exit']}" if r.get("exit") else ""
-        print(f"{name:<32} median {r['median_s']:.3f} s  min {r['min_s']:.3f} s  (n={args.repeats}){code}{verdict}")
+        if goal is None:
+            print(f"{name:<32} median {r['median_s']:.3f} s  min {r['min_s']:.3f} s  (n={args.repeats})")
+            continue
+        verdict = "ok" if r["over_bare_s"] <= goal else f"OVER the {goal} s goal"
+        print(f"{name:<32} median {r['median_s']:.3f} s  = bare start {r['bare_s']:.3f} s + {r['over_bare_s']:.3f} s"
+              f"  (n={args.repeats}){code}  {verdict}")
 
 
 def _timed(argv: list[str]) -> float:
