@@ -40,11 +40,28 @@ class DeepSpeedOptions(Section):
     """Keys merged last into the generated ds_config.json (escape hatch; the batch triple cannot be overridden)."""
 
 
+class FSDPOptions(Section):
+    strategy: Literal["full_shard", "hybrid_shard", "ddp"] = "full_shard"
+    """How data-parallel ranks hold the model: `full_shard` (FSDP2: parameters, gradients and optimizer states
+    sharded over all ranks, each transformer block its own unit, the root last), `hybrid_shard` (HSDP: sharded inside
+    a group of shard_size ranks, replicated across the groups; a 2-D device mesh) or `ddp` (every rank a full copy,
+    gradients all-reduced: DistributedDataParallel)."""
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward and gather them again for the backward (ZeRO-3-like,
+    least memory); false keeps them from forward to backward (ZeRO-2-like, one all-gather per step fewer)."""
+    shard_size: int | None = Field(default=None, gt=0, le=1 << 20)
+    """hybrid_shard only: ranks in one shard group (the mesh's inner dimension); null = cluster.gpus_per_node, so
+    parameters are sharded inside a node and replicated across nodes."""
+
+
 class BackendConfig(Section):
     kind: BackendKind = "megatron"
     """Training program: `megatron` (Megatron-core GPT, 3D parallel), `deepspeed` (Hugging Face causal LM under ZeRO),
-    or `comm_check` (no model: every rank joins the process group and times all-reduces; a cluster smoke test)."""
+    `fsdp` (Hugging Face causal LM under PyTorch FSDP2 or DDP), or `comm_check` (no model: every rank joins the
+    process group and times all-reduces; a cluster smoke test)."""
     megatron: MegatronOptions = Field(default_factory=MegatronOptions)
     """Options for kind: megatron."""
     deepspeed: DeepSpeedOptions = Field(default_factory=DeepSpeedOptions)
     """Options for kind: deepspeed."""
+    fsdp: FSDPOptions = Field(default_factory=FSDPOptions)
+    """Options for kind: fsdp."""

@@ -182,6 +182,9 @@ def backend_features(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     if not row.tensor_parallel and r.parallel.sequence_parallel:
         yield Violation("parallel.sequence_parallel", True, f"needs tensor parallelism, which backend.kind={kind} "
                         "does not have", f"set it false, or use backend.kind: {_others('tensor_parallel')}")
+    if not row.pipeline_parallel and lay.pipeline_size != 1:
+        yield Violation("parallel.pipeline_size", lay.pipeline_size, f"must be 1 with backend.kind={kind} (every rank "
+                        "holds every layer)", f"use backend.kind: {_others('pipeline_parallel')} for pipelines")
     if not row.interleaved_pipeline and r.parallel.virtual_pipeline_size not in (None, 1):
         yield Violation("parallel.virtual_pipeline_size", r.parallel.virtual_pipeline_size,
                         f"is not supported by backend.kind={kind}'s pipeline",
@@ -240,27 +243,50 @@ def deepspeed_model_expressible(r: Recipe, lay: ParallelLayout) -> Iterator[Viol
     """Backends that build Hugging Face GPT-2 / LLaMA classes: the model section must be one they can express."""
     if not backends.of(r).hf_model_classes:
         return
-    if r.backend.deepspeed.pretrained_path:  # the architecture is the folder's
+    if backends.of(r).options == "deepspeed" and r.backend.deepspeed.pretrained_path:  # the folder's architecture
         return
-    m = r.model
+    m, kind = r.model, r.backend.kind
     for key, needed in HF_FAMILY_SHAPE[m.family].items():
         if getattr(m, key) != needed:
             yield Violation(f"model.{key}", getattr(m, key),
-                            f"is not available for model.family={m.family} with backend.kind=deepspeed",
+                            f"is not available for model.family={m.family} with backend.kind={kind}",
                             f"its Hugging Face class uses {needed}; use that, the other family, or "
                             "backend.kind: megatron")
     if m.family == "gpt" and m.num_query_groups != m.num_attention_heads:
         yield Violation("model.num_query_groups", m.num_query_groups,
-                        "needs model.family=llama with backend.kind=deepspeed",
+                        f"needs model.family=llama with backend.kind={kind}",
                         "GPT-2 has plain multi-head attention; set it null")
     if m.family == "gpt" and not m.add_bias_linear:
         yield Violation("model.add_bias_linear", False,
-                        "is not available for model.family=gpt with backend.kind=deepspeed",
+                        f"is not available for model.family=gpt with backend.kind={kind}",
                         "GPT-2 always has biases; use family: llama")
     if m.family == "llama" and m.hidden_dropout > 0:
         yield Violation("model.hidden_dropout", m.hidden_dropout,
-                        "is not available for model.family=llama with backend.kind=deepspeed",
+                        f"is not available for model.family=llama with backend.kind={kind}",
                         "LlamaForCausalLM has no hidden dropout; set it 0")
+
+
+@rule
+def fsdp_mesh(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """FSDP: hybrid_shard's shard groups divide the world into 2 or more replicas; 16-bit training in bf16."""
+    if backends.of(r).options != "fsdp":
+        return
+    fs, world = r.backend.fsdp, lay.world_size
+    if fs.strategy == "hybrid_shard":
+        shard = fs.shard_size or r.cluster.gpus_per_node
+        field = "backend.fsdp.shard_size" if fs.shard_size else "cluster.gpus_per_node (the default shard_size)"
+        if world % shard or world // shard < 2:
+            fits = [d for d in divisors(world) if d < world]
+            yield Violation(field, shard, f"must divide the {world} ranks into 2 or more replica groups for "
+                            "backend.fsdp.strategy=hybrid_shard", f"set backend.fsdp.shard_size to one of "
+                            f"{', '.join(map(str, fits[-4:])) or 'none (1 rank)'}, use cluster.nodes > 1, or "
+                            "strategy: full_shard")
+    elif fs.shard_size is not None:
+        yield Violation("backend.fsdp.shard_size", fs.shard_size, f"is read by strategy hybrid_shard only, not "
+                        f"{fs.strategy}", "set it null, or strategy: hybrid_shard")
+    if r.training.precision == "fp16":
+        yield Violation("training.precision", "fp16", "is not available with backend.kind=fsdp (no loss scaler)",
+                        "use bf16 (FSDP2's MixedPrecisionPolicy) or fp32")
 
 
 @rule

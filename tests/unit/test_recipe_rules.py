@@ -69,8 +69,12 @@ CASES = {
     # wandb is installed here (environment/requirements-test.txt): the case hides it (HIDDEN_PACKAGES)
     "trackers_installed": (["tracking.wandb.mode=offline"], "tracking.wandb.enabled=true needs the 'wandb' package",
                            "pip install wandb"),
+    "fsdp_mesh": (["backend.kind=fsdp", "parallel.tensor_size=1", "parallel.pipeline_size=1",
+                   "backend.fsdp.strategy=hybrid_shard", "backend.fsdp.shard_size=3"],
+                  "backend.fsdp.shard_size=3 must divide the 8 ranks into 2 or more replica groups",
+                  "set backend.fsdp.shard_size to one of 1, 2, 4"),
     "backend_features": (["backend.kind=deepspeed", "checkpoint.init_from_hf=hf"],
-                              "checkpoint.init_from_hf=hf is read by backend.kind=megatron only",
+                              "checkpoint.init_from_hf=hf is read by backend.kind=megatron or fsdp only",
                               "set backend.deepspeed.pretrained_path"),
 }
 

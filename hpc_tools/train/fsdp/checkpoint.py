@@ -1,0 +1,61 @@
+"""FSDP checkpoints through torch Distributed Checkpoint (DCP).
+
+A checkpoint folder ``iter_N/`` holds ``dcp/`` (DCP's ``.metadata`` and one ``__<rank>_0.distcp`` per writing rank:
+model and optimizer, each rank its shards; DDP's replicated tensors written once), ``rng_rank<R>.pt`` (each rank's
+generators, ``hpc_tools.train.rng``) and the meta file (step = the data position: batches are a pure function of
+the step). The state dicts come from ``torch.distributed.checkpoint.state_dict.get_state_dict``: parameter names are
+the Hugging Face ones whatever the strategy, so a checkpoint loads at another rank count or strategy (DCP reshards
+on load: saved at 4 ranks, resumed at 2; full_shard -> ddp) and ``export`` reads it without ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DCP_DIR = "dcp"
+RNG_FILE = "rng_rank{rank:05d}.pt"
+
+
+def _state(model, optimizer):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd}
+
+
+def save(folder: Path, model, optimizer, rank: int) -> None:
+    """Collective: write the model and optimizer shards and this rank's RNG state into ``folder``."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from hpc_tools.train import rng
+
+    dcp.save(_state(model, optimizer), checkpoint_id=str(folder / DCP_DIR))
+    torch.save(rng.capture(), folder / RNG_FILE.format(rank=rank))
+
+
+def load(folder: Path, model, optimizer, rank: int) -> None:
+    """Collective: read ``folder`` into the model and optimizer as they are sharded now (any rank count or
+    strategy), and this rank's RNG state when the save had this rank."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from hpc_tools.train import rng
+
+    state = _state(model, optimizer)  # a fresh optimizer's states are created (zeros) so that DCP can fill them
+    dcp.load(state, checkpoint_id=str(folder / DCP_DIR))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng_file = folder / RNG_FILE.format(rank=rank)
+    if rng_file.is_file():
+        rng.restore(torch.load(rng_file, weights_only=False))
+
+
+def full_model_state(folder: Path, template: dict) -> dict:
+    """The model's full (unsharded) tensors from a checkpoint, read in this one process without ranks: ``template``
+    is a plain ``model.state_dict()`` of the same architecture, filled in place and returned."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": template}
+    dcp.load(state, checkpoint_id=str(folder / DCP_DIR), no_dist=True)
+    return state["model"]

@@ -1,0 +1,117 @@
+"""How an FSDP job's model is spread over its ranks (``backend.fsdp.strategy``), on the rank's device.
+
+- ``full_shard``: FSDP2 ``fully_shard`` over a 1-D mesh of every rank; each transformer block is its own unit (its
+  parameters all-gathered just before its forward and backward, its gradients reduce-scattered after), the root (the
+  embeddings, final norm and output layer) last.
+- ``hybrid_shard``: the same over a 2-D mesh ``(replicate, shard)``: sharded inside a group of ``shard_size`` ranks,
+  gradients all-reduced across the groups (HSDP).
+- ``ddp``: ``DistributedDataParallel``: every rank a full copy, gradients all-reduced in buckets.
+
+Precision (``training.precision``): fp32 everywhere, or bf16 as FSDP2 does it (``MixedPrecisionPolicy``: bf16
+parameters for compute, fp32 gradient reduction, fp32 sharded master weights and optimizer states); DDP autocasts
+its fp32 model to bf16 (``autocast``). Activation checkpointing (``training.recompute_granularity: full``) is Hugging
+Face's per-block, non-reentrant checkpoint: each block's input is kept and the block recomputed in the backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hpc_tools.train.fsdp.model import blocks
+
+if TYPE_CHECKING:
+    from hpc_tools.recipe.schema import Recipe
+
+
+@dataclass(frozen=True, slots=True)
+class Mesh:
+    """The data-parallel shape: ``replicate`` groups of ``shard`` ranks (full_shard: 1 x world; ddp: world x 1)."""
+
+    strategy: str
+    replicate: int
+    shard: int
+
+    def describe(self) -> str:
+        if self.strategy == "ddp":
+            return f"DDP over {self.replicate} ranks"
+        if self.strategy == "hybrid_shard":
+            return f"HSDP {self.replicate} replicas x {self.shard}-rank shards"
+        return f"FSDP2 full_shard over {self.shard} ranks"
+
+
+def mesh_shape(recipe: "Recipe", world: int) -> Mesh:
+    """The mesh of the recipe's strategy over ``world`` ranks (the rules checked that the shard size divides it)."""
+    fs = recipe.backend.fsdp
+    if fs.strategy == "ddp":
+        return Mesh("ddp", world, 1)
+    if fs.strategy == "hybrid_shard":
+        shard = fs.shard_size or recipe.cluster.gpus_per_node
+        return Mesh("hybrid_shard", world // shard, shard)
+    return Mesh("full_shard", 1, world)
+
+
+def parallelize(model, recipe: "Recipe", device, world: int):
+    """The model ready to train on ``device``: wrapped in DDP or sharded by ``fully_shard`` (see the module doc)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if recipe.training.recompute_granularity == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    shape = mesh_shape(recipe, world)
+    if shape.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model.to(device)
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if shape.strategy == "hybrid_shard":
+        mesh = init_device_mesh(device.type, (shape.replicate, shape.shard), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (shape.shard,), mesh_dim_names=("shard",))
+    bf16 = recipe.training.precision == "bf16"
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+    reshard = recipe.backend.fsdp.reshard_after_forward
+    for block in blocks(model):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    # the root's parameters (embeddings, final norm, output layer) are needed again at once by the backward
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    return model
+
+
+def is_ddp(model) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel)
+
+
+def gradient_sync(model, on: bool):
+    """A context in which the backward reduces gradients across ranks (``on``) or only accumulates them (DDP's
+    ``no_sync`` for all but the last microbatch; FSDP2 reduce-scatters every microbatch so that only sharded
+    gradients are ever kept)."""
+    if is_ddp(model) and not on:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def compute_context(model, recipe: "Recipe", device) -> Any:
+    """bf16 autocast for DDP (FSDP2 casts through its policy); nothing otherwise."""
+    import torch
+
+    if is_ddp(model) and recipe.training.precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def grad_norm(model, max_norm: float) -> float:
+    """Clip the global gradient norm to ``max_norm`` (0: no clipping) and return it before clipping: a collective
+    over the shards for FSDP2 (DTensor gradients), local for DDP (gradients already all-reduced)."""
+    import torch
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)

@@ -1,0 +1,175 @@
+"""backend.kind: fsdp — ``run(ctx)`` on every rank: a Hugging Face causal LM under FSDP2 or DDP on the shared loop.
+
+One step = ``layout.num_microbatches`` forward/backward passes, the global gradient norm (clipped to
+``training.clip_grad``), one torch AdamW step at ``lr_at(step)``. ``FSDPJob`` is the engine of
+``hpc_tools.train.loop`` (which owns resume, records, evaluation, the stop agreement and the saves). Data comes from
+``hpc_tools.train.data`` (every rank is a data-parallel rank: the step is the data position); checkpoints are torch
+Distributed Checkpoint folders (``checkpoint.py``) committed through ``CheckpointDirs`` and verified like every
+backend's (``checkpoint_agree``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from hpc_tools.checkpoints.dirs import META, CheckpointDirs
+from hpc_tools.runtime.context import RankContext
+from hpc_tools.train import checkpoint_agree, loop
+from hpc_tools.train.data import build_samples, microbatches_for_step
+from hpc_tools.train.fsdp import checkpoint, parallel
+from hpc_tools.train.fsdp.model import build_model, causal_lm_loss
+from hpc_tools.train.prefetch import BatchPrefetcher
+from hpc_tools.train.schedule import lr_at
+
+
+def run(ctx: RankContext) -> None:
+    """Train the recipe on this rank (joins torch.distributed unless the caller already did)."""
+    loop.run(ctx, FSDPJob)
+
+
+def to_device(tensor, device):
+    """On a GPU copied from pinned memory without blocking (``hpc_tools.train.prefetch`` pins batches ahead)."""
+    if device.type != "cuda":
+        return tensor
+    return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)
+
+
+class FSDPJob:
+    """``loop.Engine`` for FSDP2 / DDP: the model, optimizer, data and checkpoints of one run on one rank."""
+
+    checkpoints = True
+
+    def __init__(self, ctx: RankContext):
+        import torch
+
+        self.ctx, self.recipe, self.layout = ctx, ctx.recipe, ctx.layout
+        self.device = ctx.device
+        self.world = ctx.dist.world_size
+        self.dirs = CheckpointDirs(ctx.checkpoint_dir, keep_last=self.recipe.checkpoint.keep_last)
+        self.mesh = parallel.mesh_shape(self.recipe, self.world)
+        t0 = time.perf_counter()
+        model = build_model(self.recipe)
+        t_model = time.perf_counter() - t0
+        self.model = parallel.parallelize(model, self.recipe, self.device, self.world)
+        t = self.recipe.training
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
+                                           eps=t.adam_eps, weight_decay=t.weight_decay)
+        ctx.info("model ready in %.1f s (built %.1f s, %s)", time.perf_counter() - t0, t_model, self.mesh.describe())
+        self.samples = build_samples(self.recipe)
+        on_gpu = self.device.type == "cuda"
+        self.prefetch = BatchPrefetcher(self._build_batch, t.train_iters, background=on_gpu, pin=on_gpu)
+
+    def describe(self) -> str:
+        fs = self.recipe.backend.fsdp
+        reshard = "" if fs.strategy == "ddp" else f", reshard_after_forward={str(fs.reshard_after_forward).lower()}"
+        return (f"fsdp: {self.layout.describe()}, {self.mesh.describe()}{reshard}, {self.recipe.training.precision}, "
+                f"recompute={self.recipe.training.recompute_granularity}, {self.samples}")
+
+    def coords(self) -> dict[str, int]:
+        return {"pp_rank": 0, "dp_rank": self.ctx.rank}
+
+    # -- one step ------------------------------------------------------------------------------------------------------
+    def batch(self, step: int) -> list[dict[str, Any]]:
+        return self.prefetch.get(step)
+
+    def _build_batch(self, step: int) -> list[dict[str, Any]]:
+        return microbatches_for_step(self.samples, step, self.ctx.rank, self.layout)
+
+    def _forward_loss(self, mb: dict[str, Any]):
+        with parallel.compute_context(self.model, self.recipe, self.device):
+            logits = self.model(input_ids=to_device(mb["tokens"], self.device)).logits
+        return causal_lm_loss(logits, to_device(mb["labels"], self.device))
+
+    def step(self, step: int, batches: list[dict[str, Any]]) -> loop.StepResult:
+        """Forward/backward every microbatch, clip, one AdamW step; a step whose loss or gradient norm is not finite
+        (the same verdict on every rank: both are global) updates nothing."""
+        import torch
+        import torch.distributed as dist
+
+        lr = lr_at(self.recipe.training, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        poison = loop.nonfinite_injected(step, self.ctx.rank)
+        self.model.train()
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        n = len(batches)
+        for i, mb in enumerate(batches):
+            with parallel.gradient_sync(self.model, i == n - 1):
+                loss = self._forward_loss(mb)
+                if poison:  # loop.INJECT_NONFINITE_ENV (tests only)
+                    loss = loss * float("nan")
+                (loss / n).backward()
+            total += loss.detach().double()
+        dist.all_reduce(total)  # every rank saw its own share of the global batch
+        mean = total.item() / n / self.world
+        norm = parallel.grad_norm(self.model, self.recipe.training.clip_grad)
+        nonfinite = not (math.isfinite(mean) and math.isfinite(norm))
+        if not nonfinite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loop.StepResult(loss=mean, lr=lr, grad_norm=norm, skipped=True if nonfinite else False,
+                               nonfinite=nonfinite)
+
+    def evaluate(self, batches: list[list[dict[str, Any]]]) -> float:
+        """Validation loss: forward only over each of this rank's microbatches, the mean over microbatches and ranks
+        (the same on every rank)."""
+        import torch
+        import torch.distributed as dist
+
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        count = 0
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for mbs in batches:
+                    for mb in mbs:
+                        total += self._forward_loss(mb).double()
+                        count += 1
+        finally:
+            self.model.train()
+        dist.all_reduce(total)
+        return total.item() / count / self.world
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------------
+    def save(self, step: int) -> Path:
+        """DCP save into a partial folder; it becomes ``iter_N`` only once every rank is done and recorded."""
+        import torch.distributed as dist
+
+        partial = self.dirs.begin(step) if self.ctx.is_rank0 else self.dirs.partial_path(step)
+        dist.barrier()
+        checkpoint.save(partial, self.model, self.optimizer, self.ctx.rank)
+        dist.barrier()
+        files = checkpoint_agree.gather_records(partial, exclude=[META],
+                                                checksum=self.recipe.checkpoint.verify == "checksum")
+        final = self.dirs.final_path(step)
+        if self.ctx.is_rank0:
+            final = self.dirs.commit(step, meta=self.meta(), files=files)
+        dist.barrier()
+        return final
+
+    def meta(self) -> dict[str, Any]:
+        r = self.recipe
+        return {"backend": "fsdp", "format": "torch_dcp", "strategy": r.backend.fsdp.strategy,
+                "mesh": [self.mesh.replicate, self.mesh.shard], "world_size": self.world, "data_step_is_step": True,
+                "precision": r.training.precision, "family": r.model.family, "layout": self.layout.describe()}
+
+    def resume(self, source: Path) -> int:
+        """Load ``source`` (model, optimizer, this rank's RNG), resharded to this run's ranks; the step it holds."""
+        meta = CheckpointDirs.read_meta(source)
+        if meta.get("format") != "torch_dcp":
+            from hpc_tools.errors import UserError
+
+            raise UserError(f"checkpoint {source} was written by backend {meta.get('backend', '?')}, not as a torch "
+                            "Distributed Checkpoint (checkpoint.load_path: give an FSDP checkpoint; to start from "
+                            "another backend's weights, `export` it and set checkpoint.init_from_hf)")
+        checkpoint.load(source, self.model, self.optimizer, self.ctx.rank)
+        return int(meta["step"])
+
+    def close(self) -> None:
+        if getattr(self, "prefetch", None) is not None:
+            self.prefetch.close()
+        self.model = self.optimizer = None
+
