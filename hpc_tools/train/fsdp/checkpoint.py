@@ -54,8 +54,12 @@ def load(folder: Path, model, optimizer, rank: int) -> None:
 def full_model_state(folder: Path, template: dict) -> dict:
     """The model's full (unsharded) tensors from a checkpoint, read in this one process without ranks: ``template``
     is a plain ``model.state_dict()`` of the same architecture, filled in place and returned."""
+    import warnings
+
     import torch.distributed.checkpoint as dcp
 
     state = {"model": template}
-    dcp.load(state, checkpoint_id=str(folder / DCP_DIR), no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(folder / DCP_DIR), no_dist=True)
     return state["model"]
