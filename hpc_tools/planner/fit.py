@@ -87,7 +87,7 @@ def _single_changes(recipe: "Recipe", k: Knobs) -> Iterator[tuple[list[str], Kno
     row, options = k.row, f"backend.{k.row.options}"
     if row.selective_recompute and k.recompute != "selective" and k.recompute != "full":
         yield ["training.recompute_granularity=selective"], replace(k, recompute="selective")
-    if not k.zero and not k.distributed_optimizer and lay.data_size > 1:
+    if k.distopt and not k.distributed_optimizer and lay.data_size > 1:
         yield [f"{options}.distributed_optimizer=true"], replace(k, distributed_optimizer=True)
     if row.tensor_parallel:
         if lay.tensor_size > 1 and not lay.sequence_parallel:
@@ -103,7 +103,12 @@ def _single_changes(recipe: "Recipe", k: Knobs) -> Iterator[tuple[list[str], Kno
                        replace(k, zero_stage=stage, ds_overlap_comm=stage == 3))
         if k.zero_stage >= 1 and k.offload_optimizer == "none":
             yield [f"{options}.offload_optimizer=cpu"], replace(k, offload_optimizer="cpu")
-    for p in (lay.pipeline_size * 2, lay.pipeline_size * 4):
+    if k.fsdp and k.fsdp_strategy != "full_shard" and lay.data_size > 1:
+        yield ([f"{options}.strategy=full_shard", f"{options}.shard_size=null"],
+               replace(k, fsdp_strategy="full_shard", fsdp_shard_size=None))
+    if k.fsdp and k.fsdp_strategy != "ddp" and not k.fsdp_reshard:
+        yield [f"{options}.reshard_after_forward=true"], replace(k, fsdp_reshard=True)
+    for p in (lay.pipeline_size * 2, lay.pipeline_size * 4) if row.pipeline_parallel else ():
         alt = relayout(lay.tensor_size, p)
         if alt and m.num_layers % p == 0:
             yield with_dp([f"parallel.pipeline_size={p}"], alt), alt

@@ -21,6 +21,7 @@ DS_DEFAULT_BUCKET_ELEMS = 500_000_000
 # The two traits the memory and step-time models branch on, as sets of kinds: they are asked per scored candidate.
 _MEGATRON_LAYERS = frozenset(b.kind for b in backends.BACKENDS.values() if b.layers == "megatron")
 _ZERO = frozenset(b.kind for b in backends.BACKENDS.values() if b.sharding == "zero")
+_FSDP = frozenset(b.kind for b in backends.BACKENDS.values() if b.sharding == "fsdp")
 
 @dataclass(frozen=True, slots=True)
 class Knobs:
@@ -38,6 +39,9 @@ class Knobs:
     offload_param: str = "none"  # DeepSpeed
     ds_overlap_comm: bool = False  # DeepSpeed zero_optimization.overlap_comm
     ds_bucket_elems: int = DS_DEFAULT_BUCKET_ELEMS
+    fsdp_strategy: str = "full_shard"  # FSDP: full_shard | hybrid_shard | ddp
+    fsdp_shard_size: int | None = None  # FSDP hybrid_shard: ranks per shard group (None: GPUs per node)
+    fsdp_reshard: bool = True  # FSDP reshard_after_forward
     flash: bool = True  # fused attention: no s^2 activations stored
     on_gpu: bool = True  # CUDA kernels (1-byte dropout masks, fused norms); False: the CPU build's kernels
 
@@ -57,8 +61,9 @@ class Knobs:
                    zero_stage=stage, offload_optimizer=be.deepspeed.offload_optimizer,
                    offload_param=be.deepspeed.offload_param,
                    ds_overlap_comm=bool(ds_zero.get("overlap_comm", stage == 3)),
-                   ds_bucket_elems=int(ds_zero.get("reduce_bucket_size", DS_DEFAULT_BUCKET_ELEMS)), flash=flash,
-                   on_gpu=recipe.cluster.uses_gpus)
+                   ds_bucket_elems=int(ds_zero.get("reduce_bucket_size", DS_DEFAULT_BUCKET_ELEMS)),
+                   fsdp_strategy=be.fsdp.strategy, fsdp_shard_size=be.fsdp.shard_size,
+                   fsdp_reshard=be.fsdp.reshard_after_forward, flash=flash, on_gpu=recipe.cluster.uses_gpus)
 
     @property
     def row(self) -> backends.Backend:
@@ -74,6 +79,25 @@ class Knobs:
     def zero(self) -> bool:
         """Model states sharded by ZeRO stages (else Megatron's distributed optimizer)."""
         return self.backend in _ZERO
+
+    @property
+    def fsdp(self) -> bool:
+        """Model states held as PyTorch FSDP2 / HSDP shards or DDP replicas (``fsdp_strategy``)."""
+        return self.backend in _FSDP
+
+    @property
+    def distopt(self) -> bool:
+        """Model states as Megatron's (the distributed optimizer on or off)."""
+        return not (self.zero or self.fsdp)
+
+    @property
+    def shard_group(self) -> int:
+        """FSDP: ranks one copy of the model states is sharded over (full_shard: every data-parallel rank; ddp: 1)."""
+        if self.fsdp_strategy == "ddp":
+            return 1
+        if self.fsdp_strategy == "hybrid_shard":
+            return min(self.fsdp_shard_size or self.layout.ranks_per_node, self.layout.data_size)
+        return self.layout.data_size
 
     @property
     def virtual(self) -> int:
@@ -92,7 +116,12 @@ class Knobs:
             parts.append(f"VPP{lay.virtual_pipeline_size}")
         parts += [f"DP{lay.data_size}"] + (["SP"] if lay.sequence_parallel else []) + [f"mb{lay.micro_batch_size}"]
         parts.append(f"rc={self.recompute}")
-        if not self.zero:
+        if self.fsdp:
+            s, d = self.shard_group, self.layout.data_size
+            parts.append({"ddp": "ddp", "full_shard": "fsdp"}.get(self.fsdp_strategy, f"hsdp{d // s}x{s}"))
+            if self.fsdp_strategy != "ddp" and not self.fsdp_reshard:
+                parts.append("no-reshard")
+        elif not self.zero:
             parts.append("distopt" if self.distributed_optimizer else "no-distopt")
         else:
             parts.append(f"zero{self.zero_stage}")
@@ -115,7 +144,7 @@ class Knobs:
             out += [f"training.recompute_method={self.recompute_method}",
                     f"training.recompute_num_layers={self.recompute_num_layers}"]
         section = f"backend.{self.row.options}"
-        out += [f"{section}.{key}={str(value).lower() if isinstance(value, bool) else value}"
+        out += [f"{section}.{key}={_setting(value)}"
                 for key, value in self._option_updates().items()]
         return out
 
@@ -135,10 +164,18 @@ class Knobs:
 
     def _option_updates(self) -> dict[str, Any]:
         """The sharding knobs as fields of the backend's own options section."""
+        if self.fsdp:
+            return {"strategy": self.fsdp_strategy, "reshard_after_forward": self.fsdp_reshard,
+                    "shard_size": self.fsdp_shard_size if self.fsdp_strategy == "hybrid_shard" else None}
         if self.zero:
             return {"zero_stage": self.zero_stage, "offload_optimizer": self.offload_optimizer,
                     "offload_param": self.offload_param}
         return {"distributed_optimizer": self.distributed_optimizer}
+
+
+def _setting(value: Any) -> str:
+    """A value as ``--set`` spells it (true/false, null)."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def apply_knobs(recipe: "Recipe", k: Knobs) -> "Recipe":

@@ -1,4 +1,4 @@
-"""Memory per GPU: model states, activations and stated overheads, for Megatron-core and DeepSpeed jobs.
+"""Memory per GPU: model states, activations and stated overheads, for Megatron-core, DeepSpeed and FSDP jobs.
 
 Sources (docs/formulas.md states each): model states from the ZeRO paper (16 bytes/param with mixed-precision Adam,
 stage 1/2/3 partitioning) and Megatron-LM's distributed-optimizer notes (18 bytes/param, 6 + 12/d); activations from
@@ -23,6 +23,7 @@ NCCL_BUFFER_BYTES = 0.5e9  # NCCL channels/buffers per process (assumed; grows w
 PARAMETERS, GRADIENTS, OPTIMIZER = "parameters", "gradients", "optimizer states"
 ACTIVATIONS, EDGE_ACTIVATIONS, RECOMPUTE_WS = "activations", "embedding/logits activations", "recompute working set"
 GATHERED, BUCKETS, CONTEXT = "ZeRO-3 gathered parameters", "communication buffers", "CUDA context"
+UNSHARDED = "FSDP unsharded parameters and gradients"
 
 
 # --- model states ---------------------------------------------------------------------------------------------------
@@ -55,6 +56,33 @@ def zero_state_bytes(n_params: float, data: int, stage: int, precision: str = "b
     if offload_param != "none":
         params = 0.0
     return params, grads, optim
+
+
+def fsdp_state_bytes(n_params: float, shard: int) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer) bytes per GPU under PyTorch FSDP2 / HSDP / DDP with AdamW.
+
+    FSDP2 keeps the fp32 parameters (the master copy: ``MixedPrecisionPolicy`` casts only the gathered copy to
+    bf16), their fp32 gradients (reduced in fp32) and Adam's m and v sharded over the shard group S: 4 + 4 + 8 =
+    16 bytes/param / S, in fp32 and bf16 alike (full_shard: S = d; hybrid_shard: S = the shard group; DDP: S = 1,
+    gradients as bucket views, no second copy).
+    """
+    return 4 * n_params / shard, 4 * n_params / shard, 8 * n_params / shard
+
+
+def fsdp_unsharded_bytes(arch: Arch, k: Knobs) -> float:
+    """What FSDP2 gathers on top of the shards: the compute-dtype parameters of the block in use and the one
+    prefetched (reshard_after_forward; else every block's, kept from its forward to its backward), the root's
+    (embeddings, final norm, output layer: kept for the whole step), and one block's unsharded gradient before its
+    reduce-scatter (fp32, plus the compute-dtype copy autograd produced). DDP under bf16 autocast: the weights' bf16
+    copies autocast caches during the forward."""
+    pc = pieces(arch, 1)
+    e = 4 if k.precision == "fp32" else 2
+    root = pc.word_embedding + pc.position_embedding + pc.final_norm + pc.output_layer
+    if k.fsdp_strategy == "ddp":
+        return 0.0 if k.precision == "fp32" else e * (arch.layers * pc.layer + root)
+    blocks = 2 if k.fsdp_reshard else arch.layers
+    grad = (4 + (e if e != 4 else 0)) * pc.layer
+    return e * (min(blocks, arch.layers) * pc.layer + root) + grad
 
 
 # --- activations (Korthikanti et al. 2022, Table 2, generalised) ----------------------------------------------------
@@ -328,7 +356,9 @@ def stage_memory(arch: Arch, k: Knobs, stage: int, on_gpu: bool = True) -> Stage
     """Every term for one GPU of ``stage``."""
     lay = k.layout
     n = stage_parameters(arch, lay.tensor_size, lay.pipeline_size, stage)
-    if k.zero:
+    if k.fsdp:
+        params, grads, optim = fsdp_state_bytes(n, k.shard_group)
+    elif k.zero:
         params, grads, optim = zero_state_bytes(n, lay.data_size, k.zero_stage, k.precision, k.offload_optimizer,
                                                 k.offload_param)
     else:
@@ -338,6 +368,8 @@ def stage_memory(arch: Arch, k: Knobs, stage: int, on_gpu: bool = True) -> Stage
              EDGE_ACTIVATIONS: edge_activation_bytes(arch, k, stage), RECOMPUTE_WS: working}
     if k.zero and k.zero_stage == 3:
         terms[GATHERED] = _zero3_working_set(arch, k)
+    if k.fsdp:
+        terms[UNSHARDED] = fsdp_unsharded_bytes(arch, k)
     terms[BUCKETS] = _buffer_bytes(k, n) if on_gpu else 0.0
     terms[CONTEXT] = CUDA_CONTEXT_BYTES if on_gpu else 0.0
     return StageMemory(stage, n, terms, sum(terms.values()))
@@ -372,7 +404,15 @@ def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
     """What each term assumes, in words, for this model and configuration."""
     lay = k.layout
     t, d = lay.tensor_size, lay.data_size
-    if k.zero:
+    if k.fsdp:
+        sg = k.shard_group
+        over = {"ddp": f"DDP: every one of the {d} ranks a full copy",
+                "full_shard": f"FSDP2 full_shard: sharded over all S = d = {d} ranks"}.get(
+            k.fsdp_strategy, f"HSDP: sharded over S = {sg} ranks, {d // sg} replica groups")
+        params = f"4 bytes/param{'' if sg == 1 else f' / {sg}'}: fp32 parameters (the master copy; {over})"
+        grads = f"4 bytes/param{'' if sg == 1 else f' / {sg}'}: fp32 gradients (reduced in fp32)"
+        optim = f"8 bytes/param{'' if sg == 1 else f' / {sg}'}: Adam m and v; model states 16Ψ/S"
+    elif k.zero:
         n = f" / N (N = d = {d})"
         p16 = "4" if k.precision == "fp32" else "2"
         params = f"{p16} bytes/param{n if k.zero_stage >= 3 else ''} (ZeRO-{k.zero_stage})"
@@ -449,4 +489,12 @@ def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
     }
     if k.zero and k.zero_stage == 3:
         notes[GATHERED] = "16-bit parameters of the current and one prefetched layer (or the whole embedding)"
+    if k.fsdp:
+        cd = "fp32" if k.precision == "fp32" else "bf16"
+        held = "2 blocks (in use + prefetched)" if k.fsdp_reshard else "every block (reshard_after_forward false)"
+        notes[UNSHARDED] = (("bf16 copies of the weights autocast caches in the forward" if cd == "bf16" else
+                             "none (fp32 DDP computes on its own parameters)") if k.fsdp_strategy == "ddp" else
+                            f"{cd} parameters of {held}"
+                            f" + the root's (embeddings, final norm, output layer) + one block's unsharded gradient "
+                            "before its reduce-scatter")
     return notes

@@ -3,8 +3,9 @@ recipe rules, rank by predicted step time.
 
 Held fixed: the model, the cluster, the backend kind and the global batch (tokens per step; changing it would change
 the training, not just its speed). Turned: TP (inside a node, dividing heads and query groups), PP (dividing the
-layers), VPP, DP (what is left), micro batch, recomputation, and the distributed optimizer (Megatron) or ZeRO
-stage and offload (DeepSpeed); sequence parallelism is on whenever TP > 1 allows it (it dominates: same time in the
+layers), VPP, DP (what is left), micro batch, recomputation, and the distributed optimizer (Megatron), ZeRO
+stage and offload (DeepSpeed) or the FSDP strategy (full_shard, hybrid_shard with node-sized shard groups, ddp) and
+reshard_after_forward; sequence parallelism is on whenever TP > 1 allows it (it dominates: same time in the
 model, less memory). A candidate fits when its peak stays under the GPU memory less the headroom
 (``hpc_tools.planner.hardware.headroom_bytes``, the same margin ``validate`` and ``submit`` keep). Candidates are scored
 with the same memory and step-time model as ``plan``; the recipe rules (``hpc_tools.recipe.rules.check_recipe``)
@@ -89,7 +90,7 @@ def enumerate_knobs(recipe: "Recipe", base: Knobs) -> Iterator[Knobs]:
         # Sequence parallelism is on whenever it can be: same TP traffic, smaller activations and p2p messages, so
         # the model never ranks "off" ahead of "on" (Korthikanti et al.).
         sps = (True,) if t > 1 and m.seq_length % t == 0 else (False,)
-        for p in _divisors(m.num_layers):
+        for p in _divisors(m.num_layers) if row.pipeline_parallel else [1]:
             if world % (t * p):
                 continue
             d = world // (t * p)
@@ -123,10 +124,20 @@ def _knobs(base: Knobs, layout: ParallelLayout, recompute: str, opt: dict) -> Kn
                  offload_optimizer=opt.get("offload_optimizer", base.offload_optimizer),
                  offload_param=opt.get("offload_param", base.offload_param),
                  ds_overlap_comm=opt.get("ds_overlap_comm", base.ds_overlap_comm), ds_bucket_elems=base.ds_bucket_elems,
-                 flash=base.flash, on_gpu=base.on_gpu)
+                 fsdp_strategy=opt.get("fsdp_strategy", base.fsdp_strategy),
+                 fsdp_shard_size=opt.get("fsdp_shard_size", base.fsdp_shard_size),
+                 fsdp_reshard=opt.get("fsdp_reshard", base.fsdp_reshard), flash=base.flash, on_gpu=base.on_gpu)
 
 
 def _optimizer_options(base: Knobs, p: int, d: int) -> Iterator[dict]:
+    if base.fsdp:
+        for reshard in (True, False):
+            yield {"fsdp_strategy": "full_shard", "fsdp_shard_size": None, "fsdp_reshard": reshard}
+            node = base.layout.ranks_per_node
+            if d > node and d % node == 0:
+                yield {"fsdp_strategy": "hybrid_shard", "fsdp_shard_size": None, "fsdp_reshard": reshard}
+        yield {"fsdp_strategy": "ddp", "fsdp_shard_size": None, "fsdp_reshard": True}
+        return
     if not base.zero:
         yield {"distributed_optimizer": True}
         if d > 1:

@@ -7,7 +7,8 @@ pipeline bubble. Gives predicted tokens/s and MFU.
 
 The efficiency factor is what calibration fits per cluster (``calibrate.py``); it absorbs kernel efficiency, small
 GEMMs and everything the model leaves out. Communication is assumed exposed unless the recipe turns on an overlap
-the framework really performs (Megatron overlap_grad_reduce / overlap_param_gather, DeepSpeed overlap_comm).
+the framework really performs (Megatron overlap_grad_reduce / overlap_param_gather, DeepSpeed overlap_comm, FSDP2's
+per-block prefetch and DDP's bucketed all-reduce, both always on).
 """
 
 from __future__ import annotations
@@ -101,7 +102,10 @@ def estimate_step_time(arch: Arch, k: Knobs, hw: Hardware, flops: tuple[float, f
     n = max(stage_parameters(arch, t, p, 0), stage_parameters(arch, t, p, p - 1))
     dp_bw = hw.link_bw(spans_nodes=t * d > hw.gpus_per_node)
     fwd_per_mb, bwd_per_mb = compute / m / 3, 2 * compute / m / 3
-    if not k.zero:
+    if k.fsdp:
+        terms[DP_COMM] = _fsdp_comm(arch, n, k, hw, m, compute)
+        terms[OFFLOAD] = 0.0
+    elif not k.zero:
         terms[DP_COMM] = _megatron_dp(n, k, d, dp_bw, fwd_per_mb, bwd_per_mb)
         if arch.tied and p > 1:  # the two copies of the word embedding all-reduce their gradients (fp32)
             terms[DP_COMM] += _allreduce(4 * pieces(arch, t).word_embedding, 2, hw.link_bw(lay.nodes > 1))
@@ -129,6 +133,31 @@ def _megatron_dp(n: int, k: Knobs, d: int, bw: float, fwd_per_mb: float, bwd_per
     if k.overlap_param_gather:
         gather = max(gather - fwd_per_mb, 0.0)
     return reduce + gather
+
+
+def _fsdp_comm(arch: Arch, n: int, k: Knobs, hw: Hardware, m: int, compute: float) -> float:
+    """Exposed seconds of FSDP's collectives per step.
+
+    DDP: one all-reduce of the fp32 gradients per step (``no_sync`` for the other microbatches), in buckets
+    overlapped with the last microbatch's backward; exposed: what exceeds that backward, at least the last bucket
+    (~ one block). full_shard / hybrid_shard, every microbatch: an all-gather of the compute-dtype parameters before
+    each block's forward and (reshard_after_forward) again before its backward, a reduce-scatter of its fp32
+    gradients after it, inside the shard group S; HSDP adds an all-reduce of the fp32 gradient shard (Ψ/S) across
+    the d/S replica groups. FSDP2 prefetches the next block's all-gather while this one computes, so per phase the
+    exposed part is the first unit's collective (1/(L+1) of the phase's) or whatever exceeds the phase's compute."""
+    d = k.layout.data_size
+    fwd, bwd = compute / m / 3, 2 * compute / m / 3
+    units = arch.layers + 1
+    if k.fsdp_strategy == "ddp":
+        reduce = _allreduce(4 * n, d, hw.link_bw(spans_nodes=d > hw.gpus_per_node))
+        return max(reduce - bwd, reduce / units)
+    shard = k.shard_group
+    e = 4 if k.precision == "fp32" else 2
+    inner = hw.link_bw(spans_nodes=shard > hw.gpus_per_node)
+    gather, scatter = _gather(e * n, shard, inner), _gather(4 * n, shard, inner)
+    replicas = _allreduce(4 * n / shard, d // shard, hw.link_bw(spans_nodes=d > hw.gpus_per_node))
+    forward, backward = gather, (gather if k.fsdp_reshard else 0.0) + scatter + replicas
+    return m * (max(forward - fwd, forward / units) + max(backward - bwd, backward / units))
 
 
 def _zero_comm(n: int, k: Knobs, d: int, m: int, bw: float, host_bw: float) -> tuple[float, float]:
@@ -162,7 +191,7 @@ def time_notes(k: Knobs, hw: Hardware, efficiency: float, efficiency_source: str
                  f"{hw.link_bw(lay.tensor_size > hw.gpus_per_node) / gb:.0f} GB/s, not overlapped",
         PP_COMM: f"2 x b s h{'/t' if lay.sequence_parallel else ''} per microbatch{' x v' if lay.interleaved else ''}, "
                  f"p2p at {hw.link_bw(lay.nodes > 1) / gb:.0f} GB/s, exposed",
-        DP_COMM: ("fp32 grads "
+        DP_COMM: (_fsdp_note(k) if k.fsdp else "fp32 grads "
                   f"{'reduce-scatter + 16-bit param all-gather' if k.distributed_optimizer else 'all-reduce'}"
                   f"{' (overlapped with the last backward)' if k.overlap_grad_reduce else ''} at "
                   if not k.zero else f"ZeRO-{k.zero_stage} collectives at ")
@@ -171,3 +200,15 @@ def time_notes(k: Knobs, hw: Hardware, efficiency: float, efficiency_source: str
                  if k.zero and (k.offload_optimizer != "none" or k.offload_param != "none")
                  else "no offload",
     }
+
+
+def _fsdp_note(k: Knobs) -> str:
+    if k.fsdp_strategy == "ddp":
+        return "DDP: fp32 gradient all-reduce once per step, bucketed behind the last backward (exposed: the excess, " \
+               "at least one block's bucket) at "
+    again = " and again before its backward" if k.fsdp_reshard else ""
+    hsdp = f" + fp32 all-reduce of the gradient shard across {k.layout.data_size // k.shard_group} replica groups" \
+        if k.fsdp_strategy == "hybrid_shard" else ""
+    return (f"FSDP2 per block and microbatch: parameter all-gather before its forward{again}, fp32 gradient "
+            f"reduce-scatter after its backward, over {k.shard_group} ranks{hsdp}; prefetched behind the neighbouring "
+            "block's compute (exposed: the first unit's, or the excess over compute) at ")

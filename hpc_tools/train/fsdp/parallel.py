@@ -64,7 +64,9 @@ def parallelize(model, recipe: "Recipe", device, world: int):
         from torch.nn.parallel import DistributedDataParallel
 
         model.to(device)
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # gradients as views into the buckets: no second copy (the planner's 16 bytes/param)
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       gradient_as_bucket_view=True)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if shape.strategy == "hybrid_shard":
