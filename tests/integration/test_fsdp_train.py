@@ -1,9 +1,12 @@
 """backend.kind: fsdp on real gloo ranks: FSDP2 full_shard, HSDP and DDP train the same tiny Llama to the same
 losses; bf16 and activation checkpointing track fp32; a stop and resume continues exactly; a Distributed Checkpoint
 saved at 4 ranks resumes at 2 (and under DDP) with the uninterrupted losses; ``export`` gives an HF folder whose loss
-on the validation batches is the run's own val_loss.
+on the validation batches is the run's own val_loss; one tiny Llama from one HF folder trains to the same losses under
+FSDP2, DDP and Megatron-core (TP1 PP1) over 20 steps.
 
-Two launches (``hpc_tools.testing.fsdp_matrix``): every 4-rank variant in one, every 2-rank one in the other.
+Two launches (``hpc_tools.testing.fsdp_matrix``): every 4-rank variant in one, every 2-rank one in the other. The
+Megatron variant runs last in its launch: Megatron's CPU routes (``train/megatron/cpu_compat.py``) replace torch
+functions for the whole process, and an FSDP run after them in the same process is not the FSDP of a fresh one.
 """
 
 from __future__ import annotations
@@ -26,16 +29,21 @@ BF16_TOL = 0.05
 """bf16 compute (fp32 reduction and master weights) against fp32 over 10 steps."""
 
 
+EQUIVALENCE_STEPS = 20
+CROSS_BACKEND_TOL = 1e-4
+"""FSDP2 / DDP / Megatron-core from the same HF weights in fp32: different kernels and reduction orders only."""
+
+
 def variant(name, *, strategy="full_shard", ranks=4, precision="fp32", model=LLAMA, recompute="none", shard=None,
-            reshard=True, load_path=None, **extra):
+            reshard=True, load_path=None, steps=STEPS, init_from_hf=None, kind="fsdp", **extra):
     fsdp = {"strategy": strategy, "reshard_after_forward": reshard, "shard_size": shard}
     recipe = {
         "name": name, "model": model,
-        "training": {"micro_batch_size": 2, "global_batch_size": 16, "train_iters": STEPS, "lr": 4e-3,
+        "training": {"micro_batch_size": 2, "global_batch_size": 16, "train_iters": steps, "lr": 4e-3,
                      "min_lr": 4e-4, "lr_warmup_iters": 2, "precision": precision, "recompute_granularity": recompute,
-                     "eval_interval": STEPS, "eval_iters": 2},
-        "backend": {"kind": "fsdp", "fsdp": fsdp},
-        "checkpoint": {"interval_iters": 5, "load_path": load_path},
+                     "eval_interval": steps, "eval_iters": 2},
+        "backend": {"kind": "fsdp", "fsdp": fsdp} if kind == "fsdp" else {"kind": kind},
+        "checkpoint": {"interval_iters": 5, "load_path": load_path, "init_from_hf": init_from_hf},
         "cluster": {"nodes": 1, "gpus_per_node": ranks, "gpu_type": "cpu", "hang_timeout_min": 5},
         "profiling": {"summary_interval": 100},
     }
@@ -55,20 +63,39 @@ def four(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory, four):
+def hf_folder(tmp_path_factory):
+    """A tiny Llama with Hugging Face's own initialisation (not the backends' ``initial_value``), saved as a folder."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hpc_tools.hf.config import hf_config
+    from hpc_tools.recipe.load import resolve
+
+    torch.manual_seed(7)
+    folder = tmp_path_factory.mktemp("hf") / "llama-tiny"
+    AutoModelForCausalLM.from_config(hf_config(resolve(variant("p", ranks=2)["recipe"]))).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory, four, hf_folder):
     from pathlib import Path
 
     saved = str(Path(four["fs"]["run_dir"]) / "checkpoints" / "iter_0000005")
+    same = {"ranks": 2, "steps": EQUIVALENCE_STEPS, "init_from_hf": hf_folder}
     return launch([
         variant("fs2", ranks=2),
         variant("fs2_from_4", ranks=2, load_path=saved),
         variant("ddp2_from_4", ranks=2, strategy="ddp", load_path=saved),
+        variant("hf_fsdp", **same),
+        variant("hf_ddp", strategy="ddp", **same),
+        variant("hf_megatron", kind="megatron", **same),  # last: see the module docstring
     ], 2, tmp_path_factory.mktemp("fsdp2"))
 
 
-def losses(results, name, first=1):
+def losses(results, name, first=1, last=STEPS):
     r = results[name]
-    assert r["steps"] == list(range(first, STEPS + 1)), f"{name}: steps {r['steps']}"
+    assert r["steps"] == list(range(first, last + 1)), f"{name}: steps {r['steps']}"
     return np.asarray(r["loss"], dtype=float)
 
 
@@ -158,3 +185,12 @@ def test_export_matches_the_runs_validation_loss(four, name, tmp_path):
                     total += float(causal_lm_loss(model(input_ids=mb["tokens"]).logits, mb["labels"]))
                     count += 1
     assert total / count == pytest.approx(four[name]["val_loss"]["10"], abs=1e-5)
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("name", ["hf_ddp", "hf_megatron"])
+def test_one_model_three_backends(two, name):
+    """The same HF folder, fp32: FSDP2, DDP and Megatron-core TP1 PP1 train to the same losses over 20 steps."""
+    reference = losses(two, "hf_fsdp", last=EQUIVALENCE_STEPS)
+    np.testing.assert_allclose(losses(two, name, last=EQUIVALENCE_STEPS), reference, rtol=0, atol=CROSS_BACKEND_TOL)
+    assert reference[-1] < reference[0] - 0.3  # and it trained

@@ -1,8 +1,9 @@
 """backend.kind: fsdp — ``run(ctx)`` on every rank: a Hugging Face causal LM under FSDP2 or DDP on the shared loop.
 
 One step = ``layout.num_microbatches`` forward/backward passes, the global gradient norm (clipped to
-``training.clip_grad``), one torch AdamW step at ``lr_at(step)``. ``FSDPJob`` is the engine of
-``hpc_tools.train.loop`` (which owns resume, records, evaluation, the stop agreement and the saves). Data comes from
+``training.clip_grad``), one torch AdamW step at ``lr_at(step)`` (weight decay on matrices only, as Megatron-core).
+``FSDPJob`` is the engine of ``hpc_tools.train.loop`` (which owns resume, records, evaluation, the stop agreement and
+the saves). Data comes from
 ``hpc_tools.train.data`` (every rank is a data-parallel rank: the step is the data position); checkpoints are torch
 Distributed Checkpoint folders (``checkpoint.py``) committed through ``CheckpointDirs`` and verified like every
 backend's (``checkpoint_agree``).
@@ -37,6 +38,15 @@ def to_device(tensor, device):
     return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)
 
 
+def param_groups(model, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW's groups as Megatron-core makes them: no weight decay on biases and 1-D parameters (norm weights), so a
+    recipe trains alike under either backend."""
+    decay, plain = [], []
+    for name, p in model.named_parameters():
+        (plain if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+
+
 class FSDPJob:
     """``loop.Engine`` for FSDP2 / DDP: the model, optimizer, data and checkpoints of one run on one rank."""
 
@@ -55,8 +65,8 @@ class FSDPJob:
         t_model = time.perf_counter() - t0
         self.model = parallel.parallelize(model, self.recipe, self.device, self.world)
         t = self.recipe.training
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                                           eps=t.adam_eps, weight_decay=t.weight_decay)
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, t.weight_decay), lr=t.lr,
+                                           betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
         ctx.info("model ready in %.1f s (built %.1f s, %s)", time.perf_counter() - t0, t_model, self.mesh.describe())
         self.samples = build_samples(self.recipe)
         on_gpu = self.device.type == "cuda"
