@@ -1,4 +1,11 @@
-"""Shared fixtures: the repository, a CLI runner, and the Slurm test cluster (environment/slurm-dev)."""
+"""Shared fixtures: the repository, a CLI runner, and the Slurm test cluster (environment/slurm-dev); and the tiers.
+
+Tiers (``pytest_collection_modifyitems`` below): every test under tests/integration is marked ``integration`` and
+``slow`` (they start ranks, clusters, browsers), and so is every ``slurm`` or ``multinode`` test anywhere, so that
+``pytest -m "not slow"`` is the developer's loop of a few minutes. Under pytest-xdist (``-n 2 --dist loadgroup``, as
+environment/test.sh runs the suite) the Slurm tests share one group, so one worker submits to the test cluster at a
+time, and each other integration module is a group of its own, so its module-scoped launch runs once.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +17,38 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+INTEGRATION = REPO / "tests" / "integration"
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 # Hermetic recipes: a developer's site file (~/.config/hpc_tools/site.yaml) must not change what the tests resolve;
 # tests of the site file set HPC_TOOLS_SITE themselves.
 os.environ["HPC_TOOLS_SITE"] = "none"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects and before xdist reads the groups
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        fixtures = set(item.fixturenames) - set(callspec.params if callspec else ())  # not a parameter named "slurm"
+        on_slurm = bool({"slurm", "slurm_multinode"} & fixtures) or any(
+            item.get_closest_marker(m) for m in ("slurm", "multinode"))
+        if on_slurm and not item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.slurm)
+        fake = item.get_closest_marker("fake_slurm") is not None  # the fast side of a slurm_cluster test
+        if INTEGRATION in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.integration)
+            if not fake:
+                item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.xdist_group("slurm" if on_slurm else Path(str(item.path)).stem))
+        elif on_slurm:
+            item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_calibration_file(tmp_path_factory) -> None:
+    """One planner calibration file per test process (per xdist worker): a measured search stores what it fitted
+    there, never in a developer's ~/.config/hpc_tools/calibration.json, nor where another worker reads it."""
+    os.environ["HPC_TOOLS_CALIBRATION"] = str(tmp_path_factory.mktemp("calibration") / "calibration.json")
 
 
 @pytest.fixture
@@ -92,6 +127,56 @@ def slurm() -> int:
 @pytest.fixture
 def slurm_multinode() -> int:
     return _need_slurm(2)
+
+
+class RealCluster:
+    """The Slurm test cluster, as ``slurm_cluster`` hands it to a test: Slurm itself moves its jobs on."""
+
+    kind = "real"
+
+    def __init__(self, nodes: int):
+        self.nodes = nodes
+
+    def settle(self, job_id: str, state: str, timeout_s: float = 120, **_) -> None:
+        """Wait until sacct reports ``state`` for the job (Slurm gets there by itself)."""
+        from hpc_tools.runstate import SacctReader
+
+        reader = SacctReader(max_age_s=0)
+        wait_for(lambda: (job := reader.job(job_id)) and job.slurm_state == state, timeout_s,
+                 f"job {job_id} to be {state}")
+
+
+class FakeCluster:
+    """``hpc_tools.testing.fake_slurm`` on PATH, as ``slurm_cluster`` hands it to a test: the test sets the states."""
+
+    kind = "fake"
+
+    def __init__(self, fake):
+        self.fake, self.nodes = fake, len(fake.state()["nodes"])
+
+    def settle(self, job_id: str, state: str, **fields) -> None:
+        """sacct reports ``state`` (with ``fields``: exit_code, elapsed, nodelist) from now on."""
+        self.fake.set_state(job_id, state, **fields)
+
+
+@pytest.fixture(params=[pytest.param("fake", marks=pytest.mark.fake_slurm),
+                        pytest.param("real", marks=pytest.mark.slurm)])
+def slurm_cluster(request, tmp_path_factory, monkeypatch):
+    """The same test body twice: against the fake Slurm (hpc_tools/testing/fake_slurm.py, fast tier, the test sets
+    the job states) and against the real test cluster (slow tier, Slurm moves the jobs), so that the fake is only
+    ever used beneath a real test of the same path. Job-state logic that only the fake side can hold fixed runs in
+    milliseconds; what only Slurm can show (ranks, signals, its own verdicts) is asserted on the real side."""
+    if request.param == "real":
+        yield RealCluster(_need_slurm(1))
+        return
+    from hpc_tools.runstate import READER
+    from hpc_tools.testing.fake_slurm import FakeSlurm
+
+    fake = FakeSlurm(tmp_path_factory.mktemp("fake_slurm"))
+    monkeypatch.setenv("PATH", fake.path)  # this process and every CLI it starts
+    READER.clear()  # the fake's job ids start at 1 again
+    yield FakeCluster(fake)
+    READER.clear()
 
 
 @pytest.fixture

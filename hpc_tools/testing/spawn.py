@@ -3,7 +3,8 @@
 Every rank gets the environment the local executor gives its ranks (``hpc_tools.executors.local.rank_env``: RANK,
 LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT on a free port, ...), plus this repository on PYTHONPATH so
 ``python -m hpc_tools.testing.<harness>`` resolves. Like ``srun --kill-on-bad-exit``, the first rank that fails, or the
-timeout, stops all the others. Each rank's stdout and stderr go to one log file, read back into the result::
+timeout, stops all the others. A launch whose rendezvous port was taken meanwhile (EADDRINUSE) starts again on
+another port, up to 3 times. Each rank's stdout and stderr go to one log file, read back into the result::
 
     ranks = spawn_ranks([sys.executable, "-m", "hpc_tools.testing.workload", "comm", "--out", out], 2, check=True)
     ranks[0].log  # rank 0's output
@@ -24,6 +25,8 @@ from hpc_tools.runtime.distenv import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TAIL_CHARS = 4000
+PORT_CLASH = "EADDRINUSE"  # torch's TCPStore: "... code: -98, name: EADDRINUSE, message: address already in use"
+PORT_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -64,27 +67,38 @@ def spawn_ranks(argv: Sequence[str], world_size: int, *, env: Mapping[str, str] 
     with tempfile.TemporaryDirectory(prefix="spawn_ranks_") as tmp:
         logs = Path(log_dir or tmp)
         logs.mkdir(parents=True, exist_ok=True)
-        port = free_port()
         path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         extra = {"PYTHONPATH": path, **(env or {})}
-        files = [open(logs / f"rank{rank}.log", "wb") for rank in range(world_size)]
-        procs: list[subprocess.Popen] = []
-        try:
-            for rank, log in enumerate(files):
-                # a session of its own per rank: stop_ranks signals the rank's whole process group
-                procs.append(subprocess.Popen(list(map(str, argv)), env=rank_env(rank, world_size, port, extra),
-                                              cwd=cwd or REPO, stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
-            culprit, timed_out = _wait(procs, time.monotonic() + timeout_s, poll_s)
-        finally:
-            stop_ranks([p for p in procs if p.poll() is None])  # only on failure, timeout or interrupt
-            for log in files:
-                log.close()
-        ranks = [CompletedRank(rank, p.returncode, (logs / f"rank{rank}.log").read_text(errors="replace"), timed_out)
-                 for rank, p in enumerate(procs)]
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            ranks, culprit = _launch(argv, world_size, extra, cwd, timeout_s, logs, poll_s)
+            # free_port() lets the port go before rank 0 binds it: a launch beside this one (another pytest-xdist
+            # worker) can take it first. Only then is it worth starting again, on another port.
+            if culprit is None or ranks[culprit].timed_out or not any(PORT_CLASH in r.log for r in ranks):
+                break
     if check and culprit is not None:
         raise RanksFailed(_describe(argv), ranks, culprit)
     return ranks
+
+
+def _launch(argv: Sequence[str], world_size: int, extra: Mapping[str, str], cwd: str | Path | None,
+            timeout_s: float, logs: Path, poll_s: float) -> tuple[list[CompletedRank], int | None]:
+    """One start of every rank on a fresh port, to completion, failure or timeout: (results, first failed rank)."""
+    port = free_port()
+    files = [open(logs / f"rank{rank}.log", "wb") for rank in range(world_size)]
+    procs: list[subprocess.Popen] = []
+    try:
+        for rank, log in enumerate(files):
+            # a session of its own per rank: stop_ranks signals the rank's whole process group
+            procs.append(subprocess.Popen(list(map(str, argv)), env=rank_env(rank, world_size, port, extra),
+                                          cwd=cwd or REPO, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        culprit, timed_out = _wait(procs, time.monotonic() + timeout_s, poll_s)
+    finally:
+        stop_ranks([p for p in procs if p.poll() is None])  # only on failure, timeout or interrupt
+        for log in files:
+            log.close()
+    return [CompletedRank(rank, p.returncode, (logs / f"rank{rank}.log").read_text(errors="replace"), timed_out)
+            for rank, p in enumerate(procs)], culprit
 
 
 def _describe(argv: Sequence[str]) -> str:

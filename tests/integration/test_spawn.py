@@ -1,18 +1,23 @@
-"""The one local-rank spawner (hpc_tools.testing.spawn) on tiny Python programs (no torch, ~1 s in all).
+"""The one local-rank spawner (hpc_tools.testing.spawn) on tiny Python programs (no torch but in the port test,
+~4 s in all).
 
 Every rank gets exactly the environment the local executor gives its ranks (executors.local.rank_env); the first rank
-to fail stops the others at once; a timeout stops all of them.
+to fail stops the others at once; a timeout stops all of them; a rendezvous port taken meanwhile (by a launch beside
+this one) is retried on another.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import time
 
 import pytest
 
 from hpc_tools.executors.local import SLURM_STEP_VARS, rank_env
+from hpc_tools.runtime.distenv import free_port
+from hpc_tools.testing import spawn
 from hpc_tools.testing.spawn import RanksFailed, spawn_ranks
 
 SHOWN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
@@ -58,3 +63,15 @@ def test_first_failure_stops_the_others(tmp_path):
 def test_timeout_stops_every_rank():
     ranks = spawn_ranks([sys.executable, "-c", "import time; time.sleep(60)"], 2, timeout_s=1)
     assert all(r.timed_out and not r.ok and r.returncode < 0 for r in ranks)
+
+
+def test_a_port_taken_before_rank0_binds_it_is_retried_on_another(monkeypatch):
+    with socket.socket() as taken:  # what another xdist worker's launch does between free_port() and rank 0's bind
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1]])
+        monkeypatch.setattr(spawn, "free_port", lambda: next(ports, None) or free_port())
+        store = "import os, torch.distributed as d; p = int(os.environ['MASTER_PORT']); " \
+                "d.TCPStore('127.0.0.1', p, 1, True, wait_for_workers=False); print('store on', p)"
+        [rank] = spawn_ranks([sys.executable, "-c", store], 1, timeout_s=120, check=True)
+        assert rank.ok and rank.log.split()[-1] != str(taken.getsockname()[1])
