@@ -65,6 +65,8 @@ class Backend:
     """It builds Hugging Face model classes, so ``model.family`` fixes normalisation, activation and positions."""
     reads_init_from_hf: bool = False
     """It starts from ``checkpoint.init_from_hf`` (a Hugging Face folder converted on load)."""
+    async_save: bool = False
+    """``checkpoint.async_save``: it can write a checkpoint in the background while training goes on."""
     hf_export: str | None = None
     """``"module:function"``: (run, recipe, verified checkpoint, out, overwrite) -> summary; None: nothing to export."""
     rank_setup: str | None = None
@@ -103,7 +105,8 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
     Backend(kind="fsdp", summary="a Hugging Face causal LM under PyTorch FSDP2 (full_shard, hybrid_shard) or DDP, "
             "checkpoints through torch Distributed Checkpoint",
             trainer="hpc_tools.train.fsdp.trainer", trains_model=True, options="fsdp", pipeline_parallel=False,
-            hf_model_classes=True, reads_init_from_hf=True, hf_export="hpc_tools.train.fsdp.export:export_checkpoint",
+            hf_model_classes=True, reads_init_from_hf=True, async_save=True,
+            hf_export="hpc_tools.train.fsdp.export:export_checkpoint",
             layers="huggingface", sharding="fsdp", packages=("transformers",)),
     Backend(kind="comm_check", summary="no model: every rank joins the process group and times all-reduces "
             "(a cluster smoke test)",

@@ -25,6 +25,11 @@ class CheckpointConfig(Section):
     """A local Hugging Face model folder (config.json + model.safetensors, e.g. written by `export`) of the recipe's
     architecture and shape whose weights start a Megatron run: continued pretraining from step 0 with a fresh
     optimizer, in any layout. Ignored when the run has a checkpoint to resume from (its own or `load_path`)."""
+    async_save: bool = False
+    """Write checkpoints in the background (backends whose row has async_save: fsdp, through torch Distributed
+    Checkpoint's async save): the state is staged to host memory, training goes on while it is written, and the
+    checkpoint becomes complete (`latest`) only once every rank's write and its file records are done. The save of
+    the last step or of a stop is synchronous."""
     verify: Literal["checksum", "size"] = "checksum"
     """What a resume checks before loading, every rank a share of the files: `checksum` = each file's size and
     xxh3-64 checksum recorded at save (~5 GB/s per rank), `size` = sizes only (no checksums computed at save either).

@@ -192,6 +192,9 @@ def backend_features(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     if not row.selective_recompute and r.training.recompute_granularity == "selective":
         yield Violation("training.recompute_granularity", "selective", f"is not available with backend.kind={kind}",
                         f"use full or none, or backend.kind: {_others('selective_recompute')}")
+    if r.checkpoint.async_save and not row.async_save:
+        yield Violation("checkpoint.async_save", True, f"is not available with backend.kind={kind}",
+                        f"set it false, or use backend.kind: {_others('async_save')}")
     if r.checkpoint.init_from_hf and not row.reads_init_from_hf:
         yield Violation("checkpoint.init_from_hf", r.checkpoint.init_from_hf,
                         f"is read by backend.kind={_others('reads_init_from_hf')} only, not {kind}",

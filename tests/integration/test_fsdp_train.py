@@ -35,7 +35,7 @@ CROSS_BACKEND_TOL = 1e-4
 
 
 def variant(name, *, strategy="full_shard", ranks=4, precision="fp32", model=LLAMA, recompute="none", shard=None,
-            reshard=True, load_path=None, steps=STEPS, init_from_hf=None, kind="fsdp", **extra):
+            reshard=True, load_path=None, steps=STEPS, init_from_hf=None, kind="fsdp", async_save=False, **extra):
     fsdp = {"strategy": strategy, "reshard_after_forward": reshard, "shard_size": shard}
     recipe = {
         "name": name, "model": model,
@@ -43,7 +43,8 @@ def variant(name, *, strategy="full_shard", ranks=4, precision="fp32", model=LLA
                      "min_lr": 4e-4, "lr_warmup_iters": 2, "precision": precision, "recompute_granularity": recompute,
                      "eval_interval": steps, "eval_iters": 2},
         "backend": {"kind": "fsdp", "fsdp": fsdp} if kind == "fsdp" else {"kind": kind},
-        "checkpoint": {"interval_iters": 5, "load_path": load_path, "init_from_hf": init_from_hf},
+        "checkpoint": {"interval_iters": 5, "load_path": load_path, "init_from_hf": init_from_hf,
+                       "async_save": async_save},
         "cluster": {"nodes": 1, "gpus_per_node": ranks, "gpu_type": "cpu", "hang_timeout_min": 5},
         "profiling": {"summary_interval": 100},
     }
@@ -59,6 +60,7 @@ def four(tmp_path_factory):
         variant("fs_stopped", stop_after=3),
         variant("fs_bf16_recompute", precision="bf16", recompute="full", reshard=False),
         variant("gpt_fs", model=GPT),
+        variant("fs_async", async_save=True),
     ], 4, tmp_path_factory.mktemp("fsdp4"))
 
 
@@ -87,6 +89,7 @@ def two(tmp_path_factory, four, hf_folder):
         variant("fs2", ranks=2),
         variant("fs2_from_4", ranks=2, load_path=saved),
         variant("ddp2_from_4", ranks=2, strategy="ddp", load_path=saved),
+        variant("fs2_from_async", ranks=2, load_path=saved.replace("/fs/", "/fs_async/")),
         variant("hf_fsdp", **same),
         variant("hf_ddp", strategy="ddp", **same),
         variant("hf_megatron", kind="megatron", **same),  # last: see the module docstring
@@ -138,10 +141,26 @@ def test_rank_count_does_not_change_the_losses(four, two):
     np.testing.assert_allclose(losses(two, "fs2"), losses(four, "fs"), rtol=0, atol=FP32_TOL)
 
 
-@pytest.mark.parametrize("name", ["fs2_from_4", "ddp2_from_4"])
+@pytest.mark.parametrize("name", ["fs2_from_4", "ddp2_from_4", "fs2_from_async"])
 def test_checkpoint_reshards_on_load(four, two, name):
-    """Saved by 4 FSDP ranks at step 5, resumed by 2 ranks (FSDP, and DDP): steps 6..10 as the uninterrupted run."""
+    """Saved by 4 FSDP ranks at step 5 (also in the background: checkpoint.async_save), resumed by 2 ranks (FSDP, and
+    DDP): steps 6..10 as the uninterrupted run."""
     np.testing.assert_allclose(losses(two, name, first=6), losses(four, "fs")[5:], rtol=0, atol=FP32_TOL)
+
+
+def test_async_save_changes_nothing_and_completes(four):
+    """The background write of step 5 overlaps steps 6.. and captures step 5's state: the same losses, and both
+    checkpoints complete and verified in the end (the last one written synchronously)."""
+    from pathlib import Path
+
+    from hpc_tools.checkpoints.dirs import CheckpointDirs
+    from hpc_tools.checkpoints.verify import verify_share
+
+    np.testing.assert_array_equal(losses(four, "fs_async"), losses(four, "fs"))
+    dirs = CheckpointDirs(Path(four["fs_async"]["run_dir"]) / "checkpoints")
+    assert [s for s, _ in dirs.complete()] == [5, 10] and not list(dirs.root.glob("*.partial"))
+    for _, path in dirs.complete():
+        assert verify_share(path, CheckpointDirs.read_meta(path), 0, 1, checksum=True).problems == []
 
 
 def test_checkpoints_are_verified_dcp_folders(four):

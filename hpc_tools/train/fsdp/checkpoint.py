@@ -6,6 +6,10 @@ generators, ``hpc_tools.train.rng``) and the meta file (step = the data position
 the step). The state dicts come from ``torch.distributed.checkpoint.state_dict.get_state_dict``: parameter names are
 the Hugging Face ones whatever the strategy, so a checkpoint loads at another rank count or strategy (DCP reshards
 on load: saved at 4 ranks, resumed at 2; full_shard -> ddp) and ``export`` reads it without ranks.
+
+``checkpoint.async_save``: ``start_async_save`` stages the state into host memory and writes it in a background
+thread over a process group of its own (gloo), so its collectives never interleave with training's; the trainer
+commits the folder once every rank's write is done.
 """
 
 from __future__ import annotations
@@ -32,6 +36,28 @@ def save(folder: Path, model, optimizer, rank: int) -> None:
 
     dcp.save(_state(model, optimizer), checkpoint_id=str(folder / DCP_DIR))
     torch.save(rng.capture(), folder / RNG_FILE.format(rank=rank))
+
+
+def start_async_save(folder: Path, model, optimizer, rank: int, group, stager):
+    """Collective over ``group``: stage the model and optimizer shards into host memory (``stager``: pinned on a
+    GPU) and return the future of their write, which goes on in a background thread; this rank's RNG state is
+    written at once. The caller commits the folder only after every rank's future is done."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from hpc_tools.train import rng
+
+    torch.save(rng.capture(), folder / RNG_FILE.format(rank=rank))
+    return dcp.async_save(_state(model, optimizer), checkpoint_id=str(folder / DCP_DIR), process_group=group,
+                          async_stager=stager)
+
+
+def async_stager(pin_memory: bool):
+    """DCP's default stager, with page-locked host buffers on a GPU (the device-to-host copy then runs at full
+    PCIe speed); kept for the engine's life."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(pin_memory, False, False, False))
 
 
 def load(folder: Path, model, optimizer, rank: int) -> None:
