@@ -24,12 +24,13 @@ from hpc_tools.testing.spawn import spawn_ranks
 
 
 def launch(variants: list[dict[str, Any]], world_size: int, workdir: str | Path, timeout_s: float = 540,
-           env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run the variants on ``world_size`` local gloo ranks; rank 0's results by name."""
+           env: dict[str, str] | None = None, backend: str = "gloo") -> dict[str, Any]:
+    """Run the variants on ``world_size`` local ranks (``backend`` nccl for GPU recipes); rank 0's results by
+    name."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     spec, out = workdir / "matrix_spec.json", workdir / "matrix_result.json"
-    spec.write_text(json.dumps({"variants": variants, "root": str(workdir / "runs")}))
+    spec.write_text(json.dumps({"variants": variants, "root": str(workdir / "runs"), "backend": backend}))
     cmd = [sys.executable, "-m", "hpc_tools.testing.fsdp_matrix", "--spec", str(spec), "--out", str(out)]
     ranks = spawn_ranks(cmd, world_size, env=env, timeout_s=timeout_s, log_dir=workdir / "matrix_logs", check=True)
     if not out.is_file():
@@ -87,7 +88,11 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {os.environ['RANK']}] %(message)s")
     spec = json.loads(Path(args.spec).read_text())
-    dist.init_process_group("gloo")
+    if spec["backend"] == "nccl":
+        import torch
+
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(spec["backend"])
     results = {}
     for variant in spec["variants"]:
         t0 = time.perf_counter()
