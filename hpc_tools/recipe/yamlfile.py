@@ -6,6 +6,8 @@ milliseconds with a one-line UserError, never a hang or a traceback (``docs/untr
 
 from __future__ import annotations
 
+import copy
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +20,6 @@ MAX_BYTES = 64 << 10  # a resolved recipe is ~4 KiB, a sweep grid a few more; Py
 
 
 MAX_DEPTH = 32  # sections nest 4 deep; config_overrides and sweep cells a few more
-
-
 MAX_NODES = 100_000  # YAML values after alias expansion (an alias bomb expands to billions)
 
 
@@ -36,6 +36,12 @@ def read_recipe_file(path: str | Path) -> dict[str, Any]:
             data = fh.read(MAX_BYTES + 1)
     except OSError as exc:
         raise UserError(f"recipe {shown} cannot be read: {exc.strerror or exc} (check its permissions)") from None
+    return copy.deepcopy(_parsed(data, shown))
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed(data: bytes, shown: str) -> dict[str, Any]:
+    """One parse per file content (``validate`` reads a recipe once per profile); callers get a deep copy."""
     return parse_yaml(decode(data, shown), shown)
 
 
