@@ -9,6 +9,8 @@ time, and each other integration module is a group of its own, so its module-sco
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -92,6 +94,54 @@ def loss_curve(run_dir: Path) -> dict[int, float]:
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def shared_once(tmp_path_factory, name: str, make) -> dict:
+    """``make(folder) -> dict`` (JSON) once per test session, for every pytest-xdist worker of it: the first caller
+    runs it under a file lock in the session's temporary folder, later ones (on any worker) wait and reuse it."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    root.mkdir(exist_ok=True)
+    with _locked(root / f"{name}.lock"):
+        done = root / f"{name}.json"
+        if not done.exists():
+            folder = root / name
+            folder.mkdir()
+            done.write_text(json.dumps(make(folder)))
+        return json.loads(done.read_text())
+
+
+@pytest.fixture(scope="session")
+def main_command(tmp_path_factory):
+    """``main_command("recipes/gpt_3d.yaml")``: the README's main command (``submit RECIPE``, here with ``--executor
+    local --json``) run once per test session and shared by the tests that read the same run: returncode, stdout,
+    stderr, the result (``run_dir``, ``state``) when it printed one, and its wall time."""
+
+    def run(recipe: str) -> dict:
+        def submit(folder: Path) -> dict:
+            import time
+
+            t0 = time.monotonic()
+            out = run_cli("submit", recipe, "--executor", "local", "--json", "--runs-dir", str(folder), timeout=900)
+            result = json.loads(out.stdout) if out.stdout.strip().startswith("{") else {}
+            return {"returncode": out.returncode, "stdout": out.stdout, "stderr": out.stderr[-6000:],
+                    "result": result, "wall_s": time.monotonic() - t0}
+
+        return shared_once(tmp_path_factory, "main-" + Path(recipe).stem, submit)
+
+    return run
 
 
 def _slurm_nodes() -> int:

@@ -1,4 +1,4 @@
-"""recipes/gpt_zero.yaml, local profile, end to end: run folder -> local executor (one rank process each) ->
+"""recipes/gpt_zero.yaml, local profile, end to end: `submit` -> run folder -> local executor (one rank process each) ->
 DeepSpeed ZeRO-2 on gloo -> records on every rank, checkpoints, manifest COMPLETED -> `export` -> from_pretrained.
 Plus the data pipeline's resume position checked in a fresh process."""
 
@@ -20,23 +20,24 @@ RECIPE = REPO / "recipes" / "gpt_zero.yaml"
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    from hpc_tools.executors.local import run_local
-    from hpc_tools.submission import prepare_run
+def finished_run(main_command):
+    """`submit recipes/gpt_zero.yaml --executor local`, shared with the other tests that read the same run
+    (tests/conftest.py main_command)."""
+    from hpc_tools.registry import RunFolder
 
     recipe = load_recipe(RECIPE, profile="local")
-    layout = ParallelLayout.from_recipe(recipe)
-    run = prepare_run(recipe, root=tmp_path_factory.mktemp("runs"), executor="local", source=str(RECIPE))
-    code = run_local(run, layout.world_size, extra_env={"PYTHONPATH": str(REPO)})
-    return recipe, layout, run, code
+    out = main_command("recipes/gpt_zero.yaml")
+    run = RunFolder(out["result"]["run_dir"]) if out["result"] else None
+    return recipe, ParallelLayout.from_recipe(recipe), run, out
 
 
 @pytest.mark.deepspeed
 @pytest.mark.slow
 def test_gpt_zero_local_profile_trains(finished_run):
-    recipe, layout, run, code = finished_run
-    logs = "".join(p.read_text(errors="replace")[-3000:] for p in sorted(run.logs_dir.glob("rank*.out")))
-    assert code == 0, logs
+    recipe, layout, run, out = finished_run
+    logs = "".join(p.read_text(errors="replace")[-3000:] for p in sorted(run.logs_dir.glob("rank*.out"))) if run \
+        else out["stderr"]
+    assert out["returncode"] == 0 and run is not None, logs
     manifest = run.manifest()
     assert manifest["state"] == "COMPLETED", manifest
     assert recipe.backend.kind == "deepspeed" and layout.world_size == 2

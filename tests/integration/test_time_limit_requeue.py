@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,12 @@ from hpc_tools.registry import RunFolder
 from tests.conftest import run_cli, wait_for
 
 ENDLESS = ["--set", "training.train_iters=100000000", "--set", "training.log_interval=100000"]
+# slurmctld checks time limits every 30 s and sends the warning once the time left is within delay + 30 s: a 15 s
+# delay lands it 15-45 s into the job, after the ranks installed their handler (45 s could land it at start, where
+# USR2's default action kills a rank that is still importing).
+REQUEUE = ["--set", "cluster.signal_delay_s=15"]
+# --signal=USR2@0 (signal_delay_s=0): Slurm sends no warning signal before the limit, so the ranks run into it.
+TIME_OUT = ["--set", "cluster.signal_delay_s=0", "--set", "cluster.requeue=false"]
 
 
 def record_restarts(run: RunFolder) -> set[int]:
@@ -27,17 +34,33 @@ def record_restarts(run: RunFolder) -> set[int]:
     return {json.loads(line)["restart"] for line in lines if line.strip().endswith("}")}
 
 
-@pytest.mark.slurm
-def test_time_limit_signal_requeues_the_job(slurm, runs_dir):
-    # slurmctld checks time limits every 30 s and sends the warning once the time left is within delay + 30 s: a
-    # 15 s delay lands it 15-45 s into the job, after the ranks installed their handler (45 s could land it at start,
-    # where USR2's default action kills a rank that is still importing).
+def submit(runs_dir: Path, *sets: str) -> tuple[dict, RunFolder, float]:
+    """comm_check with a 1-minute limit on Slurm: (submit's answer, its run folder, when it was submitted)."""
     out = run_cli("submit", "recipes/comm_check.yaml", "--profile", "local", "--executor", "slurm", "--json",
-                  "--runs-dir", str(runs_dir), "--set", "cluster.time_limit=1", "--set", "cluster.signal_delay_s=15",
-                  *ENDLESS)
+                  "--runs-dir", str(runs_dir), "--set", "cluster.time_limit=1", *sets, *ENDLESS)
     assert out.returncode == 0, out.stderr
     job = json.loads(out.stdout)
-    run = RunFolder(job["run_dir"])
+    return job, RunFolder(job["run_dir"]), time.monotonic()
+
+
+@pytest.fixture(scope="module")
+def limited_jobs(tmp_path_factory):
+    """Both real jobs, submitted together so that their minute-long limits run out side by side."""
+    from tests.conftest import _need_slurm
+
+    _need_slurm(1)
+    runs, jobs = tmp_path_factory.mktemp("time_limit"), {}
+    try:
+        jobs["requeue"] = submit(runs / "requeue", *REQUEUE)
+        jobs["timeout"] = submit(runs / "timeout", *TIME_OUT)
+        yield jobs
+    finally:
+        for job, _, _ in jobs.values():
+            subprocess.run(["scancel", job["job_id"]], timeout=30)
+
+
+def test_time_limit_signal_requeues_the_job(slurm, limited_jobs):
+    job, run, _ = limited_jobs["requeue"]
     deadline = time.monotonic() + 240
     try:
         while time.monotonic() < deadline:
@@ -49,7 +72,7 @@ def test_time_limit_signal_requeues_the_job(slurm, runs_dir):
         else:
             raise AssertionError(f"no restart within 240 s; events: {[e['event'] for e in run.manifest()['events']]}")
     finally:
-        subprocess.run(["scancel", job["job_id"]], timeout=30)
+        subprocess.run(["scancel", job["job_id"]], timeout=30)  # the other job keeps running into its limit
     events = [e["event"] for e in manifest["events"]]
     assert "preempted" in events and events.index("preempted") < len(events) - 1
     preempted = next(e for e in manifest["events"] if e["event"] == "preempted")
@@ -57,30 +80,26 @@ def test_time_limit_signal_requeues_the_job(slurm, runs_dir):
     assert record_restarts(run) == {0, 1}  # the requeued job appended to the same record file
 
 
-def test_logs_follow_returns_when_the_job_times_out(slurm_cluster, runs_dir):
-    # --signal=USR2@0 (signal_delay_s=0): Slurm sends no warning signal before the limit, so the ranks run into it.
+def test_logs_follow_returns_when_the_job_times_out(slurm_cluster, runs_dir, request):
+    """Also the fake side: the run-state verdict in milliseconds, where the real side waits out Slurm's limit."""
     real = slurm_cluster.kind == "real"
-    out = run_cli("submit", "recipes/comm_check.yaml", "--profile", "local", "--executor", "slurm", "--json",
-                  "--runs-dir", str(runs_dir), "--set", "cluster.time_limit=1", "--set", "cluster.signal_delay_s=0",
-                  "--set", "cluster.requeue=false", *ENDLESS)
-    assert out.returncode == 0, out.stderr
-    job = json.loads(out.stdout)
-    run = RunFolder(job["run_dir"])
-    if not real:  # what the ranks (SIGTERM at the limit) and then Slurm record
+    if real:
+        job, run, submitted = request.getfixturevalue("limited_jobs")["timeout"]
+    else:  # what the ranks (SIGTERM at the limit) and then Slurm record
+        job, run, submitted = submit(runs_dir, *TIME_OUT)
         run.update(event="started", state="RUNNING")
         run.update(event="preempted", state="PREEMPTED", last_step=7)
         slurm_cluster.settle(job["job_id"], "TIMEOUT", exit_code="0:0", elapsed="00:01:04", nodelist="n1")
     try:
-        t0 = time.monotonic()
         # Slurm enforces the limit on its 30 s check, then KillWait: the job ends 60-100 s after it starts.
-        follow = run_cli("logs", run.run_id, "-f", "--runs-dir", str(runs_dir), timeout=240)
+        follow = run_cli("logs", run.run_id, "-f", "--runs-dir", str(run.path.parent), timeout=240)
         assert follow.returncode == 0, follow.stderr
         if real:
             assert "rendezvous ok: 2 ranks" in follow.stdout
-            assert time.monotonic() - t0 >= 55, "logs -f returned before the time limit"
+            assert time.monotonic() - submitted >= 55, "logs -f returned before the time limit"
         status = wait_for(lambda: (s := json.loads(run_cli("status", run.run_id, "--json", "--runs-dir",
-                                                            str(runs_dir)).stdout))["slurm_state"] == "TIMEOUT" and s,
-                          timeout_s=60, what="sacct to report TIMEOUT")
+                                                            str(run.path.parent)).stdout))["slurm_state"] == "TIMEOUT"
+                          and s, timeout_s=60, what="sacct to report TIMEOUT")
     finally:
         subprocess.run(["scancel", job["job_id"]], timeout=30)
     # The ranks' own report of the SIGTERM (PREEMPTED) gives way to Slurm's verdict.

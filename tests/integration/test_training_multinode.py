@@ -3,15 +3,15 @@ the local default through the real CLI (the README's main command)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from hpc_tools.recipe.load import load_recipe
 from hpc_tools.registry import RunFolder, list_runs
-from tests.conftest import loss_curve, run_cli, step_records
+from tests.conftest import REPO, loss_curve, run_cli, step_records
 
 pytestmark = pytest.mark.slow
 
@@ -52,12 +52,13 @@ def test_recipe_trains_across_two_nodes_through_the_rendered_script(slurm_multin
 
 
 @pytest.mark.parametrize("recipe", ["recipes/gpt_3d.yaml", "recipes/gpt_zero.yaml"])
-def test_submit_on_the_local_default_trains_with_a_falling_loss(tmp_path, recipe):
-    out = run_cli("submit", recipe, "--executor", "local", "--set", "training.train_iters=8", "--set",
-                  "checkpoint.interval_iters=0", "--runs-dir", str(tmp_path), "--json")
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout)
+def test_submit_on_the_local_default_trains_with_a_falling_loss(main_command, recipe):
+    # The README's main command, shared with the tests that read the same run (tests/conftest.py main_command).
+    out = main_command(recipe)
+    assert out["returncode"] == 0, out["stderr"][-3000:]
+    result = out["result"]
     run = RunFolder(result["run_dir"])
     assert result["state"] == "COMPLETED" and run.manifest()["profile"] == "local"
+    iters = load_recipe(REPO / recipe, profile="local").training.train_iters
     curve = loss_curve(run.path)
-    assert sorted(curve) == list(range(1, 9)) and curve[8] < curve[1], curve
+    assert sorted(curve) == list(range(1, iters + 1)) and curve[iters] < curve[1], curve
