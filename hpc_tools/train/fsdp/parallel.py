@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from hpc_tools.train.fsdp.model import blocks
 
@@ -52,18 +52,27 @@ def mesh_shape(recipe: "Recipe", world: int) -> Mesh:
     return Mesh("full_shard", 1, world)
 
 
-def parallelize(model, recipe: "Recipe", device, world: int):
-    """The model ready to train on ``device``: wrapped in DDP or sharded by ``fully_shard`` (see the module doc)."""
+def parallelize(model, recipe: "Recipe", device, world: int, fill: Callable[[str, tuple], Any]):
+    """The model ready to train on ``device``: sharded by ``fully_shard`` or wrapped in DDP (see the module doc).
+
+    ``model`` comes with its parameters on the meta device (``model.build_empty``): they are sharded first, then only
+    this rank's shard is allocated on ``device`` (``to_empty``) and filled from ``fill(name, shape)``, one full
+    parameter at a time. The buffers (RoPE frequencies) are kept across ``to_empty``. A model with tied embeddings
+    (GPT-2) is filled whole on the host before sharding instead: ``to_empty`` of sharded modules would give the two
+    tied names separate tensors."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
     if recipe.training.recompute_granularity == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if getattr(model.config, "tie_word_embeddings", False):
+        materialize(model, torch.device("cpu"), fill)  # then fully_shard moves each rank's shard to the device
     shape = mesh_shape(recipe, world)
     if shape.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        model.to(device)
+        materialize(model, device, fill)
+        model.to(device)  # a tied model was filled on the host
         # gradients as views into the buckets: no second copy (the planner's 16 bytes/param)
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                        gradient_as_bucket_view=True)
@@ -80,7 +89,32 @@ def parallelize(model, recipe: "Recipe", device, world: int):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     # the root's parameters (embeddings, final norm, output layer) are needed again at once by the backward
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    materialize(model, device, fill)
     return model
+
+
+def materialize(model, device, fill: Callable[[str, tuple], Any]) -> None:
+    """Allocate the (meta) parameters on ``device`` and set each to ``fill(name, full shape)``: a sharded parameter
+    (DTensor) takes its own shard of the full value (no communication); buffers keep their values."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not any(p.is_meta for p in model.parameters()):
+        return  # already materialized (tied embeddings: on the host, before sharding)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        model.tie_weights()  # from meta, to_empty gives each module a Parameter of its own: tie them again
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = fill(name, tuple(param.shape)).to(device)
+            if isinstance(param, DTensor):
+                mine = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(mine.to_local())
+            else:
+                param.copy_(full)
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
 
 
 def is_ddp(model) -> bool:

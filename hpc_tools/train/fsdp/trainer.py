@@ -21,7 +21,7 @@ from hpc_tools.runtime.context import RankContext
 from hpc_tools.train import checkpoint_agree, loop
 from hpc_tools.train.data import build_samples, microbatches_for_step
 from hpc_tools.train.fsdp import checkpoint, parallel
-from hpc_tools.train.fsdp.model import build_model, causal_lm_loss
+from hpc_tools.train.fsdp.model import build_empty, causal_lm_loss, full_values
 from hpc_tools.train.prefetch import BatchPrefetcher
 from hpc_tools.train.schedule import lr_at
 
@@ -61,13 +61,15 @@ class FSDPJob:
         self.dirs = CheckpointDirs(ctx.checkpoint_dir, keep_last=self.recipe.checkpoint.keep_last)
         self.mesh = parallel.mesh_shape(self.recipe, self.world)
         t0 = time.perf_counter()
-        model = build_model(self.recipe)
+        model = build_empty(self.recipe)
         t_model = time.perf_counter() - t0
-        self.model = parallel.parallelize(model, self.recipe, self.device, self.world)
+        self.model = parallel.parallelize(model, self.recipe, self.device, self.world,
+                                          fill=full_values(self.recipe, model))
         t = self.recipe.training
         self.optimizer = torch.optim.AdamW(param_groups(self.model, t.weight_decay), lr=t.lr,
                                            betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
-        ctx.info("model ready in %.1f s (built %.1f s, %s)", time.perf_counter() - t0, t_model, self.mesh.describe())
+        ctx.info("model ready in %.1f s (modules %.1f s, then sharded and filled shard by shard; %s)",
+                 time.perf_counter() - t0, t_model, self.mesh.describe())
         self.samples = build_samples(self.recipe)
         on_gpu = self.device.type == "cuda"
         self.prefetch = BatchPrefetcher(self._build_batch, t.train_iters, background=on_gpu, pin=on_gpu)
