@@ -107,7 +107,7 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
             trainer="hpc_tools.train.fsdp.trainer", trains_model=True, options="fsdp", pipeline_parallel=False,
             hf_model_classes=True, reads_init_from_hf=True, async_save=True,
             hf_export="hpc_tools.train.fsdp.export:export_checkpoint",
-            layers="huggingface", sharding="fsdp", packages=("transformers",)),
+            layers="huggingface", sharding="fsdp", packages=("transformers", "accelerate")),
     Backend(kind="comm_check", summary="no model: every rank joins the process group and times all-reduces "
             "(a cluster smoke test)",
             trainer="hpc_tools.train.comm_check", trains_model=False),
