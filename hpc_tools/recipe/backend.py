@@ -52,6 +52,9 @@ class FSDPOptions(Section):
     shard_size: int | None = Field(default=None, gt=0, le=1 << 20)
     """hybrid_shard only: ranks in one shard group (the mesh's inner dimension); null = cluster.gpus_per_node, so
     parameters are sharded inside a node and replicated across nodes."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile before sharding it (the first steps pay the compilation:
+    minutes on CPU ranks, where it is rarely worth it)."""
 
 
 class BackendConfig(Section):

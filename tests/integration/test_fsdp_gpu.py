@@ -1,5 +1,6 @@
 """GPU tier: the FSDP backend on the local GPUs (nccl): bf16 through MixedPrecisionPolicy tracks fp32, HSDP/DDP train,
-a checkpoint written in the background (pinned staging, its own gloo group) resumes exactly. Skipped without CUDA."""
+a checkpoint written in the background (pinned staging, its own gloo group) resumes, compiled blocks train alike.
+Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
 STEPS = 12
 
 
-def variant(name, ranks, *, precision="bf16", strategy="full_shard", recompute="none", async_save=False, **extra):
+def variant(name, ranks, *, precision="bf16", strategy="full_shard", recompute="none", async_save=False,
+            compile=False, **extra):
     shard = {"shard_size": max(ranks // 2, 1)} if strategy == "hybrid_shard" else {}
     return {"name": name, **extra, "recipe": {
         "name": name,
@@ -23,7 +25,7 @@ def variant(name, ranks, *, precision="bf16", strategy="full_shard", recompute="
         "training": {"micro_batch_size": 4, "global_batch_size": 8 * ranks, "train_iters": STEPS, "lr": 2e-3,
                      "min_lr": 2e-4, "lr_warmup_iters": 2, "precision": precision,
                      "recompute_granularity": recompute},
-        "backend": {"kind": "fsdp", "fsdp": {"strategy": strategy, **shard}},
+        "backend": {"kind": "fsdp", "fsdp": {"strategy": strategy, "compile": compile, **shard}},
         "checkpoint": {"interval_iters": 4, "async_save": async_save},
         "cluster": {"nodes": 1, "gpus_per_node": ranks, "gpu_type": "H100-SXM", "hang_timeout_min": 5}}}
 
@@ -34,7 +36,8 @@ def test_fsdp_trains_on_gpu(tmp_path):
     ranks = torch.cuda.device_count()
     variants = [variant("fs_fp32", ranks, precision="fp32"), variant("fs_bf16", ranks),
                 variant("fs_bf16_recompute", ranks, recompute="full"), variant("ddp_bf16", ranks, strategy="ddp"),
-                variant("fs_bf16_async_stopped", ranks, async_save=True, stop_after=6)]
+                variant("fs_bf16_async_stopped", ranks, async_save=True, stop_after=6),
+                variant("fs_bf16_compiled", ranks, compile=True)]
     if ranks >= 2 and ranks % 2 == 0:
         variants.append(variant("hsdp_bf16", ranks, strategy="hybrid_shard"))
     results = launch(variants, ranks, tmp_path, backend="nccl")

@@ -11,6 +11,7 @@ Precision (``training.precision``): fp32 everywhere, or bf16 as FSDP2 does it (`
 parameters for compute, fp32 gradient reduction, fp32 sharded master weights and optimizer states); DDP autocasts
 its fp32 model to bf16 (``autocast``). Activation checkpointing (``training.recompute_granularity: full``) is Hugging
 Face's per-block, non-reentrant checkpoint: each block's input is kept and the block recomputed in the backward.
+``backend.fsdp.compile`` compiles each block (``torch.compile``) before it is sharded.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def parallelize(model, recipe: "Recipe", device, world: int, fill: Callable[[str
 
     if recipe.training.recompute_granularity == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if recipe.backend.fsdp.compile:
+        for block in blocks(model):
+            block.compile()  # per block, before sharding: FSDP2's hooks stay outside the compiled graphs
     if getattr(model.config, "tie_word_embeddings", False):
         materialize(model, torch.device("cpu"), fill)  # then fully_shard moves each rank's shard to the device
     shape = mesh_shape(recipe, world)

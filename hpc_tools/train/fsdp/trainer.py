@@ -84,8 +84,9 @@ class FSDPJob:
     def describe(self) -> str:
         fs = self.recipe.backend.fsdp
         reshard = "" if fs.strategy == "ddp" else f", reshard_after_forward={str(fs.reshard_after_forward).lower()}"
+        compiled = ", compiled blocks" if fs.compile else ""
         return (f"fsdp: {self.layout.describe()}, {self.mesh.describe()}{reshard}, {self.recipe.training.precision}, "
-                f"recompute={self.recipe.training.recompute_granularity}, {self.samples}")
+                f"recompute={self.recipe.training.recompute_granularity}{compiled}, {self.samples}")
 
     def coords(self) -> dict[str, int]:
         return {"pp_rank": 0, "dp_rank": self.ctx.rank}
