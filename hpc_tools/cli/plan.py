@@ -15,6 +15,7 @@ DESCRIPTION = HELP + """
 
   python -m hpc_tools plan recipes/gpt_3d.yaml                 breakdown with the assumption behind every term
   python -m hpc_tools plan recipes/gpt_3d.yaml --search --top 5   fastest layouts that fit, and why the next lose
+  python -m hpc_tools plan recipes/llama_fsdp.yaml --search --backends all   rank megatron, deepspeed and fsdp together
   python -m hpc_tools plan recipes/gpt_3d.yaml --search --measure 3   run the top 3 for a few steps; rank by measured
   python -m hpc_tools plan --calibrate runs/RUN_A runs/RUN_B      predicted vs measured; fit and store efficiency
 
@@ -28,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_json(p)
     p.add_argument("--search", action="store_true", help="enumerate TP/PP/VPP/DP, micro batch, recompute, "
                    "optimizer sharding and offload; rank what fits by predicted step time")
+    p.add_argument("--backends", default=None, metavar="KINDS",
+                   help="with --search: rank these backend kinds together (a comma list, e.g. megatron,deepspeed,fsdp, "
+                        "or all), each checked with the recipe rules; default: the recipe's backend.kind only")
     p.add_argument("--top", type=int, default=5, metavar="K", help="configurations to show with --search (default 5)")
     p.add_argument("--losers", type=int, default=5, metavar="N",
                    help="runners-up to explain after the top K with --search (default 5)")
@@ -69,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
         if args.headroom < 0:
             raise UserError(f"--headroom {args.headroom} must be >= 0 (GB of GPU memory kept free, e.g. 4)")
         args.overrides = [*(args.overrides or []), f"cluster.memory_headroom_gb={args.headroom}"]
+    if args.backends is not None and (not args.search or args.measure is not None):
+        raise UserError("--backends ranks backend kinds in the analytic search: use it with --search and without "
+                        "--measure (e.g. plan RECIPE --search --backends all)")
     if args.measure is not None or args.measure_steps is not None:
         return _measure(args)
     # --search turns the layout, so the recipe's own layout may break rules; the search checks its candidates.
@@ -91,10 +98,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _search(recipe, args: argparse.Namespace) -> int:
     from hpc_tools.planner.report import print_search, search_dict
-    from hpc_tools.planner.search import search
+    from hpc_tools.planner.search import parse_kinds, search, search_across
 
-    result = search(recipe, top=args.top, losers=args.losers, efficiency=args.efficiency,
-                    use_calibration=not args.no_calibration)
+    if args.backends is not None:
+        result = search_across(recipe, parse_kinds(args.backends), top=args.top, losers=args.losers,
+                               efficiency=args.efficiency, use_calibration=not args.no_calibration)
+    else:
+        result = search(recipe, top=args.top, losers=args.losers, efficiency=args.efficiency,
+                        use_calibration=not args.no_calibration)
     if args.json:
         emit_json({"ok": result.best is not None, **search_dict(result)})
     else:

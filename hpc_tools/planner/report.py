@@ -97,22 +97,26 @@ def print_plan(plan: Plan) -> None:
 
 def search_dict(result: SearchResult) -> dict[str, Any]:
     def cand(c) -> dict[str, Any]:
-        out = {"config": c.knobs.describe(), "memory_bytes": c.memory_bytes, "peak_stage": c.peak_stage,
-               "overrides": c.knobs.overrides()}
+        out = {"config": result.label(c), "memory_bytes": c.memory_bytes, "peak_stage": c.peak_stage,
+               "overrides": result.overrides(c)}
         if c.time is not None:  # candidates that do not fit are not timed
             out.update(step_s=c.step_s, tokens_per_s=c.time.tokens_per_s, mfu=c.time.mfu, terms=c.time.terms)
         return out
 
     best = result.best
-    return {
+    out = {
         "enumerated": result.enumerated, "fitting": result.fitting, "too_big": result.too_big,
-        "broke_rules": [{"config": c.knobs.describe(), "violation": str(v)} for c, v in result.broke_rules],
+        "broke_rules": [{"config": result.label(c), "violation": str(v)} for c, v in result.broke_rules],
         "elapsed_s": result.elapsed_s, "gpu_mem_bytes": result.mem_bytes,
         "headroom_bytes": result.headroom_bytes, "headroom": result.headroom_note, "usable_bytes": result.usable_bytes,
         "top": [cand(c) for c in result.ranked[:result.top]],
         "next": [{**cand(c), "why": why_slower(c, best)} for c in result.ranked[result.top:]],
         "smallest_too_big": cand(result.smallest_too_big) if result.smallest_too_big else None,
     }
+    if result.kinds:  # a search across backend kinds: each kind's best, or why it was dropped
+        out["backends"] = [{"kind": k.kind, "enumerated": k.enumerated, "best": cand(k.best) if k.best else None,
+                            "dropped": k.reason or None} for k in result.kinds]
+    return out
 
 
 def print_search(result: SearchResult, recipe_name: str) -> None:
@@ -130,22 +134,30 @@ def print_search(result: SearchResult, recipe_name: str) -> None:
                    "#", "step s", "tokens/s", "MFU", "GB", "configuration")
     for i, c in enumerate(result.ranked[:result.top], 1):
         table.add_row(str(i), f"{c.step_s:.3f}", f"{c.time.tokens_per_s:,.0f}", f"{c.time.mfu:.1%}",
-                      f"{c.memory_bytes / GB:.1f}", _esc(c.knobs.describe()))
+                      f"{c.memory_bytes / GB:.1f}", _esc(result.label(c)))
     con.print(table)
     if result.ranked[result.top:]:
         losers = _table("Why the next ones lose", "#", "step s", "GB", "configuration: reason")
         for i, c in enumerate(result.ranked[result.top:], result.top + 1):
             losers.add_row(str(i), f"{c.step_s:.3f}", f"{c.memory_bytes / GB:.1f}",
-                           _esc(f"{c.knobs.describe()}: {why_slower(c, best)}"))
+                           _esc(f"{result.label(c)}: {why_slower(c, best)}"))
         con.print(losers)
+    if result.kinds:
+        kinds = _table("Best of each backend kind", "backend", "step s", "tokens/s", "GB",
+                       "configuration or why dropped")
+        for k in result.kinds:
+            b = k.best
+            kinds.add_row(k.kind, *((f"{b.step_s:.3f}", f"{b.time.tokens_per_s:,.0f}", f"{b.memory_bytes / GB:.1f}",
+                                     _esc(b.knobs.describe())) if b else ("-", "-", "-", _esc(f"dropped: {k.reason}"))))
+        con.print(kinds)
     if result.smallest_too_big:
         s = result.smallest_too_big
-        con.print(f"Pruned for memory: {result.too_big} (the leanest of them, {s.knobs.describe()}, needs "
+        con.print(f"Pruned for memory: {result.too_big} (the leanest of them, {result.label(s)}, needs "
                   f"{s.memory_bytes / GB:.1f} GB)", highlight=False)
     for c, v in result.broke_rules[:3]:
-        con.print(f"Pruned by rules: {c.knobs.describe()}: {v}", highlight=False)
+        con.print(f"Pruned by rules: {result.label(c)}: {v}", highlight=False)
     if best:
-        con.print("Apply the best: " + " ".join(f"--set {o}" for o in best.knobs.overrides()), highlight=False)
+        con.print("Apply the best: " + " ".join(f"--set {o}" for o in result.overrides(best)), highlight=False)
 
 
 def print_calibration(report: dict[str, Any]) -> None:

@@ -11,6 +11,12 @@ model, less memory). A candidate fits when its peak stays under the GPU memory l
 with the same memory and step-time model as ``plan``; the recipe rules (``hpc_tools.recipe.rules.check_recipe``)
 are run on candidates in rank order, lazily, because every enumerated layout already satisfies the divisibility rules
 by construction.
+
+Across backend kinds (``search_across``, ``plan --search --backends``): the same search once per trains-model row of
+the backend table that is asked for, each on the recipe with that ``backend.kind`` (the Knobs carry the kind;
+``apply_knobs`` writes that row's options section; its candidates are checked with the recipe rules as above), ranked
+together. A kind whose every fitting configuration breaks a rule, or none of whose configurations fits, is dropped
+with its reason.
 """
 
 from __future__ import annotations
@@ -60,6 +66,15 @@ class SearchResult:
     mem_bytes: float | None = None
     headroom_bytes: float = 0.0  # kept free of the GPU memory (hardware.headroom_bytes)
     headroom_note: str = ""
+    kinds: list["KindOutcome"] = field(default_factory=list)  # per backend kind, across kinds only; [] otherwise
+
+    def label(self, c: Candidate) -> str:
+        """A candidate's configuration, led by its backend kind when the search ranked several kinds."""
+        return f"{c.knobs.backend} {c.knobs.describe()}" if self.kinds else c.knobs.describe()
+
+    def overrides(self, c: Candidate) -> list[str]:
+        """``--set`` strings for a candidate (``backend.kind=...`` first when the search ranked several kinds)."""
+        return [f"backend.kind={c.knobs.backend}", *c.knobs.overrides()] if self.kinds else c.knobs.overrides()
 
     @property
     def usable_bytes(self) -> float | None:
@@ -69,6 +84,15 @@ class SearchResult:
     @property
     def best(self) -> Candidate | None:
         return self.ranked[0] if self.ranked else None
+
+
+@dataclass(frozen=True, slots=True)
+class KindOutcome:
+    """One backend kind's share of a search across kinds: its fastest candidate, or why it has none."""
+    kind: str
+    best: Candidate | None
+    reason: str = ""  # why the kind was dropped ("" when it has a candidate)
+    enumerated: int = 0
 
 
 def _divisors(n: int) -> list[int]:
@@ -202,6 +226,59 @@ def search(recipe: "Recipe", top: int = 5, losers: int = 5, efficiency: float | 
             break
     result.elapsed_s = time.perf_counter() - started
     return result
+
+
+def parse_kinds(text: str) -> list[str]:
+    """``--backends``: a comma list of kinds that train a model, or ``all`` (every such row of the backend table)."""
+    able = backends.with_feature("trains_model")
+    kinds = able if text.strip() == "all" else [k.strip() for k in text.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in able]
+    if bad or not kinds:
+        raise UserError(f"--backends {text}: {', '.join(bad) or 'no kind'} is not a backend kind that trains a model "
+                        f"(give a comma list of {', '.join(able)}, or all)")
+    return list(dict.fromkeys(kinds))
+
+
+def with_kind(recipe: "Recipe", kind: str) -> "Recipe":
+    """The recipe with ``backend.kind`` replaced (its options sections are all there, with their defaults)."""
+    return recipe.model_copy(update={"backend": recipe.backend.model_copy(update={"kind": kind})})
+
+
+def search_across(recipe: "Recipe", kinds: list[str], top: int = 5, losers: int = 5, efficiency: float | None = None,
+                  hardware: Hardware | None = None, use_calibration: bool = True) -> SearchResult:
+    """``search`` for each of ``kinds`` on the recipe with that ``backend.kind``, ranked together (``ranked``: the
+    top + losers of all kinds); ``kinds`` of the result: each kind's best (the best a search of that kind alone
+    returns) or why it was dropped."""
+    started = time.perf_counter()
+    parts = [(kind, search(with_kind(recipe, kind), top=top, losers=losers, efficiency=efficiency, hardware=hardware,
+                           use_calibration=use_calibration)) for kind in kinds]
+    first = parts[0][1]
+    result = SearchResult(ranked=[], top=top, mem_bytes=first.mem_bytes, headroom_bytes=first.headroom_bytes,
+                          headroom_note=first.headroom_note)
+    for kind, part in parts:
+        result.enumerated += part.enumerated
+        result.too_big += part.too_big
+        result.fitting += part.fitting
+        result.broke_rules += part.broke_rules
+        result.ranked += part.ranked
+        small = part.smallest_too_big
+        if small and (result.smallest_too_big is None or small.memory_bytes < result.smallest_too_big.memory_bytes):
+            result.smallest_too_big = small
+        result.kinds.append(KindOutcome(kind, part.best, "" if part.best else _dropped(part), part.enumerated))
+    result.ranked.sort(key=lambda c: (c.step_s, c.memory_bytes))
+    del result.ranked[top + losers:]
+    result.elapsed_s = time.perf_counter() - started
+    return result
+
+
+def _dropped(part: SearchResult) -> str:
+    """Why a kind's search has no candidate: the rule its fastest fitting configuration broke, or memory."""
+    if part.broke_rules:
+        return f"its fitting configurations break a rule, the fastest: {part.broke_rules[0][1]}"
+    leanest = part.smallest_too_big
+    hint = f" (the leanest, {leanest.knobs.describe()}, needs {leanest.memory_bytes / GB:.1f} GB)" if leanest else ""
+    return (f"none of its {part.enumerated} configurations fits in {(part.usable_bytes or 0) / GB:.1f} GB per "
+            f"GPU{hint}")
 
 
 def why_slower(cand: Candidate, best: Candidate) -> str:
