@@ -42,11 +42,11 @@ t=$SECONDS
 export HPC_TOOLS_REQUIRE_SLURM=1  # Slurm tests fail instead of skipping when the cluster is missing
 # The suite starts thousands of Python processes: let them reuse the bytecode of this checkout.
 unset PYTHONDONTWRITEBYTECODE
-# Two workers (pytest-xdist): most integration tests wait (for Slurm, a time limit, a requeue) rather than compute, so
-# a second worker trains while the first waits. --dist loadgroup keeps the Slurm tests in one group (one worker
-# submits at a time) and each other integration module on one worker (its module-scoped launch runs once):
-# tests/conftest.py sets the groups. The 15 slowest tests are printed at the end.
-python3 -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 -n 2 --dist loadgroup "$@"
+# One pytest-xdist worker per core (setup.cfg's addopts: -n auto --dist loadgroup; two here): most integration tests
+# wait (for Slurm, a time limit, a requeue) rather than compute, so one worker trains while the other waits. The
+# Slurm tests are one group (one worker submits at a time) and each other integration module is one group (its
+# module-scoped launch runs once): tests/conftest.py sets the groups. The 15 slowest tests are printed at the end.
+python3 -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 "$@"
 rc=$?
 t_tests=$((SECONDS - t))
 [ "$rc" = 5 ] && { echo "hpc_tools test: pytest collected no tests" >&2; rc=1; }

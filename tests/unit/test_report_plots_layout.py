@@ -219,6 +219,7 @@ def test_tables_fit_the_page(sweep):
     assert widths and max(widths) <= 16
 
 
+@pytest.mark.slow  # starts a browser
 def test_report_opens_in_headless_chromium_without_sideways_scroll(sweep, tmp_path):
     files, report = sweep[1], sweep[2]
     browser = chromium_or_skip()
