@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -25,9 +26,9 @@ def _corpus(path):
 def test_prepare_as_a_slurm_job_equals_the_local_prepare(slurm, tmp_path):
     corpus = _corpus(tmp_path / "web.jsonl")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    local = run_cli("data", "prepare", str(corpus), "--out", str(tmp_path / "local"), "--workers", "2", "--json",
-                    env=env)
-    assert local.returncode == 0, local.stderr
+    # The local prepare runs beside the Slurm job (which mostly waits for its turn and its start-up).
+    local = ThreadPoolExecutor(1).submit(run_cli, "data", "prepare", str(corpus), "--out", str(tmp_path / "local"),
+                                         "--workers", "2", "--json", env=env)
     before = set(subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split())
     queued = run_cli("data", "prepare", str(corpus), "--out", str(tmp_path / "slurm"), "--workers", "2", "--recipe",
                      RECIPE, "--executor", "slurm", "--partition", "debug", "--time-min", "10", "--json", env=env,
@@ -41,6 +42,8 @@ def test_prepare_as_a_slurm_job_equals_the_local_prepare(slurm, tmp_path):
             return subprocess.run(["sacct", "-n", "-X", "-P", "-j", result["job_id"], "-o", "State,AllocCPUS,JobName"],
                                   capture_output=True, text=True).stdout.strip()
 
+        local = local.result(timeout=300)
+        assert local.returncode == 0, local.stderr
         # submitit hands the result over as the job's task ends; the job itself completes a moment later
         wait_for(lambda: not sacct().startswith(("RUNNING", "PENDING", "COMPLETING")), 60, "the prepare job to end")
         assert sacct() == "COMPLETED|2|comm_check-prepare"
