@@ -1,10 +1,12 @@
 """Shared fixtures: the repository, a CLI runner, and the Slurm test cluster (environment/slurm-dev); and the tiers.
 
 Tiers (``pytest_collection_modifyitems`` below): every test under tests/integration is marked ``integration`` and
-``slow`` (they start ranks, clusters, browsers), and so is every ``slurm`` or ``multinode`` test anywhere, so that
-``pytest -m "not slow"`` is the developer's loop of a few minutes. Under pytest-xdist (``-n 2 --dist loadgroup``, as
-environment/test.sh runs the suite) the Slurm tests share one group, so one worker submits to the test cluster at a
-time, and each other integration module is a group of its own, so its module-scoped launch runs once.
+``slow`` (they start ranks, clusters, browsers), but for the fake-Slurm side of a ``slurm_cluster`` test, and every
+test that uses the Slurm cluster is marked ``slurm`` and ``slow``, so that ``pytest -m "not slow"`` is the
+developer's loop of a few minutes. Under pytest-xdist (setup.cfg: ``-n auto --dist loadgroup``) the Slurm tests share
+one group, so one worker submits to the test cluster at a time, and each other integration module is a group of its
+own, so its module-scoped launch runs once; a launch that tests of several modules read runs once per session
+(``shared_once``, ``main_command``).
 """
 
 from __future__ import annotations
