@@ -52,7 +52,9 @@ class Backend:
     options: str | None = None
     """Its own options section under ``backend:`` (``backend.<options>``), checked only when it runs."""
     tensor_parallel: bool = False
-    """``parallel.tensor_size`` > 1 and ``parallel.sequence_parallel``."""
+    """``parallel.tensor_size`` > 1 (inside a node)."""
+    sequence_parallel: bool = False
+    """``parallel.sequence_parallel`` (with tensor parallelism: norms and dropout on sequence shards)."""
     interleaved_pipeline: bool = False
     """``parallel.virtual_pipeline_size`` > 1."""
     pipeline_parallel: bool = True
@@ -91,7 +93,8 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
     Backend(kind="megatron", summary="Megatron-core GPT/Llama: tensor, pipeline (1F1B / interleaved) and data "
             "parallelism, sequence parallelism, distributed optimizer",
             trainer="hpc_tools.train.megatron.trainer", trains_model=True, options="megatron",
-            tensor_parallel=True, interleaved_pipeline=True, selective_recompute=True, pads_vocab=True,
+            tensor_parallel=True, sequence_parallel=True, interleaved_pipeline=True, selective_recompute=True,
+            pads_vocab=True,
             reads_init_from_hf=True, hf_export="hpc_tools.train.megatron.hf_export:export_checkpoint",
             rank_setup="hpc_tools.train.megatron.config:rank_environment", layers="megatron",
             sharding="distributed_optimizer", packages=("megatron-core",),
@@ -102,9 +105,10 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
             hf_model_classes=True, hf_export="hpc_tools.train.deepspeed.export:export_checkpoint", layers="huggingface",
             sharding="zero",
             packages=("deepspeed", "transformers"), zero_config=_deepspeed_zero_config),
-    Backend(kind="fsdp", summary="a Hugging Face causal LM under PyTorch FSDP2 (full_shard, hybrid_shard) or DDP, "
-            "checkpoints through torch Distributed Checkpoint",
+    Backend(kind="fsdp", summary="a Hugging Face causal LM under PyTorch FSDP2 (full_shard, hybrid_shard; with "
+            "tensor parallelism: FSDP x TP) or DDP, checkpoints through torch Distributed Checkpoint",
             trainer="hpc_tools.train.fsdp.trainer", trains_model=True, options="fsdp", pipeline_parallel=False,
+            tensor_parallel=True,
             hf_model_classes=True, reads_init_from_hf=True, async_save=True,
             hf_export="hpc_tools.train.fsdp.export:export_checkpoint",
             layers="huggingface", sharding="fsdp", packages=("transformers", "accelerate")),

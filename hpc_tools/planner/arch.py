@@ -100,6 +100,14 @@ def total_parameters(arch: Arch) -> int:
 
 
 @lru_cache(maxsize=4096)
+def fsdp_parameters(arch: Arch, tensor: int) -> int:
+    """Parameters on one GPU under FSDP x TP before FSDP shards them: every block split by TP (``pieces``), the
+    embeddings, final norm and output layer whole (the tensor-parallel plan splits the blocks only)."""
+    whole = pieces(arch, 1)
+    return (arch.layers * pieces(arch, tensor).layer + whole.word_embedding + whole.position_embedding
+            + whole.final_norm + (0 if arch.tied else whole.output_layer))
+
+
 def stage_parameters(arch: Arch, tensor: int, pipeline: int, stage: int) -> int:
     """Parameters on one GPU of pipeline stage ``stage``: its layers; the embeddings on the first stage; the final
     norm and output layer on the last (with tied embeddings and p > 1 the last stage holds its own copy of the word

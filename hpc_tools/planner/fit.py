@@ -90,12 +90,14 @@ def _single_changes(recipe: "Recipe", k: Knobs) -> Iterator[tuple[list[str], Kno
     if k.distopt and not k.distributed_optimizer and lay.data_size > 1:
         yield [f"{options}.distributed_optimizer=true"], replace(k, distributed_optimizer=True)
     if row.tensor_parallel:
-        if lay.tensor_size > 1 and not lay.sequence_parallel:
+        sp = row.sequence_parallel
+        if sp and lay.tensor_size > 1 and not lay.sequence_parallel:
             yield ["parallel.sequence_parallel=true"], replace(k, layout=replace(lay, sequence_parallel=True))
         for t in (lay.tensor_size * 2, lay.tensor_size * 4):
-            alt = relayout(t, lay.pipeline_size, sequence_parallel=True)
+            alt = relayout(t, lay.pipeline_size, sequence_parallel=sp)
             if alt and t <= recipe.cluster.gpus_per_node:
-                yield with_dp([f"parallel.tensor_size={t}", "parallel.sequence_parallel=true"], alt), alt
+                yield with_dp([f"parallel.tensor_size={t}"] + (["parallel.sequence_parallel=true"] if sp else []),
+                              alt), alt
     if k.zero:
         for stage in range(k.zero_stage + 1, 4):
             if lay.pipeline_size == 1 or stage <= 1:

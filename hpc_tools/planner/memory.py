@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from hpc_tools.planner.arch import Arch, pieces, stage_parameters
+from hpc_tools.planner.arch import Arch, fsdp_parameters, pieces, stage_parameters
 from hpc_tools.planner.knobs import Knobs
 
 GB = 1e9
@@ -75,14 +75,14 @@ def fsdp_unsharded_bytes(arch: Arch, k: Knobs) -> float:
     (embeddings, final norm, output layer: kept for the whole step), and one block's unsharded gradient before its
     reduce-scatter (fp32, plus the compute-dtype copy autograd produced). DDP under bf16 autocast: the weights' bf16
     copies autocast caches during the forward."""
-    pc = pieces(arch, 1)
+    pc, layer = pieces(arch, 1), pieces(arch, k.layout.tensor_size).layer  # FSDP x TP: a block's TP share
     e = 4 if k.precision == "fp32" else 2
     root = pc.word_embedding + pc.position_embedding + pc.final_norm + pc.output_layer
     if k.fsdp_strategy == "ddp":
         return 0.0 if k.precision == "fp32" else e * (arch.layers * pc.layer + root)
     blocks = 2 if k.fsdp_reshard else arch.layers
-    grad = (4 + (e if e != 4 else 0)) * pc.layer
-    return e * (min(blocks, arch.layers) * pc.layer + root) + grad
+    grad = (4 + (e if e != 4 else 0)) * layer
+    return e * (min(blocks, arch.layers) * layer + root) + grad
 
 
 # --- activations (Korthikanti et al. 2022, Table 2, generalised) ----------------------------------------------------
@@ -355,7 +355,8 @@ class MemoryPlan:
 def stage_memory(arch: Arch, k: Knobs, stage: int, on_gpu: bool = True) -> StageMemory:
     """Every term for one GPU of ``stage``."""
     lay = k.layout
-    n = stage_parameters(arch, lay.tensor_size, lay.pipeline_size, stage)
+    n = (fsdp_parameters(arch, lay.tensor_size) if k.fsdp
+         else stage_parameters(arch, lay.tensor_size, lay.pipeline_size, stage))
     if k.fsdp:
         params, grads, optim = fsdp_state_bytes(n, k.shard_group)
     elif k.zero:

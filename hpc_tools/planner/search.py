@@ -113,7 +113,7 @@ def enumerate_knobs(recipe: "Recipe", base: Knobs) -> Iterator[Knobs]:
     for t in tensors:
         # Sequence parallelism is on whenever it can be: same TP traffic, smaller activations and p2p messages, so
         # the model never ranks "off" ahead of "on" (Korthikanti et al.).
-        sps = (True,) if t > 1 and m.seq_length % t == 0 else (False,)
+        sps = (True,) if t > 1 and row.sequence_parallel and m.seq_length % t == 0 else (False,)
         for p in _divisors(m.num_layers) if row.pipeline_parallel else [1]:
             if world % (t * p):
                 continue
@@ -121,7 +121,7 @@ def enumerate_knobs(recipe: "Recipe", base: Knobs) -> Iterator[Knobs]:
             if batch % d:
                 continue
             per_replica = batch // d
-            opts = list(_optimizer_options(base, p, d))
+            opts = list(_optimizer_options(base, t, p, d))
             for b in _divisors(per_replica):
                 micro = per_replica // b
                 vs = [1]
@@ -153,14 +153,15 @@ def _knobs(base: Knobs, layout: ParallelLayout, recompute: str, opt: dict) -> Kn
                  fsdp_reshard=opt.get("fsdp_reshard", base.fsdp_reshard), flash=base.flash, on_gpu=base.on_gpu)
 
 
-def _optimizer_options(base: Knobs, p: int, d: int) -> Iterator[dict]:
+def _optimizer_options(base: Knobs, t: int, p: int, d: int) -> Iterator[dict]:
     if base.fsdp:
         for reshard in (True, False):
             yield {"fsdp_strategy": "full_shard", "fsdp_shard_size": None, "fsdp_reshard": reshard}
             node = base.layout.ranks_per_node
-            if d > node and d % node == 0:
+            if t == 1 and d > node and d % node == 0:
                 yield {"fsdp_strategy": "hybrid_shard", "fsdp_shard_size": None, "fsdp_reshard": reshard}
-        yield {"fsdp_strategy": "ddp", "fsdp_shard_size": None, "fsdp_reshard": True}
+        if t == 1:  # FSDP x TP is full_shard over the data-parallel ranks only
+            yield {"fsdp_strategy": "ddp", "fsdp_shard_size": None, "fsdp_reshard": True}
         return
     if not base.zero:
         yield {"distributed_optimizer": True}

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hpc_tools.planner.arch import Arch, pieces, stage_parameters
+from hpc_tools.planner.arch import Arch, fsdp_parameters, pieces, stage_parameters
 from hpc_tools.planner.hardware import Hardware
 from hpc_tools.planner.knobs import Knobs
 
@@ -99,7 +99,8 @@ def estimate_step_time(arch: Arch, k: Knobs, hw: Hardware, flops: tuple[float, f
     pp_bw = hw.link_bw(spans_nodes=lay.nodes > 1)
     terms[PP_COMM] = 2 * m * v * msg / pp_bw if p > 1 else 0.0
 
-    n = max(stage_parameters(arch, t, p, 0), stage_parameters(arch, t, p, p - 1))
+    n = (fsdp_parameters(arch, t) if k.fsdp
+         else max(stage_parameters(arch, t, p, 0), stage_parameters(arch, t, p, p - 1)))
     dp_bw = hw.link_bw(spans_nodes=t * d > hw.gpus_per_node)
     fwd_per_mb, bwd_per_mb = compute / m / 3, 2 * compute / m / 3
     if k.fsdp:
@@ -153,7 +154,7 @@ def _fsdp_comm(arch: Arch, n: int, k: Knobs, hw: Hardware, m: int, compute: floa
         return max(reduce - bwd, reduce / units)
     shard = k.shard_group
     e = 4 if k.precision == "fp32" else 2
-    inner = hw.link_bw(spans_nodes=shard > hw.gpus_per_node)
+    inner = hw.link_bw(spans_nodes=shard * k.layout.tensor_size > hw.gpus_per_node)  # TP groups inside a node
     gather, scatter = _gather(e * n, shard, inner), _gather(4 * n, shard, inner)
     replicas = _allreduce(4 * n / shard, d // shard, hw.link_bw(spans_nodes=d > hw.gpus_per_node))
     forward, backward = gather, (gather if k.fsdp_reshard else 0.0) + scatter + replicas

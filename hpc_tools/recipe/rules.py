@@ -179,9 +179,9 @@ def backend_features(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     if not row.tensor_parallel and lay.tensor_size != 1:
         yield Violation("parallel.tensor_size", lay.tensor_size, f"must be 1 with backend.kind={kind}",
                         f"use backend.kind: {_others('tensor_parallel')} for tensor parallelism")
-    if not row.tensor_parallel and r.parallel.sequence_parallel:
-        yield Violation("parallel.sequence_parallel", True, f"needs tensor parallelism, which backend.kind={kind} "
-                        "does not have", f"set it false, or use backend.kind: {_others('tensor_parallel')}")
+    if not row.sequence_parallel and r.parallel.sequence_parallel:
+        yield Violation("parallel.sequence_parallel", True, f"is not available with backend.kind={kind}",
+                        f"set it false, or use backend.kind: {_others('sequence_parallel')}")
     if not row.pipeline_parallel and lay.pipeline_size != 1:
         yield Violation("parallel.pipeline_size", lay.pipeline_size, f"must be 1 with backend.kind={kind} (every rank "
                         "holds every layer)", f"use backend.kind: {_others('pipeline_parallel')} for pipelines")
@@ -275,6 +275,17 @@ def fsdp_mesh(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     if backends.of(r).options != "fsdp":
         return
     fs, world = r.backend.fsdp, lay.world_size
+    if lay.tensor_size > 1:
+        node = r.cluster.gpus_per_node
+        if node % lay.tensor_size:
+            yield Violation("parallel.tensor_size", lay.tensor_size, f"must divide cluster.gpus_per_node={node} "
+                            "(tensor parallelism stays inside a node)", _try(divisors(node)))
+        if fs.strategy != "full_shard":
+            yield Violation("backend.fsdp.strategy", fs.strategy, "cannot be combined with tensor parallelism "
+                            f"(parallel.tensor_size={lay.tensor_size})", "use strategy: full_shard, or tensor_size: 1")
+        if r.model.family != "llama":
+            yield Violation("model.family", r.model.family, "has no tensor-parallel plan with backend.kind=fsdp "
+                            "(GPT-2's fused attention projection)", "use family: llama, or tensor_size: 1")
     if fs.strategy == "hybrid_shard":
         shard = fs.shard_size or r.cluster.gpus_per_node
         field = "backend.fsdp.shard_size" if fs.shard_size else "cluster.gpus_per_node (the default shard_size)"

@@ -1,8 +1,8 @@
-"""backend.kind: fsdp on real gloo ranks: FSDP2 full_shard, HSDP and DDP train the same tiny Llama to the same
-losses; bf16 and activation checkpointing track fp32; a stop and resume continues exactly; a Distributed Checkpoint
-saved at 4 ranks resumes at 2 (and under DDP) with the uninterrupted losses; ``export`` gives an HF folder whose loss
-on the validation batches is the run's own val_loss; one tiny Llama from one HF folder trains to the same losses under
-FSDP2, DDP and Megatron-core (TP1 PP1) over 20 steps.
+"""backend.kind: fsdp on real gloo ranks: FSDP2 full_shard, HSDP, DDP and FSDP x TP (2 x 2 mesh) train the same tiny
+Llama to the same losses; bf16 and activation checkpointing track fp32; a stop and resume continues exactly; a
+Distributed Checkpoint saved at 4 ranks resumes at 2 (and under DDP) with the uninterrupted losses; ``export`` gives
+an HF folder whose loss on the validation batches is the run's own val_loss; one tiny Llama from one HF folder trains
+to the same losses under FSDP2, DDP and Megatron-core (TP1 PP1) over 20 steps.
 
 Two launches (``hpc_tools.testing.fsdp_matrix``): every 4-rank variant in one, every 2-rank one in the other. The
 Megatron variant runs last in its launch: Megatron's CPU routes (``train/megatron/cpu_compat.py``) replace torch
@@ -35,13 +35,15 @@ CROSS_BACKEND_TOL = 1e-4
 
 
 def variant(name, *, strategy="full_shard", ranks=4, precision="fp32", model=LLAMA, recompute="none", shard=None,
-            reshard=True, load_path=None, steps=STEPS, init_from_hf=None, kind="fsdp", async_save=False, **extra):
+            reshard=True, load_path=None, steps=STEPS, init_from_hf=None, kind="fsdp", async_save=False, tensor=1,
+            **extra):
     fsdp = {"strategy": strategy, "reshard_after_forward": reshard, "shard_size": shard}
     recipe = {
         "name": name, "model": model,
         "training": {"micro_batch_size": 2, "global_batch_size": 16, "train_iters": steps, "lr": 4e-3,
                      "min_lr": 4e-4, "lr_warmup_iters": 2, "precision": precision, "recompute_granularity": recompute,
                      "eval_interval": steps, "eval_iters": 2},
+        "parallel": {"tensor_size": tensor},
         "backend": {"kind": "fsdp", "fsdp": fsdp} if kind == "fsdp" else {"kind": kind},
         "checkpoint": {"interval_iters": 5, "load_path": load_path, "init_from_hf": init_from_hf,
                        "async_save": async_save},
@@ -61,6 +63,7 @@ def four(tmp_path_factory):
         variant("fs_bf16_recompute", precision="bf16", recompute="full", reshard=False),
         variant("gpt_fs", model=GPT),
         variant("fs_async", async_save=True),
+        variant("fs_tp2", tensor=2),
     ], 4, tmp_path_factory.mktemp("fsdp4"))
 
 
@@ -117,11 +120,12 @@ def test_loss_falls(four):
         assert curve[-1] < curve[0] - 0.3, f"{name}: loss did not fall: {curve}"
 
 
-@pytest.mark.parametrize("name", ["ddp", "hsdp"])
-def test_strategies_train_alike(four, name):
-    """FSDP2 full_shard, HSDP (2 x 2 mesh) and DDP: the same model, data and AdamW: the same losses."""
-    np.testing.assert_allclose(losses(four, name), losses(four, "fs"), rtol=0, atol=FP32_TOL)
-    assert four[name]["val_loss"]["10"] == pytest.approx(four["fs"]["val_loss"]["10"], abs=FP32_TOL)
+@pytest.mark.parametrize("name, tol", [("ddp", FP32_TOL), ("hsdp", FP32_TOL), ("fs_tp2", 1e-5)])
+def test_strategies_train_alike(four, name, tol):
+    """FSDP2 full_shard, HSDP (2 x 2 mesh), DDP and FSDP x TP (2 data-parallel x 2 tensor-parallel ranks): the same
+    model, data and AdamW: the same losses."""
+    np.testing.assert_allclose(losses(four, name), losses(four, "fs"), rtol=0, atol=tol)
+    assert four[name]["val_loss"]["10"] == pytest.approx(four["fs"]["val_loss"]["10"], abs=tol)
 
 
 def test_bf16_with_recompute_tracks_fp32(four):
@@ -178,7 +182,7 @@ def test_checkpoints_are_verified_dcp_folders(four):
     assert {f"dcp/__{r}_0.distcp" for r in range(4)} <= recorded, recorded
 
 
-@pytest.mark.parametrize("name", ["fs", "gpt_fs"])
+@pytest.mark.parametrize("name", ["fs", "gpt_fs", "fs_tp2"])
 def test_export_matches_the_runs_validation_loss(four, name, tmp_path):
     """``export`` -> HF folder; its loss on the run's validation batches is the val_loss the run recorded."""
     import torch

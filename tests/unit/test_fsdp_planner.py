@@ -43,8 +43,22 @@ def test_rules_name_the_field_and_the_fix():
     assert errors("backend.fsdp.strategy=hybrid_shard", "cluster.nodes=1", "backend.fsdp.shard_size=4") == []
     assert any(e.startswith("parallel.pipeline_size=2 must be 1 with backend.kind=fsdp")
                for e in errors("parallel.pipeline_size=2"))
-    assert any(e.startswith("parallel.tensor_size=2 must be 1 with backend.kind=fsdp")
-               for e in errors("parallel.tensor_size=2"))
+    # FSDP x TP: full_shard, a Llama, TP dividing the heads, the query groups and the GPUs of a node; no SP
+    assert errors("parallel.tensor_size=2") == [] and errors("parallel.tensor_size=8") == []
+    assert any(e.startswith("parallel.tensor_size=16 must divide model.num_query_groups=8")
+               for e in errors("parallel.tensor_size=16"))
+    assert any(e.startswith("parallel.tensor_size=4 must divide cluster.gpus_per_node=6 (tensor parallelism stays "
+                            "inside a node)") for e in errors("parallel.tensor_size=4", "cluster.gpus_per_node=6",
+                                                              "training.global_batch_size=48"))
+    assert any(e.startswith("backend.fsdp.strategy=ddp cannot be combined with tensor parallelism")
+               and "full_shard" in e for e in errors("parallel.tensor_size=2", "backend.fsdp.strategy=ddp"))
+    assert any(e.startswith("model.family=gpt has no tensor-parallel plan with backend.kind=fsdp")
+               for e in errors("parallel.tensor_size=2", "model.family=gpt", "model.num_query_groups=null",
+                               "model.normalization=LayerNorm", "model.activation=gelu",
+                               "model.position_embedding=learned_absolute"))
+    assert any(e.startswith("parallel.sequence_parallel=true is not available with backend.kind=fsdp")
+               and "backend.kind: megatron" in e
+               for e in errors("parallel.tensor_size=2", "parallel.sequence_parallel=true"))
     assert any(e.startswith("backend.fsdp.shard_size=4 is read by strategy hybrid_shard only")
                for e in errors("backend.fsdp.shard_size=4"))
     assert any(e.startswith("training.precision=fp16 is not available with backend.kind=fsdp")
@@ -94,11 +108,30 @@ def test_ddp_of_8b_does_not_fit_an_h100():
 def test_search_covers_the_strategies_and_its_choice_applies():
     r = recipe("model.num_layers=8", "model.hidden_size=1024", "model.num_attention_heads=8",
                "model.num_query_groups=8", "model.ffn_hidden_size=2816", "model.seq_length=2048")
-    res = search(r, top=20, losers=20, use_calibration=False)
+    res = search(r, top=20, losers=400, use_calibration=False)
     seen = {c.knobs.fsdp_strategy for c in res.ranked}
     assert seen == {"full_shard", "hybrid_shard", "ddp"}, seen
-    assert all(c.knobs.layout.pipeline_size == 1 and c.knobs.layout.tensor_size == 1 for c in res.ranked)
+    assert all(c.knobs.layout.pipeline_size == 1 for c in res.ranked)
+    tp = [c.knobs for c in res.ranked if c.knobs.layout.tensor_size > 1]  # FSDP x TP: full_shard inside a node, no SP
+    assert tp and {k.layout.tensor_size for k in tp} <= {2, 4, 8}
+    assert all(k.fsdp_strategy == "full_shard" and not k.layout.sequence_parallel for k in tp)
     best = res.best.knobs
     applied = resolve(BASE | {"model": r.model.model_dump()}, best.overrides())
     assert check_recipe(applied) == [] and apply_knobs(r, best).backend.fsdp == applied.backend.fsdp
     assert Knobs.from_recipe(applied).describe() == best.describe()
+
+
+def test_fsdp_tensor_parallel_splits_the_blocks_only():
+    """FSDP x TP: per rank the blocks' parameters / t and the root's whole, then sharded over d = world / t ranks; the
+    unsharded working set holds a block's TP share."""
+    from hpc_tools.planner.arch import fsdp_parameters, pieces
+
+    r1, r2 = recipe(), recipe("parallel.tensor_size=2")
+    arch = arch_for(r1)
+    one, two = (estimate_memory(arch, Knobs.from_recipe(r)).peak.terms for r in (r1, r2))
+    whole, half = pieces(arch, 1), pieces(arch, 2)
+    assert fsdp_parameters(arch, 1) == total_parameters(arch)
+    assert fsdp_parameters(arch, 1) - fsdp_parameters(arch, 2) == arch.layers * (whole.layer - half.layer)
+    assert one[PARAMETERS] == pytest.approx(4 * fsdp_parameters(arch, 1) / 16)
+    assert two[PARAMETERS] == pytest.approx(4 * fsdp_parameters(arch, 2) / 8)  # d = 8 under TP2
+    assert one[UNSHARDED] - two[UNSHARDED] == pytest.approx((2 * 2 + 4 + 2) * (whole.layer - half.layer))

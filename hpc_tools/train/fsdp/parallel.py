@@ -6,6 +6,11 @@
 - ``hybrid_shard``: the same over a 2-D mesh ``(replicate, shard)``: sharded inside a group of ``shard_size`` ranks,
   gradients all-reduced across the groups (HSDP).
 - ``ddp``: ``DistributedDataParallel``: every rank a full copy, gradients all-reduced in buckets.
+- ``parallel.tensor_size`` t > 1 (full_shard, Llama): FSDP x TP on a 2-D mesh ``(shard, tensor)`` with the t ranks of a
+  tensor group consecutive (inside a node): each block's attention and MLP split by ``parallelize_module`` (q, k, v,
+  gate and up projections column-wise, o and down projections row-wise: one all-reduce after attention and one after
+  the MLP in the forward), then ``fully_shard`` over the ``shard`` dimension; embeddings, norms and the output layer
+  are not split by TP (sharded by FSDP only).
 
 Precision (``training.precision``): fp32 everywhere, or bf16 as FSDP2 does it (``MixedPrecisionPolicy``: bf16
 parameters for compute, fp32 gradient reduction, fp32 sharded master weights and optimizer states); DDP autocasts
@@ -33,13 +38,15 @@ class Mesh:
     strategy: str
     replicate: int
     shard: int
+    tensor: int = 1  # ranks of one tensor-parallel group (full_shard only)
 
     def describe(self) -> str:
         if self.strategy == "ddp":
             return f"DDP over {self.replicate} ranks"
         if self.strategy == "hybrid_shard":
             return f"HSDP {self.replicate} replicas x {self.shard}-rank shards"
-        return f"FSDP2 full_shard over {self.shard} ranks"
+        tp = f" x TP{self.tensor}" if self.tensor > 1 else ""
+        return f"FSDP2 full_shard over {self.shard} ranks{tp}"
 
 
 def mesh_shape(recipe: "Recipe", world: int) -> Mesh:
@@ -50,7 +57,8 @@ def mesh_shape(recipe: "Recipe", world: int) -> Mesh:
     if fs.strategy == "hybrid_shard":
         shard = fs.shard_size or recipe.cluster.gpus_per_node
         return Mesh("hybrid_shard", world // shard, shard)
-    return Mesh("full_shard", 1, world)
+    t = recipe.parallel.tensor_size
+    return Mesh("full_shard", 1, world // t, t)
 
 
 def parallelize(model, recipe: "Recipe", device, world: int, fill: Callable[[str, tuple], Any]):
@@ -84,6 +92,10 @@ def parallelize(model, recipe: "Recipe", device, world: int, fill: Callable[[str
 
     if shape.strategy == "hybrid_shard":
         mesh = init_device_mesh(device.type, (shape.replicate, shape.shard), mesh_dim_names=("replicate", "shard"))
+    elif shape.tensor > 1:
+        both = init_device_mesh(device.type, (shape.shard, shape.tensor), mesh_dim_names=("shard", "tensor"))
+        tensor_parallel(model, both["tensor"])
+        mesh = both["shard"]
     else:
         mesh = init_device_mesh(device.type, (shape.shard,), mesh_dim_names=("shard",))
     bf16 = recipe.training.precision == "bf16"
@@ -95,6 +107,22 @@ def parallelize(model, recipe: "Recipe", device, world: int, fill: Callable[[str
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     materialize(model, device, fill)
     return model
+
+
+# The tensor-parallel plan of a Llama block (Hugging Face module names): Megatron's split of attention and MLP.
+LLAMA_TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+                 "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+                 "mlp.down_proj": "rowwise"}
+
+
+def tensor_parallel(model, mesh) -> None:
+    """Split every block's projections over the 1-D ``mesh`` (``LLAMA_TP_PLAN``); the attention reshapes to its
+    local heads (``-1`` heads of ``head_dim``), so each rank runs heads / t query and groups / t key-value heads."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for block in blocks(model):
+        parallelize_module(block, mesh, {name: styles[style]() for name, style in LLAMA_TP_PLAN.items()})
 
 
 def materialize(model, device, fill: Callable[[str, tuple], Any]) -> None:
@@ -147,11 +175,19 @@ def compute_context(model, recipe: "Recipe", device) -> Any:
 
 def grad_norm(model, max_norm: float) -> float:
     """Clip the global gradient norm to ``max_norm`` (0: no clipping) and return it before clipping: a collective
-    over the shards for FSDP2 (DTensor gradients), local for DDP (gradients already all-reduced)."""
+    over the shards for FSDP2 (DTensor gradients), local for DDP (gradients already all-reduced). Under FSDP x TP the
+    blocks' gradients live on the 2-D mesh and the root's on its ``shard`` dimension: one norm per mesh, combined."""
     import torch
 
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
+    by_mesh: dict[Any, list] = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    for group in by_mesh.values():  # one foreach multiply per mesh: DTensor ops take one mesh
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm if max_norm > 0 else float("inf"), total)
+    return float(total)

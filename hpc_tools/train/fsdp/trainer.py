@@ -4,7 +4,8 @@ One step = ``layout.num_microbatches`` forward/backward passes, the global gradi
 ``training.clip_grad``), one torch AdamW step at ``lr_at(step)`` (weight decay on matrices only, as Megatron-core).
 ``FSDPJob`` is the engine of ``hpc_tools.train.loop`` (which owns resume, records, evaluation, the stop agreement and
 the saves). Data comes from
-``hpc_tools.train.data`` (every rank is a data-parallel rank: the step is the data position); checkpoints are torch
+``hpc_tools.train.data`` (the step is the data position; the ranks of one tensor-parallel group, consecutive, read the
+same microbatches: data-parallel rank = rank // tensor_size); checkpoints are torch
 Distributed Checkpoint folders (``checkpoint.py``) committed through ``CheckpointDirs`` and verified like every
 backend's (``checkpoint_agree``).
 """
@@ -58,6 +59,7 @@ class FSDPJob:
         self.ctx, self.recipe, self.layout = ctx, ctx.recipe, ctx.layout
         self.device = ctx.device
         self.world = ctx.dist.world_size
+        self.dp_rank = ctx.rank // self.layout.tensor_size  # TP innermost, as ParallelLayout orders ranks
         self.dirs = CheckpointDirs(ctx.checkpoint_dir, keep_last=self.recipe.checkpoint.keep_last)
         self.mesh = parallel.mesh_shape(self.recipe, self.world)
         t0 = time.perf_counter()
@@ -89,14 +91,14 @@ class FSDPJob:
                 f"recompute={self.recipe.training.recompute_granularity}{compiled}, {self.samples}")
 
     def coords(self) -> dict[str, int]:
-        return {"pp_rank": 0, "dp_rank": self.ctx.rank}
+        return {"pp_rank": 0, "dp_rank": self.dp_rank}
 
     # -- one step ------------------------------------------------------------------------------------------------------
     def batch(self, step: int) -> list[dict[str, Any]]:
         return self.prefetch.get(step)
 
     def _build_batch(self, step: int) -> list[dict[str, Any]]:
-        return microbatches_for_step(self.samples, step, self.ctx.rank, self.layout)
+        return microbatches_for_step(self.samples, step, self.dp_rank, self.layout)
 
     def _forward_loss(self, mb: dict[str, Any]):
         with parallel.compute_context(self.model, self.recipe, self.device):
