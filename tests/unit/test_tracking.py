@@ -264,6 +264,10 @@ def test_wandb_offline_run_file_holds_the_logged_scalars(tmp_path, monkeypatch):
         monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    # wandb-core, its service process, gets 30 s to start and init 90 s: on a loaded 2-core machine (the parallel
+    # suite) that is not always enough, and a tracker that fails to open is dropped with a warning
+    monkeypatch.setenv("WANDB__SERVICE_WAIT", "300")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "300")
     run_dir = tmp_path / RUN_NAME
     recipe = synthetic_recipe(["tracking.tensorboard=false", "tracking.wandb.project=p", "tracking.wandb.tags=[a]"])
     trackers = open_trackers(run_dir, recipe)
