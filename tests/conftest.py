@@ -46,6 +46,9 @@ def pytest_collection_modifyitems(config, items) -> None:
         elif on_slurm:
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.xdist_group("slurm"))
+    # The Slurm tests that also read a shared local run last: by then the other worker has usually made it, so the
+    # Slurm worker (the longest group) does not.
+    items.sort(key=lambda item: "main_command" in item.fixturenames and item.get_closest_marker("slurm") is not None)
 
 
 @pytest.fixture(autouse=True, scope="session")
