@@ -14,6 +14,7 @@ older one is tried.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 from hpc_tools import backends
 from hpc_tools.checkpoints.dirs import CheckpointDirs
 from hpc_tools.errors import UserError
-from hpc_tools.registry import RunFolder
+from hpc_tools.registry import RunFolder, atomic_write
 
 log = logging.getLogger("hpc_tools.hf")
 
@@ -87,6 +88,26 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
                         f"(export a run of backend.kind {' or '.join(backends.with_feature('hf_export'))})")
     ckpt = verified_checkpoint(run, checkpoint_root(recipe, run), step)
     return backends.load(adapter)(run, recipe, ckpt, out_dir, overwrite)
+
+
+def write_model_folder(model, recipe, run: RunFolder, ckpt: Path, meta: dict[str, Any], out_dir: str | Path,
+                       overwrite: bool = False, **fields: Any) -> dict[str, Any]:
+    """A Hugging Face model built from ``run``'s checkpoint ``ckpt`` (its ``meta``) -> the folder ``out_dir``, with
+    the run's tokenizer (generation stops at its eos) and the summary (plus ``fields``) beside the model files. For
+    the backends that train transformers classes (their adapters load the weights, this writes the folder)."""
+    from hpc_tools.hf.folder import staged
+    from hpc_tools.hf.tokenizer import save_tokenizer
+
+    with staged(out_dir, overwrite) as tmp:
+        token_ids = save_tokenizer(recipe.data.tokenizer, tmp)
+        for cfg in (model.config, model.generation_config):
+            cfg.bos_token_id, cfg.eos_token_id = token_ids["bos_token_id"], token_ids["eos_token_id"]
+        model.save_pretrained(str(tmp))
+        summary = {"folder": str(Path(out_dir).absolute()), "run_id": run.run_id, "step": meta["step"],
+                   "checkpoint": str(ckpt), "parameters": sum(p.numel() for p in model.parameters()),
+                   "layout": meta.get("layout"), "precision": meta.get("precision"), **fields, **token_ids}
+        atomic_write(tmp / EXPORT_META, json.dumps(summary, indent=2, sort_keys=True))
+    return summary
 
 
 def write_folder(recipe, state: dict, out: Path) -> dict[str, Any]:

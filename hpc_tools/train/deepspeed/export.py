@@ -9,13 +9,12 @@ Which checkpoint (the newest verified one) and the folder's atomic write are ``h
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from hpc_tools.checkpoints.dirs import CheckpointDirs
 from hpc_tools.errors import UserError
-from hpc_tools.registry import RunFolder, atomic_write
+from hpc_tools.registry import RunFolder
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
@@ -29,25 +28,13 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
 def export_checkpoint(run: RunFolder, recipe, ckpt: Path, out_dir: str | Path, overwrite: bool = False
                       ) -> dict[str, Any]:
     """The DeepSpeed checkpoint ``ckpt`` of ``run`` -> the Hugging Face folder ``out_dir`` (with the tokenizer)."""
-    from hpc_tools.hf.export import EXPORT_META
-    from hpc_tools.hf.folder import staged
-    from hpc_tools.hf.tokenizer import save_tokenizer
+    from hpc_tools.hf.export import write_model_folder
 
     meta = CheckpointDirs.read_meta(ckpt)
     model = empty_model(recipe)
     state = pipeline_state(model, ckpt) if meta.get("pipeline_size", 1) > 1 else zero_state(ckpt)
     load_into(model, state, ckpt)
-    with staged(out_dir, overwrite) as tmp:
-        token_ids = save_tokenizer(recipe.data.tokenizer, tmp)
-        for cfg in (model.config, model.generation_config):  # generation stops at the tokenizer's eos
-            cfg.bos_token_id, cfg.eos_token_id = token_ids["bos_token_id"], token_ids["eos_token_id"]
-        model.save_pretrained(str(tmp))
-        summary = {"folder": str(Path(out_dir).absolute()), "run_id": run.run_id, "step": meta["step"],
-                   "checkpoint": str(ckpt), "parameters": sum(p.numel() for p in model.parameters()),
-                   "layout": meta.get("layout"), "zero_stage": meta.get("zero_stage"),
-                   "precision": meta.get("precision"), **token_ids}
-        atomic_write(tmp / EXPORT_META, json.dumps(summary, indent=2, sort_keys=True))
-    return summary
+    return write_model_folder(model, recipe, run, ckpt, meta, out_dir, overwrite, zero_stage=meta.get("zero_stage"))
 
 
 def empty_model(recipe):

@@ -9,12 +9,11 @@ at the end (``hpc_tools.hf.folder``), with the run's tokenizer.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from hpc_tools.checkpoints.dirs import CheckpointDirs
-from hpc_tools.registry import RunFolder, atomic_write
+from hpc_tools.registry import RunFolder
 
 
 def export_checkpoint(run: RunFolder, recipe, ckpt: Path, out_dir: str | Path, overwrite: bool = False
@@ -24,23 +23,11 @@ def export_checkpoint(run: RunFolder, recipe, ckpt: Path, out_dir: str | Path, o
     from transformers import AutoModelForCausalLM
 
     from hpc_tools.hf.config import ATTENTION, hf_config
-    from hpc_tools.hf.export import EXPORT_META
-    from hpc_tools.hf.folder import staged
-    from hpc_tools.hf.tokenizer import save_tokenizer
+    from hpc_tools.hf.export import write_model_folder
     from hpc_tools.train.deepspeed.export import load_into
     from hpc_tools.train.fsdp.checkpoint import full_model_state
 
     meta = CheckpointDirs.read_meta(ckpt)
     model = AutoModelForCausalLM.from_config(hf_config(recipe), attn_implementation=ATTENTION, dtype=torch.float32)
     load_into(model, full_model_state(ckpt, model.state_dict()), ckpt)
-    with staged(out_dir, overwrite) as tmp:
-        token_ids = save_tokenizer(recipe.data.tokenizer, tmp)
-        for cfg in (model.config, model.generation_config):  # generation stops at the tokenizer's eos
-            cfg.bos_token_id, cfg.eos_token_id = token_ids["bos_token_id"], token_ids["eos_token_id"]
-        model.save_pretrained(str(tmp))
-        summary = {"folder": str(Path(out_dir).absolute()), "run_id": run.run_id, "step": meta["step"],
-                   "checkpoint": str(ckpt), "parameters": sum(p.numel() for p in model.parameters()),
-                   "layout": meta.get("layout"), "strategy": meta.get("strategy"),
-                   "precision": meta.get("precision"), **token_ids}
-        atomic_write(tmp / EXPORT_META, json.dumps(summary, indent=2, sort_keys=True))
-    return summary
+    return write_model_folder(model, recipe, run, ckpt, meta, out_dir, overwrite, strategy=meta.get("strategy"))
