@@ -36,11 +36,18 @@ class StopAfter:
 def launch(variants: list[dict[str, Any]], world_size: int, workdir: str | Path, timeout_s: float = 540,
            env: dict[str, str] | None = None, backend: str = "gloo") -> dict[str, Any]:
     """Run the variants on ``world_size`` local ranks (``backend`` nccl for GPU recipes); rank 0's results by name."""
+    return launch_module("hpc_tools.testing.deepspeed_matrix", variants, world_size, workdir, timeout_s, env, backend)
+
+
+def launch_module(module: str, variants: list[dict[str, Any]], world_size: int, workdir: str | Path,
+                  timeout_s: float = 540, env: dict[str, str] | None = None, backend: str = "gloo") -> dict[str, Any]:
+    """``python -m MODULE --spec SPEC --out OUT`` on ``world_size`` local ranks (a matrix module: this one, or
+    ``fsdp_matrix``); rank 0's results by variant name."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     spec, out = workdir / "matrix_spec.json", workdir / "matrix_result.json"
     spec.write_text(json.dumps({"variants": variants, "root": str(workdir / "runs"), "backend": backend}))
-    cmd = [sys.executable, "-m", "hpc_tools.testing.deepspeed_matrix", "--spec", str(spec), "--out", str(out)]
+    cmd = [sys.executable, "-m", module, "--spec", str(spec), "--out", str(out)]
     ranks = spawn_ranks(cmd, world_size, env=env, timeout_s=timeout_s, log_dir=workdir / "matrix_logs", check=True)
     if not out.is_file():
         raise RuntimeError(f"matrix launch wrote no {out.name}; rank 0 log tail:\n{ranks[0].log[-4000:]}")

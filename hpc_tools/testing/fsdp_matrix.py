@@ -19,23 +19,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpc_tools.testing.deepspeed_matrix import StopAfter, read_records
-from hpc_tools.testing.spawn import spawn_ranks
+from hpc_tools.testing.deepspeed_matrix import StopAfter, launch_module, read_records
 
 
 def launch(variants: list[dict[str, Any]], world_size: int, workdir: str | Path, timeout_s: float = 540,
            env: dict[str, str] | None = None, backend: str = "gloo") -> dict[str, Any]:
     """Run the variants on ``world_size`` local ranks (``backend`` nccl for GPU recipes); rank 0's results by
     name."""
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    spec, out = workdir / "matrix_spec.json", workdir / "matrix_result.json"
-    spec.write_text(json.dumps({"variants": variants, "root": str(workdir / "runs"), "backend": backend}))
-    cmd = [sys.executable, "-m", "hpc_tools.testing.fsdp_matrix", "--spec", str(spec), "--out", str(out)]
-    ranks = spawn_ranks(cmd, world_size, env=env, timeout_s=timeout_s, log_dir=workdir / "matrix_logs", check=True)
-    if not out.is_file():
-        raise RuntimeError(f"matrix launch wrote no {out.name}; rank 0 log tail:\n{ranks[0].log[-4000:]}")
-    return json.loads(out.read_text())
+    return launch_module("hpc_tools.testing.fsdp_matrix", variants, world_size, workdir, timeout_s, env, backend)
 
 
 def run_variant(variant: dict[str, Any], root: Path) -> dict[str, Any]:
