@@ -20,6 +20,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -126,7 +127,7 @@ def prepare(raw_inputs: Sequence[str], out: str, *, tokenizer: str = "byte", tex
                         f"(--tokenizer={tokenizer}) (set model.vocab_size >= {tok.vocab_size} or use another "
                         "tokenizer)")
     _TOKENIZER = tok
-    pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None  # fork before torch loads
+    pool = worker_pool(workers) if workers > 1 else None
     out_dir = Path(out).expanduser()
     created = not out_dir.exists()
     temporaries: list[Path] = []
@@ -138,6 +139,8 @@ def prepare(raw_inputs: Sequence[str], out: str, *, tokenizer: str = "byte", tex
             tmp = out_dir / f".{prefix.name}.partial-{os.getpid()}"
             temporaries += [bin_path(tmp), idx_path(tmp), _meta(tmp)]
             done.append(_write_one(item, prefix, tmp, dtype, tok, tokenizer, pool, workers, batch_docs, log))
+        if pool is not None:
+            pool.close()  # the workers finish and exit on their own
     except BaseException:
         for path in temporaries:
             path.unlink(missing_ok=True)
@@ -146,7 +149,7 @@ def prepare(raw_inputs: Sequence[str], out: str, *, tokenizer: str = "byte", tex
         raise
     finally:
         if pool is not None:
-            pool.terminate()
+            pool.terminate()  # after close(): only the workers that have not exited yet get SIGTERM
             pool.join()
         _TOKENIZER = None
     return done
@@ -182,6 +185,19 @@ def _write_one(item: Input, prefix: Path, tmp: Path, dtype, tok, spec: str, pool
     os.replace(idx_path(tmp), idx_path(prefix))
     os.replace(_meta(tmp), _meta(prefix))
     return Prepared(str(item.path), str(prefix), documents, tokens, time.perf_counter() - t0)
+
+
+def worker_pool(workers: int):
+    """``workers`` forked processes (forked before torch loads), each with the default SIGTERM (see _worker_start)."""
+    return multiprocessing.get_context("fork").Pool(workers, _worker_start)
+
+
+def _worker_start() -> None:
+    """A forked worker inherits its parent's signal handlers. Inside a submitit job that is submitit's SIGTERM handler,
+    which logs "Bypassing signal SIGTERM" and keeps running: ``Pool.terminate`` then waited forever for the worker and
+    the job never ended. A worker dies on SIGTERM, and leaves Ctrl-C to its parent."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _bounded_imap(pool, batches, ahead: int):

@@ -246,3 +246,40 @@ def test_vectorised_synthetic_chain_equals_the_token_by_token_recurrence():
     assert np.array_equal(s.rows(np.array([17]))[0], rows[3])
     held = synthetic_samples(seq_length=300, vocab_size=512, seed=11, num_samples=8, first=1 << 16)
     assert not any(np.array_equal(held[0], rows[k]) for k in range(4))
+
+
+def test_workers_end_when_the_parent_ignores_sigterm(corpus, tmp_path):
+    """A submitit job's process handles SIGTERM by logging it and carrying on, and forked workers inherit that handler:
+    the pool's workers must still end when the prepare is done (the Slurm prepare job hung there, RUNNING forever)."""
+    import subprocess
+    import sys
+
+    root, _ = corpus
+    script = ("import signal, sys\n"
+              "signal.signal(signal.SIGTERM, lambda *a: print('bypassed', file=sys.stderr))  # as submitit does\n"
+              "from hpc_tools.data.prepare import prepare\n"
+              f"done = prepare([{str(root / 'web.jsonl')!r}], {str(tmp_path / 'out')!r}, text_field='body',\n"
+              "               workers=2, batch_docs=16)\n"
+              "print(done[0].documents)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0 and out.stdout.split() == ["700"], out.stderr
+    assert "bypassed" not in out.stderr
+
+
+def test_pool_workers_die_on_sigterm_whatever_the_parent_does():
+    """The deterministic half of the test above (the hang itself is a race): a worker's SIGTERM is the default."""
+    import signal
+
+    from hpc_tools.data.prepare import worker_pool
+
+    previous = signal.signal(signal.SIGTERM, lambda *a: None)
+    try:
+        pool = worker_pool(2)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    try:
+        assert pool.apply(signal.getsignal, (signal.SIGTERM,)) == signal.SIG_DFL
+    finally:
+        pool.terminate()
+        pool.join()
