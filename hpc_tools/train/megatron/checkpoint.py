@@ -38,8 +38,14 @@ def layout_meta(engine: "Engine") -> dict[str, Any]:
     return {"tensor_size": lay.tensor_size, "pipeline_size": lay.pipeline_size,
             "virtual_pipeline_size": lay.virtual_pipeline_size if lay.interleaved else None,
             "data_size": lay.data_size, "distributed_optimizer": mg.distributed_optimizer,
+            "context_size": lay.context_size, "expert_size": lay.expert_size,
+            "expert_tensor_size": lay.expert_tensor_size,
             "precision": engine.recipe.training.precision,
             "padded_vocab_size": engine.recipe.model.padded_vocab_size(lay.tensor_size), "layers": engine.plan.layers}
+
+
+DEFAULT_SIZES = {"context_size": 1, "expert_size": 1, "expert_tensor_size": 1}
+"""The sizes a checkpoint written before they were recorded was saved under."""
 
 
 def inner_optimizers(optimizer) -> list:
@@ -55,15 +61,17 @@ def model_state(engine: "Engine") -> dict[str, Any]:
 
 
 def rng_state(engine: "Engine"):
-    """This rank's RNG states (``hpc_tools.train.rng`` plus Megatron's tensor-parallel tracker) as a ShardedObject
-    addressed by its (pp, tp, dp) coordinates."""
+    """This rank's RNG states (``hpc_tools.train.rng`` plus Megatron's tracker: tensor-parallel and expert streams)
+    as a ShardedObject addressed by its (pp, tp, dp[, cp]) coordinates."""
     from megatron.core import tensor_parallel
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     c, lay = engine.coords, engine.layout
     state = {**rng.capture(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
-    return ShardedObject("rng_state", state, (lay.pipeline_size, lay.tensor_size, lay.data_size),
-                         (c.pp_rank, c.tp_rank, c.dp_rank), replica_id=0)
+    shape, index = (lay.pipeline_size, lay.tensor_size, lay.data_size), (c.pp_rank, c.tp_rank, c.dp_rank)
+    if lay.context_size > 1:  # CP ranks share (pp, tp, dp): one more coordinate (CP runs only: older keys stay)
+        shape, index = (*shape, lay.context_size), (*index, c.cp_rank)
+    return ShardedObject("rng_state", state, shape, index, replica_id=0)
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -158,8 +166,9 @@ def load(engine: "Engine", path: str | Path) -> int:
     check_vocab(path, saved, here, engine.recipe.model.vocab_size)
     check_layers(path, saved, here)
     with_optimizer = not meta["model_only"] and optimizer_reshardable(saved, here)
-    with_rng = with_optimizer and all(saved[k] == here[k] for k in
-                                      ("tensor_size", "pipeline_size", "virtual_pipeline_size", "data_size"))
+    with_rng = with_optimizer and all(saved.get(k, DEFAULT_SIZES.get(k)) == here[k] for k in
+                                      ("tensor_size", "pipeline_size", "virtual_pipeline_size", "data_size",
+                                       *DEFAULT_SIZES))
     state = model_state(engine)
     if with_optimizer:
         _prefill_optimizer(engine)
@@ -185,7 +194,7 @@ def load(engine: "Engine", path: str | Path) -> int:
         set_rng_state(loaded["rng_state"])
     if not with_optimizer and not meta["model_only"] and dist.get_rank() == 0:
         log.warning("checkpoint %s was saved under %s; the optimizer state cannot be resharded into %s "
-                    "(distributed optimizer across a TP/PP change): model weights loaded, optimizer starts fresh",
+                    "(distributed optimizer across a TP/PP/EP/CP change): model weights loaded, optimizer starts fresh",
                     path, saved, here)
     return int(meta["step"])
 
@@ -223,7 +232,10 @@ def optimizer_reshardable(saved: dict[str, Any], here: dict[str, Any]) -> bool:
         return False
     if not here["distributed_optimizer"]:
         return True
-    return all(saved[k] == here[k] for k in ("tensor_size", "pipeline_size", "virtual_pipeline_size"))
+    # The distributed optimizer's dp_reshardable shards follow the gradient buffers, whose contents change with the
+    # expert (EP/ETP) and context sizes as with TP/PP: only a change of the data-parallel size reshards.
+    return all(saved.get(k, DEFAULT_SIZES.get(k)) == here[k] for k in
+               ("tensor_size", "pipeline_size", "virtual_pipeline_size", *DEFAULT_SIZES))
 
 
 def step_in_param_state(inner) -> bool:

@@ -101,7 +101,13 @@ def transformer_config(recipe: "Recipe", layout: "ParallelLayout", device_type: 
     dtype = params_dtype(recipe)
     recompute = recompute_granularity(recipe, plan)
     interleaved = layout.interleaved
-    return TransformerConfig(
+    extra = {**moe_options(recipe, layout, plan), **context_options(layout, plan), **fp8_options(recipe)}
+    config_cls = TransformerConfig
+    if m.multi_latent_attention:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config_cls, extra = MLATransformerConfig, {**extra, **mla_options(recipe)}
+    return config_cls(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size, kv_channels=m.head_dim,
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout, init_method_std=m.init_method_std,
@@ -117,8 +123,91 @@ def transformer_config(recipe: "Recipe", layout: "ParallelLayout", device_type: 
         recompute_num_layers=t.recompute_num_layers if recompute == "full" else None,
         use_cpu_initialization=device_type != "cuda",
         **fusions(recipe, device_type, plan), **p2p_options(layout, device_type),
-        deallocate_pipeline_outputs=True,
+        deallocate_pipeline_outputs=True, **extra,
     )
+
+
+def grouped_gemm(recipe: "Recipe", plan) -> bool:
+    """Whether the experts run as one grouped GEMM (``TEGroupedMLP``) rather than one MLP each (``SequentialMLP``).
+
+    ``model.moe_grouped_gemm: null`` = on with Transformer Engine layers (a GPU with TE), off otherwise. With the
+    local layers megatron-core 0.16.1 offers only the legacy ``GroupedMLP``, which needs the CUDA ``grouped_gemm``
+    package: asking for it there is refused in one line."""
+    from hpc_tools.errors import UserError
+
+    m = recipe.model
+    if not m.num_experts:
+        return False
+    if m.moe_grouped_gemm is None:
+        return plan.transformer_engine
+    if m.moe_grouped_gemm and not plan.transformer_engine:
+        raise UserError("model.moe_grouped_gemm=true needs Transformer Engine layers (TEGroupedMLP) but this rank "
+                        f"builds {plan.layers} layers (set model.moe_grouped_gemm: null or false)")
+    return bool(m.moe_grouped_gemm)
+
+
+def moe_options(recipe: "Recipe", layout: "ParallelLayout", plan) -> dict:
+    """The TransformerConfig fields of the mixture of experts (megatron-core's names; none without experts).
+
+    Dropless (``moe_expert_capacity_factor: null``) unless a capacity factor is set; with one, tokens over capacity
+    are dropped (no padding to capacity). The router runs in fp32 (``moe_router_dtype``) whatever the precision, as
+    Megatron-LM recommends for stable routing. The expert sizes go into the config as well as into parallel_state."""
+    m = recipe.model
+    if not m.num_experts:
+        return {}
+    freq = m.moe_layer_freq
+    return dict(
+        num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size or m.ffn_hidden_size,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_layer_freq=list(freq) if isinstance(freq, (list, tuple)) else freq,
+        moe_router_load_balancing_type=m.moe_router_load_balancing_type, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_router_score_function=m.moe_router_score_function,
+        moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+        moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+        moe_expert_capacity_factor=m.moe_expert_capacity_factor, moe_grouped_gemm=grouped_gemm(recipe, plan),
+        moe_router_dtype="fp32",
+        expert_model_parallel_size=layout.expert_size, expert_tensor_parallel_size=layout.expert_tensor_size,
+    )
+
+
+def mla_options(recipe: "Recipe") -> dict:
+    """MLATransformerConfig's fields for multi-latent attention (DeepSeek-V2/V3). RoPE goes on the decoupled
+    ``qk_pos_emb_head_dim`` part only; the rope type is plain ``rope`` (YaRN scaling is for context extension)."""
+    m = recipe.model
+    return dict(multi_latent_attention=True, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                qk_head_dim=m.qk_head_dim, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
+                rope_type="rope", rotary_base=m.rotary_base)
+
+
+CP_COMM_TYPE = "p2p"
+"""Context parallelism's K/V exchange in Transformer Engine's attention: ``p2p`` = the ring (each CP rank passes its
+K/V chunk to the next while it attends to the one it holds; the load-balanced 2 x CP chunk split keeps causal work
+even). Megatron-LM's default."""
+
+
+def context_options(layout: "ParallelLayout", plan) -> dict:
+    """TransformerConfig's context-parallel fields: the size, and with CP > 1 the K/V exchange of TE's attention
+    (megatron-core's ``TEDotProductAttention`` passes ``cp_group``, ``cp_global_ranks`` and ``cp_comm_type`` to TE;
+    its local ``DotProductAttention`` asserts ``context_parallel_size == 1``)."""
+    if layout.context_size == 1:
+        return {"context_parallel_size": 1}
+    return {"context_parallel_size": layout.context_size, "cp_comm_type": CP_COMM_TYPE}
+
+
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+
+
+def fp8_options(recipe: "Recipe") -> dict:
+    """TransformerConfig's FP8 fields (Transformer Engine layers only): ``fp8`` is the format (``e4m3``: E4M3
+    everywhere; ``hybrid``: E4M3 forward, E5M2 gradients) and ``fp8_recipe`` the scaling (``delayed``: amax history;
+    ``tensorwise``: current per-tensor scaling; ``mxfp8``: 32-element blocks, Blackwell; ``blockwise``: 128-element
+    blocks). megatron-core wraps each layer's forward in TE's ``fp8_autocast`` with the matching TE recipe
+    (``megatron/core/fp8_utils.py`` ``get_fp8_context``)."""
+    t = recipe.training
+    if not t.fp8:
+        return {}
+    return {"fp8": t.fp8, "fp8_recipe": t.fp8_recipe}
 
 
 def cuda_device_max_connections(recipe: "Recipe", layout: "ParallelLayout") -> str | None:

@@ -6,7 +6,16 @@ Megatron-core 0.16.1 assumes CUDA in a handful of places (each found by running 
 2. tensor factories called with ``device="cuda"`` or an int device (schedules' ``total_num_tokens``, grad buffers,
    clip_grads, the causal mask rebuilt during recomputation inside backward), and ``torch.cuda.current_device()``;
 3. ``tensor.type() == 'torch.cuda.FloatTensor'`` checks in clip_grads and the (distributed) optimizer;
-4. ``.cuda()`` in embedding tying and the optimizer; ``torch.cuda.synchronize()`` in batch p2p.
+4. ``.cuda()`` in embedding tying and the optimizer; ``torch.cuda.synchronize()`` in batch p2p;
+5. the mixture-of-experts ``alltoall`` token dispatcher (``_route_moe``): its device-to-host side stream and event
+   (``torch.cuda.Stream/current_stream/stream``, ``Stream.record_event``), ``moe_utils.te_general_gemm`` (bound only
+   inside the Transformer Engine import ``try``: a NameError without TE), and the split sizes of
+   ``all_to_all_single`` (``maybe_move_tensor_to_cpu(..., as_numpy=True)`` converts only CUDA tensors, and gloo
+   wants int sequences, not CPU tensors);
+6. multi-latent attention on the local spec (``_route_mla``): the local ``DotProductAttention`` takes no
+   ``k_channels``/``v_channels`` (MLA's key and value widths differ from ``kv_channels``), and the Transformer Engine
+   extension module, imported under a MagicMock stand-in for TE, leaves ``HAVE_TE`` true in the MLA module so that
+   it builds TE's fused linear layers from the mock.
 
 Each is routed to the CPU by replacing the function itself (a TorchFunctionMode would not see the calls made inside
 autograd's backward). On CPU the "CUDA" generator *is* the CPU generator, so the tracker forks the CPU RNG state.
@@ -45,9 +54,12 @@ def install() -> bool:
     _route_cuda_module(torch)
     _route_tensor_methods(torch)
     _route_rng()
+    _route_moe(torch)
+    _route_mla()
     _installed = True
     log.info("cpu_compat: no CUDA in this torch build; Megatron-core's CUDA calls (device='cuda', .cuda(), CUDA RNG, "
-             "cuda tensor-type checks, cuda.synchronize) are routed to the CPU")
+             "cuda tensor-type checks, cuda.synchronize, the MoE dispatcher's streams, MLA's local attention) are routed to the "
+             "CPU")
     return True
 
 
@@ -155,3 +167,96 @@ def _route_rng() -> None:
     mrandom._set_cuda_rng_state = set_state
     mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
     mrandom.initialize_rng_tracker(force_reset=True)
+
+
+class CpuEvent:
+    """What the MoE dispatcher does with a CUDA event, on the CPU: it has happened when it is recorded."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream=None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class CpuStream:
+    """A stand-in for ``torch.cuda.Stream``: CPU work is synchronous, so waiting and recording are no-ops. Compared by
+    identity (the dispatcher asks whether it runs on its side stream)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def record_event(self, event=None) -> CpuEvent:
+        return event if event is not None else CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+_DEFAULT_STREAM = CpuStream()
+
+
+def _route_moe(torch) -> None:
+    """The MoE token dispatcher on CPU (item 5 of the module docstring)."""
+    import contextlib
+
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    torch.cuda.Stream = CpuStream
+    torch.cuda.current_stream = lambda device=None: _DEFAULT_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    if not hasattr(moe_utils, "te_general_gemm"):  # only bound when Transformer Engine imports
+        moe_utils.te_general_gemm = None
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    @functools.wraps(original)
+    def move_to_cpu(tensor, as_numpy=False, record_stream=False):
+        # gloo's all_to_all_single takes its split sizes as int sequences: a CPU tensor becomes numpy as a CUDA one
+        # would (upstream converts only tensors that were on the GPU).
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = move_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu  # imported by name there
+
+
+def _route_mla() -> None:
+    """Multi-latent attention with the local spec on CPU (item 6 of the module docstring)."""
+    from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.transformer import dot_product_attention, multi_latent_attention
+
+    if not te_extension.HAVE_TE:  # TE absent: the extension's names are MagicMock stand-ins, not layers
+        multi_latent_attention.HAVE_TE = False
+    local = dot_product_attention.DotProductAttention
+    if getattr(local.__init__, "_hpc_tools_mla", False):
+        return
+    original = local.__init__
+
+    @functools.wraps(original)
+    def init(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+             softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
+        original(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
+                 softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        heads = self.num_attention_heads_per_partition
+        if k_channels is not None and softmax_scale is None:  # the scale follows the query/key width
+            import math
+
+            self.softmax_scale = 1.0 / math.sqrt(k_channels)
+        if v_channels is not None:  # the context is heads x value width wide, not heads x kv_channels
+            self.hidden_size_per_partition = heads * v_channels
+
+    init._hpc_tools_mla = True
+    local.__init__ = init

@@ -29,6 +29,8 @@ class Coords:
     pp_rank: int
     dp_rank: int
     is_last_stage: bool
+    ep_rank: int = 0
+    cp_rank: int = 0
 
 
 def init_parallel(layout: "ParallelLayout", seed: int, timeout: "timedelta | None" = None) -> Coords:
@@ -43,10 +45,12 @@ def init_parallel(layout: "ParallelLayout", seed: int, timeout: "timedelta | Non
     if timeout is not None:
         sizes["distributed_timeout_minutes"] = timeout.total_seconds() / 60
     ps.initialize_model_parallel(**sizes)
-    pp_rank = ps.get_pipeline_model_parallel_rank()
-    seed_streams(seed, pp_rank)
-    return Coords(tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=pp_rank,
-                  dp_rank=ps.get_data_parallel_rank(), is_last_stage=ps.is_pipeline_last_stage(ignore_virtual=True))
+    pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    ep_rank, etp_rank = ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
+    seed_streams(seed, pp_rank, tp_rank, ep_rank=ep_rank, etp_rank=etp_rank)
+    return Coords(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=ps.get_data_parallel_rank(),
+                  is_last_stage=ps.is_pipeline_last_stage(ignore_virtual=True), ep_rank=ep_rank,
+                  cp_rank=ps.get_context_parallel_rank())
 
 
 def stage_seed(seed: int, pp_rank: int) -> int:
@@ -54,9 +58,15 @@ def stage_seed(seed: int, pp_rank: int) -> int:
     return seed + 100 * pp_rank
 
 
-def seed_streams(seed: int, pp_rank: int, tp_rank: int | None = None) -> None:
+def seed_streams(seed: int, pp_rank: int, tp_rank: int | None = None, *, ep_rank: int | None = None,
+                 etp_rank: int | None = None) -> None:
     """Seed this rank's CPU generator and megatron-core's CUDA streams (the default CUDA generator and the tracker's
-    data-parallel and tensor-parallel streams; the tracker adds the TP-rank offset) from the stage's seed.
+    data-parallel, tensor-parallel and expert streams; the tracker adds the TP-rank offset to the tensor-parallel
+    one and ``100 x ep_rank + etp_rank`` to the expert one) from the stage's seed.
+
+    The ranks given are passed on; one left out is read from megatron's parallel state. ``init_parallel`` passes the
+    real expert-parallel rank, so each EP rank draws its own experts' weights (and expert dropout) from its own
+    stream, the same along the expert-data-parallel group.
 
     Both get the stage seed: on a GPU (``use_cpu_initialization=False``) the weights are drawn from the CUDA streams,
     so a seed without the stage offset would give every pipeline stage the same initial weights. On CPU the weights
@@ -65,7 +75,8 @@ def seed_streams(seed: int, pp_rank: int, tp_rank: int | None = None) -> None:
     from megatron.core import tensor_parallel
 
     torch.manual_seed(stage_seed(seed, pp_rank))
-    ranks = {} if tp_rank is None else {"tp_rank": tp_rank, "ep_rank": 0, "etp_rank": 0}
+    given = {"tp_rank": tp_rank, "ep_rank": ep_rank, "etp_rank": etp_rank}
+    ranks = {k: v for k, v in given.items() if v is not None}
     tensor_parallel.model_parallel_cuda_manual_seed(stage_seed(seed, pp_rank), **ranks)
 
 
@@ -108,6 +119,16 @@ class Engine:
         self._wire_config(finalize_model_grads)
         self.forward_backward = get_forward_backward_func()
         self.skipped_steps = 0
+        self.router = None
+        if self.config.num_moe_experts:
+            from hpc_tools.train.megatron.router_load import RouterLoad
+
+            self.router = RouterLoad(self.chunks, self.config, layout.data_size, self.device)
+        self._router_figures: dict[str, Any] | None = None
+
+    def router_load(self) -> dict[str, Any] | None:
+        """The router figures of the latest training step (``router_load.RouterLoad``), None without experts."""
+        return self._router_figures
 
     def _wire_config(self, finalize_model_grads) -> None:
         # The hooks the schedules call: grad sync across DP, loss scaling, and (with overlap) bucket syncs.
@@ -142,6 +163,8 @@ class Engine:
             model=self.chunks if len(self.chunks) > 1 else self.chunks[0], num_microbatches=len(batches),
             seq_length=self.recipe.model.seq_length, micro_batch_size=self.layout.micro_batch_size,
             forward_only=False)
+        if self.router is not None:
+            self._router_figures = self.router.step(len(batches))
         # One host read for both: the loss and the all-reduced non-finite flag come back together.
         loss, bad = torch.cat([self._global_loss_tensor(losses), self._nonfinite_flag(losses)]).tolist()
         if bad > 0:
@@ -268,4 +291,6 @@ class Engine:
         """Tear down Megatron's parallel state (the torch.distributed world stays up)."""
         from megatron.core import parallel_state as ps
 
+        if self.router is not None:
+            self.router.close()
         ps.destroy_model_parallel()

@@ -36,15 +36,36 @@ class SequenceParallelNorm:
 def block_spec(recipe: "Recipe", config, device_type: str, vp_stage: int | None):
     """The decoder block of one model chunk: TE layers, or Megatron's local layers with SequenceParallelNorm."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+        get_transformer_layer_offset,
+    )
 
-    if layer_plan(recipe, device_type).transformer_engine:
+    te = layer_plan(recipe, device_type).transformer_engine
+    if config.num_moe_experts or config.multi_latent_attention:
+        # Megatron's own block spec: MoE layers where moe_layer_freq says, dense ones elsewhere, this stage's slice.
+        if te:
+            return specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
+        layers = specs.get_gpt_decoder_layer_specs(config, use_transformer_engine=False,
+                                                   normalization=config.normalization)
+        for layer in {id(spec): spec for spec in layers}.values():
+            _local_norms(layer)
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        count = get_num_layers_to_build(config, vp_stage=vp_stage)
+        return TransformerBlockSubmodules(layer_specs=layers[offset:offset + count], layer_norm=SequenceParallelNorm)
+    if te:
         return specs.get_gpt_layer_with_transformer_engine_spec()
-    layer = specs.get_gpt_layer_local_spec(normalization=config.normalization)
-    layer.submodules.input_layernorm = SequenceParallelNorm
-    layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    layer = _local_norms(specs.get_gpt_layer_local_spec(normalization=config.normalization))
     count = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=SequenceParallelNorm)
+
+
+def _local_norms(layer):
+    """A local layer spec with SequenceParallelNorm as its input and pre-MLP norms."""
+    layer.submodules.input_layernorm = SequenceParallelNorm
+    layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    return layer
 
 
 def build_chunks(recipe: "Recipe", layout: "ParallelLayout", config, device_type: str) -> list:
