@@ -47,7 +47,7 @@ from typing import Any
 from profiling import comm as comm_mod
 from profiling.clock import Clock
 from profiling.records import RecordWriter, comm_path, events_path
-from profiling.schema import SCHEMA_VERSION
+from profiling.schema import FIELD_NAMES, SCHEMA_VERSION
 from profiling.summary import RankSummary, format_job_line, format_line, merge, write_rank
 
 SUMMARY_MERGE_WAIT_S = 10.0
@@ -252,7 +252,8 @@ class StepCollector:
 
     def end_step(self, step: int, *, loss: float | None = None, lr: float | None = None,
                  grad_norm: float | None = None, skipped: bool | None = None,
-                 nonfinite: bool | None = None) -> dict[str, Any]:
+                 nonfinite: bool | None = None, figures: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The step's record; ``figures``: further schema fields the trainer measured (e.g. the MoE router's)."""
         end = self.clock.mark()
         self.clock.wait(end)  # the collectors' one host-GPU synchronisation (see the module docstring)
         dt = self.clock.seconds(self._t0, end) if self._t0 is not None else 0.0
@@ -267,6 +268,11 @@ class StepCollector:
             "rss_bytes": self._rss() if self._rss is not None else None, "skipped": skipped,
             "nonfinite": nonfinite, "val_loss": None, "eval_time_s": None,  # keys on every line: readers of JSON
         }                                                                 # lines look for a column in the first
+        if figures:
+            unknown = set(figures) - set(FIELD_NAMES)
+            if unknown:
+                raise ValueError(f"step figures {sorted(unknown)} are not step record fields (profiling.schema)")
+            record.update(figures)
         if not self.enabled:
             return record
         record.update(self._flops_fields(dt))

@@ -23,7 +23,7 @@ from profiling.schema import fields
 # set at evaluation steps only; version-1 files lack it and read as no validation loss.
 COLUMNS = fields("step", "restart", "pp_rank", "step_time_s", "tokens", "data_time_s", "comm_time_s", "pp_wait_s",
                  "loss", "model_flops", "hardware_flops", "tflops_per_gpu", "mfu", "mem_allocated_max_bytes",
-                 "mem_reserved_max_bytes", "rss_bytes", "val_loss")
+                 "mem_reserved_max_bytes", "rss_bytes", "val_loss", "moe_load_imbalance", "moe_aux_loss")
 REQUIRED = fields("step", "step_time_s")
 STRAGGLER_THRESHOLD = straggler_rules.THRESHOLD  # excess busy time (share of the step) that makes a straggler
 GB = 1e9
@@ -75,6 +75,13 @@ DEFINITIONS: dict[str, str] = {
                "evaluation = 0; other = the rest. Requeue wait = end of a life to the next start, outside the "
                "allocation. goodput = productive / allocation; hours = seconds x world size / 3600 "
                "(profiling.goodput).",
+    "moe_load_imbalance_median, _max, moe_aux_loss": "Mixture of experts: a step's load imbalance is the max over "
+               "the MoE layers of the busiest expert's tokens / the mean tokens per expert, counted over every rank "
+               "(1 = even; num_experts / top-k = every token to the same experts); median and max over the measured "
+               "steps. moe_aux_loss: the router's load-balancing loss without its coefficient (mean over MoE layers "
+               "and microbatches, as Megatron-LM logs it), mean over the measured steps. Empty without experts.",
+    "all_to_all_share": "Mixture of experts: time in all-to-all collectives (the token dispatcher's) per sampled "
+               "rank-step / the median step time (collectives are timed on sampled steps only).",
     "comm (per kind)": "Calls, bytes and time of the sampled collectives on measured steps, summed over steps and "
                "ranks per (kind, group size); algbw = bytes / span, busbw = algbw x the nccl-tests factor of the "
                "kind (profiling.comm.busbw_factor).",
@@ -86,7 +93,8 @@ JOB_FIGURES = ("ranks_measured", "steps_measured", "warmup_steps", "step_time_me
                "model_flops_per_step", "hardware_flops_per_step", "peak_tflops_per_gpu", "tflops_per_gpu", "mfu", "hfu",
                "data_share", "comm_share", "bubble_share", "bubble_share_per_stage", "bubble_share_theory",
                "mem_allocated_peak_bytes", "mem_reserved_peak_bytes", "rss_peak_bytes", "peak_mem_gb", "peak_mem_kind",
-               "rank_skew", "slowest_rank", "stragglers", "straggler_nodes", "straggler_verdict", "last_loss")
+               "rank_skew", "slowest_rank", "stragglers", "straggler_nodes", "straggler_verdict", "last_loss",
+               "moe_load_imbalance_median", "moe_load_imbalance_max", "moe_aux_loss")
 
 
 def definitions_text(width: int = 110) -> str:
@@ -428,6 +436,7 @@ class RunReducer:
         self._hw_flops: list[float | None] = []
         self._peaks: list[float | None] = []
         self._mem: list[tuple[float | None, float | None, float | None]] = []
+        self._moe: list[tuple[float | None, float | None, float | None]] = []  # imbalance median, max; aux mean
         self._layout: StepLayout | None = None  # the last rank's, reused while the ranks record the same steps
 
     def add_rank(self, rank: int, cols: dict[str, np.ndarray]) -> Prepared | None:
@@ -475,6 +484,7 @@ class RunReducer:
         else:
             self._mem.append(tuple(_peak(cols.get(c)) for c in ("mem_allocated_max_bytes", "mem_reserved_max_bytes",
                                                                   "rss_bytes")))
+        self._moe.append(_moe_figures(cols, measured_sel))
         return Prepared(cols, measured, layout)
 
     def measured_step_times(self) -> np.ndarray:
@@ -521,6 +531,8 @@ class RunReducer:
         out["peak_mem_gb"], out["peak_mem_kind"] = peak_memory(alloc, rss)
         out.update(mark_stragglers(self.ranks, self.straggler_sample, med, self.node_of))
         out["last_loss"] = self.last_loss()
+        moe = next((m for m in self._moe if m[0] is not None), (None, None, None))  # the same on every rank
+        out["moe_load_imbalance_median"], out["moe_load_imbalance_max"], out["moe_aux_loss"] = moe
         return {k: out[k] for k in JOB_FIGURES}
 
     def last_loss(self) -> float | None:
@@ -536,6 +548,32 @@ class RunReducer:
         with np.errstate(invalid="ignore", divide="ignore"):
             loss[: idx.size] = np.where(count[idx] > 0, total[idx] / count[idx], np.nan)
         return loss
+
+
+def _moe_figures(cols: dict[str, np.ndarray], measured) -> tuple[float | None, float | None, float | None]:
+    """One rank's router figures over its measured steps: imbalance median and max, aux loss mean (DEFINITIONS)."""
+    imbalance = cols.get("moe_load_imbalance")
+    if imbalance is None:
+        return None, None, None
+    values = np.asarray(imbalance[measured], dtype=float)
+    values = values[~np.isnan(values)]
+    if not values.size:
+        return None, None, None
+    aux = cols.get("moe_aux_loss")
+    aux_values = np.asarray(aux[measured], dtype=float) if aux is not None else np.empty(0)
+    aux_values = aux_values[~np.isnan(aux_values)]
+    return (float(np.median(values)), float(values.max()),
+            float(aux_values.mean()) if aux_values.size else None)
+
+
+def all_to_all_share(comm_rows: list[dict[str, Any]], step_time_median_s: float | None) -> float | None:
+    """All-to-all time per sampled rank-step / the median step time (DEFINITIONS), from ``comm_table`` rows; None
+    when no all-to-all was timed."""
+    rows = [r for r in comm_rows if r.get("kind") == "all_to_all" and r.get("samples")]
+    if not rows or not step_time_median_s:
+        return None
+    samples = max(r["samples"] for r in rows)  # every group size's row counts the same sampled rank-steps
+    return sum(r["time_s"] for r in rows) / samples / step_time_median_s
 
 
 def _first(values: list[float | None]) -> float | None:

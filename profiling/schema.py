@@ -66,6 +66,15 @@ STEP_FIELDS: tuple[Field, ...] = (
                                          "null except at evaluation steps (schema version 2)"),
     Field("nonfinite", "bool", False, "the step's loss or gradient norm was not finite on some rank: the update was "
                                       "skipped (training.max_nonfinite_steps)"),
+    Field("moe_aux_loss", "float", False, "mixture of experts: the router's load-balancing loss (without its "
+                                          "coefficient), mean over the MoE layers and microbatches, the same on every "
+                                          "rank; null without experts or with load_balancing_type none"),
+    Field("moe_load_imbalance", "float", False, "mixture of experts: max over the MoE layers of the busiest expert's "
+                                                "tokens / the mean tokens per expert in the step (1 = even), the same "
+                                                "on every rank"),
+    Field("moe_tokens_per_expert", "str", False, "mixture of experts: tokens routed to each expert in the step "
+                                                 "(a token counts once per top-k expert), summed over the MoE layers, "
+                                                 "as a JSON list"),
 )
 
 FIELD_NAMES = tuple(f.name for f in STEP_FIELDS)

@@ -154,7 +154,7 @@ NUMERIC = tuple(f for f in JOB_FIGURES if f not in ("ranks_measured", "steps_mea
                                                     "peak_mem_kind", "stragglers", "straggler_nodes",
                                                     "straggler_verdict", "bubble_share_per_stage")) + (
     "predicted_step_time_s", "predicted_mem_allocated_bytes", "predicted_mem_gb", "predicted_vs_measured", "goodput",
-    "allocation_hours", "last_val_loss")
+    "allocation_hours", "last_val_loss", "all_to_all_share")
 
 
 def _numeric(runs: pd.DataFrame) -> pd.DataFrame:

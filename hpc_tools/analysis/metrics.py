@@ -69,6 +69,12 @@ def run_metrics(inp: RunInput, rec: RunRecords) -> dict[str, Any]:
     per_stage = figures.pop("bubble_share_per_stage")
     row.update(figures)
     row["bubble_share_per_stage"] = ", ".join(f"{k}: {v:.4g}" for k, v in per_stage.items()) if per_stage else ""
+    row["all_to_all_share"] = None
+    if figures.get("moe_load_imbalance_median") is not None:  # a mixture-of-experts run: its dispatcher's all-to-all
+        from profiling.figures import all_to_all_share, comm_table
+
+        row["all_to_all_share"] = all_to_all_share(comm_table(inp.run.records_dir, rec.warmup_steps),
+                                                   figures.get("step_time_median_s"))
     evaluated = np.nonzero(rec.reducer.val_loss_count > 0)[0]  # the last evaluation, by the figures' own mean
     row["last_val_loss"] = float(rec.reducer.step_losses(evaluated[-1:], validation=True)[0]) if evaluated.size \
         else None

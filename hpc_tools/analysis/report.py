@@ -26,6 +26,11 @@ RUN_TABLES = (
                               "bubble_share_theory", "comm_share", "data_share", "rank_skew", "stragglers",
                               "last_loss", "last_val_loss")),
 )
+MOE_COLUMNS = ("#", "config", "moe_load_imbalance_median", "moe_load_imbalance_max", "moe_aux_loss",
+               "all_to_all_share")
+MOE_TEXT = ("Mixture of experts: router load imbalance per step (the busiest expert's tokens / the mean, worst MoE "
+            "layer; 1 = even), the router's load-balancing loss, and the share of the step spent in all-to-all "
+            "(Method: moe_load_imbalance, all_to_all_share).")
 OUTSIDE_COLUMNS = ("#", "config", "world_size", "nodes", "step_time_median_s", "tokens_per_s", "tokens_per_s_per_gpu")
 SCALING_COLUMNS = ("scaling", "world_size", "nodes", "repeats", "global_batch_size", "step_time_s", "step_time_std_s",
                    "spread", "tokens_per_s", "speedup", "ideal_speedup", "efficiency", "efficiency_lo", "efficiency_hi",
@@ -53,6 +58,26 @@ def _verdict_lines(a: Analysis, template: str, escape=str) -> str:
         who = runs[0][1] if len(runs) == 1 else f"runs #{', #'.join(str(i) for i, _ in runs)}"
         lines.append(template.format(escape(f"{who}: {verdict}")))
     return "".join(lines)
+
+
+def moe_runs(runs: pd.DataFrame) -> pd.DataFrame | None:
+    """The runs with router figures (mixture-of-experts runs), None when there are none: the section is left out."""
+    if runs.empty or "moe_load_imbalance_median" not in runs:
+        return None
+    moe = runs[runs["moe_load_imbalance_median"].notna()]
+    return None if moe.empty else moe
+
+
+def moe_lines(moe: pd.DataFrame) -> list[str]:
+    """One line per MoE run: its router imbalance and all-to-all share, in words."""
+    lines = []
+    for r in moe.to_dict("records"):
+        a2a = r.get("all_to_all_share")
+        a2a_text = "not timed" if a2a is None or (isinstance(a2a, float) and math.isnan(a2a)) else f"{100 * a2a:.1f} %"
+        lines.append(f"#{r.get('#', '')} {r['run_id']}: router load imbalance median "
+                     f"{r['moe_load_imbalance_median']:.3g} (max {r['moe_load_imbalance_max']:.3g}), load-balancing "
+                     f"loss {_fmt(r.get('moe_aux_loss'))}, all-to-all {a2a_text} of the step")
+    return lines
 
 
 def _goodput_total_line(a: Analysis) -> str:
@@ -212,6 +237,10 @@ def render_markdown(a: Analysis, images: list[Path], title: str) -> str:
         parts += ["## Outside any scaling series\n", text + "\n"]
         if rest is not None:
             parts.append(markdown_table(rest, OUTSIDE_COLUMNS))
+    moe = moe_runs(runs)
+    if moe is not None:
+        parts += ["## Mixture of experts\n", MOE_TEXT + "\n", "".join(f"- {line}\n" for line in moe_lines(moe)),
+                  markdown_table(moe, MOE_COLUMNS)]
     parts += ["## Stragglers\n", STRAGGLER_TEXT + "\n", _verdict_lines(a, "- {}\n"),
               markdown_table(a.stragglers, STRAGGLER_COLUMNS)]
     goodput = numbered_goodput(a)
@@ -277,6 +306,11 @@ def render_html(a: Analysis, images: list[Path], title: str) -> str:
         parts += ["<h2>Outside any scaling series</h2>", f"<p>{html.escape(text)}</p>"]
         if rest is not None:
             parts.append(_scroll(html_table(rest, OUTSIDE_COLUMNS)))
+    moe = moe_runs(numbered_runs(a))
+    if moe is not None:
+        parts += ["<h2>Mixture of experts</h2>", f"<p>{html.escape(MOE_TEXT)}</p>",
+                  "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in moe_lines(moe)) + "</ul>",
+                  _scroll(html_table(moe, MOE_COLUMNS))]
     parts += ["<h2>Stragglers</h2>", f"<p>{html.escape(STRAGGLER_TEXT)}</p>",
               "<ul>" + _verdict_lines(a, "<li>{}</li>", html.escape) + "</ul>",
               _scroll(html_table(a.stragglers, STRAGGLER_COLUMNS))]

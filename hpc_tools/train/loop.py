@@ -87,6 +87,9 @@ class StepResult:
     all-reduces it) and the update was skipped where the backend can (see the engines)."""
     note: str | None = None
     """A progress detail of this step, logged by rank 0 every ``training.log_interval`` steps and at the last one."""
+    figures: dict[str, Any] | None = None
+    """Further record fields the backend measured in this step (``profiling.schema`` names), e.g. the MoE router's
+    load (``moe_*``); None when it has none."""
 
 
 class Engine(Protocol):
@@ -373,7 +376,8 @@ def train(ctx: "RankContext", engine: Engine, collector_for: Callable[..., Any] 
                 batch = engine.batch(step)
             result = engine.step(step, batch)
             record = collector.end_step(step, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
-                                        skipped=result.skipped, nonfinite=result.nonfinite)
+                                        skipped=result.skipped, nonfinite=result.nonfinite,
+                                        **({"figures": result.figures} if result.figures else {}))
             if step == first:
                 startup.done("first step", time.perf_counter() - t_step)
             ctx.heartbeat(step)

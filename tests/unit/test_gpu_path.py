@@ -398,7 +398,7 @@ def test_ds_copies_batches_from_pinned_memory_without_blocking():
 
 # -- per-stage seeds (item 8) ------------------------------------------------------------------------------------------
 
-def test_each_pipeline_stage_and_tp_rank_gets_its_own_streams():
+def test_each_pipeline_stage_tp_rank_and_ep_rank_gets_its_own_streams():
     """Runs megatron-core's real seeding (cpu_compat routes the CUDA tracker to CPU generator states) in a child
     process, since cpu_compat patches torch process-wide."""
     code = textwrap.dedent("""
@@ -410,22 +410,29 @@ def test_each_pipeline_stage_and_tp_rank_gets_its_own_streams():
         out = {}
         for pp in range(2):
             for tp in range(2):
-                seed_streams(1234, pp, tp)
-                cpu = torch.rand(4).tolist()
-                tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
-                out[f"{pp},{tp}"] = {"cpu": cpu, **{k: torch.as_tensor(v).float().sum().item()
-                                                    for k, v in tracker.items()}}
+                for ep in range(2):
+                    seed_streams(1234, pp, tp, ep_rank=ep, etp_rank=0)
+                    cpu = torch.rand(4).tolist()
+                    tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+                    out[f"{pp},{tp},{ep}"] = {"cpu": cpu, **{k: torch.as_tensor(v).float().sum().item()
+                                                             for k, v in tracker.items()}}
         print(json.dumps(out))
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = {k[:-2]: v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items() if k.endswith(",0")}
+    experts = json.loads(proc.stdout.strip().splitlines()[-1])
     streams = [name for name in out["0,0"] if name != "cpu"]
-    assert "model-parallel-rng" in streams
+    assert "model-parallel-rng" in streams and "expert-parallel-rng" in streams
     # every stream differs between the stages; the tensor-parallel stream also between TP ranks
     for name in streams + ["cpu"]:
         assert out["0,0"][name] != out["1,0"][name] and out["0,1"][name] != out["1,1"][name], name
     assert out["0,0"]["model-parallel-rng"] != out["0,1"]["model-parallel-rng"]
+    # the expert stream differs between expert-parallel ranks (each draws its own experts), the others do not
+    for key in ("0,0", "1,1"):
+        a, b = experts[key + ",0"], experts[key + ",1"]
+        assert a["expert-parallel-rng"] != b["expert-parallel-rng"]
+        assert all(a[n] == b[n] for n in streams + ["cpu"] if n != "expert-parallel-rng")
     # the CPU generator of stage 0 is seeded as before (seed + 100 * pp): the CPU equality tests rely on it
     import torch
 

@@ -29,7 +29,8 @@ def fusions(recipe: "Recipe", device_type: str, plan) -> dict[str, bool]:
     - masked_softmax_fusion: Megatron's ``scaled_upper_triang_masked_softmax_cuda`` (local attention only; TE's
       attention ignores it);
     - bias_dropout_fusion: torch-jit, any CUDA device;
-    - apply_rope_fusion: TE's fused RoPE (TransformerConfig raises without TE);
+    - apply_rope_fusion: TE's fused RoPE (TransformerConfig raises without TE; for multi-latent attention it fuses
+      only YaRN RoPE, and raises for plain RoPE);
     - persist_layer_norm: only apex's FusedLayerNorm reads it, and no spec here uses that (mcore's torch norm asserts
       it off): always off.
     All off on CPU.
@@ -45,7 +46,8 @@ def fusions(recipe: "Recipe", device_type: str, plan) -> dict[str, bool]:
             "masked_softmax_fusion": not plan.transformer_engine
             and module_available("scaled_upper_triang_masked_softmax_cuda"),
             "bias_dropout_fusion": True,
-            "apply_rope_fusion": plan.transformer_engine and m.position_embedding == "rope"}
+            "apply_rope_fusion": plan.transformer_engine and m.position_embedding == "rope"
+            and not m.multi_latent_attention}
 
 
 APEX_WGRAD = "fused_weight_gradient_mlp_cuda"

@@ -58,8 +58,8 @@ def install() -> bool:
     _route_mla()
     _installed = True
     log.info("cpu_compat: no CUDA in this torch build; Megatron-core's CUDA calls (device='cuda', .cuda(), CUDA RNG, "
-             "cuda tensor-type checks, cuda.synchronize, the MoE dispatcher's streams, MLA's local attention) are routed to the "
-             "CPU")
+             "cuda tensor-type checks, cuda.synchronize, the MoE dispatcher's streams, MLA's local attention) are "
+             "routed to the CPU")
     return True
 
 

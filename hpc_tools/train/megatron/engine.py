@@ -154,7 +154,7 @@ class Engine:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        batches = [self._prepare(b, self.device) for b in microbatches]
+        batches = [self._on_this_cp_rank(self._prepare(b, self.device)) for b in microbatches]
         if nonfinite_injected(step, torch.distributed.get_rank()):
             batches = [{**b, "poison": True} for b in batches]
         iterators = [iter(batches) for _ in self.chunks]  # every virtual stage walks the same microbatches
@@ -170,13 +170,25 @@ class Engine:
         if bad > 0:
             # Skipped before the optimizer sees the gradients: no update, no Adam step, the weights stay finite.
             self.skipped_steps += 1
-            return StepResult(loss=loss, grad_norm=None, lr=lr, skipped=True, nonfinite=True)
+            return StepResult(loss=loss, grad_norm=None, lr=lr, skipped=True, nonfinite=True,
+                              figures=self._record_figures())
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             self.skipped_steps += 1
         grad_norm = None if grad_norm is None else float(grad_norm)
         return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, skipped=not ok,
-                          nonfinite=grad_norm is not None and not math.isfinite(grad_norm))
+                          nonfinite=grad_norm is not None and not math.isfinite(grad_norm),
+                          figures=self._record_figures())
+
+    def _record_figures(self) -> dict[str, Any] | None:
+        """The router figures of this step as step-record fields (``profiling.schema``), None without experts."""
+        r = self._router_figures
+        if r is None:
+            return None
+        import json
+
+        return {"moe_aux_loss": r["moe_aux_loss"], "moe_load_imbalance": r["moe_load_imbalance"],
+                "moe_tokens_per_expert": json.dumps(r["moe_tokens_per_expert"], separators=(",", ":"))}
 
     def _nonfinite_flag(self, losses: list[dict]):
         """1.0 when any rank saw a non-finite loss or gradient this step, else 0.0: a one-element tensor on the
@@ -223,13 +235,30 @@ class Engine:
         # asynchronous (from pageable memory, non_blocking still waits for a staging copy on the host).
         return {k: (v if v.is_pinned() else v.pin_memory()).to(device, non_blocking=True) for k, v in out.items()}
 
-    @staticmethod
-    def _forward_step(data_iterator, model):
+    def _on_this_cp_rank(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """This context-parallel rank's share of a microbatch (every rank of the CP group gets the whole sequence):
+        megatron-core's load-balanced split (``megatron.core.utils.get_batch_on_this_cp_rank``, as Megatron-LM's
+        ``get_batch``): the sequence in 2 x CP chunks, rank r keeping chunks r and 2 CP - 1 - r, so that under the
+        causal mask every rank attends over the same number of key/value pairs. Position ids are split with the
+        tokens (the learned position embedding reads them; RoPE splits its own table the same way). Unchanged
+        without CP."""
+        if self.layout.context_size == 1:
+            return batch
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        return get_batch_on_this_cp_rank(dict(batch))
+
+    def _forward_step(self, data_iterator, model):
         batch = next(data_iterator)
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        cp = self.layout.context_size
 
         def loss_func(per_token_loss):
-            loss = per_token_loss.float().mean()
+            # Under CP each rank holds 1/CP of the sequence: its mean / CP is its share of the sequence mean. The
+            # schedule multiplies the loss by CP before backward and the gradient reduction divides by DP x CP,
+            # so the gradient is the sequence mean's; the reported shares add up over the CP group
+            # (``_global_loss_tensor``).
+            loss = per_token_loss.float().mean() / cp
             if batch.get("poison"):  # loop.INJECT_NONFINITE_ENV (tests only)
                 loss = loss * float("nan")
             # Megatron's schedule divides the returned loss tensor in place (by the number of microbatches) before
@@ -243,17 +272,18 @@ class Engine:
         return float(self._global_loss_tensor(losses))
 
     def _global_loss_tensor(self, losses: list[dict]):
-        """Mean over microbatches and data-parallel ranks, computed on the last stage (the same on every layout) and
-        broadcast along the pipeline, so every rank's record and rank 0's progress line carry the loss: a
-        one-element tensor on the device."""
+        """Mean over microbatches, context-parallel shares and data-parallel ranks, computed on the last stage (the
+        same on every layout) and broadcast along the pipeline, so every rank's record and rank 0's progress line
+        carry the loss: a one-element tensor on the device."""
         import torch
         from megatron.core import parallel_state as ps
 
         loss = torch.zeros(1, dtype=torch.float32, device=self.device)
         if self.coords.is_last_stage and losses:
             loss = torch.stack([d["lm loss"].float() for d in losses]).mean().reshape(1).to(self.device)
-            if self.layout.data_size > 1:
-                torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
+            if self.layout.data_size * self.layout.context_size > 1:
+                # summed over the CP shares of each sequence (loss_func), averaged over the data-parallel replicas
+                torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group(with_context_parallel=True))
                 loss /= self.layout.data_size
         if self.layout.pipeline_size > 1:
             torch.distributed.broadcast(loss, src=ps.get_pipeline_model_parallel_last_rank(),
@@ -273,7 +303,7 @@ class Engine:
         try:
             with torch.no_grad():
                 for microbatches in batches:
-                    prepared = [self._prepare(b, self.device) for b in microbatches]
+                    prepared = [self._on_this_cp_rank(self._prepare(b, self.device)) for b in microbatches]
                     iterators = [iter(prepared) for _ in self.chunks]
                     out = self.forward_backward(
                         forward_step_func=self._forward_step,

@@ -51,7 +51,8 @@ def block_spec(recipe: "Recipe", config, device_type: str, vp_stage: int | None)
                                                    normalization=config.normalization)
         for layer in {id(spec): spec for spec in layers}.values():
             _local_norms(layer)
-        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        pipelined = config.pipeline_model_parallel_size > 1  # (the offset asks the pipeline group)
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage) if pipelined else 0
         count = get_num_layers_to_build(config, vp_stage=vp_stage)
         return TransformerBlockSubmodules(layer_specs=layers[offset:offset + count], layer_norm=SequenceParallelNorm)
     if te:

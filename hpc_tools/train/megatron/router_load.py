@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 AUX_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
 """megatron-core 0.16.1's tracker name of each load-balancing type's loss (``router.py``)."""
 
