@@ -84,6 +84,15 @@ def test_context_parallelism_goes_to_te_attention_as_a_ring():
     assert c.context_parallel_size == 2 and c.cp_comm_type == "p2p"
 
 
+@pytest.mark.parametrize("sets, what", [(["parallel.context_size=2"], "parallel.context_size=2 needs Transformer"),
+                                        (["training.fp8=e4m3"], "training.fp8=e4m3 needs Transformer Engine")])
+def test_cp_and_fp8_without_transformer_engine_are_refused_in_one_line(sets, what):
+    r = recipe(*sets, "backend.megatron.use_flash_attention=false")
+    with pytest.raises(UserError, match=what) as err:
+        config(r, "cuda", te=False)
+    assert "\n" not in str(err.value) and "(run on" in str(err.value)
+
+
 @pytest.mark.parametrize("fmt, scaling", [("e4m3", "delayed"), ("hybrid", "tensorwise"), ("e4m3", "mxfp8"),
                                           ("hybrid", "blockwise")])
 def test_fp8_format_and_recipe_reach_the_transformer_config(fmt, scaling, monkeypatch):

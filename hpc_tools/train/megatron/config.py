@@ -103,7 +103,7 @@ def transformer_config(recipe: "Recipe", layout: "ParallelLayout", device_type: 
     dtype = params_dtype(recipe)
     recompute = recompute_granularity(recipe, plan)
     interleaved = layout.interleaved
-    extra = {**moe_options(recipe, layout, plan), **context_options(layout, plan), **fp8_options(recipe)}
+    extra = {**moe_options(recipe, layout, plan), **context_options(layout, plan), **fp8_options(recipe, plan)}
     config_cls = TransformerConfig
     if m.multi_latent_attention:
         from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -191,16 +191,23 @@ even). Megatron-LM's default."""
 def context_options(layout: "ParallelLayout", plan) -> dict:
     """TransformerConfig's context-parallel fields: the size, and with CP > 1 the K/V exchange of TE's attention
     (megatron-core's ``TEDotProductAttention`` passes ``cp_group``, ``cp_global_ranks`` and ``cp_comm_type`` to TE;
-    its local ``DotProductAttention`` asserts ``context_parallel_size == 1``)."""
+    its local ``DotProductAttention`` asserts ``context_parallel_size == 1``, so local layers are refused in one
+    line)."""
     if layout.context_size == 1:
         return {"context_parallel_size": 1}
+    if not plan.transformer_engine:
+        from hpc_tools.errors import UserError
+
+        raise UserError(f"parallel.context_size={layout.context_size} needs Transformer Engine's attention, but this "
+                        f"rank builds {plan.layers} layers (run on GPUs with transformer_engine, or set "
+                        "parallel.context_size: 1)")
     return {"context_parallel_size": layout.context_size, "cp_comm_type": CP_COMM_TYPE}
 
 
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 
 
-def fp8_options(recipe: "Recipe") -> dict:
+def fp8_options(recipe: "Recipe", plan) -> dict:
     """TransformerConfig's FP8 fields (Transformer Engine layers only): ``fp8`` is the format (``e4m3``: E4M3
     everywhere; ``hybrid``: E4M3 forward, E5M2 gradients) and ``fp8_recipe`` the scaling (``delayed``: amax history;
     ``tensorwise``: current per-tensor scaling; ``mxfp8``: 32-element blocks, Blackwell; ``blockwise``: 128-element
@@ -209,6 +216,11 @@ def fp8_options(recipe: "Recipe") -> dict:
     t = recipe.training
     if not t.fp8:
         return {}
+    if not plan.transformer_engine:
+        from hpc_tools.errors import UserError
+
+        raise UserError(f"training.fp8={t.fp8} needs Transformer Engine layers, but this rank builds {plan.layers} "
+                        "layers (run on Hopper/Blackwell GPUs with transformer_engine, or set training.fp8: null)")
     return {"fp8": t.fp8, "fp8_recipe": t.fp8_recipe}
 
 
