@@ -61,6 +61,16 @@ class Backend:
     """``parallel.pipeline_size`` > 1 (False: every rank holds every layer; data parallelism only)."""
     selective_recompute: bool = False
     """``training.recompute_granularity: selective``."""
+    experts: bool = False
+    """Mixture-of-experts layers (``model.num_experts`` and the ``moe_*`` fields)."""
+    expert_parallel: bool = False
+    """``parallel.expert_size`` > 1 and ``parallel.expert_tensor_size`` (experts split across GPUs, all-to-all)."""
+    context_parallel: bool = False
+    """``parallel.context_size`` > 1 (sequences split across GPUs, ring exchange of keys and values)."""
+    fp8: bool = False
+    """``training.fp8`` (FP8 GEMMs through Transformer Engine)."""
+    multi_latent_attention: bool = False
+    """``model.multi_latent_attention`` (DeepSeek's low-rank query and key/value latents)."""
     pads_vocab: bool = False
     """The embedding is padded to a multiple of 128 x TP (Megatron's ``make_vocab_size_divisible_by``)."""
     hf_model_classes: bool = False
@@ -90,10 +100,11 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {b.kind: b for b in (
-    Backend(kind="megatron", summary="Megatron-core GPT/Llama: tensor, pipeline (1F1B / interleaved) and data "
-            "parallelism, sequence parallelism, distributed optimizer",
+    Backend(kind="megatron", summary="Megatron-core GPT/Llama/MoE: tensor, pipeline (1F1B / interleaved), data, "
+            "context and expert parallelism, sequence parallelism, distributed optimizer, FP8",
             trainer="hpc_tools.train.megatron.trainer", trains_model=True, options="megatron",
             tensor_parallel=True, sequence_parallel=True, interleaved_pipeline=True, selective_recompute=True,
+            experts=True, expert_parallel=True, context_parallel=True, fp8=True, multi_latent_attention=True,
             pads_vocab=True,
             reads_init_from_hf=True, hf_export="hpc_tools.train.megatron.hf_export:export_checkpoint",
             rank_setup="hpc_tools.train.megatron.config:rank_environment", layers="megatron",

@@ -1,7 +1,17 @@
-"""The parallel layout: the one owner of world size, TP x PP x DP, microbatches and every number derived from them.
+"""The parallel layout: the one owner of world size, the five parallel degrees, microbatches and every number derived
+from them.
 
-sbatch (--nodes, --ntasks-per-node), the local launcher, Megatron's parallel sizes and DeepSpeed's batch triple all
-read this class; nothing else multiplies parallel degrees.
+Two decompositions of the same ranks (Megatron-core's, ``parallel_state.initialize_model_parallel``):
+
+* dense parts (attention, dense MLPs, embeddings, norms): world = PP x TP x CP x DP, so
+  ``data_size`` = world / (PP x TP x CP);
+* expert parts (the routed experts of MoE layers): world = PP x ETP x EP x EDP, so
+  ``expert_data_size`` = world / (PP x ETP x EP).
+
+The context-parallel ranks of a replica hold the same weights (they split the sequence), so dense gradients are
+reduced over DP x CP ranks; expert gradients over the EDP ranks. sbatch (--nodes, --ntasks-per-node), the local
+launcher, Megatron's parallel sizes, the planner and DeepSpeed's batch triple all read this class; nothing else
+multiplies parallel degrees.
 """
 
 from __future__ import annotations
@@ -21,6 +31,17 @@ class ParallelLayout:
     sequence_parallel: bool
     micro_batch_size: int
     global_batch_size: int
+    context_size: int = 1
+    """CP: ranks one sequence is split across."""
+    expert_size: int = 1
+    """EP: ranks the routed experts are split across."""
+    expert_tensor_size: int | None = None
+    """ETP: tensor-parallel degree inside an expert; None (when built by hand) = tensor_size, Megatron's default.
+    ``from_recipe`` resolves the recipe's null to 1 when the model has experts."""
+
+    def __post_init__(self) -> None:
+        if self.expert_tensor_size is None:
+            object.__setattr__(self, "expert_tensor_size", self.tensor_size)
 
     @classmethod
     def from_recipe(cls, recipe: Any) -> "ParallelLayout":
@@ -30,12 +51,17 @@ class ParallelLayout:
         imported here, since the recipe's rules build on this class (the layout sits below the recipe)."""
         p, t, c = recipe.parallel, recipe.training, recipe.cluster
         world = c.nodes * c.gpus_per_node
-        data = p.data_size if p.data_size != -1 else max(world // (p.tensor_size * p.pipeline_size), 1)
+        data = (p.data_size if p.data_size != -1
+                else max(world // (p.tensor_size * p.pipeline_size * p.context_size), 1))
         global_batch = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * data
+        etp = p.expert_tensor_size
+        if etp is None:
+            etp = 1 if recipe.model.num_experts is not None else p.tensor_size
         return cls(nodes=c.nodes, ranks_per_node=c.gpus_per_node, tensor_size=p.tensor_size,
                    pipeline_size=p.pipeline_size, data_size=data, virtual_pipeline_size=p.virtual_pipeline_size,
                    sequence_parallel=p.sequence_parallel, micro_batch_size=t.micro_batch_size,
-                   global_batch_size=global_batch)
+                   global_batch_size=global_batch, context_size=p.context_size, expert_size=p.expert_size,
+                   expert_tensor_size=etp)
 
     @property
     def world_size(self) -> int:
@@ -44,12 +70,40 @@ class ParallelLayout:
 
     @property
     def model_parallel_size(self) -> int:
+        """Megatron's model-parallel group: TP x PP."""
         return self.tensor_size * self.pipeline_size
 
     @property
+    def replica_size(self) -> int:
+        """Ranks one data-parallel replica of the dense parts spans: PP x TP x CP."""
+        return self.tensor_size * self.pipeline_size * self.context_size
+
+    @property
     def layout_size(self) -> int:
-        """Ranks the degrees account for: t x p x d (must equal world_size)."""
-        return self.tensor_size * self.pipeline_size * self.data_size
+        """Ranks the dense decomposition accounts for: PP x TP x CP x DP (must equal world_size)."""
+        return self.replica_size * self.data_size
+
+    @property
+    def expert_replica_size(self) -> int:
+        """Ranks one copy of the experts spans: PP x ETP x EP."""
+        return self.pipeline_size * self.expert_tensor_size * self.expert_size
+
+    @property
+    def expert_data_size(self) -> int:
+        """EDP = world / (PP x ETP x EP): the ranks that hold the same experts and reduce their gradients (0 when
+        PP x ETP x EP does not divide the world: a rule reports it)."""
+        world, rep = self.world_size, self.expert_replica_size
+        return world // rep if world % rep == 0 else 0
+
+    @property
+    def dense_grad_size(self) -> int:
+        """Ranks that reduce a dense parameter's gradient (and shard its distributed-optimizer state): DP x CP."""
+        return self.data_size * self.context_size
+
+    @property
+    def seq_shard(self) -> int:
+        """Ranks one sequence is split across by CP (its tokens per rank: seq_length / CP)."""
+        return self.context_size
 
     @property
     def num_microbatches(self) -> int:
@@ -77,16 +131,22 @@ class ParallelLayout:
         }
 
     def megatron_sizes(self) -> dict[str, int | None]:
-        """Arguments for megatron.core.parallel_state.initialize_model_parallel."""
+        """Arguments for megatron.core.parallel_state.initialize_model_parallel, under its own names."""
         return {
             "tensor_model_parallel_size": self.tensor_size,
             "pipeline_model_parallel_size": self.pipeline_size,
             "virtual_pipeline_model_parallel_size": self.virtual_pipeline_size if self.interleaved else None,
+            "context_parallel_size": self.context_size,
+            "expert_model_parallel_size": self.expert_size,
+            "expert_tensor_parallel_size": self.expert_tensor_size,
         }
 
     def describe(self) -> str:
         vpp = f"xVPP{self.virtual_pipeline_size}" if self.interleaved else ""
         sp = "+SP" if self.sequence_parallel else ""
-        return (f"TP{self.tensor_size}xPP{self.pipeline_size}{vpp}xDP{self.data_size}{sp} on {self.nodes}x"
+        cp = f"xCP{self.context_size}" if self.context_size > 1 else ""
+        ep = (f", EP{self.expert_size}xETP{self.expert_tensor_size}xEDP{self.expert_data_size}"
+              if self.expert_size > 1 or self.expert_tensor_size != self.tensor_size else "")
+        return (f"TP{self.tensor_size}xPP{self.pipeline_size}{vpp}{cp}xDP{self.data_size}{sp}{ep} on {self.nodes}x"
                 f"{self.ranks_per_node} ranks, micro {self.micro_batch_size}, global {self.global_batch_size}, "
                 f"{self.num_microbatches} microbatches")

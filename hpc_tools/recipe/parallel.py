@@ -18,3 +18,12 @@ class ParallelConfig(Section):
     """Model chunks per pipeline stage for the interleaved 1F1B schedule (v); null = not interleaved."""
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence across the tensor-parallel group (needs tensor_size > 1)."""
+    context_size: int = Field(default=1, gt=0, le=1 << 20)
+    """Context-parallel degree (CP): splits each sequence across GPUs, which exchange keys and values in a ring
+    (Transformer Engine attention, load-balanced: 2 x CP chunks). Dense parts: world = PP x TP x CP x DP."""
+    expert_size: int = Field(default=1, gt=0, le=1 << 20)
+    """Expert-parallel degree (EP): splits the routed experts across GPUs (model.num_experts divisible by it); tokens
+    reach them by all-to-all. Expert parts: world = PP x ETP x EP x EDP."""
+    expert_tensor_size: int | None = Field(default=None, gt=0, le=1 << 20)
+    """Tensor-parallel degree inside each expert (ETP); null = 1 when the model has experts (each expert whole on
+    its GPU, Megatron's recommendation), else tensor_size."""

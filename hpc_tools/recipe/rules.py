@@ -7,6 +7,7 @@ so ``validate`` reports all problems at once. The layout arithmetic itself lives
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -59,19 +60,22 @@ def _try(values: list[int], limit: int = 8) -> str:
 
 @rule
 def layout_fills_world(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
-    """tensor_size x pipeline_size x data_size equals nodes x gpus_per_node."""
-    world, mp = lay.world_size, lay.model_parallel_size
+    """tensor_size x pipeline_size x context_size x data_size equals nodes x gpus_per_node."""
+    world, rep = lay.world_size, lay.replica_size
+    cp = f" x parallel.context_size={lay.context_size}" if lay.context_size > 1 else ""
     if r.parallel.data_size == -1:
-        if world % mp:
+        if world % rep:
             yield Violation("parallel.tensor_size", r.parallel.tensor_size,
-                            f"x parallel.pipeline_size={r.parallel.pipeline_size} must divide the world size "
+                            f"x parallel.pipeline_size={r.parallel.pipeline_size}{cp} must divide the world size "
                             f"cluster.nodes x cluster.gpus_per_node = {world}",
-                            f"make tensor_size x pipeline_size one of {', '.join(map(str, divisors(world)))}")
+                            f"make tensor_size x pipeline_size{' x context_size' if cp else ''} one of "
+                            f"{', '.join(map(str, divisors(world)))}")
     elif lay.layout_size != world:
         yield Violation("parallel.data_size", r.parallel.data_size,
-                        f"gives tensor x pipeline x data = {lay.layout_size}, not the world size "
-                        f"cluster.nodes x cluster.gpus_per_node = {world}",
-                        f"set data_size: -1 to infer it, or {world // mp if world % mp == 0 else 'change the cluster'}")
+                        f"gives tensor x pipeline{' x context' if cp else ''} x data = {lay.layout_size}, not the "
+                        f"world size cluster.nodes x cluster.gpus_per_node = {world}",
+                        "set data_size: -1 to infer it, or "
+                        f"{world // rep if world % rep == 0 else 'change the cluster'}")
 
 
 @rule
@@ -166,6 +170,184 @@ def recompute_layers_fit(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
                         f"exceeds the {per_chunk} layers of one pipeline chunk", f"use 1..{per_chunk}")
 
 
+# --- experts, context parallelism, FP8, multi-latent attention --------------------------------------------------------
+
+@rule
+def experts_divisible_by_expert_size(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """model.num_experts is divisible by parallel.expert_size (each EP rank holds num_experts / EP experts)."""
+    e = r.model.num_experts
+    if e is not None and e % lay.expert_size:
+        yield Violation("parallel.expert_size", lay.expert_size, f"must divide model.num_experts={e}",
+                        _try(divisors(e)))
+
+
+@rule
+def expert_layout_fits(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """expert_size x expert_tensor_size divides tensor x context x data; expert biases need expert_tensor_size 1."""
+    if r.model.num_experts is None:
+        return
+    dense = lay.world_size // lay.pipeline_size if lay.world_size % lay.pipeline_size == 0 else 0
+    ep, etp = lay.expert_size, lay.expert_tensor_size
+    if dense and dense % (ep * etp):
+        fits = [x for x in divisors(dense) if dense % (x * etp) == 0]
+        yield Violation("parallel.expert_size", ep,
+                        f"x parallel.expert_tensor_size={etp} must divide tensor x context x data = world / "
+                        f"pipeline = {dense} (world = PP x ETP x EP x EDP)",
+                        f"with expert_tensor_size {etp} {_try(fits)} for expert_size")
+    if r.model.add_bias_linear and etp > 1:
+        yield Violation("parallel.expert_tensor_size", etp, "must be 1 when the experts have biases "
+                        "(model.add_bias_linear; Megatron-core has no expert bias under ETP > 1)",
+                        "set expert_tensor_size: 1 (or null), or add_bias_linear: false")
+
+
+@rule
+def expert_parallel_needs_experts(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """expert_size > 1 and expert_tensor_size need model.num_experts; the moe_* options need experts too."""
+    m, p = r.model, r.parallel
+    if m.num_experts is not None:
+        return
+    if p.expert_size > 1:
+        yield Violation("parallel.expert_size", p.expert_size, "needs a model with experts (model.num_experts is null)",
+                        "set model.num_experts (a multiple of it) or expert_size: 1")
+    elif p.expert_tensor_size is not None:
+        yield Violation("parallel.expert_tensor_size", p.expert_tensor_size,
+                        "needs a model with experts (model.num_experts is null)",
+                        "set model.num_experts or expert_tensor_size: null")
+    elif m.moe_shared_expert_intermediate_size is not None or m.moe_ffn_hidden_size is not None:
+        field = ("moe_shared_expert_intermediate_size" if m.moe_shared_expert_intermediate_size is not None
+                 else "moe_ffn_hidden_size")
+        yield Violation(f"model.{field}", getattr(m, field), "needs model.num_experts (a dense model has no experts)",
+                        f"set model.num_experts or {field}: null")
+
+
+@rule
+def moe_routing(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """moe_router_topk <= num_experts, a moe_layer_freq list has num_layers entries, expert bias needs sigmoid."""
+    m = r.model
+    if m.num_experts is None:
+        return
+    if m.moe_router_topk > m.num_experts:
+        yield Violation("model.moe_router_topk", m.moe_router_topk, f"exceeds model.num_experts={m.num_experts}",
+                        f"use 1..{m.num_experts}")
+    freq = m.moe_layer_freq
+    if isinstance(freq, list) and len(freq) != m.num_layers:
+        yield Violation("model.moe_layer_freq", freq,
+                        f"has {len(freq)} entries, not one 0/1 per layer (model.num_layers={m.num_layers})",
+                        f"give {m.num_layers} entries, or an int N (every N-th layer is MoE)")
+    elif isinstance(freq, int) and freq > m.num_layers:
+        yield Violation("model.moe_layer_freq", freq, f"exceeds model.num_layers={m.num_layers} (only layer 0 would "
+                        "be MoE)", f"use 1..{m.num_layers}")
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
+        yield Violation("model.moe_router_enable_expert_bias", True,
+                        f"needs model.moe_router_score_function=sigmoid, not {m.moe_router_score_function}",
+                        "set moe_router_score_function: sigmoid or the bias false")
+
+
+@rule
+def moe_sequence_parallel(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """A model with experts and tensor_size > 1 needs sequence_parallel (as Megatron-LM requires)."""
+    if r.model.num_experts is not None and lay.tensor_size > 1 and not r.parallel.sequence_parallel:
+        yield Violation("parallel.sequence_parallel", False,
+                        f"must be true for a model with experts and parallel.tensor_size={lay.tensor_size}",
+                        "set sequence_parallel: true, or tensor_size: 1")
+
+
+@rule
+def context_parallel_sequence(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """model.seq_length is divisible by 2 x context_size (x tensor_size with sequence parallelism)."""
+    cp = lay.context_size
+    if cp == 1:
+        return
+    step = 2 * cp * (lay.tensor_size if r.parallel.sequence_parallel else 1)
+    if r.model.seq_length % step:
+        what = "2 x parallel.context_size" + (" x tensor_size (sequence parallel)" if step != 2 * cp else "")
+        yield Violation("model.seq_length", r.model.seq_length, f"must be divisible by {what} = {step}",
+                        f"use a multiple of {step}, e.g. {-(-r.model.seq_length // step) * step}")
+
+
+@rule
+def context_parallel_needs_te(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """context_size > 1 needs Transformer Engine attention: GPU ranks, transformer_impl not local."""
+    if lay.context_size == 1 or not backends.of(r).context_parallel:
+        return
+    if not r.cluster.uses_gpus:
+        yield Violation("parallel.context_size", lay.context_size, "needs Transformer Engine attention (the ring "
+                        "exchange of keys and values), which CPU ranks (cluster.gpu_type=cpu) do not have",
+                        "set context_size: 1 on CPU ranks")
+    elif r.backend.megatron.transformer_impl == "local":
+        yield Violation("parallel.context_size", lay.context_size, "needs Transformer Engine attention, not "
+                        "backend.megatron.transformer_impl=local", "set transformer_impl: auto or transformer_engine")
+
+
+# GPUs without FP8 tensor cores (Ampere and older) and GPUs with MXFP8 (Blackwell), matched on the lower-cased
+# gpu_type as profiling/peaks.py matches device names (`A100`, `a100-sxm4-80gb`, `V100-PCIe`); the peaks table lists
+# an fp8 peak exactly for the GPUs not refused here (a unit test holds the two together).
+_NO_FP8 = re.compile(r"(^|[^a-z0-9])(a100|a10g?|a30|a40|a6000|v100|t4|p100)($|[^0-9a-z])")
+_MXFP8 = re.compile(r"(^|[^a-z0-9])g?b[23]00($|[^0-9])")
+FP8_MULTIPLE = 16
+
+
+def gpu_has_fp8(gpu_type: str) -> bool:
+    """Whether ``gpu_type`` has FP8 tensor cores (Hopper, Ada, Blackwell, MI300): all but Ampere and older."""
+    return not _NO_FP8.search(gpu_type.lower().replace("_", "-").replace(" ", "-"))
+
+
+def gpu_has_mxfp8(gpu_type: str) -> bool:
+    """Whether ``gpu_type`` has MXFP8 (block-scaled FP8) tensor cores: Blackwell."""
+    return bool(_MXFP8.search(gpu_type.lower().replace("_", "-").replace(" ", "-")))
+
+
+@rule
+def fp8_supported(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """training.fp8 needs FP8 GPUs (mxfp8: Blackwell), 16-bit precision and GEMM dimensions multiples of 16."""
+    t, c, m = r.training, r.cluster, r.model
+    if t.fp8 is None or not backends.of(r).fp8:
+        return
+    if not c.uses_gpus:
+        yield Violation("training.fp8", t.fp8, "needs GPUs with FP8 tensor cores; CPU ranks have none",
+                        "set training.fp8: null for cluster.gpu_type=cpu")
+        return
+    if not gpu_has_fp8(c.gpu_type):
+        yield Violation("training.fp8", t.fp8, f"needs FP8 tensor cores, which cluster.gpu_type={c.gpu_type} lacks "
+                        "(Ampere and older)", "use H100/H200/B200-class GPUs or set training.fp8: null")
+        return
+    if t.fp8_recipe == "mxfp8" and not gpu_has_mxfp8(c.gpu_type):
+        yield Violation("training.fp8_recipe", "mxfp8", f"needs Blackwell GPUs, not cluster.gpu_type={c.gpu_type}",
+                        "use fp8_recipe: delayed, tensorwise or blockwise")
+    if t.precision == "fp32":
+        yield Violation("training.precision", "fp32", "cannot be combined with training.fp8 (FP8 GEMMs run inside "
+                        "bf16/fp16 training)", "use precision: bf16")
+    dims = {"model.hidden_size": m.hidden_size, "model.ffn_hidden_size": m.ffn_hidden_size // lay.tensor_size}
+    if m.num_experts is not None:
+        dims["model.moe_ffn_hidden_size"] = (m.moe_ffn_hidden_size or m.ffn_hidden_size) // lay.expert_tensor_size
+    bad = next(((f, v) for f, v in dims.items() if v % FP8_MULTIPLE), None)
+    if bad:
+        field, per_gpu = bad
+        shard = "" if field == "model.hidden_size" else " per GPU"
+        yield Violation(field, getattr(m, field.split(".")[1]), f"gives a GEMM dimension{shard} of {per_gpu}, not a "
+                        f"multiple of {FP8_MULTIPLE} as FP8 GEMMs need", f"use a multiple of {FP8_MULTIPLE}"
+                        f"{' x the tensor-parallel size' if shard else ''}, or training.fp8: null")
+
+
+@rule
+def multi_latent_attention_shape(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """multi_latent_attention needs RoPE and no grouped-query attention; q_lora_rank only with it."""
+    m = r.model
+    if not m.multi_latent_attention:
+        if m.q_lora_rank is not None:
+            yield Violation("model.q_lora_rank", m.q_lora_rank, "is read only with model.multi_latent_attention=true",
+                            "set multi_latent_attention: true or q_lora_rank: null")
+        return
+    if m.position_embedding != "rope":
+        yield Violation("model.position_embedding", m.position_embedding, "must be rope with "
+                        "model.multi_latent_attention (its qk_pos_emb_head_dim part carries RoPE)",
+                        "set position_embedding: rope")
+    if m.num_query_groups != m.num_attention_heads:
+        yield Violation("model.num_query_groups", m.num_query_groups, "has no meaning with "
+                        "model.multi_latent_attention (every head has its own keys and values from the latent)",
+                        "set num_query_groups: null")
+
+
 # --- backends ---------------------------------------------------------------------------------------------------------
 
 def _others(feature: str) -> str:
@@ -192,6 +374,21 @@ def backend_features(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     if not row.selective_recompute and r.training.recompute_granularity == "selective":
         yield Violation("training.recompute_granularity", "selective", f"is not available with backend.kind={kind}",
                         f"use full or none, or backend.kind: {_others('selective_recompute')}")
+    if not row.experts and r.model.num_experts is not None:
+        yield Violation("model.num_experts", r.model.num_experts, f"is not available with backend.kind={kind} (it "
+                        "would train a dense model)", f"use backend.kind: {_others('experts')} for experts")
+    if not row.expert_parallel and lay.expert_size != 1:
+        yield Violation("parallel.expert_size", lay.expert_size, f"must be 1 with backend.kind={kind}",
+                        f"use backend.kind: {_others('expert_parallel')} for expert parallelism")
+    if not row.context_parallel and lay.context_size != 1:
+        yield Violation("parallel.context_size", lay.context_size, f"must be 1 with backend.kind={kind}",
+                        f"use backend.kind: {_others('context_parallel')} for context parallelism")
+    if not row.fp8 and r.training.fp8 is not None:
+        yield Violation("training.fp8", r.training.fp8, f"is not available with backend.kind={kind}",
+                        f"set it null, or use backend.kind: {_others('fp8')} (FP8 through Transformer Engine)")
+    if not row.multi_latent_attention and r.model.multi_latent_attention:
+        yield Violation("model.multi_latent_attention", True, f"is not available with backend.kind={kind}",
+                        f"set it false, or use backend.kind: {_others('multi_latent_attention')}")
     if r.checkpoint.async_save and not row.async_save:
         yield Violation("checkpoint.async_save", True, f"is not available with backend.kind={kind}",
                         f"set it false, or use backend.kind: {_others('async_save')}")

@@ -39,6 +39,14 @@ class TrainingConfig(Section):
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
     """Parameter/compute precision; bf16/fp16 keep fp32 master weights (except DeepSpeed ZeRO-0 with bf16, which
     updates the bf16 weights directly)."""
+    fp8: Literal["e4m3", "hybrid"] | None = None
+    """FP8 GEMMs through Transformer Engine on GPUs that have them (Hopper, Ada, Blackwell): `e4m3` everywhere or
+    `hybrid` (e4m3 forward, e5m2 gradients); weights, master copies and the other layers stay in `precision`
+    (bf16/fp16). null = no FP8."""
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "delayed"
+    """FP8 scaling (with fp8 set): `delayed` (per-tensor scale from an amax history), `tensorwise` (current per-tensor
+    scaling), `mxfp8` (32-element blocks with E8M0 scales; Blackwell only) or `blockwise` (1x128 / 128x128 blocks,
+    DeepSeek-V3's)."""
     seed: int = 1234
     """Seed for initialisation, data order and dropout."""
     recompute_granularity: Literal["none", "selective", "full"] = "none"

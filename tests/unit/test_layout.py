@@ -24,7 +24,8 @@ def test_data_size_is_inferred_from_the_world():
     assert lay.deepspeed_batch() == {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2,
                                      "gradient_accumulation_steps": 8}
     assert lay.megatron_sizes() == {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
-                                    "virtual_pipeline_model_parallel_size": None}
+                                    "virtual_pipeline_model_parallel_size": None, "context_parallel_size": 1,
+                                    "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 2}
 
 
 def test_global_batch_defaults_to_one_microbatch_per_rank():
