@@ -73,6 +73,12 @@ def test_optimizer_resharding_rule():
     assert optimizer_reshardable(plain, {**plain, "tensor_size": 1, "pipeline_size": 4})
     assert not optimizer_reshardable(plain, base)
     assert not optimizer_reshardable(base, {**base, "precision": "bf16"})
+    # experts and context: the distributed optimizer's shards follow the buffers (EP/CP change them), the plain
+    # optimizer's state reshards like the model; a checkpoint without the sizes was saved at EP1/CP1
+    assert not optimizer_reshardable({**base, "expert_size": 2}, {**base, "expert_size": 4})
+    assert not optimizer_reshardable(base, {**base, "context_size": 2})
+    assert optimizer_reshardable(base, {**base, "expert_size": 1, "context_size": 1, "expert_tensor_size": 1})
+    assert optimizer_reshardable({**plain, "expert_size": 2}, {**plain, "expert_size": 4})
 
 
 def test_vocab_padding_mismatch_is_a_one_line_user_error(tmp_path):

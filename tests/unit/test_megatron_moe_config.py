@@ -101,7 +101,8 @@ def test_fp8_format_and_recipe_reach_the_transformer_config(fmt, scaling, monkey
     from megatron.core.transformer import transformer_config
 
     monkeypatch.setattr(transformer_config, "is_te_min_version", lambda *a, **k: True)
-    c = config(recipe(f"training.fp8={fmt}", f"training.fp8_recipe={scaling}"))
+    gpu = ["cluster.gpu_type=B200"] if scaling == "mxfp8" else []  # MXFP8: Blackwell (a recipe rule)
+    c = config(recipe(f"training.fp8={fmt}", f"training.fp8_recipe={scaling}", *gpu))
     assert c.fp8 == fmt and c.fp8_recipe == scaling
 
 

@@ -166,7 +166,7 @@ def load(engine: "Engine", path: str | Path) -> int:
     check_vocab(path, saved, here, engine.recipe.model.vocab_size)
     check_layers(path, saved, here)
     with_optimizer = not meta["model_only"] and optimizer_reshardable(saved, here)
-    with_rng = with_optimizer and all(saved.get(k, DEFAULT_SIZES.get(k)) == here[k] for k in
+    with_rng = with_optimizer and all(_size(saved, k) == _size(here, k) for k in
                                       ("tensor_size", "pipeline_size", "virtual_pipeline_size", "data_size",
                                        *DEFAULT_SIZES))
     state = model_state(engine)
@@ -234,8 +234,13 @@ def optimizer_reshardable(saved: dict[str, Any], here: dict[str, Any]) -> bool:
         return True
     # The distributed optimizer's dp_reshardable shards follow the gradient buffers, whose contents change with the
     # expert (EP/ETP) and context sizes as with TP/PP: only a change of the data-parallel size reshards.
-    return all(saved.get(k, DEFAULT_SIZES.get(k)) == here[k] for k in
+    return all(_size(saved, k) == _size(here, k) for k in
                ("tensor_size", "pipeline_size", "virtual_pipeline_size", *DEFAULT_SIZES))
+
+
+def _size(meta: dict[str, Any], key: str):
+    """A layout size of a checkpoint's meta; one it does not record is the default it was saved under."""
+    return meta.get(key, DEFAULT_SIZES.get(key))
 
 
 def step_in_param_state(inner) -> bool:
