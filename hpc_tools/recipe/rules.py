@@ -390,7 +390,8 @@ def backend_features(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
         yield Violation("model.multi_latent_attention", True, f"is not available with backend.kind={kind}",
                         f"set it false, or use backend.kind: {_others('multi_latent_attention')}")
     if r.checkpoint.async_save and not row.async_save:
-        yield Violation("checkpoint.async_save", True, f"is not available with backend.kind={kind}",
+        why = f" ({row.no_async_save_why})" if row.no_async_save_why else ""
+        yield Violation("checkpoint.async_save", True, f"is not available with backend.kind={kind}{why}",
                         f"set it false, or use backend.kind: {_others('async_save')}")
     if r.checkpoint.init_from_hf and not row.reads_init_from_hf:
         yield Violation("checkpoint.init_from_hf", r.checkpoint.init_from_hf,
@@ -545,6 +546,18 @@ def data_sources(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     if r.data.tokenizer == "byte" and r.model.vocab_size < 257:
         yield Violation("model.vocab_size", r.model.vocab_size, "is below the byte tokenizer's 257 tokens",
                         "use vocab_size >= 257")
+
+
+@rule
+def checkpoint_local_tier(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """The node-local checkpoint tier has both its folder and its interval."""
+    ck = r.checkpoint
+    if ck.local_interval_iters and not ck.local_dir:
+        yield Violation("checkpoint.local_interval_iters", ck.local_interval_iters, "needs checkpoint.local_dir",
+                        "set checkpoint.local_dir (e.g. $SLURM_TMPDIR/ckpt) or local_interval_iters: 0")
+    if ck.local_dir and not ck.local_interval_iters:
+        yield Violation("checkpoint.local_dir", ck.local_dir, "is never written: checkpoint.local_interval_iters is 0",
+                        "set checkpoint.local_interval_iters (e.g. 10) or remove local_dir")
 
 
 @rule
