@@ -571,6 +571,15 @@ def signal_before_limit(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
 
 
 @rule
+def spares_need_restarts(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """Spare nodes are used by in-job restarts only."""
+    c = r.cluster
+    if c.spare_nodes and not c.restarts:
+        yield Violation("cluster.spare_nodes", c.spare_nodes, "are only used by in-job restarts, and "
+                        "cluster.restarts is 0", "set cluster.restarts (e.g. 2) or spare_nodes: 0")
+
+
+@rule
 def profiler_ranks_exist(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """torch_profiler.ranks are ranks of this job."""
     bad = [x for x in r.profiling.torch_profiler.ranks if not 0 <= x < lay.world_size]
