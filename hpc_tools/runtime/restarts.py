@@ -118,13 +118,14 @@ def _recipe(run: RunFolder):
     return resolve(parse_yaml(run.recipe_path.read_text(), str(run.recipe_path)), source=str(run.recipe_path))
 
 
-def culprit(run: RunFolder, exit_code: int, start: int) -> dict:
-    """The ended step's culprit: {cause, rank, node, reason} from srun's reports, the heartbeats and a hang verdict."""
+def culprit(run: RunFolder, exit_code: int, start: int, failures: list | None = None) -> dict:
+    """The ended step's culprit: {cause, rank, node, reason} from the launcher's ``failures`` (the local executor's
+    exit codes) or srun's reports, the heartbeats and a hang verdict."""
     from hpc_tools.runtime.epilogue import decide, from_heartbeats, read_srun_reports
 
     manifest = run.manifest()
     beats = heartbeat.read_all(run.path, start)
-    failures = read_srun_reports(run) or from_heartbeats(beats, manifest.get("world_size"))
+    failures = failures or read_srun_reports(run) or from_heartbeats(beats, manifest.get("world_size"))
     ending = decide(exit_code, failures, beats, {**manifest, "state": "RUNNING"})
     hang = manifest.get("state") == "HANG" or exit_code == HANG_EXIT_CODE
     first = failures[0] if failures else None
@@ -289,3 +290,32 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def local_restart(run: RunFolder, exit_codes: dict[int, int], start: int) -> int | None:
+    """The local executor's in-job restart: after start ``start`` of the ranks failed (rank -> return code of the
+    first failing ranks), the number of the next start, recorded in the manifest's ``restarts`` (None: no restart,
+    the budget ``cluster.restarts`` is spent, or the ranks completed or were stopped)."""
+    from datetime import datetime, timezone
+
+    from hpc_tools.runtime.epilogue import failures_from_exit_codes
+
+    at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+    manifest = run.manifest()
+    budget = _recipe(run).cluster.restarts
+    done = [r for r in manifest.get("restarts", []) if r.get("kind", "in-job") == "in-job"]
+    if not budget or manifest.get("state") in ("COMPLETED", "REQUEUED", "PREEMPTED", "CANCELLED") or \
+            manifest.get("cancel_requested") or len(done) >= budget:
+        return None
+    code = next(iter(exit_codes.values()), 1)
+    found = culprit(run, 128 - code if code < 0 else code, start, failures_from_exit_codes(exit_codes))
+    seen = [int(e.get("restart_count") or 0) for e in manifest.get("events", []) if e.get("event") == "started"]
+    n = max([start, *seen]) + 1
+    entry = {"at": at, **found, "job_id": None, "restart": n, "kind": "in-job", "nodes": None, "from_iteration": None,
+             "time_to_first_step_s": None}
+    _set_aside_hang(run, n)
+    run.update(event="restarting", state="STARTING", restart_count=n, restarts=[*manifest.get("restarts", []), entry],
+               reason=None, failed_ranks=None, failed_nodes=None, exit_code=None, error=None)
+    _say(f"{len(done) + 1} of {budget} in this run ({found['cause']}: {found['reason']}); the ranks start again "
+         "from the newest complete checkpoint", restart=True)
+    return n
