@@ -126,6 +126,14 @@ def culprit(run: RunFolder, exit_code: int, start: int, failures: list | None = 
     manifest = run.manifest()
     beats = heartbeat.read_all(run.path, start)
     failures = failures or read_srun_reports(run) or from_heartbeats(beats, manifest.get("world_size"))
+    silent = sorted(r for r, b in beats.items() if not b.exit)
+    if failures and failures[0].signal is None and not failures[0].node_failure and silent and \
+            all(r in beats and beats[r].exit for r in failures[0].ranks):
+        # the ranks srun names first exited with an error (their peer's connection closed) while another rank left
+        # no exit record: that one died first, with its node or by a signal (a peer's death makes the others raise)
+        from hpc_tools.runtime.epilogue import TaskFailure
+
+        failures = [TaskFailure(ranks=silent, node=beats[silent[0]].node, text="ended without an exit record")]
     ending = decide(exit_code, failures, beats, {**manifest, "state": "RUNNING"})
     hang = manifest.get("state") == "HANG" or exit_code == HANG_EXIT_CODE
     first = failures[0] if failures else None
@@ -137,6 +145,8 @@ def culprit(run: RunFolder, exit_code: int, start: int, failures: list | None = 
         cause = "killed"
     elif first is not None and first.code is not None:
         cause = "exited"
+    elif first is not None and first.text == "ended without an exit record":
+        cause = "lost"
     else:
         cause = "failed"
     ranks = (manifest.get("failed_ranks") if hang else None) or ending.failed_ranks
@@ -147,7 +157,8 @@ def culprit(run: RunFolder, exit_code: int, start: int, failures: list | None = 
 
 
 def choose_nodes(allocation: list[str], excluded: list[str], failed: str | None, need: int,
-                 wait_s: float = PROBE_WAIT_S, prober=probe, say=None) -> tuple[list[str], list[str]]:
+                 wait_s: float = PROBE_WAIT_S, prober=probe, say=None,
+                 unanswered: set[str] | None = None) -> tuple[list[str], list[str]]:
     """(the nodes of the new step, the nodes excluded from now on). The failed node is excluded when the allocation
     holds ``need`` nodes without it; nodes that do not answer the probe within ``wait_s`` are excluded too when
     enough others answer. Fewer than ``need`` nodes returned: the allocation cannot hold the layout."""
@@ -163,6 +174,8 @@ def choose_nodes(allocation: list[str], excluded: list[str], failed: str | None,
         with ThreadPoolExecutor(max(1, min(len(usable), 16))) as pool:
             answers = dict(zip(usable, pool.map(prober, usable)))
         good = [n for n in usable if answers[n]]
+        if unanswered is not None:
+            unanswered.update(n for n in usable if not answers[n])
         if len(good) >= need and (len(good) == len(usable) or time.monotonic() >= deadline or
                                   len(usable) > need):
             return good[:need], excluded + [n for n in usable if not answers[n]]
@@ -199,7 +212,11 @@ def next_step(run_dir: Path, exit_code: int, env: dict[str, str], prober=probe, 
     excluded = [n for n in env.get("HPC_TOOLS_EXCLUDED", "").split(",") if n]
     allocation = allocation_nodes(job_id, env)
     need = recipe.cluster.nodes
-    nodes, excluded = choose_nodes(allocation, excluded, found["node"], need, wait_s=wait_s, prober=prober, say=say)
+    silent: set[str] = set()
+    nodes, excluded = choose_nodes(allocation, excluded, found["node"], need, wait_s=wait_s, prober=prober, say=say,
+                                   unanswered=silent)
+    if found["node"] in silent and found["cause"] in ("lost", "killed", "failed"):
+        found["cause"] = "node failure"  # its slurmd did not answer either: the node went down with the rank
     seen = [int(e.get("restart_count") or 0) for e in manifest.get("events", []) if e.get("event") == "started"]
     n = max([start, *seen]) + 1  # the next start's number: above every start the run has had
     entry = {"at": at, **found, "job_id": job_id, "restart": n, "from_iteration": None,
