@@ -69,8 +69,11 @@ def make_executor(recipe: Recipe, folder: Path, exclude: str | None = None, env:
 def restart_setup_lines(python: str, run_dir: Path) -> list[str]:
     """Before submitit's rank step: this start's number (``hpc_tools.runtime.restarts begin``); the ranks derive the
     rendezvous from their step's nodes (submitit's srun names none of its own)."""
-    return [f'eval "$({shlex.quote(python)} -m hpc_tools.runtime.restarts begin --run-dir '
-            f'{shlex.quote(str(run_dir))})" || true', "unset MASTER_ADDR MASTER_PORT"]
+    run = shlex.quote(str(run_dir))
+    return [f'eval "$({shlex.quote(python)} -m hpc_tools.runtime.restarts begin --run-dir {run})" || true',
+            "unset MASTER_ADDR MASTER_PORT",
+            f"{shlex.quote(python)} -m hpc_tools.runtime.restarts watch --run-dir {run} &",
+            "HPC_TOOLS_WATCH=$!"]
 
 
 def restart_lines(rank_python: str, python: str, run_dir: Path, folder: Path, srun_args: list[str]) -> list[str]:
@@ -82,12 +85,17 @@ def restart_lines(rank_python: str, python: str, run_dir: Path, folder: Path, sr
                        "--error", str(folder / "%j_%t_log.err"), *srun_args])
     decide = (f"{shlex.quote(python)} -m hpc_tools.runtime.restarts next --run-dir {shlex.quote(str(run_dir))} "
               '--exit-code "$HPC_TOOLS_SRUN_EXIT"')
+    watch = f"{shlex.quote(python)} -m hpc_tools.runtime.restarts watch --run-dir {shlex.quote(str(run_dir))} &"
     return ["HPC_TOOLS_SRUN_EXIT=$?",
+            'kill "$HPC_TOOLS_WATCH" 2>/dev/null',
             f'while [ "$HPC_TOOLS_SRUN_EXIT" -ne 0 ] && HPC_TOOLS_STEP="$({decide})"; do',
             '    eval "$HPC_TOOLS_STEP"',
             "    HPC_TOOLS_SRUN_EXIT=0",
-            f'    {step} "--nodelist=$HPC_TOOLS_NODELIST" {rank_python} -u -m submitit.core._submit '
+            f"    {watch}",
+            "    HPC_TOOLS_WATCH=$!",
+            f'    {step} --overlap "--nodelist=$HPC_TOOLS_NODELIST" {rank_python} -u -m submitit.core._submit '
             f'{shlex.quote(str(folder))} || HPC_TOOLS_SRUN_EXIT=$?',
+            '    kill "$HPC_TOOLS_WATCH" 2>/dev/null',
             "done",
             "(exit $HPC_TOOLS_SRUN_EXIT)"]  # $? for the epilogue lines below: the last step's status
 

@@ -41,7 +41,7 @@ def render_sbatch(recipe: Recipe, source: str = "a recipe") -> str:
     # --label: every line of the one batch log starts with its rank ("3: ..."), which `logs --rank` filters on.
     launch = shlex.join(rank_srun_args(recipe.cluster))
     if recipe.cluster.restarts:  # each step's nodes, decided by hpc_tools.runtime.restarts
-        launch += ' ${HPC_TOOLS_NODELIST:+"--nodelist=$HPC_TOOLS_NODELIST"}'
+        launch += ' --overlap ${HPC_TOOLS_NODELIST:+"--nodelist=$HPC_TOOLS_NODELIST"}'
     launch += " --label"
     if is_pyxis(recipe.cluster):
         launch += ' "${HPC_TOOLS_CONTAINER[@]}"'

@@ -46,6 +46,7 @@ from hpc_tools.runtime.distenv import PORT_BASE, PORT_SPAN, RESTART_BASE_ENV, re
 
 PROBE_WAIT_S = 180.0  # how long a restart waits for a node's slurmd to answer (a crashed node coming back)
 PROBE_TIMEOUT_S = 20.0  # one probe step
+STUCK_STEP_S = 20.0  # a rank exited with an error this long ago and the step still runs: cancel it (``watch``)
 RESTART_LINE = "hpc_tools: restart "  # begins a new step's part of the batch log (the epilogue reads from there)
 
 
@@ -67,9 +68,9 @@ def allocation_nodes(job_id: str | None, env: dict[str, str]) -> list[str]:
 def probe(node: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     """Whether ``node``'s slurmd runs a step of this job (``srun true`` there)."""
     try:
-        out = subprocess.run(["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--cpus-per-task=1",
-                              "--mem=0", "--kill-on-bad-exit=1", "true"], capture_output=True, text=True,
-                             timeout=timeout_s)
+        out = subprocess.run(["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
+                              "--cpus-per-task=1", "--mem=0", "--kill-on-bad-exit=1", "true"], capture_output=True,
+                             text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return out.returncode == 0
@@ -281,6 +282,42 @@ def first_step(run: RunFolder, start: int, step: int) -> None:
     run.update(restarts=restarts, soft=True)
 
 
+def rank_steps(job_id: str) -> list[str]:
+    """The job's running rank steps (``JOB.N``; not its batch or extern step)."""
+    out = subprocess.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], capture_output=True, text=True, timeout=30)
+    return [s for s in out.stdout.split() if s.split(".")[-1].isdigit()] if out.returncode == 0 else []
+
+
+def watch(run_dir: Path, env: dict[str, str], grace_s: float = STUCK_STEP_S, poll_s: float = 1.0,
+          cancel=None) -> str | None:
+    """Beside a rank step (the batch shell starts it in the background and stops it when srun returns): when a rank
+    of this start has exited with an error and the step is still running ``grace_s`` later, cancel the step.
+
+    After a node crash srun waits for the lost node's tasks to report their end, which never comes (measured on the
+    test cluster: still waiting minutes after the node's slurmd was back); cancelling the step makes srun give up
+    within seconds, and the restart goes on. Returns the line it printed, or None when it had nothing to do."""
+    job_id = env.get("SLURM_JOB_ID")
+    start = restart_count(env)
+    failed_at = None
+    while job_id:
+        beats = heartbeat.read_all(run_dir, start)
+        failed = sorted(r for r, b in beats.items() if b.exit and b.exit.get("code"))
+        if failed and failed_at is None:
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at >= grace_s:
+            steps = rank_steps(job_id)
+            for step in steps:
+                (cancel or (lambda s: subprocess.run(["scancel", s], capture_output=True, timeout=30)))(step)
+            if steps:
+                line = (f"the rank step did not end {grace_s:.0f} s after rank {failed[0]} failed (a lost node's "
+                        f"tasks never report their end): step {', '.join(steps)} cancelled")
+                _say(line)
+                return line
+            return None
+        time.sleep(poll_s)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpc_tools.runtime.restarts", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -289,11 +326,16 @@ def main(argv: list[str] | None = None) -> int:
     n = sub.add_parser("next", help="after a failed rank step: exports of a new step (exit 0) or none (exit 1)")
     n.add_argument("--run-dir", required=True, type=Path)
     n.add_argument("--exit-code", required=True, type=int)
+    w = sub.add_parser("watch", help="beside a rank step: cancel it when it outlives a failed rank (a lost node)")
+    w.add_argument("--run-dir", required=True, type=Path)
     args = parser.parse_args(argv)
     env = dict(os.environ)
     try:
         if args.what == "begin":
             print(begin(args.run_dir, env))
+            return 0
+        if args.what == "watch":
+            watch(args.run_dir, env)
             return 0
         line = next_step(args.run_dir, args.exit_code, env)
     except Exception as exc:  # the batch script must reach its epilogue whatever happens here

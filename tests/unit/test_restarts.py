@@ -161,7 +161,8 @@ def test_slurm_flags_and_the_rendered_loop():
     assert "runtime.restarts" not in plain and "--no-kill" not in plain and "#SBATCH --nodes=2" in plain
     script = render_sbatch(recipe("cluster.restarts=2"))
     assert "while :; do" in script and "hpc_tools.runtime.restarts next" in script
-    assert '${HPC_TOOLS_NODELIST:+"--nodelist=$HPC_TOOLS_NODELIST"}' in script
+    assert '--overlap ${HPC_TOOLS_NODELIST:+"--nodelist=$HPC_TOOLS_NODELIST"}' in script
+    assert "hpc_tools.runtime.restarts watch" in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 
@@ -169,3 +170,15 @@ def test_spares_without_restarts_are_refused(cli):
     out = cli("validate", str(RECIPE), "--profile", "local", "--set", "cluster.spare_nodes=1")
     assert out.returncode != 0
     assert "cluster.spare_nodes=1 are only used by in-job restarts" in out.stdout + out.stderr
+
+
+def test_a_step_that_outlives_a_failed_rank_is_cancelled(tmp_path, monkeypatch):
+    """After a node crash srun waits for the lost node's tasks forever: the watcher cancels the step."""
+    run = run_folder(tmp_path, "cluster.restarts=2")
+    heartbeat.write(run.path, Beat(rank=0, node="n1", pid=1, restart=0, step=12,
+                                   exit={"code": 1, "error": "RuntimeError: Connection closed by peer", "time": 1.0}))
+    heartbeat.write(run.path, Beat(rank=1, node="n2", pid=2, restart=0, step=12))
+    monkeypatch.setattr(restarts, "rank_steps", lambda job: ["77.0"])
+    cancelled = []
+    line = restarts.watch(run.path, dict(ENV), grace_s=0.0, poll_s=0.01, cancel=cancelled.append)
+    assert cancelled == ["77.0"] and "rank 0 failed" in line
