@@ -280,6 +280,24 @@ def first_step(run: RunFolder, start: int, step: int) -> None:
         pass
     entry["from_iteration"] = step - 1
     run.update(restarts=restarts, soft=True)
+    if entry.get("time_to_first_step_s") is not None:
+        recovery_event(run, start, step, entry["time_to_first_step_s"])
+
+
+def recovery_event(run: RunFolder, start: int, step: int, seconds: float) -> None:
+    """The goodput's ``recovery`` bucket (``profiling.goodput``): an event ``recovery`` in rank 0's events file, tagged
+    with the new start, taking the seconds from the fault to its first step. Appended as one line (the collector
+    appends its own events to the same file, line by line)."""
+    import contextlib
+    import json
+
+    from profiling.records import events_path
+
+    row = {"event": "recovery", "time": time.time(), "seconds": seconds, "step": step, "rank": 0, "restart": start}
+    with contextlib.suppress(OSError):
+        run.records_dir.mkdir(parents=True, exist_ok=True)
+        with open(events_path(run.records_dir, 0), "a") as f:
+            f.write(json.dumps(row, separators=(",", ":")) + "\n")
 
 
 def rank_steps(job_id: str) -> list[str]:

@@ -4,6 +4,7 @@ SIGSTOP, a crashed node on the 2-node test cluster) is tests/integration/test_re
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 
@@ -83,6 +84,9 @@ def test_a_killed_rank_gets_a_new_step_on_the_same_nodes_and_is_recorded(tmp_pat
     restarts.first_step(run, 1, 11)
     [entry] = run.manifest()["restarts"]
     assert entry["from_iteration"] == 10 and 0 <= entry["time_to_first_step_s"] < 60
+    events = [json.loads(x) for x in (run.records_dir / "events_rank00000.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["restart"], e["seconds"]) for e in events] == [("recovery", 1,
+                                                                           entry["time_to_first_step_s"])]
 
 
 def test_the_budget_is_spent_then_the_failure_ends_the_job(tmp_path, cluster):
