@@ -16,6 +16,7 @@ from hpc_tools.planner.arch import Arch, arch_for
 from hpc_tools.planner.hardware import GB, hardware_for, headroom_bytes, headroom_note
 from hpc_tools.planner.knobs import Knobs, apply_knobs
 from hpc_tools.planner.memory import estimate_memory
+from hpc_tools.planner.search import CP_MIN_SEQ
 
 if TYPE_CHECKING:
     from hpc_tools.recipe.schema import Recipe
@@ -103,7 +104,7 @@ def _single_changes(recipe: "Recipe", k: Knobs) -> Iterator[tuple[list[str], Kno
         for ep in (lay.expert_size * 2, lay.expert_size * 4):
             if m.num_experts % ep == 0 and (world // lay.pipeline_size) % (ep * lay.expert_tensor_size) == 0:
                 yield [f"parallel.expert_size={ep}"], replace(k, layout=replace(lay, expert_size=ep))
-    if row.context_parallel and k.on_gpu and (lay.context_size > 1 or m.seq_length >= 8192):
+    if row.context_parallel and k.on_gpu and (lay.context_size > 1 or m.seq_length >= CP_MIN_SEQ):
         cp = lay.context_size * 2
         alt = relayout(lay.tensor_size, lay.pipeline_size, context_size=cp)
         if alt and m.seq_length % (2 * cp * lay.tensor_size) == 0:

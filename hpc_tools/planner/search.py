@@ -3,7 +3,7 @@ recipe rules, rank by predicted step time.
 
 Held fixed: the model, the cluster, the backend kind and the global batch (tokens per step; changing it would change
 the training, not just its speed). Turned: TP (inside a node, dividing heads and query groups), PP (dividing the
-layers), VPP, CP (sequences of 8k tokens or more, backends with context parallelism, GPUs), EP (dividing the
+layers), VPP, CP (sequences of 16k tokens or more, backends with context parallelism, GPUs), EP (dividing the
 experts) and ETP (1 or TP) for models with experts, DP (what is left), micro batch, recomputation, and the
 distributed optimizer (Megatron), ZeRO
 stage and offload (DeepSpeed) or the FSDP strategy (full_shard, hybrid_shard with node-sized shard groups, ddp) and
@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from hpc_tools.recipe.schema import Recipe
 
 MAX_RULE_CHECKS = 5000  # candidates checked against the recipe rules before giving up
+# Context parallelism is tried from 16k tokens per sequence (or when the recipe asks for it): below that the attention
+# core is a small share of the step and the ring's transfers are small enough to be latency-bound.
+CP_MIN_SEQ = 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,12 +105,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def _context_sizes(recipe: "Recipe", base: Knobs) -> list[int]:
-    """CP degrees to try: with a backend that has context parallelism, on GPUs, for sequences of 8k tokens or more
+    """CP degrees to try: with a backend that has context parallelism, on GPUs, for sequences of 16k tokens or more
     (or when the recipe already asks for CP): 1, 2, 4, ... 32 (each rank keeps at least 1k tokens)."""
     m = recipe.model
     if not base.row.context_parallel or not recipe.cluster.uses_gpus:
         return [1]
-    if m.seq_length < 8192 and base.layout.context_size == 1:
+    if m.seq_length < CP_MIN_SEQ and base.layout.context_size == 1:
         return [1]
     return [cp for cp in (1, 2, 4, 8, 16, 32) if m.seq_length % (2 * cp) == 0 and m.seq_length // cp >= 1024]
 
