@@ -194,6 +194,10 @@ def expert_layout_fits(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
                         f"x parallel.expert_tensor_size={etp} must divide tensor x context x data = world / "
                         f"pipeline = {dense} (world = PP x ETP x EP x EDP)",
                         f"with expert_tensor_size {etp} {_try(fits)} for expert_size")
+    if r.model.add_bias_linear and r.model.moe_shared_expert_intermediate_size is not None:
+        yield Violation("model.moe_shared_expert_intermediate_size", r.model.moe_shared_expert_intermediate_size,
+                        "cannot be combined with model.add_bias_linear (Megatron-core's shared experts have no "
+                        "biases)", "set add_bias_linear: false or no shared expert")
     if r.model.add_bias_linear and etp > 1:
         yield Violation("parallel.expert_tensor_size", etp, "must be 1 when the experts have biases "
                         "(model.add_bias_linear; Megatron-core has no expert bias under ETP > 1)",
