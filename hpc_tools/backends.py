@@ -79,6 +79,8 @@ class Backend:
     """It starts from ``checkpoint.init_from_hf`` (a Hugging Face folder converted on load)."""
     async_save: bool = False
     """``checkpoint.async_save``: it can write a checkpoint in the background while training goes on."""
+    no_async_save_why: str = ""
+    """Why a row without ``async_save`` has none (the rule's one-line refusal says it)."""
     hf_export: str | None = None
     """``"module:function"``: (run, recipe, verified checkpoint, out, overwrite) -> summary; None: nothing to export."""
     rank_setup: str | None = None
@@ -105,7 +107,7 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
             trainer="hpc_tools.train.megatron.trainer", trains_model=True, options="megatron",
             tensor_parallel=True, sequence_parallel=True, interleaved_pipeline=True, selective_recompute=True,
             experts=True, expert_parallel=True, context_parallel=True, fp8=True, multi_latent_attention=True,
-            pads_vocab=True,
+            pads_vocab=True, async_save=True,
             reads_init_from_hf=True, hf_export="hpc_tools.train.megatron.hf_export:export_checkpoint",
             rank_setup="hpc_tools.train.megatron.config:rank_environment", layers="megatron",
             sharding="distributed_optimizer", packages=("megatron-core",),
@@ -114,6 +116,8 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
             "pipeline with stage 0/1)",
             trainer="hpc_tools.train.deepspeed.trainer", trains_model=True, options="deepspeed",
             hf_model_classes=True, hf_export="hpc_tools.train.deepspeed.export:export_checkpoint", layers="huggingface",
+            no_async_save_why="DeepSpeed 0.19's only background writer (its decoupled checkpoint engine) waits for "
+            "the write before the next optimizer step, so at most one forward/backward overlaps it",
             sharding="zero",
             packages=("deepspeed", "transformers"), zero_config=_deepspeed_zero_config),
     Backend(kind="fsdp", summary="a Hugging Face causal LM under PyTorch FSDP2 (full_shard, hybrid_shard; with "

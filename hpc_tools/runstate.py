@@ -269,8 +269,9 @@ def note_restart(run: Run, restart_count: int, job_id: str | None) -> None:
     if not starts or restart_count <= int(starts[-1].get("restart_count") or 0):
         return
     since = manifest["events"][manifest["events"].index(starts[-1]) + 1:]
-    if any(e.get("state") == "REQUEUED" or e.get("event") == "resume requested" for e in since):
-        return  # the job requeued itself (time limit), or `hpc_tools resume` started this life: already recorded
+    if any(e.get("state") == "REQUEUED" or e.get("event") in ("resume requested", "restarting") for e in since):
+        return  # the job requeued itself (time limit), restarted its step (cluster.restarts), or `hpc_tools resume`
+        # started this life: already recorded
     ended = next((e for e in reversed(since) if is_terminal(e.get("state"))), None)
     if ended:
         after = f"{ended['state']}" + (f": {ended['reason']}" if ended.get("reason") else "")

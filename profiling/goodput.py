@@ -14,8 +14,12 @@ Per life, in seconds of wall time (x world size = GPU-seconds, or rank-seconds o
   its last record or event; now, for the running life). Slurm's own verdicts (``slurm ...`` events) are stamped
   when someone asked, not when the job ended, so they do not end a life;
 - start-up: from the life's start to the beginning of its first step, less its checkpoint load;
-- checkpoint load and checkpoint save: the times the training loop measured around ``engine.resume`` (with the
-  checkpoint verification) and each ``engine.save``, the slowest rank's per save;
+- checkpoint load and checkpoint blocked: the times the training loop measured around ``engine.resume`` (with the
+  checkpoint verification) and the time each save blocked training (``checkpoint_save`` events: the whole save when
+  synchronous; with ``checkpoint.async_save`` the staging and the commit, not the background write), the slowest
+  rank's per save;
+- recovery: the ``recovery`` events' seconds (a restart inside the allocation: from the fault to the new life's first
+  step, recorded by the restart machinery); taken out of the life's start-up;
 - productive: the step time of every step whose record is final (no later life recorded that step again);
 - lost work: the step time of the steps a later life recomputed (recorded again after a failure lost them), with
   their count;
@@ -42,7 +46,10 @@ import numpy as np
 
 START_EVENTS = ("launched", "batch started", "started")
 LIVE_STATES = ("CREATED", "PENDING", "STARTING", "RUNNING")
-BUCKETS = ("productive", "startup", "checkpoint_load", "checkpoint_save", "lost_work", "evaluation", "other")
+BUCKETS = ("productive", "startup", "checkpoint_load", "checkpoint_blocked", "recovery", "lost_work", "evaluation",
+           "other")
+ALIASES = {"checkpoint_save": "checkpoint_blocked"}
+"""Older names of buckets, still given in ``summary()`` and ``total()`` (same values)."""
 
 
 def _ts(iso: str | None) -> float | None:
@@ -67,8 +74,9 @@ class Life:
     lost_work_s: float = 0.0
     recomputed_steps: int = 0
     checkpoint_load_s: float = 0.0
-    checkpoint_save_s: float = 0.0
+    checkpoint_blocked_s: float = 0.0
     saves: int = 0
+    recovery_s: float = 0.0
     evaluation_s: float = 0.0
 
     @property
@@ -78,8 +86,8 @@ class Life:
     @property
     def startup_s(self) -> float:
         if self.first_step_start is None:
-            return self.allocation_s - self.checkpoint_load_s
-        return max(self.first_step_start - self.start - self.checkpoint_load_s, 0.0)
+            return max(self.allocation_s - self.checkpoint_load_s - self.recovery_s, 0.0)
+        return max(self.first_step_start - self.start - self.checkpoint_load_s - self.recovery_s, 0.0)
 
 
 @dataclass
@@ -97,7 +105,8 @@ class Goodput:
         out = {"productive": sum(life.productive_s for life in self.lives),
                "startup": sum(life.startup_s for life in self.lives),
                "checkpoint_load": sum(life.checkpoint_load_s for life in self.lives),
-               "checkpoint_save": sum(life.checkpoint_save_s for life in self.lives),
+               "checkpoint_blocked": sum(life.checkpoint_blocked_s for life in self.lives),
+               "recovery": sum(life.recovery_s for life in self.lives),
                "lost_work": sum(life.lost_work_s for life in self.lives),
                "evaluation": sum(life.evaluation_s for life in self.lives)}
         out["other"] = max(self.allocation_s - sum(out.values()), 0.0)
@@ -124,6 +133,8 @@ class Goodput:
         for name, s in secs.items():
             row[f"{name}_s"] = s
             row[f"{name}_hours"] = s * self.world_size / 3600
+        for old, new in ALIASES.items():
+            row[f"{old}_s"], row[f"{old}_hours"] = row[f"{new}_s"], row[f"{new}_hours"]
         return row
 
     def table(self) -> list[dict[str, Any]]:
@@ -194,7 +205,9 @@ def measure(records_dir: Path, manifest: dict[str, Any], world_size: int, gpu: b
                 life.checkpoint_load_s = max(life.checkpoint_load_s, float(e.get("seconds") or 0.0))
             elif e.get("event") == "checkpoint_save":
                 saves[e.get("step")] = max(saves.get(e.get("step"), 0.0), float(e.get("seconds") or 0.0))
-        life.checkpoint_save_s, life.saves = float(sum(saves.values())), len(saves)
+            elif e.get("event") == "recovery":  # one per life (a restart starts a life): the slowest rank's
+                life.recovery_s = max(life.recovery_s, float(e.get("seconds") or 0.0))
+        life.checkpoint_blocked_s, life.saves = float(sum(saves.values())), len(saves)
         ends = [t for t in ended if last_activity - 1 <= t < nxt]
         if ends:
             life.end = max(last_activity, min(ends))
@@ -272,6 +285,7 @@ def total(goodputs: list[Goodput]) -> dict[str, Any]:
     if not goodputs:
         return {}
     hours = {f"{b}_hours": sum(g.summary()[f"{b}_hours"] for g in goodputs) for b in BUCKETS}
+    hours.update({f"{old}_hours": hours[f"{new}_hours"] for old, new in ALIASES.items()})
     alloc = sum(g.summary()["allocation_hours"] for g in goodputs)
     units = {g.unit for g in goodputs}
     return {"runs": len(goodputs), "unit": units.pop() if len(units) == 1 else "GPU/rank",

@@ -22,3 +22,30 @@ def stragglers_and_goodput(run) -> dict[str, Any]:
     g = goodput.measure(run.records_dir, inp.manifest, world, bool(recipe.cluster.uses_gpus) if recipe else False)
     return {"stragglers": figures["stragglers"], "straggler_nodes": figures["straggler_nodes"],
             "straggler_verdict": figures["straggler_verdict"], "goodput": g.summary()}
+
+
+def checkpoint_saves(run) -> list[dict[str, Any]]:
+    """Every save the run made, oldest first, from the lowest rank's ``checkpoint_save`` events: {iteration, tier,
+    async, blocked_s (training stood still), write_s (to the end of the write), verified (committed with its file
+    records; false: the save failed or its writer was killed, never `latest`), path, complete (still on disk and
+    complete: keep_last prunes older ones)}. Saves recorded before these fields existed read as synchronous saves to
+    the shared tier."""
+    from pathlib import Path
+
+    from hpc_tools.checkpoints.dirs import CheckpointDirs
+    from profiling.records import read_events
+
+    events = read_events(run.records_dir)
+    if not events:
+        return []
+    out = []
+    for e in events[min(events)]:
+        if e.get("event") != "checkpoint_save":
+            continue
+        seconds = float(e.get("seconds") or 0.0)
+        path = e.get("path")
+        out.append({"iteration": e.get("step"), "tier": e.get("tier", "shared"), "async": bool(e.get("async", False)),
+                    "blocked_s": float(e.get("blocked_s", seconds)), "write_s": float(e.get("write_s", seconds)),
+                    "verified": e.get("verified"), "path": path,
+                    "complete": bool(path) and CheckpointDirs.incomplete_reason(Path(path)) is None})
+    return out

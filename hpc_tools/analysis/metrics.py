@@ -107,5 +107,5 @@ def straggler_table(ranks: pd.DataFrame) -> pd.DataFrame:
 STRAGGLER_COLUMNS = ("run_id", "rank", "node", "pp_rank", "straggler_cause", "excess_s", "excess_share",
                      "steps_slower", "steps_compared", "straggler_p", "straggler_z", "step_time_median_s")
 GOODPUT_COLUMNS = ("run_id", "unit", "lives", "allocation_hours", "goodput", "productive_hours", "startup_hours",
-                   "checkpoint_load_hours", "checkpoint_save_hours", "lost_work_hours", "recomputed_steps",
-                   "evaluation_hours", "other_hours", "requeue_wait_s")
+                   "checkpoint_load_hours", "checkpoint_blocked_hours", "recovery_hours", "lost_work_hours",
+                   "recomputed_steps", "evaluation_hours", "other_hours", "requeue_wait_s")

@@ -38,7 +38,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Collection
+from typing import Any, Collection, Sequence
 
 from hpc_tools.errors import UserError
 from hpc_tools.registry import atomic_write
@@ -259,17 +259,31 @@ class CheckpointDirs:
         return removed
 
 
+def newest_across(tiers: Sequence[CheckpointDirs], skip: Collection[Path] = ()) -> Path | None:
+    """The newest complete checkpoint over several roots (the shared tier and the node-local one): the highest step;
+    on a tie the earlier root (the shared, durable one)."""
+    best: tuple[int, int, Path] | None = None
+    for order, dirs in enumerate(tiers):
+        path = dirs.newest(skip)
+        if path is not None:
+            key = (parse_step(path.name), -order, path)
+            if best is None or key[:2] > best[:2]:
+                best = key
+    return None if best is None else best[2]
+
+
 def resume_source(dirs: CheckpointDirs, *, resume: bool, load_path: str | None,
-                  skip: Collection[Path] = ()) -> Path | None:
+                  skip: Collection[Path] = (), tiers: Sequence[CheckpointDirs] = ()) -> Path | None:
     """The checkpoint a run starts from, or None for a fresh start.
 
-    With ``resume`` (checkpoint.resume) the newest complete checkpoint under ``dirs`` (the run's own, after a stop or
-    a requeue); failing that ``load_path`` (checkpoint.load_path): a complete ``iter_N`` folder, or a folder of them
-    (its newest). ``skip`` holds checkpoints that failed verification or loading (the fallback passes them). A
-    ``load_path`` that holds no complete checkpoint at all is a user error; one whose checkpoints were all skipped
-    gives None.
+    With ``resume`` (checkpoint.resume) the newest complete checkpoint under ``dirs`` or the other ``tiers`` of the
+    run (checkpoint.local_dir; the highest step wins, the shared tier on a tie: the run's own, after a stop, a
+    requeue or a restart); failing that ``load_path`` (checkpoint.load_path): a complete ``iter_N`` folder, or a
+    folder of them (its newest). ``skip`` holds checkpoints that failed verification or loading (the fallback passes
+    them). A ``load_path`` that holds no complete checkpoint at all is a user error; one whose checkpoints were all
+    skipped gives None.
     """
-    source = dirs.newest(skip) if resume else None
+    source = newest_across([dirs, *tiers], skip) if resume else None
     if source is not None or not load_path:
         return source
     given = Path(load_path).expanduser()

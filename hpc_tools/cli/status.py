@@ -30,9 +30,10 @@ def run(args: argparse.Namespace) -> int:
     step = last_step(r)
     progress = read_progress(r.path)
     health = _health(r)
+    saves = _checkpoints(r)
     if args.json:
         emit_json({"run_dir": str(r.path), **manifest, **verdict.as_dict(), "last_step": step, "progress": progress,
-                   **health})
+                   **health, "checkpoints": saves})
         return 0
     keys = ("state", "slurm_state", "executor", "job_id", "layout", "nodelist", "created", "started", "ended",
             "restart_count", "exit_code", "failed_ranks", "failed_nodes")
@@ -52,15 +53,43 @@ def run(args: argparse.Namespace) -> int:
         print(f"stragglers {health['straggler_verdict']}")
         if g.get("allocation_hours"):
             print(f"goodput  {100 * (g['goodput'] or 0):.1f} % of {g['allocation_hours']:.4g} {g['unit']}-hours "
-                  f"(start-up {g['startup_s']:.0f} s, checkpoints {g['checkpoint_save_s'] + g['checkpoint_load_s']:.1f}"
-                  f" s, evaluation {g.get('evaluation_s') or 0:.1f} s, lost work {g['lost_work_s']:.1f} s / "
+                  f"(start-up {g['startup_s']:.0f} s, checkpoint load {g['checkpoint_load_s']:.1f} s, checkpoint "
+                  f"blocked {g['checkpoint_blocked_s']:.1f} s, recovery {g.get('recovery_s') or 0:.1f} s, "
+                  f"evaluation {g.get('evaluation_s') or 0:.1f} s, lost work {g['lost_work_s']:.1f} s / "
                   f"{g['recomputed_steps']} steps, requeue wait "
                   f"{g['requeue_wait_s']:.0f} s, {g['lives']} start(s))")
+    if saves:
+        done = [c for c in saves if c["verified"] is not False]
+        bg = [c for c in done if c["async"]]
+        line = f"checkpoints {len(done)} saved, newest step {done[-1]['iteration']} ({done[-1]['tier']} tier)" \
+            if done else "checkpoints none complete"
+        if bg:
+            line += (f"; {len(bg)} in the background: blocked {sum(c['blocked_s'] for c in bg) / len(bg):.3f} s of "
+                     f"{sum(c['write_s'] for c in bg) / len(bg):.2f} s written, on average")
+        failed = len(saves) - len(done)
+        print(line + (f"; {failed} failed (not committed)" if failed else ""))
+    for i, r in enumerate(manifest.get("restarts") or [], 1):  # in-job restarts (cluster.restarts) and requeues
+        after = f", first new step {r['time_to_first_step_s']} s later" \
+            if r.get("time_to_first_step_s") is not None else ""
+        start = f"; resumed from iteration {r['from_iteration']}{after}" if r.get("from_iteration") is not None else ""
+        where = f" on {','.join(r['nodes'])}" if r.get("nodes") else ""
+        print(f"restart {i} ({r.get('kind', 'in-job')}{where}) at {r.get('at')}: {r.get('cause')}: "
+              f"{r.get('reason') or '?'}{start}")
     if manifest.get("error"):
         print(f"error    {manifest['error']}")
     for marker in hang_markers(r):  # the hang verdict with every rank's stacks
         print(f"hang     {marker}")
     return 0
+
+
+def _checkpoints(r) -> list:
+    """The run's saves (``analysis.live.checkpoint_saves``); [] when its events cannot be read."""
+    from hpc_tools.analysis.live import checkpoint_saves
+
+    try:
+        return checkpoint_saves(r)
+    except Exception:  # noqa: BLE001 - status reports the state whatever the records hold
+        return []
 
 
 def _health(r) -> dict:

@@ -57,7 +57,34 @@ def _pump(src: IO[bytes], sinks: list[IO[bytes]]) -> None:
 
 def run_local(run: RunFolder, world_size: int, echo: IO[bytes] | None = None, extra_env: dict[str, str] | None = None,
               poll_s: float = 0.2) -> int:
-    """Run all ranks to completion; returns the first non-zero rank exit code, or 0."""
+    """Run all ranks to completion; returns the first non-zero rank exit code, or 0. With ``cluster.restarts``, ranks
+    that fail are started again from the newest complete checkpoint while the budget lasts
+    (``hpc_tools.runtime.restarts.local_restart``, recorded in the manifest's ``restarts``)."""
+    from hpc_tools.runtime.distenv import RESTART_BASE_ENV
+    from hpc_tools.runtime.restarts import local_restart
+
+    extra_env = dict(extra_env or {})
+    while True:
+        code, first_failed = _run_ranks(run, world_size, echo, extra_env, poll_s)
+        if code in (0, 130):
+            break
+        start = int(extra_env.get(RESTART_BASE_ENV, os.environ.get(RESTART_BASE_ENV, "0")) or 0)
+        new = local_restart(run, first_failed, start)
+        if new is None:
+            break
+        extra_env[RESTART_BASE_ENV] = str(new)
+    if code == 130:
+        run.update(event="failed", state="CANCELLED", ended=now_iso(), exit_code=code, soft=True)
+    else:  # the same record as the batch script's epilogue: state, exit code, failed ranks, reason
+        from hpc_tools.runtime.epilogue import failures_from_exit_codes, record_end
+
+        record_end(run, _shell_status(code), failures_from_exit_codes(first_failed))
+    return code
+
+
+def _run_ranks(run: RunFolder, world_size: int, echo: IO[bytes] | None, extra_env: dict[str, str],
+               poll_s: float) -> tuple[int, dict[int, int]]:
+    """One start of every rank: (the first non-zero exit code or 0, the first failing ranks' return codes)."""
     port = free_port()
     run.update(event="launched", state="RUNNING", executor="local", launched=now_iso(), world_size=world_size)
     procs, pumps, logs = [], [], []
@@ -93,13 +120,7 @@ def run_local(run: RunFolder, world_size: int, echo: IO[bytes] | None = None, ex
             pump.join(timeout=5)
         for log in logs:
             log.close()
-    if code == 130:
-        run.update(event="failed", state="CANCELLED", ended=now_iso(), exit_code=code, soft=True)
-    else:  # the same record as the batch script's epilogue: state, exit code, failed ranks, reason
-        from hpc_tools.runtime.epilogue import failures_from_exit_codes, record_end
-
-        record_end(run, _shell_status(code), failures_from_exit_codes(first_failed))
-    return code
+    return code, first_failed
 
 
 def _shell_status(returncode: int) -> int:

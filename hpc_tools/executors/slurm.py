@@ -57,9 +57,47 @@ def make_executor(recipe: Recipe, folder: Path, exclude: str | None = None, env:
     setup += [f"export {k}={shlex.quote(v)}" for k, v in (env or {}).items()]
     # pyxis: the repository and the folder submitit writes to (the run folder, or the runs root of an array) mounted
     container = srun_args(recipe.cluster, repo=str(REPO), mount_dir=str(Path(folder).absolute().parent))
-    executor.update_parameters(**params, setup=setup, srun_args=[*rank_srun_args(recipe.cluster), *container],
-                               **({"teardown": epilogue_lines(recipe.cluster.python, run_dir)} if run_dir else {}))
+    srun = [*rank_srun_args(recipe.cluster), *container]
+    teardown = epilogue_lines(recipe.cluster.python, run_dir) if run_dir else None
+    if recipe.cluster.restarts and run_dir and RunFolder(run_dir).exists():  # one run (an array's runs: no restarts)
+        setup += restart_setup_lines(recipe.cluster.python, run_dir)
+        teardown = restart_lines(python, recipe.cluster.python, run_dir, Path(folder).absolute(), srun) + teardown
+    executor.update_parameters(**params, setup=setup, srun_args=srun, **({"teardown": teardown} if teardown else {}))
     return executor
+
+
+def restart_setup_lines(python: str, run_dir: Path) -> list[str]:
+    """Before submitit's rank step: this start's number (``hpc_tools.runtime.restarts begin``); the ranks derive the
+    rendezvous from their step's nodes (submitit's srun names none of its own)."""
+    run = shlex.quote(str(run_dir))
+    return [f'eval "$({shlex.quote(python)} -m hpc_tools.runtime.restarts begin --run-dir {run})" || true',
+            "unset MASTER_ADDR MASTER_PORT",
+            f"{shlex.quote(python)} -m hpc_tools.runtime.restarts watch --run-dir {run} &",
+            "HPC_TOOLS_WATCH=$!"]
+
+
+def restart_lines(rank_python: str, python: str, run_dir: Path, folder: Path, srun_args: list[str]) -> list[str]:
+    """In-job restarts (``cluster.restarts``) in submitit's teardown, right after its srun line: while the rank step
+    failed and ``hpc_tools.runtime.restarts next`` decides on a new step, run submitit's task again in a new step of
+    this job on the nodes it names (submitit's own command, so the task finds its pickled function and writes its
+    result as the first step would); then the epilogue records the end."""
+    step = shlex.join(["srun", "--unbuffered", "--open-mode=append", "--output", str(folder / "%j_%t_log.out"),
+                       "--error", str(folder / "%j_%t_log.err"), *srun_args])
+    decide = (f"{shlex.quote(python)} -m hpc_tools.runtime.restarts next --run-dir {shlex.quote(str(run_dir))} "
+              '--exit-code "$HPC_TOOLS_SRUN_EXIT"')
+    watch = f"{shlex.quote(python)} -m hpc_tools.runtime.restarts watch --run-dir {shlex.quote(str(run_dir))} &"
+    return ["HPC_TOOLS_SRUN_EXIT=$?",
+            'kill "$HPC_TOOLS_WATCH" 2>/dev/null',
+            f'while [ "$HPC_TOOLS_SRUN_EXIT" -ne 0 ] && HPC_TOOLS_STEP="$({decide})"; do',
+            '    eval "$HPC_TOOLS_STEP"',
+            "    HPC_TOOLS_SRUN_EXIT=0",
+            f"    {watch}",
+            "    HPC_TOOLS_WATCH=$!",
+            f'    {step} --overlap "--nodelist=$HPC_TOOLS_NODELIST" {rank_python} -u -m submitit.core._submit '
+            f'{shlex.quote(str(folder))} || HPC_TOOLS_SRUN_EXIT=$?',
+            '    kill "$HPC_TOOLS_WATCH" 2>/dev/null',
+            "done",
+            "(exit $HPC_TOOLS_SRUN_EXIT)"]  # $? for the epilogue lines below: the last step's status
 
 
 def epilogue_lines(python: str, run_dir: Path) -> list[str]:

@@ -12,9 +12,15 @@ from hpc_tools.planner.hardware import Hardware, hardware_for, headroom_bytes, h
 from hpc_tools.planner.knobs import Knobs
 from hpc_tools.planner.memory import MemoryPlan, estimate_memory, memory_notes
 from hpc_tools.planner.steptime import DEFAULT_EFFICIENCY, StepTime, estimate_step_time, step_flops, time_notes
+from profiling.flops import active_parameters
 
 if TYPE_CHECKING:
     from hpc_tools.recipe.schema import Recipe
+
+
+ACTIVE_NOTE = ("parameters_active: the parameters one token passes through (every dense part; in MoE layers the "
+               "router, the top-k routed experts and the shared expert), counting the input embedding whole; "
+               "equal to parameters for a dense model")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +35,8 @@ class Plan:
     efficiency_source: str  # "default", "calibration <file>", "--efficiency"
     convention: str
     parameters: int  # whole model, TP1 padding
+    parameters_active: int = 0  # what one token passes through (top-k experts), counting the input embedding
+    parameters_active_without_input_embedding: int = 0
     headroom_bytes: float = 0.0  # GPU memory kept free (hardware.headroom_bytes)
     headroom_note: str = ""
 
@@ -57,7 +65,9 @@ class Plan:
         notes = self.notes()
         out: dict[str, Any] = {
             "recipe": self.name, "config": self.knobs.describe(), "layout": self.knobs.layout.describe(),
-            "parameters": self.parameters, "parameters_per_gpu": mem.params,
+            "parameters": self.parameters, "parameters_active": self.parameters_active,
+            "parameters_active_without_input_embedding": self.parameters_active_without_input_embedding,
+            "parameters_active_counts": ACTIVE_NOTE, "parameters_per_gpu": mem.params,
             "gpu_type": self.hardware.gpu_type, "gpu_mem_bytes": self.hardware.mem_bytes,
             "hardware_sources": self.hardware.sources, "fits": self.fits,
             "headroom_bytes": self.headroom_bytes, "headroom": self.headroom_note, "usable_bytes": self.usable_bytes,
@@ -70,6 +80,10 @@ class Plan:
         if self.time is not None:
             out["step_time"] = {
                 "total_s": self.time.total_s, "tokens_per_s": self.time.tokens_per_s, "mfu": self.time.mfu,
+                "mfu_peak": f"{self.knobs.precision} dense peak {self.time.peak_flops / 1e12:.0f} TFLOP/s",
+                "mfu_fp8": self.time.mfu_fp8,
+                "mfu_fp8_peak": (f"FP8 dense peak {self.time.peak_flops_fp8 / 1e12:.0f} TFLOP/s"
+                                 if self.time.peak_flops_fp8 else None),
                 "model_flops": self.time.model_flops, "hardware_flops": self.time.hardware_flops,
                 "efficiency": self.efficiency, "efficiency_source": self.efficiency_source,
                 "flops_convention": self.convention,
@@ -86,7 +100,7 @@ def make_plan(recipe: "Recipe", knobs: Knobs | None = None, efficiency: float | 
         raise UserError(f"backend.kind={recipe.backend.kind} trains no model, so there is nothing to plan "
                         f"(plan a recipe of backend.kind {' or '.join(backends.with_feature('trains_model'))})")
     knobs = knobs or Knobs.from_recipe(recipe)
-    hw = hardware or hardware_for(recipe.cluster, recipe.training.precision)
+    hw = hardware or hardware_for(recipe.cluster, recipe.training.precision, fp8=knobs.fp8 is not None)
     arch = arch_for(recipe)
     eff = DEFAULT_EFFICIENCY if efficiency is None else efficiency
     convention = recipe.profiling.flops_convention
@@ -94,5 +108,9 @@ def make_plan(recipe: "Recipe", knobs: Knobs | None = None, efficiency: float | 
             if hw.peak_flops else None)
     return Plan(name=recipe.name, arch=arch, knobs=knobs, hardware=hw, memory=estimate_memory(arch, knobs, hw.is_gpu),
                 time=time, efficiency=eff, efficiency_source=efficiency_source, convention=convention,
-                parameters=total_parameters(arch), headroom_bytes=headroom_bytes(recipe.cluster, hw.mem_bytes),
+                parameters=total_parameters(arch),
+                parameters_active=active_parameters(recipe.model, vocab_size=arch.padded_vocab(1)),
+                parameters_active_without_input_embedding=active_parameters(
+                    recipe.model, vocab_size=arch.padded_vocab(1), input_embedding=False),
+                headroom_bytes=headroom_bytes(recipe.cluster, hw.mem_bytes),
                 headroom_note=headroom_note(recipe.cluster, hw.mem_bytes))

@@ -16,6 +16,7 @@ from hpc_tools.planner.arch import Arch, arch_for
 from hpc_tools.planner.hardware import GB, hardware_for, headroom_bytes, headroom_note
 from hpc_tools.planner.knobs import Knobs, apply_knobs
 from hpc_tools.planner.memory import estimate_memory
+from hpc_tools.planner.search import CP_MIN_SEQ
 
 if TYPE_CHECKING:
     from hpc_tools.recipe.schema import Recipe
@@ -77,9 +78,10 @@ def _single_changes(recipe: "Recipe", k: Knobs) -> Iterator[tuple[list[str], Kno
     explicit_dp = recipe.parallel.data_size != -1
 
     def relayout(t: int, p: int, **kw) -> Knobs | None:
-        if world % (t * p):
+        cp = kw.get("context_size", lay.context_size)
+        if world % (t * p * cp):
             return None
-        return replace(k, layout=replace(lay, tensor_size=t, pipeline_size=p, data_size=world // (t * p), **kw))
+        return replace(k, layout=replace(lay, tensor_size=t, pipeline_size=p, data_size=world // (t * p * cp), **kw))
 
     def with_dp(sets: list[str], alt: Knobs) -> list[str]:
         return sets + [f"parallel.data_size={alt.layout.data_size}"] if explicit_dp else sets
@@ -98,6 +100,15 @@ def _single_changes(recipe: "Recipe", k: Knobs) -> Iterator[tuple[list[str], Kno
             if alt and t <= recipe.cluster.gpus_per_node:
                 yield with_dp([f"parallel.tensor_size={t}"] + (["parallel.sequence_parallel=true"] if sp else []),
                               alt), alt
+    if k.moe and row.expert_parallel:  # more expert parallelism: fewer experts per GPU
+        for ep in (lay.expert_size * 2, lay.expert_size * 4):
+            if m.num_experts % ep == 0 and (world // lay.pipeline_size) % (ep * lay.expert_tensor_size) == 0:
+                yield [f"parallel.expert_size={ep}"], replace(k, layout=replace(lay, expert_size=ep))
+    if row.context_parallel and k.on_gpu and (lay.context_size > 1 or m.seq_length >= CP_MIN_SEQ):
+        cp = lay.context_size * 2
+        alt = relayout(lay.tensor_size, lay.pipeline_size, context_size=cp)
+        if alt and m.seq_length % (2 * cp * lay.tensor_size) == 0:
+            yield with_dp([f"parallel.context_size={cp}"], alt), alt
     if k.zero:
         for stage in range(k.zero_stage + 1, 4):
             if lay.pipeline_size == 1 or stage <= 1:

@@ -84,6 +84,7 @@ class Hardware:
     inter_node_bw: float  # bytes/s
     host_bw: float  # bytes/s
     sources: dict[str, str]  # field -> "table", "recipe" or "profiling.peaks"
+    peak_flops_fp8: float | None = None  # FP8 dense peak (FP8 runs only; None: not asked for or no FP8)
 
     @property
     def is_gpu(self) -> bool:
@@ -107,11 +108,13 @@ _CPU = GpuSpec(0, 5, 1, 5, "CPU ranks (gloo over shared memory / TCP)")
 
 
 def hardware_for(cluster: "ClusterConfig", precision: str = "bf16", strict: bool = False,
-                 need_peak: bool = True) -> Hardware:
+                 need_peak: bool = True, fp8: bool = False) -> Hardware:
     """Resolve the table entry for ``cluster.gpu_type`` and apply the recipe's overrides.
 
     With ``strict`` an unknown GPU type without a ``gpu_mem_gb`` override is a UserError naming the known types.
     ``need_peak=False`` skips the peak FLOP/s lookup (the memory check needs none, and it warns for unknown GPUs).
+    ``fp8``: also the FP8 peak (profiling.peaks; with ``cluster.gpu_peak_tflops`` set, twice it, as on every GPU
+    in the table).
     """
     spec = _CPU if not cluster.uses_gpus else lookup(cluster.gpu_type)
     if spec is None and strict and cluster.gpu_mem_gb is None:
@@ -130,10 +133,15 @@ def hardware_for(cluster: "ClusterConfig", precision: str = "bf16", strict: bool
     sources["gpu_peak_tflops"] = "recipe" if cluster.gpu_peak_tflops else ("profiling.peaks" if peak else "unknown")
     intra = pick("intra_node_bw_gbps", cluster.intra_node_bw_gbps, base.intra_node_bw_gbps)
     inter = pick("inter_node_bw_gbps", cluster.inter_node_bw_gbps, base.inter_node_bw_gbps)
+    peak_fp8 = None
+    if fp8 and need_peak and cluster.uses_gpus:
+        peak_fp8 = 2 * peak if cluster.gpu_peak_tflops and peak else peak_flops_from_profiling(cluster.gpu_type, "fp8")
+        sources["gpu_peak_tflops_fp8"] = ("2 x cluster.gpu_peak_tflops" if cluster.gpu_peak_tflops else
+                                          "profiling.peaks" if peak_fp8 else "unknown")
     return Hardware(gpu_type=cluster.gpu_type, gpus_per_node=cluster.gpus_per_node,
                     mem_bytes=None if mem_gb is None else mem_gb * GB, peak_flops=peak,
                     intra_node_bw=intra * GB, inter_node_bw=inter * GB, host_bw=base.host_bw_gbps * GB,
-                    sources=sources)
+                    sources=sources, peak_flops_fp8=peak_fp8)
 
 
 # Default headroom: PyTorch's caching allocator typically leaves 5-10 % of reserved memory fragmented, and NCCL

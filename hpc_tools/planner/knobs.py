@@ -44,6 +44,9 @@ class Knobs:
     fsdp_reshard: bool = True  # FSDP reshard_after_forward
     flash: bool = True  # fused attention: no s^2 activations stored
     on_gpu: bool = True  # CUDA kernels (1-byte dropout masks, fused norms); False: the CPU build's kernels
+    fp8: str | None = None  # training.fp8 (e4m3 | hybrid) where the backend runs it; None: 16-bit GEMMs
+    dispatcher: str = "alltoall"  # model.moe_token_dispatcher_type
+    moe: bool = False  # the model has experts (parallel.expert_tensor_size null means 1, else tensor_size)
 
     @classmethod
     def from_recipe(cls, recipe: "Recipe") -> "Knobs":
@@ -63,7 +66,9 @@ class Knobs:
                    ds_overlap_comm=bool(ds_zero.get("overlap_comm", stage == 3)),
                    ds_bucket_elems=int(ds_zero.get("reduce_bucket_size", DS_DEFAULT_BUCKET_ELEMS)),
                    fsdp_strategy=be.fsdp.strategy, fsdp_shard_size=be.fsdp.shard_size,
-                   fsdp_reshard=be.fsdp.reshard_after_forward, flash=flash, on_gpu=recipe.cluster.uses_gpus)
+                   fsdp_reshard=be.fsdp.reshard_after_forward, flash=flash, on_gpu=recipe.cluster.uses_gpus,
+                   fp8=t.fp8 if row.fp8 else None, dispatcher=recipe.model.moe_token_dispatcher_type,
+                   moe=recipe.model.num_experts is not None)
 
     @property
     def row(self) -> backends.Backend:
@@ -114,8 +119,15 @@ class Knobs:
         parts = [f"TP{lay.tensor_size}", f"PP{lay.pipeline_size}"]
         if lay.interleaved:
             parts.append(f"VPP{lay.virtual_pipeline_size}")
-        parts += [f"DP{lay.data_size}"] + (["SP"] if lay.sequence_parallel else []) + [f"mb{lay.micro_batch_size}"]
+        if lay.context_size > 1:
+            parts.append(f"CP{lay.context_size}")
+        parts += [f"DP{lay.data_size}"] + (["SP"] if lay.sequence_parallel else [])
+        if lay.expert_size > 1 or lay.expert_tensor_size != lay.tensor_size:
+            parts.append(f"EP{lay.expert_size}xETP{lay.expert_tensor_size}")
+        parts.append(f"mb{lay.micro_batch_size}")
         parts.append(f"rc={self.recompute}")
+        if self.fp8:
+            parts.append(f"fp8-{self.fp8}")
         if self.fsdp:
             s, d = self.shard_group, self.layout.data_size
             parts.append({"ddp": "ddp", "full_shard": "fsdp"}.get(self.fsdp_strategy, f"hsdp{d // s}x{s}"))
@@ -137,6 +149,7 @@ class Knobs:
         out = [f"parallel.tensor_size={lay.tensor_size}", f"parallel.pipeline_size={lay.pipeline_size}",
                f"parallel.virtual_pipeline_size={lay.virtual_pipeline_size if lay.interleaved else 'null'}",
                "parallel.data_size=-1", f"parallel.sequence_parallel={str(lay.sequence_parallel).lower()}",
+               *self._new_dimensions(),
                f"training.micro_batch_size={lay.micro_batch_size}",
                f"training.global_batch_size={lay.global_batch_size}",
                f"training.recompute_granularity={self.recompute}"]
@@ -148,13 +161,27 @@ class Knobs:
                 for key, value in self._option_updates().items()]
         return out
 
+    def _new_dimensions(self) -> list[str]:
+        """CP, EP and ETP as ``--set`` strings, only where they differ from the defaults (dense recipes' overrides
+        stay as they were)."""
+        lay, out = self.layout, []
+        if lay.context_size != 1:
+            out.append(f"parallel.context_size={lay.context_size}")
+        if lay.expert_size != 1:
+            out.append(f"parallel.expert_size={lay.expert_size}")
+        if self.moe and lay.expert_tensor_size != 1:
+            out.append(f"parallel.expert_tensor_size={lay.expert_tensor_size}")
+        return out
+
     def section_updates(self) -> dict[str, dict[str, Any]]:
         """The same changes as nested field updates per recipe section (for model_copy)."""
         lay = self.layout
         upd: dict[str, dict[str, Any]] = {
             "parallel": {"tensor_size": lay.tensor_size, "pipeline_size": lay.pipeline_size,
                          "virtual_pipeline_size": lay.virtual_pipeline_size if lay.interleaved else None,
-                         "data_size": -1, "sequence_parallel": lay.sequence_parallel},
+                         "data_size": -1, "sequence_parallel": lay.sequence_parallel,
+                         "context_size": lay.context_size, "expert_size": lay.expert_size,
+                         "expert_tensor_size": lay.expert_tensor_size if self.moe else None},
             "training": {"micro_batch_size": lay.micro_batch_size, "global_batch_size": lay.global_batch_size,
                          "recompute_granularity": self.recompute, "recompute_method": self.recompute_method,
                          "recompute_num_layers": self.recompute_num_layers},

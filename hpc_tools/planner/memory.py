@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from hpc_tools.planner.arch import Arch, fsdp_parameters, pieces, stage_parameters
+from hpc_tools.planner.arch import Arch, fsdp_parameters, pieces, stage_layer_counts, stage_parameters, stage_split
 from hpc_tools.planner.knobs import Knobs
 
 GB = 1e9
@@ -231,33 +231,95 @@ def first_chunk_in_flight(p: int, v: int, m: int) -> int:
     return best
 
 
-def _layer_terms(arch: Arch, k: Knobs, recompute: str) -> dict[str, float]:
+def local_seq(arch: Arch, k: Knobs) -> int:
+    """Tokens of one sequence on one GPU: seq_length / CP (context parallelism splits every sequence)."""
+    return arch.seq // k.layout.context_size
+
+
+def _layer_terms(arch: Arch, k: Knobs, recompute: str, moe: bool = False) -> dict[str, float]:
     lay = k.layout
+    s = local_seq(arch, k)
     if k.megatron_layers:
-        return megatron_layer_terms(arch.seq, lay.micro_batch_size, arch.hidden, arch.heads, lay.tensor_size,
-                                    groups=arch.groups, head_dim=arch.head_dim, ffn=arch.ffn, gated=arch.gated,
-                                    sp=lay.sequence_parallel, recompute=recompute, flash=k.flash,
-                                    hidden_dropout=arch.hidden_dropout, attention_dropout=arch.attention_dropout,
-                                    act_bytes=k.act_bytes, rope=not arch.learned_positions,
-                                    rmsnorm=arch.norm_params_per_h == 1, on_gpu=k.on_gpu)
+        terms = megatron_layer_terms(s, lay.micro_batch_size, arch.hidden, arch.heads, lay.tensor_size,
+                                     groups=arch.groups, head_dim=arch.head_dim, ffn=arch.ffn, gated=arch.gated,
+                                     sp=lay.sequence_parallel, recompute=recompute, flash=k.flash,
+                                     hidden_dropout=arch.hidden_dropout, attention_dropout=arch.attention_dropout,
+                                     act_bytes=k.act_bytes, rope=not arch.learned_positions,
+                                     rmsnorm=arch.norm_params_per_h == 1, on_gpu=k.on_gpu)
+        if arch.mla:
+            terms.update(mla_attention_terms(arch, k, s))
+            if "RoPE cos/sin tables" in terms:  # MLA rotates only the qk_pos_emb_head_dim part
+                terms["RoPE cos/sin tables"] *= arch.pos_dim / arch.head_dim
+        if moe:
+            del terms["MLP"]
+            terms.update(moe_mlp_terms(arch, k, s))
+        return terms
     # Hugging Face layers (SDPA, separate gate/up projections): the generalised Korthikanti table
-    return {"layer": layer_activation_bytes(arch.seq, lay.micro_batch_size, arch.hidden, arch.heads, lay.tensor_size,
+    return {"layer": layer_activation_bytes(s, lay.micro_batch_size, arch.hidden, arch.heads, lay.tensor_size,
                                             groups=arch.groups, head_dim=arch.head_dim, ffn=arch.ffn,
                                             gated=arch.gated, sp=lay.sequence_parallel, recompute=recompute,
                                             flash=k.flash, hidden_dropout=arch.hidden_dropout,
                                             attention_dropout=arch.attention_dropout, act_bytes=k.act_bytes)}
 
 
-def layer_bytes(arch: Arch, k: Knobs, recompute: str) -> float:
-    """Bytes one layer keeps for one microbatch on one GPU under ``k`` (Megatron: ``megatron_layer_terms``)."""
-    return sum(_layer_terms(arch, k, recompute).values())
+MOE_ROUTER, MOE_DISPATCHED, MOE_EXPERTS, MOE_COMBINE, MOE_SHARED = (
+    "router (fp32 logits, scores, routing map)", "dispatched tokens (expert inputs, x top-k)",
+    "routed experts' MLP (x top-k)", "expert outputs for the weighted combine (x top-k)", "shared expert MLP")
+
+
+def routed_tokens(arch: Arch, k: Knobs, s: int) -> float:
+    """Token copies one GPU's experts process per MoE layer and microbatch: the tokens entering the layer on this GPU
+    (s b / CP, / TP under sequence parallelism) x top-k, x ETP (each expert-tensor shard sees every token of its
+    ETP group); balanced routing assumed (the aux loss's aim), capped by the capacity factor when one is set."""
+    lay = k.layout
+    tok = s * lay.micro_batch_size / (lay.tensor_size if lay.sequence_parallel else 1)
+    return tok * arch.topk * lay.expert_tensor_size
+
+
+def moe_mlp_terms(arch: Arch, k: Knobs, s: int) -> dict[str, float]:
+    """What an MoE layer's MLP keeps instead of the dense MLP (Megatron-core's MoELayer, alltoall dispatcher,
+    dropless): the router's fp32 logits, scores and routing map per token and expert, the dispatched tokens each
+    local expert's fc1 saves, the experts' fc1 output / activation (x top-k tokens, width moe_ffn / ETP), the expert
+    outputs the combine weights by the routing probabilities, and the shared expert as a TP-split dense MLP."""
+    lay, e = k.layout, k.act_bytes
+    tok = s * lay.micro_batch_size
+    rep = tok / lay.tensor_size if lay.sequence_parallel else tok
+    routed = routed_tokens(arch, k, s)
+    f_e = arch.moe_ffn / lay.expert_tensor_size
+    glu = 5 if arch.gated else 2
+    terms = {MOE_ROUTER: 3 * 4 * rep * arch.experts, MOE_DISPATCHED: e * routed * arch.hidden,
+             MOE_EXPERTS: e * routed * f_e * glu, MOE_COMBINE: e * routed * arch.hidden}
+    if arch.shared_ffn:
+        terms[MOE_SHARED] = e * tok * arch.shared_ffn / lay.tensor_size * glu
+    return terms
+
+
+def mla_attention_terms(arch: Arch, k: Knobs, s: int) -> dict[str, float]:
+    """Multi-latent attention's tensors instead of the Q, K, V and attention-output terms (estimated from
+    Megatron-core's MLASelfAttention, not measured): the query and key/value latents and their normed copies
+    (replicated across TP), the up-projections' outputs, the RoPE'd queries and keys entering the attention core
+    (a/t heads of qk + rope dims), V and the context (a/t heads of v_head_dim)."""
+    lay, e = k.layout, k.act_bytes
+    tok = s * lay.micro_batch_size
+    a_t = arch.heads / lay.tensor_size
+    latents = 2 * (arch.q_lora + arch.kv_lora) + arch.pos_dim
+    qk = arch.qk_dim + arch.pos_dim
+    return {"Q, K, V (+ fused QKV output kept by views)": e * tok * (latents + a_t * (qk + (arch.qk_dim + arch.v_dim)
+                                                                                     + 2 * qk + arch.v_dim)),
+            "attention output (output projection input)": e * tok * a_t * arch.v_dim}
+
+
+def layer_bytes(arch: Arch, k: Knobs, recompute: str, moe: bool = False) -> float:
+    """Bytes one layer (dense, or ``moe``) keeps for one microbatch on one GPU under ``k`` (Megatron:
+    ``megatron_layer_terms``, ``moe_mlp_terms``)."""
+    return sum(_layer_terms(arch, k, recompute, moe).values())
 
 
 def _checkpoint_bytes(arch: Arch, k: Knobs) -> float:
     """What one full-recompute checkpoint keeps: the input of its group of layers."""
     lay = k.layout
     rep = 1 / lay.tensor_size if lay.sequence_parallel else 1.0
-    return k.act_bytes * arch.seq * lay.micro_batch_size * arch.hidden * rep
+    return k.act_bytes * local_seq(arch, k) * lay.micro_batch_size * arch.hidden * rep
 
 
 def stage_activation_bytes(arch: Arch, k: Knobs, stage: int) -> tuple[float, float]:
@@ -266,14 +328,20 @@ def stage_activation_bytes(arch: Arch, k: Knobs, stage: int) -> tuple[float, flo
     p, m = lay.pipeline_size, lay.num_microbatches
     chunk_layers = arch.layers // (p * v)
     chunks = _chunks_in_flight(p, v, max(m, 1), stage)
+    n_dense, n_moe = stage_layer_counts(arch, p, stage, v)
     # Hugging Face models have no selective recompute; with fused attention it changes nothing anyway.
     recompute = "none" if not k.row.selective_recompute and k.recompute == "selective" else k.recompute
     if recompute != "full":
-        return chunks * chunk_layers * layer_bytes(arch, k, recompute), 0.0
+        # a chunk in flight holds its layers; with MoE layers spread unevenly, the stage's average chunk
+        per_chunk = (n_dense * layer_bytes(arch, k, recompute)
+                     + (n_moe * layer_bytes(arch, k, recompute, moe=True) if n_moe else 0)) / v
+        return chunks * per_chunk, 0.0
     full, ckpt = layer_bytes(arch, k, "none"), _checkpoint_bytes(arch, k)
+    if n_moe:
+        full = max(full, layer_bytes(arch, k, "none", moe=True))
     if k.megatron_layers and not arch.learned_positions:
         # the checkpoints also keep the chunk's RoPE frequencies (fp32, s x d_h, one tensor shared by all of them)
-        rope_freqs = 4 * arch.seq * arch.head_dim
+        rope_freqs = 4 * local_seq(arch, k) * (arch.pos_dim if arch.mla else arch.head_dim)
     else:
         rope_freqs = 0.0
     n = min(k.recompute_num_layers if k.megatron_layers else 1, chunk_layers)
@@ -289,11 +357,11 @@ def embedding_bytes(arch: Arch, k: Knobs) -> float:
     t > 1 the vocab-parallel out-of-range mask too), the position ids (learned positions: the engine's expanded
     arange, s int64) and the dropout mask."""
     lay = k.layout
-    tok = arch.seq * lay.micro_batch_size
+    tok = local_seq(arch, k) * lay.micro_batch_size
     if not k.megatron_layers:  # Hugging Face embeddings: the dropout mask only
         return tok * arch.hidden if arch.hidden_dropout else 0.0
     # token ids (the vocab-parallel lookup with t > 1 keeps its shifted copy and its out-of-range mask, 1 byte each)
-    out = 8 * tok + (tok if lay.tensor_size > 1 else 0) + (8 * arch.seq if arch.learned_positions else 0)
+    out = 8 * tok + (tok if lay.tensor_size > 1 else 0) + (8 * local_seq(arch, k) if arch.learned_positions else 0)
     if arch.hidden_dropout:
         rep = tok / lay.tensor_size if lay.sequence_parallel else tok
         out += (1 if k.on_gpu else k.act_bytes) * rep * arch.hidden
@@ -303,7 +371,7 @@ def embedding_bytes(arch: Arch, k: Knobs) -> float:
 def head_bytes(arch: Arch, k: Knobs) -> float:
     """What the last stage keeps per microbatch after its layers: final norm, output-layer input, the loss."""
     lay = k.layout
-    t, tok, e = lay.tensor_size, arch.seq * lay.micro_batch_size, k.act_bytes
+    t, tok, e = lay.tensor_size, local_seq(arch, k) * lay.micro_batch_size, k.act_bytes
     vocab = arch.padded_vocab(t)
     if not k.megatron_layers:
         # HF: returned 16-bit logits + fp32 upcast + fp32 log-softmax kept for backward = (2 + 4 + 4) s b V
@@ -355,15 +423,24 @@ class MemoryPlan:
 def stage_memory(arch: Arch, k: Knobs, stage: int, on_gpu: bool = True) -> StageMemory:
     """Every term for one GPU of ``stage``."""
     lay = k.layout
-    n = (fsdp_parameters(arch, lay.tensor_size) if k.fsdp
-         else stage_parameters(arch, lay.tensor_size, lay.pipeline_size, stage))
     if k.fsdp:
+        n = fsdp_parameters(arch, lay.tensor_size)
         params, grads, optim = fsdp_state_bytes(n, k.shard_group)
     elif k.zero:
+        n = stage_parameters(arch, lay.tensor_size, lay.pipeline_size, stage)
         params, grads, optim = zero_state_bytes(n, lay.data_size, k.zero_stage, k.precision, k.offload_optimizer,
                                                 k.offload_param)
     else:
-        params, grads, optim = megatron_state_bytes(n, lay.data_size, k.precision, k.distributed_optimizer)
+        # dense parameters: reduced and (distributed optimizer) sharded over DP x CP; routed experts, split over
+        # EP x ETP, over the expert-data-parallel group EDP = world / (PP x ETP x EP)
+        dense, expert = stage_split(arch, lay.tensor_size, lay.pipeline_size, stage,
+                                    lay.expert_size * lay.expert_tensor_size, k.virtual)
+        n = dense + expert
+        params, grads, optim = megatron_state_bytes(dense, lay.dense_grad_size, k.precision, k.distributed_optimizer)
+        if expert:
+            ep, eg, eo = megatron_state_bytes(expert, max(lay.expert_data_size, 1), k.precision,
+                                              k.distributed_optimizer)
+            params, grads, optim = params + ep, grads + eg, optim + eo
     acts, working = stage_activation_bytes(arch, k, stage)
     terms = {PARAMETERS: params, GRADIENTS: grads, OPTIMIZER: optim, ACTIVATIONS: acts,
              EDGE_ACTIVATIONS: edge_activation_bytes(arch, k, stage), RECOMPUTE_WS: working}
@@ -428,7 +505,9 @@ def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
         total = {0: "16Ψ", 1: "4Ψ + 12Ψ/N", 2: "2Ψ + 14Ψ/N", 3: "16Ψ/N"}[k.zero_stage]
         grads += f"; model states {total}" if k.precision != "fp32" else ""
     else:
-        shard = f" / d (distributed optimizer, d = {d})" if k.distributed_optimizer else ""
+        d = lay.dense_grad_size
+        shard = (f" / d (distributed optimizer, d = {'DP x CP = ' if lay.context_size > 1 else ''}{d})"
+                 if k.distributed_optimizer else "")
         if k.precision == "fp32":
             params, grads = "4 bytes/param (fp32)", "4 bytes/param (fp32 main grads)"
             optim = f"8 bytes/param{shard}: Adam m and v; model states {'8 + 8/d' if shard else '16'} bytes/param"
@@ -447,7 +526,7 @@ def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
                if k.megatron_layers else "")
             if k.recompute != "selective" else "selective recompute: s^2 terms recomputed")
     if k.megatron_layers:
-        terms = _layer_terms(arch, k, "none" if k.recompute == "full" else k.recompute)
+        terms = _layer_terms(arch, k, "none" if k.recompute == "full" else k.recompute, moe=arch.moe)
         big = ", ".join(f"{name} {value / max(sum(terms.values()), 1):.0%}"
                         for name, value in sorted(terms.items(), key=lambda kv: -kv[1])[:4])
         mask = "1-byte dropout masks" if k.on_gpu else "dropout noise tensors of the activation dtype (CPU build)"
@@ -455,6 +534,14 @@ def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
                  f"test_planner_activations.py): Korthikanti Table 2 + the fused QKV output kept alive by views, "
                  f"RoPE tables, norm statistics{', ' + mask if arch.hidden_dropout else ''}; {attn}; "
                  f"TP{t}{' + SP' if lay.sequence_parallel else ''}; largest: {big}")
+        if arch.moe:
+            layer += (f"; MoE layers ({arch.moe_layers} of {arch.layers}): router, tokens x top-{arch.topk} "
+                      f"dispatched to the experts (balanced routing assumed, estimated from Megatron-core's MoELayer, "
+                      f"not measured)")
+        if arch.mla:
+            layer += "; multi-latent attention's latents and up-projections (estimated, not measured)"
+        if lay.context_size > 1:
+            layer += f"; CP{lay.context_size}: every per-token term over s / CP = {local_seq(arch, k)} tokens"
     else:
         layer = (f"Korthikanti Table 2 per layer generalised: {'GQA ' if arch.groups != arch.heads else ''}Q,K,V by "
                  f"head counts; {swiglu if arch.gated else 'GELU fc1 f + act f'} (f={arch.ffn}); "
@@ -470,6 +557,12 @@ def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
               if p > 1 else "one microbatch at a time (gradient accumulation frees the rest)")
     hf = (" (Hugging Face layers assumed to store what Megatron's do; their fp32 RMSNorm upcast is not counted)"
           if not k.megatron_layers else "")
+    if arch.moe and k.distopt:
+        edp = lay.expert_data_size
+        experts = (f"; routed experts split over EP{lay.expert_size} x ETP{lay.expert_tensor_size} GPUs, their "
+                   f"states{' sharded' if k.distributed_optimizer else ' reduced'} over EDP = world / (PP x ETP x EP)"
+                   f" = {edp} ranks")
+        optim += experts
     notes = {
         PARAMETERS: f"{params}; the stage's parameters per GPU, TP{t}-sharded as Megatron does (norms and "
                     f"row-parallel biases replicated); embeddings on the first stage, {tied}; vocab padded to "

@@ -49,8 +49,20 @@ def _headline(plan: Plan) -> str:
     hw, lay = plan.hardware, plan.knobs.layout
     mem = f"{hw.mem_bytes / GB:.1f} GB" if hw.mem_bytes else "no GPU memory"
     peak = f", {hw.peak_flops / 1e12:.0f} TFLOP/s {plan.knobs.precision}" if hw.peak_flops else ""
-    return (f"{plan.name}: {count(plan.parameters)} parameters, {plan.knobs.backend}, on {lay.nodes} x "
+    active = (f" ({count(plan.parameters_active)} active per token, counting the input embedding; "
+              f"{count(plan.parameters_active_without_input_embedding)} without it)"
+              if plan.parameters_active and plan.parameters_active != plan.parameters else "")
+    return (f"{plan.name}: {count(plan.parameters)} parameters{active}, {plan.knobs.backend}, on {lay.nodes} x "
             f"{lay.ranks_per_node} {hw.gpu_type} ({mem}{peak})\n{lay.describe()}; {plan.knobs.describe()}")
+
+
+def mfu_text(plan: Plan) -> str:
+    """MFU against the 16-bit peak, and for FP8 runs also against the FP8 peak, each named."""
+    t = plan.time
+    out = f"MFU {t.mfu:.1%} of the {plan.knobs.precision} peak"
+    if t.mfu_fp8 is not None:
+        out += f", {t.mfu_fp8:.1%} of the FP8 peak"
+    return out
 
 
 def verdict(plan: Plan) -> str:
@@ -90,7 +102,8 @@ def print_plan(plan: Plan) -> None:
     for name, value in t.terms.items():
         steps.add_row(name, f"{value:.4f}", f"{value / t.total_s:.0%}", _esc(notes.get(name, "")))
     steps.add_row("total", f"{t.total_s:.4f}", "",
-                  f"{t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%} ({plan.convention} FLOPs convention)",
+                  f"{t.tokens_per_s:,.0f} tokens/s, {mfu_text(plan)} ({plan.convention} FLOPs convention"
+                  f"{', active parameters' if plan.arch.moe else ''})",
                   style="bold")
     con.print(steps)
 
@@ -101,6 +114,8 @@ def search_dict(result: SearchResult) -> dict[str, Any]:
                "overrides": result.overrides(c)}
         if c.time is not None:  # candidates that do not fit are not timed
             out.update(step_s=c.step_s, tokens_per_s=c.time.tokens_per_s, mfu=c.time.mfu, terms=c.time.terms)
+            if c.time.mfu_fp8 is not None:
+                out["mfu_fp8"] = c.time.mfu_fp8
         return out
 
     best = result.best

@@ -3,7 +3,9 @@ recipe rules, rank by predicted step time.
 
 Held fixed: the model, the cluster, the backend kind and the global batch (tokens per step; changing it would change
 the training, not just its speed). Turned: TP (inside a node, dividing heads and query groups), PP (dividing the
-layers), VPP, DP (what is left), micro batch, recomputation, and the distributed optimizer (Megatron), ZeRO
+layers), VPP, CP (sequences of 16k tokens or more, backends with context parallelism, GPUs), EP (dividing the
+experts) and ETP (1 or TP) for models with experts, DP (what is left), micro batch, recomputation, and the
+distributed optimizer (Megatron), ZeRO
 stage and offload (DeepSpeed) or the FSDP strategy (full_shard, hybrid_shard with node-sized shard groups, ddp) and
 reshard_after_forward; sequence parallelism is on whenever TP > 1 allows it (it dominates: same time in the
 model, less memory). A candidate fits when its peak stays under the GPU memory less the headroom
@@ -39,6 +41,9 @@ if TYPE_CHECKING:
     from hpc_tools.recipe.schema import Recipe
 
 MAX_RULE_CHECKS = 5000  # candidates checked against the recipe rules before giving up
+# Context parallelism is tried from 16k tokens per sequence (or when the recipe asks for it): below that the attention
+# core is a small share of the step and the ring's transfers are small enough to be latency-bound.
+CP_MIN_SEQ = 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +104,27 @@ def _divisors(n: int) -> list[int]:
     return [x for x in range(1, n + 1) if n % x == 0]
 
 
+def _context_sizes(recipe: "Recipe", base: Knobs) -> list[int]:
+    """CP degrees to try: with a backend that has context parallelism, on GPUs, for sequences of 16k tokens or more
+    (or when the recipe already asks for CP): 1, 2, 4, ... 32 (each rank keeps at least 1k tokens)."""
+    m = recipe.model
+    if not base.row.context_parallel or not recipe.cluster.uses_gpus:
+        return [1]
+    if m.seq_length < CP_MIN_SEQ and base.layout.context_size == 1:
+        return [1]
+    return [cp for cp in (1, 2, 4, 8, 16, 32) if m.seq_length % (2 * cp) == 0 and m.seq_length // cp >= 1024]
+
+
+def _expert_sizes(recipe: "Recipe", base: Knobs, t: int, p: int) -> list[tuple[int, int]]:
+    """(EP, ETP) pairs to try for a model with experts: EP dividing num_experts, ETP 1 or TP, EP x ETP dividing the
+    ranks of a pipeline stage; [(1, t)] for a dense model (Megatron's default ETP = TP, unused)."""
+    m, world = recipe.model, base.layout.world_size
+    if m.num_experts is None or not base.row.expert_parallel:
+        return [(1, 1 if m.num_experts is not None else t)]
+    stage = world // p
+    return [(ep, etp) for etp in sorted({1, t}) for ep in _divisors(m.num_experts) if stage % (ep * etp) == 0]
+
+
 def enumerate_knobs(recipe: "Recipe", base: Knobs) -> Iterator[Knobs]:
     """Every configuration the search scores (layout divisibility holds by construction)."""
     m, c = recipe.model, recipe.cluster
@@ -110,32 +136,38 @@ def enumerate_knobs(recipe: "Recipe", base: Knobs) -> Iterator[Knobs]:
     else:
         tensors = [1]
     recomputes = ("none", "selective", "full") if row.selective_recompute else ("none", "full")
+    contexts = _context_sizes(recipe, base)
     for t in tensors:
         # Sequence parallelism is on whenever it can be: same TP traffic, smaller activations and p2p messages, so
         # the model never ranks "off" ahead of "on" (Korthikanti et al.).
         sps = (True,) if t > 1 and row.sequence_parallel and m.seq_length % t == 0 else (False,)
         for p in _divisors(m.num_layers) if row.pipeline_parallel else [1]:
-            if world % (t * p):
-                continue
-            d = world // (t * p)
-            if batch % d:
-                continue
-            per_replica = batch // d
-            opts = list(_optimizer_options(base, t, p, d))
-            for b in _divisors(per_replica):
-                micro = per_replica // b
-                vs = [1]
-                if row.interleaved_pipeline and p > 1 and micro % p == 0:
-                    vs += [v for v in _divisors(m.num_layers // p) if v > 1]
-                for v in vs:
-                    for sp in sps:
-                        layout = ParallelLayout(nodes=c.nodes, ranks_per_node=c.gpus_per_node, tensor_size=t,
-                                                pipeline_size=p, data_size=d,
-                                                virtual_pipeline_size=v if v > 1 else None, sequence_parallel=sp,
-                                                micro_batch_size=b, global_batch_size=batch)
-                        for rc in recomputes:
-                            for opt in opts:
-                                yield _knobs(base, layout, rc, opt)
+            experts = _expert_sizes(recipe, base, t, p)
+            for cp in contexts:
+                if world % (t * p * cp) or m.seq_length % (2 * cp * t) and cp > 1:
+                    continue
+                d = world // (t * p * cp)
+                if batch % d:
+                    continue
+                per_replica = batch // d
+                opts = list(_optimizer_options(base, t, p, d))
+                for b in _divisors(per_replica):
+                    micro = per_replica // b
+                    vs = [1]
+                    if row.interleaved_pipeline and p > 1 and micro % p == 0:
+                        vs += [v for v in _divisors(m.num_layers // p) if v > 1]
+                    for v in vs:
+                        for sp in sps:
+                            for ep, etp in experts:
+                                layout = ParallelLayout(nodes=c.nodes, ranks_per_node=c.gpus_per_node,
+                                                        tensor_size=t, pipeline_size=p, data_size=d,
+                                                        virtual_pipeline_size=v if v > 1 else None,
+                                                        sequence_parallel=sp, micro_batch_size=b,
+                                                        global_batch_size=batch, context_size=cp, expert_size=ep,
+                                                        expert_tensor_size=etp)
+                                for rc in recomputes:
+                                    for opt in opts:
+                                        yield _knobs(base, layout, rc, opt)
 
 
 def _knobs(base: Knobs, layout: ParallelLayout, recompute: str, opt: dict) -> Knobs:
@@ -150,7 +182,8 @@ def _knobs(base: Knobs, layout: ParallelLayout, recompute: str, opt: dict) -> Kn
                  ds_overlap_comm=opt.get("ds_overlap_comm", base.ds_overlap_comm), ds_bucket_elems=base.ds_bucket_elems,
                  fsdp_strategy=opt.get("fsdp_strategy", base.fsdp_strategy),
                  fsdp_shard_size=opt.get("fsdp_shard_size", base.fsdp_shard_size),
-                 fsdp_reshard=opt.get("fsdp_reshard", base.fsdp_reshard), flash=base.flash, on_gpu=base.on_gpu)
+                 fsdp_reshard=opt.get("fsdp_reshard", base.fsdp_reshard), flash=base.flash, on_gpu=base.on_gpu,
+                 fp8=base.fp8, dispatcher=base.dispatcher, moe=base.moe)
 
 
 def _optimizer_options(base: Knobs, t: int, p: int, d: int) -> Iterator[dict]:
@@ -191,7 +224,8 @@ def search(recipe: "Recipe", top: int = 5, losers: int = 5, efficiency: float | 
     if not backends.of(recipe).trains_model:
         raise UserError(f"backend.kind={recipe.backend.kind} has no model to plan (use a recipe of backend.kind "
                         f"{' or '.join(backends.with_feature('trains_model'))})")
-    hw = hardware or hardware_for(recipe.cluster, recipe.training.precision, strict=True)
+    hw = hardware or hardware_for(recipe.cluster, recipe.training.precision, strict=True,
+                                  fp8=recipe.training.fp8 is not None)
     if not hw.peak_flops:
         raise UserError(f"cluster.gpu_type={recipe.cluster.gpu_type} has no peak FLOP/s to rank configurations by "
                         "(use a GPU type from the hardware table, or set cluster.gpu_peak_tflops)")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hpc_tools.planner.arch import Arch, fsdp_parameters, pieces, stage_parameters
+from hpc_tools.planner.arch import Arch, fsdp_parameters, pieces, stage_layer_counts, stage_split
 from hpc_tools.planner.hardware import Hardware
 from hpc_tools.planner.knobs import Knobs
 
@@ -24,11 +24,16 @@ if TYPE_CHECKING:
     from hpc_tools.recipe.model import ModelConfig
 
 DEFAULT_EFFICIENCY = 0.6  # fraction of dense peak the GEMM-bound compute reaches (calibrate to replace it)
+# FP8 GEMMs reach a smaller fraction of the (twice as high) FP8 peak than 16-bit GEMMs of theirs: scaling, casts and
+# amax reductions. 0.75 x the 16-bit efficiency makes FP8 GEMMs 1.5x faster, and a dense model's whole step
+# ~1.3-1.4x, inside the published 1.2-1.5x (Megatron-Bridge's guide; torchtitan measured 1.28x).
+FP8_EFFICIENCY_RATIO = 0.75
 CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeed CPU-Adam throughput per rank (assumed; ZeRO-Offload reports ~1 s per 1B)
 
 COMPUTE, BUBBLE, TP_COMM, PP_COMM, DP_COMM, OFFLOAD = (
     "compute", "pipeline bubble", "tensor-parallel comm", "pipeline p2p", "data-parallel comm (exposed)",
     "offload (PCIe + CPU Adam)")
+EP_COMM, CP_COMM = "expert all-to-all (exposed)", "context-parallel K/V exchange (exposed)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +43,8 @@ class StepTime:
     hardware_flops: float
     tokens_per_step: int
     world: int
-    peak_flops: float
+    peak_flops: float  # the training precision's peak (bf16/fp16): the MFU everyone quotes
+    peak_flops_fp8: float | None = None  # FP8 runs: the FP8 peak, for the second, stricter MFU
 
     @property
     def total_s(self) -> float:
@@ -50,18 +56,27 @@ class StepTime:
 
     @property
     def mfu(self) -> float:
+        """Model FLOPs / (time x GPUs x the 16-bit peak), also for FP8 runs (so FP8 and 16-bit runs compare)."""
         return self.model_flops / (self.total_s * self.world * self.peak_flops)
 
+    @property
+    def mfu_fp8(self) -> float | None:
+        """FP8 runs: model FLOPs against the FP8 peak (half the 16-bit MFU on Hopper); None otherwise."""
+        if not self.peak_flops_fp8:
+            return None
+        return self.model_flops / (self.total_s * self.world * self.peak_flops_fp8)
 
-def step_flops(model_cfg: "ModelConfig", k: Knobs, convention: str) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) of one step, over the vocabulary the job pads to."""
-    from profiling.flops import hardware_flops_per_step, model_flops_per_step
+
+def step_flops(model_cfg: "ModelConfig", k: Knobs, convention: str) -> tuple[float, float, float]:
+    """(model FLOPs, hardware FLOPs, the part of the hardware FLOPs in the layers' weight GEMMs) of one step, over
+    the vocabulary the job pads to. MoE layers count the FLOPs of the top-k experts a token is routed to."""
+    from profiling.flops import hardware_flops_parts, model_flops_per_step
 
     vocab = model_cfg.padded_vocab_size(k.layout.tensor_size) if k.row.pads_vocab else model_cfg.vocab_size
     recompute = "none" if not k.row.selective_recompute and k.recompute == "selective" else k.recompute
     batch = k.layout.global_batch_size
-    return (model_flops_per_step(model_cfg, batch, convention=convention, vocab_size=vocab),
-            hardware_flops_per_step(model_cfg, batch, recompute, convention=convention, vocab_size=vocab))
+    gemm, rest = hardware_flops_parts(model_cfg, batch, recompute, convention=convention, vocab_size=vocab)
+    return model_flops_per_step(model_cfg, batch, convention=convention, vocab_size=vocab), gemm + rest, gemm
 
 
 def _allreduce(nbytes: float, n: int, bw: float) -> float:
@@ -73,17 +88,26 @@ def _gather(nbytes: float, n: int, bw: float) -> float:
     return nbytes * (n - 1) / n / bw if n > 1 else 0.0
 
 
-def estimate_step_time(arch: Arch, k: Knobs, hw: Hardware, flops: tuple[float, float],
+def estimate_step_time(arch: Arch, k: Knobs, hw: Hardware, flops: tuple[float, ...],
                        efficiency: float = DEFAULT_EFFICIENCY) -> StepTime | None:
-    """Seconds per step, term by term; None when the peak FLOP/s is unknown (CPU ranks, GPU not in the table)."""
+    """Seconds per step, term by term; None when the peak FLOP/s is unknown (CPU ranks, GPU not in the table).
+
+    ``flops``: (model, hardware[, weight-GEMM part of hardware]) FLOPs of one step (``step_flops``)."""
     if not hw.peak_flops:
         return None
     lay = k.layout
     t, p, d, m, v = lay.tensor_size, lay.pipeline_size, lay.data_size, max(lay.num_microbatches, 1), k.virtual
-    model_flops, hardware_flops = flops
-    tok = arch.seq * lay.micro_batch_size
+    cp = lay.context_size
+    model_flops, hardware_flops = flops[0], flops[1]
+    gemm_flops = flops[2] if len(flops) > 2 else hardware_flops
+    tok = arch.seq // cp * lay.micro_batch_size  # tokens of a microbatch on one GPU (CP splits each sequence)
     e = k.act_bytes
-    compute = hardware_flops / lay.world_size / (hw.peak_flops * efficiency)
+    fp8_peak = hw.peak_flops_fp8 if k.fp8 else None
+    if fp8_peak:  # the layers' GEMMs in FP8 at their own efficiency; attention core and logits in 16-bit
+        compute = (gemm_flops / (fp8_peak * efficiency * FP8_EFFICIENCY_RATIO)
+                   + (hardware_flops - gemm_flops) / (hw.peak_flops * efficiency)) / lay.world_size
+    else:
+        compute = hardware_flops / lay.world_size / (hw.peak_flops * efficiency)
     terms = {COMPUTE: compute, BUBBLE: compute * lay.bubble_fraction}
 
     # TP: per layer and microbatch 2 all-reduces forward and 2 backward of b s h (SP: all-gather + reduce-scatter
@@ -98,16 +122,29 @@ def estimate_step_time(arch: Arch, k: Knobs, hw: Hardware, flops: tuple[float, f
     msg = e * tok * arch.hidden / (t if lay.sequence_parallel else 1)
     pp_bw = hw.link_bw(spans_nodes=lay.nodes > 1)
     terms[PP_COMM] = 2 * m * v * msg / pp_bw if p > 1 else 0.0
+    if arch.moe:
+        terms[EP_COMM] = _expert_comm(arch, k, hw, tok) * m
+    if cp > 1:
+        terms[CP_COMM] = _context_comm(arch, k, hw, tok, efficiency) * (arch.layers // p) * m
 
-    n = (fsdp_parameters(arch, t) if k.fsdp
-         else max(stage_parameters(arch, t, p, 0), stage_parameters(arch, t, p, p - 1)))
-    dp_bw = hw.link_bw(spans_nodes=t * d > hw.gpus_per_node)
+    if k.fsdp:
+        n = fsdp_parameters(arch, t)
+    else:
+        shards = lay.expert_size * lay.expert_tensor_size
+        split = max((stage_split(arch, t, p, s, shards, v) for s in {0, p - 1}), key=sum)
+        n = sum(split)
+    dp_bw = hw.link_bw(spans_nodes=t * cp * d > hw.gpus_per_node)
     fwd_per_mb, bwd_per_mb = compute / m / 3, 2 * compute / m / 3
     if k.fsdp:
         terms[DP_COMM] = _fsdp_comm(arch, n, k, hw, m, compute)
         terms[OFFLOAD] = 0.0
     elif not k.zero:
-        terms[DP_COMM] = _megatron_dp(n, k, d, dp_bw, fwd_per_mb, bwd_per_mb)
+        # dense gradients over DP x CP; the routed experts' over the expert-data-parallel group
+        dense, expert = split
+        terms[DP_COMM] = _megatron_dp(dense, k, lay.dense_grad_size, dp_bw, fwd_per_mb, bwd_per_mb)
+        if expert:
+            edp_bw = hw.link_bw(spans_nodes=lay.world_size // p > hw.gpus_per_node)
+            terms[DP_COMM] += _megatron_dp(expert, k, max(lay.expert_data_size, 1), edp_bw, fwd_per_mb, bwd_per_mb)
         if arch.tied and p > 1:  # the two copies of the word embedding all-reduce their gradients (fp32)
             terms[DP_COMM] += _allreduce(4 * pieces(arch, t).word_embedding, 2, hw.link_bw(lay.nodes > 1))
         terms[OFFLOAD] = 0.0
@@ -117,7 +154,48 @@ def estimate_step_time(arch: Arch, k: Knobs, hw: Hardware, flops: tuple[float, f
         terms[DP_COMM] = max(comm - hidden, 0.0)
         terms[OFFLOAD] = offload
     return StepTime(terms, model_flops, hardware_flops, lay.global_batch_size * arch.seq, lay.world_size,
-                    hw.peak_flops)
+                    hw.peak_flops, fp8_peak)
+
+
+def _expert_comm(arch: Arch, k: Knobs, hw: Hardware, tok: int) -> float:
+    """Seconds per microbatch of the token dispatcher on the busiest stage: per MoE layer a dispatch and a combine
+    forward and again backward (4, 6 with full recompute). ``alltoall``: each GPU sends its tokens x top-k (16-bit,
+    h wide), the share (EP-1)/EP to other ranks; ``allgather``: the EP group's tokens gathered, then
+    reduce-scattered. ETP > 1 adds an all-gather / reduce-scatter of the routed tokens inside the ETP group. The
+    EP group is ETP x EP consecutive ranks: NVLink while that fits in a node, the network beyond."""
+    lay, e, h = k.layout, k.act_bytes, arch.hidden
+    ep, etp = lay.expert_size, lay.expert_tensor_size
+    rep = tok / lay.tensor_size if lay.sequence_parallel else tok
+    passes = 6 if k.recompute == "full" else 4
+    bw = hw.link_bw(spans_nodes=ep * etp > hw.gpus_per_node)
+    if k.dispatcher == "allgather":
+        one = _gather(e * rep * h * ep, ep, bw)
+    else:
+        one = e * rep * arch.topk * h * (ep - 1) / ep / bw if ep > 1 else 0.0
+    one += _gather(e * rep * arch.topk * h * etp, etp, hw.link_bw(spans_nodes=etp > hw.gpus_per_node))
+    layers = max(stage_layer_counts(arch, lay.pipeline_size, s, k.virtual)[1] for s in {0, lay.pipeline_size - 1})
+    return passes * one * layers
+
+
+def _context_comm(arch: Arch, k: Knobs, hw: Hardware, tok: int, efficiency: float) -> float:
+    """Exposed seconds per layer and microbatch of context parallelism's ring (Transformer Engine, P2P): each rank
+    passes its K and V chunk CP-1 times forward, and K/V plus their gradients backward (3 (CP-1) chunk transfers, 4
+    with full recompute), each overlapped with the attention of the chunk before: exposed is the first transfer of
+    each pass and what the ring's remaining transfers take beyond the attention core's compute."""
+    lay, e = k.layout, k.act_bytes
+    cp, t = lay.context_size, lay.tensor_size
+    if arch.mla:  # MLA's keys and values are per head once up-projected
+        kv_width = arch.heads / t * (arch.qk_dim + arch.pos_dim + arch.v_dim)
+    else:
+        kv_width = 2 * arch.groups / t * arch.head_dim
+    chunk = e * tok * kv_width
+    passes = 4 if k.recompute == "full" else 3
+    comm = passes * (cp - 1) * chunk / hw.link_bw(spans_nodes=t * cp > hw.gpus_per_node)
+    d_qk = arch.qk_dim + arch.pos_dim if arch.mla else arch.head_dim
+    d_v = arch.v_dim if arch.mla else arch.head_dim
+    core = 3 * 2 * tok * arch.seq * 0.5 * arch.heads / t * (d_qk + d_v) / (hw.peak_flops * efficiency)
+    first = passes * chunk / hw.link_bw(spans_nodes=t * cp > hw.gpus_per_node)
+    return first + max(comm - first - core, 0.0)
 
 
 def _megatron_dp(n: int, k: Knobs, d: int, bw: float, fwd_per_mb: float, bwd_per_mb: float) -> float:
@@ -183,24 +261,43 @@ def time_notes(k: Knobs, hw: Hardware, efficiency: float, efficiency_source: str
     """What each step-time term assumes."""
     lay = k.layout
     gb = 1e9
-    return {
-        COMPUTE: f"hardware FLOPs ({convention} convention, recompute={k.recompute}) / "
-                 f"(peak {hw.peak_flops / 1e12:.0f} TFLOP/s x efficiency {efficiency:.2f}, {efficiency_source})"
+    fp8 = (f"; the layers' weight GEMMs in FP8 ({k.fp8}) at the FP8 peak {hw.peak_flops_fp8 / 1e12:.0f} TFLOP/s x "
+           f"{efficiency * FP8_EFFICIENCY_RATIO:.2f} ({FP8_EFFICIENCY_RATIO} x the efficiency), attention core and "
+           "logits in 16-bit" if k.fp8 and hw.peak_flops_fp8 else "")
+    notes = {
+        COMPUTE: f"hardware FLOPs ({convention} convention, recompute={k.recompute}"
+                 f"{', MoE: top-k experts per token' if k.moe else ''}) / "
+                 f"(peak {hw.peak_flops / 1e12:.0f} TFLOP/s x efficiency {efficiency:.2f}, {efficiency_source}){fp8}"
                  if hw.peak_flops else "no peak",
         BUBBLE: f"compute x (p-1)/(v m) = {lay.bubble_fraction:.3f}",
         TP_COMM: f"{6 if k.recompute == 'full' else 4} x b s h per layer per microbatch, all-reduce busbw "
                  f"{hw.link_bw(lay.tensor_size > hw.gpus_per_node) / gb:.0f} GB/s, not overlapped",
         PP_COMM: f"2 x b s h{'/t' if lay.sequence_parallel else ''} per microbatch{' x v' if lay.interleaved else ''}, "
                  f"p2p at {hw.link_bw(lay.nodes > 1) / gb:.0f} GB/s, exposed",
-        DP_COMM: (_fsdp_note(k) if k.fsdp else "fp32 grads "
+        DP_COMM: (_fsdp_note(k) if k.fsdp else ("dense " if k.moe or lay.context_size > 1 else "") + "fp32 grads "
                   f"{'reduce-scatter + 16-bit param all-gather' if k.distributed_optimizer else 'all-reduce'}"
                   f"{' (overlapped with the last backward)' if k.overlap_grad_reduce else ''} at "
                   if not k.zero else f"ZeRO-{k.zero_stage} collectives at ")
-                 + f"{hw.link_bw(lay.tensor_size * lay.data_size > hw.gpus_per_node) / gb:.0f} GB/s",
+                 + f"{hw.link_bw(lay.tensor_size * lay.data_size > hw.gpus_per_node) / gb:.0f} GB/s"
+                 + (f" over DP x CP = {lay.dense_grad_size} ranks" if lay.context_size > 1 else "")
+                 + (f"; routed experts' grads over EDP = {lay.expert_data_size} ranks" if k.moe else ""),
         OFFLOAD: f"PCIe {hw.host_bw / gb:.0f} GB/s, CPU Adam {CPU_ADAM_PARAMS_PER_S:.0e} params/s per rank (assumed)"
                  if k.zero and (k.offload_optimizer != "none" or k.offload_param != "none")
                  else "no offload",
     }
+    ep, etp, cp = lay.expert_size, lay.expert_tensor_size, lay.context_size
+    if k.moe:
+        how = ("all-gather + reduce-scatter of the EP group's tokens" if k.dispatcher == "allgather" else
+               "all-to-all of b s h x top-k (16-bit), the (EP-1)/EP share leaving the GPU")
+        notes[EP_COMM] = (f"{6 if k.recompute == 'full' else 4} per MoE layer per microbatch (dispatch + combine, "
+                          f"forward + backward): {how}, EP{ep} x ETP{etp} "
+                          f"{'inside a node' if ep * etp <= hw.gpus_per_node else 'across nodes'} at "
+                          f"{hw.link_bw(ep * etp > hw.gpus_per_node) / gb:.0f} GB/s; balanced routing; not overlapped")
+    if cp > 1:
+        notes[CP_COMM] = (f"ring of CP{cp}: 3 (CP-1) K/V chunk transfers per layer per microbatch (forward; K/V and "
+                          f"their gradients backward) at {hw.link_bw(lay.tensor_size * cp > hw.gpus_per_node) / gb:.0f}"
+                          " GB/s, overlapped with the attention core (exposed: the first transfer and any excess)")
+    return notes
 
 
 def _fsdp_note(k: Knobs) -> str:

@@ -26,10 +26,21 @@ class CheckpointConfig(Section):
     architecture and shape whose weights start a Megatron run: continued pretraining from step 0 with a fresh
     optimizer, in any layout. Ignored when the run has a checkpoint to resume from (its own or `load_path`)."""
     async_save: bool = False
-    """Write checkpoints in the background (backends whose row has async_save: fsdp, through torch Distributed
-    Checkpoint's async save): the state is staged to host memory, training goes on while it is written, and the
-    checkpoint becomes complete (`latest`) only once every rank's write and its file records are done. The save of
-    the last step or of a stop is synchronous."""
+    """Write checkpoints in the background (backends whose row has async_save: megatron through
+    dist_checkpointing's async save, fsdp through torch Distributed Checkpoint's; deepspeed refuses it): the state is
+    staged to a host copy, training goes on while it is written, and the checkpoint becomes complete (`latest`) only
+    once every rank's write and its file records (sizes, checksums) are done. A write that fails or is killed is
+    never committed (the previous checkpoint stays `latest`). The save of the last step or of a stop is synchronous,
+    after the outstanding background write is committed."""
+    local_dir: str | None = None
+    """A node-local checkpoint tier (e.g. `$SLURM_TMPDIR/ckpt` or a local NVMe scratch; environment variables and
+    `~` expanded on the rank at run time): saves every `local_interval_iters` steps go there, cheap and often; the
+    saves every `interval_iters` (and the last and stop saves) still go to `dir`, the durable shared tier. A resume
+    takes the newest complete, verified checkpoint of either tier. A local disk that is full (or unwritable) makes
+    that save go to `dir` instead, told in one log line. Used on single-node runs only (a multi-node run logs that
+    its saves go to `dir`: a node-local folder holds its own node's shards only; no peer replication)."""
+    local_interval_iters: int = Field(default=0, ge=0)
+    """Save to `local_dir` every N steps (0 = never; needs `local_dir`). A step due on both tiers saves to `dir`."""
     verify: Literal["checksum", "size"] = "checksum"
     """What a resume checks before loading, every rank a share of the files: `checksum` = each file's size and
     xxh3-64 checksum recorded at save (~5 GB/s per rank), `size` = sizes only (no checksums computed at save either).

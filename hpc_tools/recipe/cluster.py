@@ -58,7 +58,8 @@ OWNED_FLAGS = {
     "output": "the log's place is fixed (logs read it there)", "error": "the log's place is fixed (logs read it there)",
     "chdir": "the run folder is fixed (set --runs-dir or HPC_TOOLS_RUNS_DIR)",
     "export": "the job needs the variables `submit` passes (set cluster.setup.env for more)",
-    "array": "use a recipe's sweep: section", "wrap": "the script is the job",
+    "array": "use a recipe's sweep: section", "no-kill": "set cluster.spare_nodes (a job with spares keeps running "
+    "when a node fails)", "wrap": "the script is the job",
 }
 
 
@@ -137,6 +138,15 @@ class ClusterConfig(Section):
     """Seconds before the time limit at which Slurm sends SIGUSR2, so the job checkpoints and requeues itself."""
     requeue: bool = True
     """Requeue on preemption, node failure and after a time-limit checkpoint."""
+    restarts: int = Field(default=0, ge=0, le=1000)
+    """In-job restarts over the run: when a rank dies or hangs (or its node crashes), the Slurm job ends that step and
+    starts a new srun step in the same allocation from the newest complete checkpoint, without going back through the
+    queue; each is recorded in the manifest's `restarts`. When the allocation cannot hold the layout (a node lost
+    and no spare left) the job is requeued instead (with `requeue: true`). 0 = off: a failed rank ends the job."""
+    spare_nodes: int = Field(default=0, ge=0, le=1 << 16)
+    """Extra nodes allocated beside `nodes` (the layout still uses `nodes`): an in-job restart leaves a failed node
+    out and takes a spare. Needs `restarts` > 0; the job is submitted with --no-kill, so that Slurm keeps it running
+    when a node fails."""
     hang_timeout_min: float = Field(default=30.0, ge=0.0)
     """Abort with stack traces when no step completes for this long (a float: 0.25 = 15 s; 10 minutes more before
     the first step of a start), naming the rank that stopped in HANG.txt and the manifest; 0 = off. The process

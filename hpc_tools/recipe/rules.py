@@ -194,6 +194,10 @@ def expert_layout_fits(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
                         f"x parallel.expert_tensor_size={etp} must divide tensor x context x data = world / "
                         f"pipeline = {dense} (world = PP x ETP x EP x EDP)",
                         f"with expert_tensor_size {etp} {_try(fits)} for expert_size")
+    if r.model.add_bias_linear and r.model.moe_shared_expert_intermediate_size is not None:
+        yield Violation("model.moe_shared_expert_intermediate_size", r.model.moe_shared_expert_intermediate_size,
+                        "cannot be combined with model.add_bias_linear (Megatron-core's shared experts have no "
+                        "biases)", "set add_bias_linear: false or no shared expert")
     if r.model.add_bias_linear and etp > 1:
         yield Violation("parallel.expert_tensor_size", etp, "must be 1 when the experts have biases "
                         "(model.add_bias_linear; Megatron-core has no expert bias under ETP > 1)",
@@ -390,7 +394,8 @@ def backend_features(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
         yield Violation("model.multi_latent_attention", True, f"is not available with backend.kind={kind}",
                         f"set it false, or use backend.kind: {_others('multi_latent_attention')}")
     if r.checkpoint.async_save and not row.async_save:
-        yield Violation("checkpoint.async_save", True, f"is not available with backend.kind={kind}",
+        why = f" ({row.no_async_save_why})" if row.no_async_save_why else ""
+        yield Violation("checkpoint.async_save", True, f"is not available with backend.kind={kind}{why}",
                         f"set it false, or use backend.kind: {_others('async_save')}")
     if r.checkpoint.init_from_hf and not row.reads_init_from_hf:
         yield Violation("checkpoint.init_from_hf", r.checkpoint.init_from_hf,
@@ -548,6 +553,18 @@ def data_sources(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
 
 
 @rule
+def checkpoint_local_tier(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """The node-local checkpoint tier has both its folder and its interval."""
+    ck = r.checkpoint
+    if ck.local_interval_iters and not ck.local_dir:
+        yield Violation("checkpoint.local_interval_iters", ck.local_interval_iters, "needs checkpoint.local_dir",
+                        "set checkpoint.local_dir (e.g. $SLURM_TMPDIR/ckpt) or local_interval_iters: 0")
+    if ck.local_dir and not ck.local_interval_iters:
+        yield Violation("checkpoint.local_dir", ck.local_dir, "is never written: checkpoint.local_interval_iters is 0",
+                        "set checkpoint.local_interval_iters (e.g. 10) or remove local_dir")
+
+
+@rule
 def signal_before_limit(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """The preemption signal comes before the time limit."""
     c = r.cluster
@@ -555,6 +572,15 @@ def signal_before_limit(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
         yield Violation("cluster.signal_delay_s", c.signal_delay_s,
                         f"must be shorter than cluster.time_limit={c.time_limit} ({c.time_limit_min * 60:.0f} s)",
                         "lower it or raise the time limit")
+
+
+@rule
+def spares_need_restarts(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """Spare nodes are used by in-job restarts only."""
+    c = r.cluster
+    if c.spare_nodes and not c.restarts:
+        yield Violation("cluster.spare_nodes", c.spare_nodes, "are only used by in-job restarts, and "
+                        "cluster.restarts is 0", "set cluster.restarts (e.g. 2) or spare_nodes: 0")
 
 
 @rule

@@ -39,7 +39,10 @@ def render_sbatch(recipe: Recipe, source: str = "a recipe") -> str:
     # text cannot end it early.
     delimiter = "HPC_TOOLS_RECIPE_" + hashlib.sha256(recipe_yaml.encode()).hexdigest()[:12]
     # --label: every line of the one batch log starts with its rank ("3: ..."), which `logs --rank` filters on.
-    launch = shlex.join([*rank_srun_args(recipe.cluster), "--label"])
+    launch = shlex.join(rank_srun_args(recipe.cluster))
+    if recipe.cluster.restarts:  # each step's nodes, decided by hpc_tools.runtime.restarts
+        launch += ' --overlap ${HPC_TOOLS_NODELIST:+"--nodelist=$HPC_TOOLS_NODELIST"}'
+    launch += " --label"
     if is_pyxis(recipe.cluster):
         launch += ' "${HPC_TOOLS_CONTAINER[@]}"'
     launch += " " + shlex.join(rank_argv(recipe.cluster))
@@ -49,7 +52,8 @@ def render_sbatch(recipe: Recipe, source: str = "a recipe") -> str:
         setup=checked_setup_lines(recipe.cluster, '"$RUN_DIR"'), container=pyxis_script_lines(recipe.cluster),
         container_cleanup=pyxis_cleanup_lines(recipe.cluster),
         python=script_python(recipe.cluster), recipe_yaml=recipe_yaml, delimiter=delimiter,
-        signal_delay_s=recipe.cluster.signal_delay_s, stop_signal=STOP_SIGNAL, launch=launch)
+        signal_delay_s=recipe.cluster.signal_delay_s, stop_signal=STOP_SIGNAL, launch=launch,
+        restarts=recipe.cluster.restarts)
 
 
 def job_script_path(recipe_path: str | Path, jobs_dir: str | Path = "jobs") -> Path:

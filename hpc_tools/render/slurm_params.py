@@ -33,16 +33,23 @@ class SlurmSpec:
     signal_delay_s: int
     requeue: bool
     extra: tuple[str, ...] = ()
+    spare_nodes: int = 0
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> "SlurmSpec":
         lay, c = ParallelLayout.from_recipe(recipe), recipe.cluster
-        return cls(job_name=recipe.name, nodes=lay.nodes, ntasks_per_node=lay.ranks_per_node,
+        return cls(job_name=recipe.name, nodes=lay.nodes + c.spare_nodes, spare_nodes=c.spare_nodes,
+                   ntasks_per_node=lay.ranks_per_node,
                    gpus_per_node=lay.ranks_per_node if c.uses_gpus else None, cpus_per_task=c.cpus_per_task,
                    mem_gb=c.mem_gb, time_limit=c.time_limit, time_min=max(1, math.ceil(c.time_limit_min)),
                    partition=c.partition, account=c.account, qos=c.qos, constraint=c.constraint,
                    reservation=c.reservation, exclusive=c.exclusive, signal_delay_s=c.signal_delay_s,
                    requeue=c.requeue, extra=tuple(c.sbatch_extra))
+
+    @property
+    def step_nodes(self) -> int:
+        """Nodes of a rank step (the layout's): the allocation's without its spares."""
+        return self.nodes - self.spare_nodes
 
     def sbatch_options(self) -> list[tuple[str, str | None]]:
         """(flag, value) pairs in a fixed order; value None means a bare flag."""
@@ -61,6 +68,8 @@ class SlurmSpec:
             opts.append(("exclusive", None))
         opts.append(("signal", f"{STOP_SIGNAL}@{self.signal_delay_s}"))
         opts.append(("requeue", None) if self.requeue else ("no-requeue", None))
+        if self.spare_nodes:  # a node failure leaves the job running on the others: an in-job restart takes a spare
+            opts.append(("no-kill", None))
         opts.append(("open-mode", "append"))  # a requeued job appends to its log
         return opts
 
@@ -71,6 +80,8 @@ class SlurmSpec:
     def submitit_parameters(self) -> dict:
         """Keyword arguments for submitit.SlurmExecutor.update_parameters (submitit adds --signal=USR2@delay)."""
         extra: dict = {"requeue": True} if self.requeue else {"no-requeue": True}
+        if self.spare_nodes:
+            extra["no-kill"] = True
         if self.reservation:
             extra["reservation"] = self.reservation
         for item in self.extra:  # cluster.sbatch_extra: submitit writes `#SBATCH --key=value`, or `--key` for True

@@ -158,7 +158,12 @@ class RankContext:
     def heartbeat(self, step: int) -> None:
         """Step ``step`` completed: the hang watchdog's clock restarts and the rank's heartbeat shows the step."""
         if self.watchdog is not None:
+            first = self.watchdog.started_step is None
             self.watchdog.beat(step)
+            if first and self.is_rank0 and self.dist.restart_count and self.recipe.cluster.restarts:
+                from hpc_tools.runtime.restarts import first_step
+
+                first_step(self.run, self.dist.restart_count, step)  # the restart's record: from, time to this step
 
     @property
     def collective_timeout(self) -> "timedelta | None":

@@ -49,8 +49,10 @@ def port_for_job(job_id: str | int | None) -> int:
 
 
 def slurm_rendezvous(env: dict[str, str]) -> tuple[str, int]:
-    """(MASTER_ADDR, MASTER_PORT) of a Slurm job: its first node and a port derived from its job id."""
-    return first_host(env["SLURM_JOB_NODELIST"]), port_for_job(env.get("SLURM_JOB_ID"))
+    """(MASTER_ADDR, MASTER_PORT) of a Slurm job: the first node of its step (of the job in the batch shell; they
+    differ when the job holds spare nodes, ``cluster.spare_nodes``) and a port derived from its job id."""
+    nodes = env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"]
+    return first_host(nodes), port_for_job(env.get("SLURM_JOB_ID"))
 
 
 def free_port() -> int:

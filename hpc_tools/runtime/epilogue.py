@@ -39,8 +39,10 @@ from hpc_tools.runtime.heartbeat import Beat, ranks_text
 SRUN_TASK = re.compile(r"^srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.+?)\s*$", re.M)
 SRUN_NODE_FAIL = re.compile(r"^srun: error: Node failure on (?P<node>\S+)", re.M)
 EXITED = re.compile(r"Exited with exit code (\d+)")
-# Lines that begin one life of the job in its batch log: the rendered script's prepare step, submitit's task start.
-LIFE_START = re.compile(r"^hpc_tools: run folder |submitit INFO .*Starting with JobEnvironment", re.M)
+# Lines that begin one life of the job in its batch log: the rendered script's prepare step, submitit's task start, an
+# in-job restart's new step (``hpc_tools.runtime.restarts``).
+LIFE_START = re.compile(r"^hpc_tools: run folder |submitit INFO .*Starting with JobEnvironment|^hpc_tools: restart ",
+                        re.M)
 LOG_TAIL_BYTES = 256 * 1024
 SIGNAL_BY_TEXT = {signal.strsignal(s): int(s) for s in signal.Signals if signal.strsignal(s)}
 

@@ -110,6 +110,11 @@ class Watchdog:
         return self.beat_record.rank
 
     @property
+    def started_step(self) -> int | None:
+        """The first step this start completed (None: none yet)."""
+        return self._started_step
+
+    @property
     def marker(self) -> Path:
         return self.run_dir / MARKER
 

@@ -183,15 +183,19 @@ def resume(ctx: "RankContext", engine: Engine) -> int:
 
     if not engine.checkpoints:
         return 0
+    from hpc_tools.train.saving import tiers
+
     ck = ctx.recipe.checkpoint
-    dirs = CheckpointDirs(ctx.checkpoint_dir, keep_last=ck.keep_last)
+    dirs, *others = tiers(ctx)  # the shared tier, then the node-local one (checkpoint.local_dir) when in use
+    own = {d.root: d for d in (dirs, *others)}
     if ck.resume:
-        for path, why in dirs.incomplete():
-            ctx.info("checkpoint %s is not complete, not resumed from: %s", path, why)
+        for tier in (dirs, *others):
+            for path, why in tier.incomplete():
+                ctx.info("checkpoint %s is not complete, not resumed from: %s", path, why)
     skip: list[Path] = []
     failures: list[str] = []
     while True:
-        source = resume_source(dirs, resume=ck.resume, load_path=ck.load_path, skip=skip)
+        source = resume_source(dirs, resume=ck.resume, load_path=ck.load_path, skip=skip, tiers=others)
         if source is None:
             if failures:
                 raise CheckpointError("no checkpoint left to resume from: " + "; ".join(failures)
@@ -199,16 +203,16 @@ def resume(ctx: "RankContext", engine: Engine) -> int:
                                         "load error, to retry)")
             return 0
         step, problem = _verified_load(ctx, engine, source, checksum=ck.verify == "checksum")
+        tier = own.get(source.parent)
         if problem is None:
-            if ctx.is_rank0 and source.parent == dirs.root:
-                dirs.mark_verified(source)  # kept by keep_last until a later resume verifies a newer one
+            if ctx.is_rank0 and tier is not None:
+                tier.mark_verified(source)  # kept by keep_last until a later resume verifies a newer one
             return step
         failures.append(problem.line(source))
         skip.append(source)
         if ctx.is_rank0:
-            own = source.parent == dirs.root
             verified = problem.reason == "load"  # its files passed verification: kept, only skipped
-            moved = dirs.set_aside(source, problem.reason, problem.line(source)) if own and not verified else None
+            moved = tier.set_aside(source, problem.reason, problem.line(source)) if tier and not verified else None
             log.error("checkpoint %s is bad: %s; %s; falling back to the previous complete checkpoint", source,
                       problem.line(source), f"set aside as {moved.name}" if moved else
                       "skipped, kept (its files verified)" if verified else "skipped (checkpoint.load_path)")
@@ -351,7 +355,8 @@ def train(ctx: "RankContext", engine: Engine, collector_for: Callable[..., Any] 
     from hpc_tools.runtime.progress import ProgressMeter, StartupLog
 
     startup = startup if startup is not None else StartupLog(ctx.info)
-    collector = trackers = None
+    collector = trackers = saver = None
+    ok = False
     try:
         t_load = time.perf_counter()  # checkpoint verify + load, reported to the collector's events for goodput
         first = resume(ctx, engine) + 1
@@ -368,6 +373,10 @@ def train(ctx: "RankContext", engine: Engine, collector_for: Callable[..., Any] 
         evaluation = Evaluation(ctx, engine) if Evaluation.wanted(ctx, engine) else None
         meter = ProgressMeter(first=first, total=last, eval_interval=eval_interval) if ctx.is_rank0 else None
         trackers = _open_trackers(ctx)
+        if engine.checkpoints and hasattr(engine, "write_checkpoint"):
+            from hpc_tools.train.saving import Saver
+
+            saver = Saver(ctx, engine)  # tiers and background writes, the same for every backend
         in_row = 0
         for step in range(first, last + 1):
             t_step = time.perf_counter()
@@ -398,7 +407,9 @@ def train(ctx: "RankContext", engine: Engine, collector_for: Callable[..., Any] 
                 if meter is not None:
                     _progress(ctx, meter, step, last, trackers)
             stop = ctx.agree_stop(final=step == last)
-            if engine.checkpoints and save_due(step, last, interval, stop):
+            if saver is not None:
+                _saves(ctx, collector, saver, step, last, stop, in_row)
+            elif engine.checkpoints and save_due(step, last, interval, stop):
                 if in_row:
                     ctx.info("checkpoint of step %d not saved: the step was not finite (the newest checkpoint "
                              "stays the last good one)", step)
@@ -409,11 +420,18 @@ def train(ctx: "RankContext", engine: Engine, collector_for: Callable[..., Any] 
                     ctx.info("checkpoint saved: %s%s", path, _save_cost(ctx, path, time.perf_counter() - t_save))
                     report_event(collector, "checkpoint_save", t_save, step)
             if stop:
+                ok = True
                 ctx.finish_preempted(step)
                 return
         if first > last:
             ctx.info("nothing to do: the checkpoint is at step %d and training.train_iters=%d", first - 1, last)
+        if saver is not None:
+            for rec in saver.drain():  # nothing is pending after the last save; kept for a run that saved nothing
+                _report_save(ctx, collector, rec)
+        ok = True
     finally:
+        if saver is not None and not ok:
+            saver.close()
         try:
             if trackers is not None:
                 with contextlib.suppress(Exception):  # never raises into training, nor out of its end
@@ -422,6 +440,39 @@ def train(ctx: "RankContext", engine: Engine, collector_for: Callable[..., Any] 
                 collector.close()
         finally:
             engine.close()
+
+
+def _saves(ctx: "RankContext", collector, saver, step: int, last: int, stop: bool, in_row: int) -> None:
+    """Collective, every step boundary: commit a finished background write (``Saver.poll``), then save step ``step``
+    when a tier is due (shared: a stop, the last step, every checkpoint.interval_iters; local: every
+    checkpoint.local_interval_iters), never after a non-finite step; each save's record becomes a ``checkpoint_save``
+    event (its seconds = the time training was blocked)."""
+    records = saver.poll()
+    tier = saver.tier_due(step, last, stop)
+    if tier is not None and in_row:
+        ctx.info("checkpoint of step %d not saved: the step was not finite (the newest checkpoint stays the last "
+                 "good one)", step)
+        if stop or step == last:
+            records += saver.drain()
+    elif tier is not None:
+        getattr(collector, "flush", lambda: None)()  # the checkpoint's steps are on disk before it
+        records += saver.save(step, tier, final=stop or step == last)
+    for rec in records:
+        _report_save(ctx, collector, rec)
+
+
+def _report_save(ctx: "RankContext", collector, rec) -> None:
+    """Rank 0's line for a save that ended, and the collector's ``checkpoint_save`` event with its record."""
+    if rec.verified and not rec.async_:
+        ctx.info("checkpoint saved: %s%s", rec.path, _save_cost(ctx, Path(rec.path), rec.write_s))
+    elif rec.verified:
+        ctx.info("checkpoint of step %d: blocked training %.3f s of a %.2f s background write (%s tier)",
+                 rec.iteration, rec.blocked_s, rec.write_s, rec.tier)
+    event = getattr(collector, "event", None)
+    if event is not None:
+        fields = rec.as_dict()
+        fields.pop("iteration")
+        event("checkpoint_save", rec.blocked_s, step=rec.iteration, **fields)
 
 
 def _progress(ctx: "RankContext", meter, step: int, last: int, trackers) -> None:

@@ -62,8 +62,8 @@ def test_buckets_of_a_run_with_a_failure_and_a_restart(tmp_path):
     secs = g.seconds()
     # Life 0: 0..20; start-up 10; save 0.5; steps 1-3 productive, 4-5 recomputed later (lost). Life 1: 30..50;
     # load 1.5, start-up 40 - 30 - 1.5; saves 0.7 + 0.7 (the slowest rank's); steps 4-8 productive.
-    expected = {"productive": 3 + 5, "startup": 10 + 8.5, "checkpoint_load": 1.5, "checkpoint_save": 0.5 + 1.4,
-                "lost_work": 2.0, "evaluation": 0.0}
+    expected = {"productive": 3 + 5, "startup": 10 + 8.5, "checkpoint_load": 1.5, "checkpoint_blocked": 0.5 + 1.4,
+                "recovery": 0.0, "lost_work": 2.0, "evaluation": 0.0}
     expected["other"] = 40 - sum(expected.values())
     assert secs == pytest.approx(expected)
     s = g.summary()
@@ -92,4 +92,4 @@ def test_without_events_files_the_manifest_starts_anchor_the_lives(tmp_path):
     g = goodput.measure(run.records_dir, run.manifest(), WORLD, gpu=True)
     assert len(g.lives) == 2 and g.unit == "GPU"
     assert g.seconds()["lost_work"] == pytest.approx(2.0)
-    assert g.seconds()["checkpoint_save"] == 0.0  # not measured without the events files
+    assert g.seconds()["checkpoint_blocked"] == 0.0  # not measured without the events files

@@ -65,6 +65,8 @@ def test_moe_recipe_is_valid():
      "parallel.expert_size=8 x parallel.expert_tensor_size=4 must divide tensor x context x data", "for expert_size"),
     (["model.add_bias_linear=true", "parallel.expert_tensor_size=2"],
      "parallel.expert_tensor_size=2 must be 1 when the experts have biases", "set expert_tensor_size: 1"),
+    (["model.add_bias_linear=true", "model.moe_shared_expert_intermediate_size=64"],
+     "model.moe_shared_expert_intermediate_size=64 cannot be combined with model.add_bias_linear", "no shared expert"),
     (["model.moe_router_topk=9"], "model.moe_router_topk=9 exceeds model.num_experts=8", "use 1..8"),
     (["model.moe_layer_freq=[0, 1, 1]"], "model.moe_layer_freq=[0, 1, 1] has 3 entries, not one 0/1 per layer",
      "give 4 entries"),

@@ -61,9 +61,14 @@ CASES = {
     "lr_schedule": (["training.min_lr=0.01", "training.lr=0.001"], "training.min_lr=0.01 exceeds training.lr=0.001",
                     "use a value <= 0.001"),
     "data_sources": (["data.source=files"], "data.paths=[] is empty but data.source=files", "list local files"),
+    "checkpoint_local_tier": (["checkpoint.local_interval_iters=5"],
+                              "checkpoint.local_interval_iters=5 needs checkpoint.local_dir",
+                              "set checkpoint.local_dir (e.g. $SLURM_TMPDIR/ckpt) or local_interval_iters: 0"),
     "signal_before_limit": (["cluster.time_limit=2", "cluster.signal_delay_s=120"],
                             "cluster.signal_delay_s=120 must be shorter than cluster.time_limit=2 (120 s)",
                             "lower it or raise the time limit"),
+    "spares_need_restarts": (["cluster.spare_nodes=1"], "cluster.spare_nodes=1 are only used by in-job restarts, and "
+                             "cluster.restarts is 0", "set cluster.restarts (e.g. 2) or spare_nodes: 0"),
     "profiler_ranks_exist": (["profiling.torch_profiler.enabled=true", "profiling.torch_profiler.ranks=[0, 8]"],
                              "profiling.torch_profiler.ranks=[8] are not ranks of a 8-rank job", "use ranks in 0..7"),
     # wandb is installed here (environment/requirements-test.txt): the case hides it (HIDDEN_PACKAGES)

@@ -286,6 +286,19 @@ class DeepSpeedJob:
         dist.barrier()
         return final
 
+    def write_checkpoint(self, folder: Path, step: int, background: bool):
+        """``saving.Saver``'s write: the engine's files and this rank's RNG into ``folder`` (synchronous:
+        checkpoint.async_save is refused for deepspeed, see the backend table)."""
+        import torch
+
+        state = {"step": step, "data_step": step, "seed": self.recipe.training.seed}
+        self.engine.save_checkpoint(str(folder.parent), tag=folder.name, client_state=state, save_latest=False)
+        torch.save(rng.capture(), folder / RNG_FILE.format(rank=self.ctx.rank))
+        return None
+
+    def checkpoint_meta(self, step: int) -> dict[str, Any]:
+        return self.meta()
+
     def meta(self) -> dict[str, Any]:
         r, ds = self.recipe, self.recipe.backend.deepspeed
         return {"backend": "deepspeed", "zero_stage": ds.zero_stage, "pipeline_size": self.layout.pipeline_size,

@@ -8,8 +8,9 @@ the Hugging Face ones whatever the strategy, so a checkpoint loads at another ra
 on load: saved at 4 ranks, resumed at 2; full_shard -> ddp) and ``export`` reads it without ranks.
 
 ``checkpoint.async_save``: ``start_async_save`` stages the state into host memory and writes it in a background
-thread over a process group of its own (gloo), so its collectives never interleave with training's; the trainer
-commits the folder once every rank's write is done.
+thread over a process group of its own (gloo), so its collectives never interleave with training's; the loop's
+``hpc_tools.train.saving.Saver`` (the mechanism every backend shares) commits the folder once every rank's write is
+done (``FutureWrite``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,34 @@ def start_async_save(folder: Path, model, optimizer, rank: int, group, stager):
     torch.save(rng.capture(), folder / RNG_FILE.format(rank=rank))
     return dcp.async_save(_state(model, optimizer), checkpoint_id=str(folder / DCP_DIR), process_group=group,
                           async_stager=stager)
+
+
+class FutureWrite:
+    """DCP's background write of one checkpoint as ``saving.Write``."""
+
+    def __init__(self, future):
+        self.future, self.ended = future, None
+        future.add_done_callback(self._end)
+
+    def _end(self, _future) -> None:
+        import time
+
+        self.ended = time.perf_counter()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def finish(self) -> None:
+        self.future.result()  # raises a failed write here, before the folder could be committed
+
+    def abort(self) -> None:
+        try:
+            self.future.result()  # a thread cannot be killed: wait for it; the folder is never committed
+        except Exception:  # noqa: BLE001 - closing after another error: the write's own error is not the news
+            pass
+
+    def kill(self) -> None:
+        """A writer thread cannot be killed (the kill injection is for the process writers)."""
 
 
 def async_stager(pin_memory: bool):

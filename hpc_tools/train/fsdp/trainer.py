@@ -75,7 +75,6 @@ class FSDPJob:
         self.samples = build_samples(self.recipe)
         on_gpu = self.device.type == "cuda"
         self.prefetch = BatchPrefetcher(self._build_batch, t.train_iters, background=on_gpu, pin=on_gpu)
-        self.pending: tuple[int, Any] | None = None  # (step, write future) of an async save not yet committed
         self._async = None
         if self.recipe.checkpoint.async_save:
             import torch.distributed as dist
@@ -111,8 +110,6 @@ class FSDPJob:
         import torch
         import torch.distributed as dist
 
-        if self.pending is not None:
-            self._commit_if_written()
         lr = lr_at(self.recipe.training, step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -158,65 +155,33 @@ class FSDPJob:
         return total.item() / count / self.world
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
+    def write_checkpoint(self, folder: Path, step: int, background: bool):
+        """``saving.Saver``'s write: DCP save of the model and optimizer shards and this rank's RNG into ``folder``;
+        ``background`` (checkpoint.async_save): staged now, written in a background thread, returns its
+        ``FutureWrite``."""
+        if background and self._async is not None:
+            future = checkpoint.start_async_save(folder, self.model, self.optimizer, self.ctx.rank, *self._async)
+            return checkpoint.FutureWrite(future)
+        checkpoint.save(folder, self.model, self.optimizer, self.ctx.rank)
+        return None
+
+    def checkpoint_meta(self, step: int) -> dict[str, Any]:
+        return self.meta()
+
     def save(self, step: int) -> Path:
-        """DCP save into a partial folder; it becomes ``iter_N`` only once every rank is done and recorded. With
-        ``checkpoint.async_save`` (except at the last step and on a stop) the write goes on in the background and
-        the folder is committed at the first step boundary where every rank's write is done (``pending``)."""
+        """A synchronous save outside the loop's ``Saver``: a partial folder that becomes ``iter_N`` only once
+        every rank is done and recorded."""
         import torch.distributed as dist
 
-        if self.pending is not None:  # one background save at a time: finish the previous one first
-            self._commit(*self.pending, wait=True)
         partial = self.dirs.begin(step) if self.ctx.is_rank0 else self.dirs.partial_path(step)
         dist.barrier()
-        if self._async is not None and not self._final_save(step):
-            future = checkpoint.start_async_save(partial, self.model, self.optimizer, self.ctx.rank, *self._async)
-            self.pending = (step, future)
-            self.ctx.info("checkpoint of step %d staged; written in the background, complete once every rank's "
-                          "write is done", step)
-            return partial
         checkpoint.save(partial, self.model, self.optimizer, self.ctx.rank)
-        return self._commit(step, None, wait=False)
-
-    def _final_save(self, step: int) -> bool:
-        """Collective: the last step, or a stop signal on any rank (one rank may hold it a step before the loop's
-        agreement): such a save is synchronous on every rank alike."""
-        import torch
-        import torch.distributed as dist
-
-        last = step >= self.recipe.training.train_iters or self.ctx.stop_requested
-        flag = torch.tensor([1.0 if last else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() > 0
-
-    def _commit_if_written(self) -> None:
-        """Collective (a one-flag all-reduce while a background save is pending): commit it once every rank's write
-        is done."""
-        import torch
-        import torch.distributed as dist
-
-        step, future = self.pending
-        done = torch.tensor([1.0 if future.done() else 0.0], device=self.device)
-        dist.all_reduce(done, op=dist.ReduceOp.MIN)
-        if done.item() == 1.0:
-            self._commit(step, future, wait=True)
-
-    def _commit(self, step: int, future, *, wait: bool) -> Path:
-        """Collective: (after this rank's background write, when there is one) record every rank's files and make
-        the partial folder ``iter_N``; the checkpoint is complete from here on."""
-        import torch.distributed as dist
-
-        if future is not None and wait:
-            future.result()  # raises a failed write here, before the folder could be committed
-        self.pending = None
-        partial = self.dirs.partial_path(step)
         dist.barrier()
         files = checkpoint_agree.gather_records(partial, exclude=[META],
                                                 checksum=self.recipe.checkpoint.verify == "checksum")
         final = self.dirs.final_path(step)
         if self.ctx.is_rank0:
             final = self.dirs.commit(step, meta=self.meta(), files=files)
-            if future is not None:
-                self.ctx.info("checkpoint of step %d complete (written in the background): %s", step, final)
         dist.barrier()
         return final
 
@@ -239,14 +204,7 @@ class FSDPJob:
         return int(meta["step"])
 
     def close(self) -> None:
-        """Release the engine. A background write still pending (only after an error: the last save is
-        synchronous) is waited for but not committed: its folder stays partial, never resumed from."""
-        if getattr(self, "pending", None) is not None:
-            try:
-                self.pending[1].result()
-            except Exception as e:  # noqa: BLE001 - closing after another error: report, do not mask it
-                self.ctx.info("background checkpoint write of step %d failed: %s", self.pending[0], e)
-            self.pending = None
+        """Release the engine (the loop's ``Saver`` has already waited for or stopped a background write)."""
         if getattr(self, "_async", None) is not None:
             self._async[1].close()
             self._async = None

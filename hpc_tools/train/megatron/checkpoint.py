@@ -87,30 +87,174 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save(engine: "Engine", dirs: CheckpointDirs, step: int, *, model_only: bool = False) -> Path:
     """Collective: every rank writes its shards into a partial folder; rank 0 commits it once all are done."""
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
 
-    _in_process_results_queue()
-    # Before the first step the optimizer has no state to save (the distributed optimizer refuses): model only.
-    model_only = model_only or step - engine.skipped_steps <= 0
     if dist.get_rank() == 0:
         dirs.begin(step)
     dist.barrier()
+    write(engine, dirs.partial_path(step), step, model_only=model_only)
+    dist.barrier()
+    files = checkpoint_agree.gather_records(dirs.partial_path(step), exclude=[META],
+                                             checksum=engine.recipe.checkpoint.verify == "checksum")
+    if dist.get_rank() == 0:
+        dirs.commit(step, meta=meta(engine, step, model_only=model_only), files=files)
+    dist.barrier()
+    return dirs.final_path(step)
+
+
+def meta(engine: "Engine", step: int, *, model_only: bool = False) -> dict[str, Any]:
+    """What the meta file of a checkpoint of ``step`` records besides its files."""
+    return {"format": FORMAT, "model_only": model_only or step - engine.skipped_steps <= 0,
+            "optimizer_steps": step - engine.skipped_steps, "layout": layout_meta(engine)}
+
+
+def write(engine: "Engine", folder: Path, step: int, *, model_only: bool = False, background=None):
+    """Collective: every rank writes its torch_dist shards of step ``step`` into ``folder`` (which exists).
+
+    ``background`` (a ``BackgroundWriter``, checkpoint.async_save): through dist_checkpointing's async path: the
+    shards are staged into a host copy now and written by the writer's process; returns the ``saving.Write`` to
+    poll. Otherwise synchronous; returns None."""
+    from megatron.core import dist_checkpointing
+
+    if background is None and not engine.recipe.checkpoint.async_save:
+        _in_process_results_queue()  # an async run's writer needs the library's cross-process queue instead
+    # Before the first step the optimizer has no state to save (the distributed optimizer refuses): model only.
+    model_only = model_only or step - engine.skipped_steps <= 0
     with params_gathered(engine):
         state = model_state(engine)
         if not model_only:
             state["optimizer"] = engine.optimizer.sharded_state_dict(dict(state), is_loading=False,
                                                                      metadata=SHARDING)
             state["rng_state"] = rng_state(engine)
-        dist_checkpointing.save(state, str(dirs.partial_path(step)))
-    dist.barrier()
-    files = checkpoint_agree.gather_records(dirs.partial_path(step), exclude=[META],
-                                             checksum=engine.recipe.checkpoint.verify == "checksum")
-    if dist.get_rank() == 0:
-        dirs.commit(step, meta={"format": FORMAT, "model_only": model_only,
-                                "optimizer_steps": step - engine.skipped_steps, "layout": layout_meta(engine)},
-                    files=files)
-    dist.barrier()
-    return dirs.final_path(step)
+        if background is None:
+            dist_checkpointing.save(state, str(folder))
+            return None
+        background.ready()
+        request = dist_checkpointing.save(state, str(folder), async_sharded_save=True)
+        return background.schedule(request)
+
+
+class BackgroundWriter:
+    """dist_checkpointing's async machinery for one run (checkpoint.async_save): an ``AsyncCallsQueue`` with the
+    persistent writer process on a GPU (one process for the run's life; Megatron-LM's choice) and a writer forked per
+    save on CPU (the persistent one calls ``torch.cuda.set_device``: it dies on a CPU node and the trainer then hangs
+    in finalize). The writer's results come back through the library's multiprocessing Manager queue, started in a
+    thread at construction so that its 2-3 s start is not spent in the first save.
+
+    Staging: the async path copies every tensor to the host (``preload_fn``). For CPU tensors that copy is a no-op,
+    so the writer would write the live parameters while the next steps change them: on CPU the staged tensors are
+    cloned (a real copy, in the save call) before the writer starts."""
+
+    def __init__(self, on_gpu: bool):
+        import threading
+
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.on_gpu = on_gpu
+        self.queue = AsyncCallsQueue(persistent=on_gpu)
+        self._manager = threading.Thread(target=_start_results_queue, daemon=True, name="ckpt-results-queue")
+        self._manager.start()
+
+    def ready(self) -> None:
+        self._manager.join()
+
+    def schedule(self, request) -> "MegatronWrite":
+        if not self.on_gpu and request.preload_fn is not None:
+            request = request._replace(preload_fn=_cloning(request.preload_fn))
+        self.queue.schedule_async_request(request)
+        return MegatronWrite(self.queue)
+
+    def close(self) -> None:
+        for call in list(self.queue.async_calls):
+            with _suppress():
+                call.async_caller.close(abort=True)
+        self.queue.async_calls.clear()
+        with _suppress():
+            self.queue.close(abort=True)
+
+
+class MegatronWrite:
+    """One scheduled save on the ``BackgroundWriter``'s queue (``saving.Write``)."""
+
+    def __init__(self, queue):
+        self.queue = queue
+        self.caller = queue.async_calls[-1].async_caller
+        self.ended: float | None = None
+        self._done = False
+        process = getattr(self.caller, "process", None)
+        if process is not None and not queue.persistent:  # the forked writer: note when it exits
+            import threading
+
+            threading.Thread(target=self._watch, args=(process.sentinel,), daemon=True).start()
+
+    def _watch(self, sentinel) -> None:
+        import time
+        from multiprocessing.connection import wait
+
+        wait([sentinel])
+        self.ended = time.perf_counter()
+
+    def done(self) -> bool:
+        if self._done:
+            return True
+        if self.queue.persistent:
+            # peek at the worker's completion queue; the library's own check (finish) finds the item kept here
+            from queue import Empty
+
+            if self.caller.cur_item is None:
+                try:
+                    self.caller.cur_item = self.caller.comp_q.get_nowait()
+                except Empty:
+                    return False
+            import time
+
+            self.ended = time.perf_counter()
+        else:
+            process = self.caller.process
+            if process is not None and process.is_alive():
+                return False
+        self._done = True
+        return True
+
+    def finish(self) -> None:
+        """Collective: the library's finalize (every rank's write results gathered, torch_dist's metadata written
+        by the coordinator); raises (on every rank) when a rank's write failed."""
+        self.queue.maybe_finalize_async_calls(blocking=True)
+
+    def abort(self) -> None:
+        with _suppress():
+            self.caller.close(abort=True)
+        self.queue.async_calls.clear()
+
+    def kill(self) -> None:
+        import os
+        import signal
+
+        process = getattr(self.caller, "process", None)
+        if process is not None and process.pid:
+            os.kill(process.pid, signal.SIGKILL)
+
+
+def _cloning(preload_fn):
+    """``preload_fn`` followed by a real copy of every staged tensor (CPU tensors: the staging is a no-op)."""
+    def staged():
+        out = []
+        for file_name, key, (bytes_data, tensor_data) in preload_fn():
+            out.append((file_name, key, (bytes_data, [(item, t.detach().clone()) for item, t in tensor_data])))
+        return out
+
+    return staged
+
+
+def _start_results_queue() -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._get_write_results_queue()
+
+
+def _suppress():
+    import contextlib
+
+    return contextlib.suppress(Exception)
 
 
 @contextmanager

@@ -41,6 +41,11 @@ class MegatronJob:
                                         background=ctx.device.type == "cuda", pin=ctx.device.type == "cuda")
         self.dirs = CheckpointDirs(ctx.checkpoint_dir, keep_last=ctx.recipe.checkpoint.keep_last)
         self._attention_told = False
+        self._background = None  # checkpoint.BackgroundWriter, made at the first background save
+        if ctx.recipe.checkpoint.async_save:
+            from hpc_tools.train.megatron import checkpoint
+
+            self._background = checkpoint.BackgroundWriter(on_gpu=ctx.device.type == "cuda")
         for note in self.engine.notes:
             ctx.info("note: %s", note)
         if ctx.recipe.checkpoint.init_from_hf:  # step-0 weights from a Hugging Face folder unless resuming
@@ -91,7 +96,24 @@ class MegatronJob:
 
         return checkpoint.save(self.engine, self.dirs, step)
 
+    def write_checkpoint(self, folder: Path, step: int, background: bool):
+        """``saving.Saver``'s write: this rank's shards into ``folder``; in the background (checkpoint.async_save)
+        through dist_checkpointing's async path, returning its ``Write``."""
+        from hpc_tools.train.megatron import checkpoint
+
+        if background and self._background is None:
+            self._background = checkpoint.BackgroundWriter(on_gpu=self.ctx.device.type == "cuda")
+        return checkpoint.write(self.engine, folder, step, background=self._background if background else None)
+
+    def checkpoint_meta(self, step: int) -> dict[str, Any]:
+        from hpc_tools.train.megatron import checkpoint
+
+        return checkpoint.meta(self.engine, step)
+
     def close(self) -> None:
+        if getattr(self, "_background", None) is not None:
+            self._background.close()
+            self._background = None
         self.prefetch.close()
         self.engine.close()
 

@@ -1,0 +1,398 @@
+"""Recovery inside the allocation (``cluster.restarts``, ``cluster.spare_nodes``): a new srun step in the same job.
+
+``python -m hpc_tools.runtime.restarts begin --run-dir RUN`` runs in the batch shell before the first rank step and
+prints shell exports for it; ``... next --run-dir RUN --exit-code N`` runs after a rank step that failed and either
+prints the exports of a new step (exit 0: the batch script starts it) or exits 1 (the script goes on to its epilogue,
+which records the end as before). Both launch paths use it: the rendered sbatch script's loop around its ``srun`` line
+and submitit's teardown (``hpc_tools.executors.slurm``).
+
+What ``next`` does, in order:
+
+1. Nothing to recover: the step succeeded, the ranks completed or were stopped by a signal (time limit: they
+   checkpointed and requeued the job; scancel), or the budget is spent (``cluster.restarts`` in-job restarts per
+   run, counted in the manifest's ``restarts``): exit 1.
+2. The culprit of the step, from the same evidence as the epilogue (srun's reports of this step in the batch log,
+   the heartbeats of this start, the hang watchdog's verdict): its rank, node and cause (``killed``, ``exited``,
+   ``hang``, ``node failure``, ``cancelled``).
+3. The nodes of the new step: the allocation's nodes (as Slurm holds them now: a node Slurm removed is gone) minus
+   those excluded before, minus the culprit's node when a spare can take its place (``cluster.spare_nodes``); the
+   first ``cluster.nodes`` of them that answer a probe step (``srun true`` on each; a crashed node's slurmd may be
+   coming back: the probe is retried for up to ``PROBE_WAIT_S``). When the allocation cannot hold the layout, the job
+   is requeued (``scontrol requeue``, with ``cluster.requeue``) and this exits 1.
+4. The record: the manifest's ``restarts`` gets ``{at, cause, rank, node, reason, job_id, restart, nodes,
+   from_iteration, time_to_first_step_s}`` (the last two filled by rank 0 of the new start: the step it resumed
+   from and the seconds from ``at`` to its first completed step), state STARTING; a hang verdict (``HANG.txt``) of
+   the ended step is moved to ``hang/HANG-restart<N>.txt`` so it does not speak for the new start.
+5. The exports: the new start's number (``HPC_TOOLS_RESTART_BASE``, so its records, heartbeats and checkpoints'
+   ``restart`` differ from the ended one's), its rendezvous (the first node of the step, a port derived from the job
+   id and the start number: the ended step's port may still be held) and ``HPC_TOOLS_NODELIST``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from hpc_tools.registry import RunFolder
+from hpc_tools.runstate import HANG_EXIT_CODE, HANG_MARKER
+from hpc_tools.runtime import heartbeat
+from hpc_tools.runtime.distenv import PORT_BASE, PORT_SPAN, RESTART_BASE_ENV, restart_count
+
+PROBE_WAIT_S = 180.0  # how long a restart waits for a node's slurmd to answer (a crashed node coming back)
+PROBE_TIMEOUT_S = 20.0  # one probe step
+STUCK_STEP_S = 20.0  # a rank exited with an error this long ago and the step still runs: cancel it (``watch``)
+RESTART_LINE = "hpc_tools: restart "  # begins a new step's part of the batch log (the epilogue reads from there)
+
+
+def hostnames(nodelist: str) -> list[str]:
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
+    return out.stdout.split() if out.returncode == 0 else []
+
+
+def allocation_nodes(job_id: str | None, env: dict[str, str]) -> list[str]:
+    """The job's nodes as Slurm holds them now (a node Slurm removed from a ``--no-kill`` job is gone)."""
+    if job_id:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+        fields = dict(item.split("=", 1) for item in out.stdout.split() if "=" in item)
+        if out.returncode == 0 and fields.get("NodeList") not in (None, "", "(null)"):
+            return hostnames(fields["NodeList"])
+    return hostnames(env.get("SLURM_JOB_NODELIST", ""))
+
+
+def probe(node: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether ``node``'s slurmd runs a step of this job (``srun true`` there)."""
+    try:
+        out = subprocess.run(["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
+                              "--cpus-per-task=1", "--mem=0", "--kill-on-bad-exit=1", "true"], capture_output=True,
+                             text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0
+
+
+def step_port(job_id: str | None, start: int) -> int:
+    """The rendezvous port of start ``start`` of job ``job_id``: the job's port (``distenv.port_for_job``) for start
+    0 of the job, another one for each restart (the ended step's store may still hold its port)."""
+    base = int(str(job_id or 0).split("_")[0])
+    return PORT_BASE + (base + 211 * start) % PORT_SPAN
+
+
+def life_number(manifest: dict, env: dict[str, str]) -> int:
+    """The number of the start about to begin: Slurm's requeue count plus ``HPC_TOOLS_RESTART_BASE``, or one more than
+    any start the manifest holds (in-job restarts of an earlier life of a requeued job numbered theirs on top)."""
+    n = restart_count(env)
+    seen = [int(e.get("restart_count") or 0) for e in manifest.get("events", []) if e.get("event") == "started"]
+    requeued = int(env.get("SLURM_RESTART_COUNT", "0") or 0) > 0 or int(env.get(RESTART_BASE_ENV, "0") or 0) > 0
+    if requeued and seen and n <= max(seen):
+        n = max(seen) + 1
+    return n
+
+
+def exports(values: dict[str, str | int]) -> str:
+    return "export " + " ".join(f"{k}={shlex.quote(str(v))}" for k, v in values.items())
+
+
+def begin(run_dir: Path, env: dict[str, str]) -> str:
+    """Exports of the first rank step of this life: its start number, nodes and rendezvous."""
+    run = RunFolder(run_dir)
+    recipe = _recipe(run)
+    job_id = env.get("SLURM_JOB_ID")
+    n = life_number(run.manifest(), env)
+    nodes = allocation_nodes(job_id, env)[:recipe.cluster.nodes]
+    values: dict[str, str | int] = {RESTART_BASE_ENV: n - int(env.get("SLURM_RESTART_COUNT", "0") or 0),
+                                    "HPC_TOOLS_NODELIST": ",".join(nodes), "HPC_TOOLS_EXCLUDED": ""}
+    if nodes:
+        values.update(MASTER_ADDR=nodes[0], MASTER_PORT=step_port(job_id, n))
+    return exports(values)
+
+
+def _recipe(run: RunFolder):
+    from hpc_tools.recipe.load import resolve
+    from hpc_tools.recipe.yamlfile import parse_yaml
+
+    return resolve(parse_yaml(run.recipe_path.read_text(), str(run.recipe_path)), source=str(run.recipe_path))
+
+
+def culprit(run: RunFolder, exit_code: int, start: int, failures: list | None = None) -> dict:
+    """The ended step's culprit: {cause, rank, node, reason} from the launcher's ``failures`` (the local executor's
+    exit codes) or srun's reports, the heartbeats and a hang verdict."""
+    from hpc_tools.runtime.epilogue import decide, from_heartbeats, read_srun_reports
+
+    manifest = run.manifest()
+    beats = heartbeat.read_all(run.path, start)
+    failures = failures or read_srun_reports(run) or from_heartbeats(beats, manifest.get("world_size"))
+    silent = sorted(r for r, b in beats.items() if not b.exit)
+    if failures and failures[0].signal is None and not failures[0].node_failure and silent and \
+            all(r in beats and beats[r].exit for r in failures[0].ranks):
+        # the ranks srun names first exited with an error (their peer's connection closed) while another rank left
+        # no exit record: that one died first, with its node or by a signal (a peer's death makes the others raise)
+        from hpc_tools.runtime.epilogue import TaskFailure
+
+        failures = [TaskFailure(ranks=silent, node=beats[silent[0]].node, text="ended without an exit record")]
+    ending = decide(exit_code, failures, beats, {**manifest, "state": "RUNNING"})
+    hang = manifest.get("state") == "HANG" or exit_code == HANG_EXIT_CODE
+    first = failures[0] if failures else None
+    if hang:
+        cause = "hang"
+    elif ending.state == "NODE_FAIL":
+        cause = "node failure"
+    elif first is not None and first.signal is not None:
+        cause = "killed"
+    elif first is not None and first.code is not None:
+        cause = "exited"
+    elif first is not None and first.text == "ended without an exit record":
+        cause = "lost"
+    else:
+        cause = "failed"
+    ranks = (manifest.get("failed_ranks") if hang else None) or ending.failed_ranks
+    nodes = (manifest.get("failed_nodes") if hang else None) or ending.failed_nodes
+    reason = (manifest.get("reason") if hang else None) or ending.reason
+    return {"cause": cause, "rank": ranks[0] if ranks else None, "node": nodes[0] if nodes else None,
+            "reason": reason}
+
+
+def choose_nodes(allocation: list[str], excluded: list[str], failed: str | None, need: int,
+                 wait_s: float = PROBE_WAIT_S, prober=probe, say=None,
+                 unanswered: set[str] | None = None) -> tuple[list[str], list[str]]:
+    """(the nodes of the new step, the nodes excluded from now on). The failed node is excluded when the allocation
+    holds ``need`` nodes without it; nodes that do not answer the probe within ``wait_s`` are excluded too when
+    enough others answer. Fewer than ``need`` nodes returned: the allocation cannot hold the layout."""
+    excluded = list(dict.fromkeys(excluded))
+    usable = [n for n in allocation if n not in excluded]
+    if failed and failed in usable and len(usable) - 1 >= need:
+        excluded.append(failed)
+        usable.remove(failed)
+    if len(usable) < need:
+        return [], excluded
+    deadline = time.monotonic() + wait_s
+    while True:
+        with ThreadPoolExecutor(max(1, min(len(usable), 16))) as pool:
+            answers = dict(zip(usable, pool.map(prober, usable)))
+        good = [n for n in usable if answers[n]]
+        if unanswered is not None:
+            unanswered.update(n for n in usable if not answers[n])
+        if len(good) >= need and (len(good) == len(usable) or time.monotonic() >= deadline or
+                                  len(usable) > need):
+            return good[:need], excluded + [n for n in usable if not answers[n]]
+        if time.monotonic() >= deadline:
+            return [], excluded + [n for n in usable if not answers[n]]
+        if say:
+            say(f"waiting for {', '.join(n for n in usable if not answers[n])} to answer")
+        time.sleep(2.0)
+
+
+def next_step(run_dir: Path, exit_code: int, env: dict[str, str], prober=probe, wait_s: float = PROBE_WAIT_S,
+              requeue=None) -> str | None:
+    """The exports of a new rank step after one that ended with ``exit_code``, or None (no restart: the caller
+    records the end). Records the restart (or the requeue) in the manifest."""
+    from datetime import datetime, timezone
+
+    at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")  # the step's end, as near the fault as known
+    say = _say
+    run = RunFolder(run_dir)
+    manifest = run.manifest()
+    recipe = _recipe(run)
+    budget = recipe.cluster.restarts
+    state = manifest.get("state")
+    if exit_code == 0 or state in ("COMPLETED", "REQUEUED", "PREEMPTED", "CANCELLED") or \
+            manifest.get("cancel_requested"):
+        return None
+    done = [r for r in manifest.get("restarts", []) if r.get("kind", "in-job") == "in-job"]
+    start = restart_count(env)
+    found = culprit(run, exit_code, start)
+    if len(done) >= budget:
+        say(f"no restart: the budget of {budget} in-job restart(s) (cluster.restarts) is spent")
+        return None
+    job_id = env.get("SLURM_JOB_ID")
+    excluded = [n for n in env.get("HPC_TOOLS_EXCLUDED", "").split(",") if n]
+    allocation = allocation_nodes(job_id, env)
+    need = recipe.cluster.nodes
+    silent: set[str] = set()
+    nodes, excluded = choose_nodes(allocation, excluded, found["node"], need, wait_s=wait_s, prober=prober, say=say,
+                                   unanswered=silent)
+    if found["node"] in silent and found["cause"] in ("lost", "killed", "failed"):
+        found["cause"] = "node failure"  # its slurmd did not answer either: the node went down with the rank
+    seen = [int(e.get("restart_count") or 0) for e in manifest.get("events", []) if e.get("event") == "started"]
+    n = max([start, *seen]) + 1  # the next start's number: above every start the run has had
+    entry = {"at": at, **found, "job_id": job_id, "restart": n, "from_iteration": None,
+             "time_to_first_step_s": None}
+    if len(nodes) < need:
+        if recipe.cluster.requeue and (requeue or requeue_job)(job_id):
+            entry.update(kind="requeue", nodes=None)
+            run.update(event="requeued", state="REQUEUED", restarts=[*manifest.get("restarts", []), entry],
+                       requeued_after=found["reason"])
+            say(f"the allocation holds {len(allocation) - len(excluded)} usable node(s) of the {need} the layout "
+                f"needs: job requeued")
+        else:
+            say(f"no restart: the allocation holds {len(allocation) - len(excluded)} usable node(s) of the {need} "
+                "the layout needs")
+        return None
+    entry.update(kind="in-job", nodes=nodes)
+    _set_aside_hang(run, n)
+    run.update(event="restarting", state="STARTING", restart_count=n, restarts=[*manifest.get("restarts", []), entry],
+               reason=None, failed_ranks=None, failed_nodes=None, exit_code=None, error=None)
+    why = found["reason"] or f"exit code {exit_code}"
+    say(f"{len(done) + 1} of {budget} in this run ({found['cause']}: {why}); a new step on {','.join(nodes)} "
+        "resumes from the newest complete checkpoint", restart=True)
+    return exports({RESTART_BASE_ENV: n - int(env.get("SLURM_RESTART_COUNT", "0") or 0),
+                    "HPC_TOOLS_NODELIST": ",".join(nodes), "HPC_TOOLS_EXCLUDED": ",".join(excluded),
+                    "MASTER_ADDR": nodes[0], "MASTER_PORT": step_port(job_id, n)})
+
+
+def _set_aside_hang(run: RunFolder, n: int) -> None:
+    marker = run.path / HANG_MARKER
+    if marker.is_file():
+        (run.path / "hang").mkdir(exist_ok=True)
+        os.replace(marker, run.path / "hang" / f"HANG-restart{n - 1}.txt")
+
+
+def requeue_job(job_id: str | None) -> bool:
+    if not job_id:
+        return False
+    out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=30)
+    return out.returncode == 0
+
+
+def _say(line: str, restart: bool = False) -> None:
+    print((RESTART_LINE if restart else "hpc_tools: ") + line, file=sys.stderr, flush=True)
+
+
+def first_step(run: RunFolder, start: int, step: int) -> None:
+    """Rank 0 of start ``start`` completed its first step ``step``: fill in the restart's ``from_iteration`` and
+    ``time_to_first_step_s`` (seconds from the fault's record to now)."""
+    from datetime import datetime, timezone
+
+    manifest = run.manifest()
+    restarts = manifest.get("restarts") or []
+    entry = restarts[-1] if restarts else None  # the newest restart or requeue, filled by the first start after it
+    if entry is None or entry.get("time_to_first_step_s") is not None or int(entry.get("restart") or 0) > start:
+        return
+    try:
+        at = datetime.fromisoformat(entry["at"])
+        entry["time_to_first_step_s"] = round((datetime.now(timezone.utc) - at).total_seconds(), 1)
+    except (KeyError, TypeError, ValueError):
+        pass
+    entry["from_iteration"] = step - 1
+    run.update(restarts=restarts, soft=True)
+    if entry.get("time_to_first_step_s") is not None:
+        recovery_event(run, start, step, entry["time_to_first_step_s"])
+
+
+def recovery_event(run: RunFolder, start: int, step: int, seconds: float) -> None:
+    """The goodput's ``recovery`` bucket (``profiling.goodput``): an event ``recovery`` in rank 0's events file, tagged
+    with the new start, taking the seconds from the fault to its first step. Appended as one line (the collector
+    appends its own events to the same file, line by line)."""
+    import contextlib
+    import json
+
+    from profiling.records import events_path
+
+    row = {"event": "recovery", "time": time.time(), "seconds": seconds, "step": step, "rank": 0, "restart": start}
+    with contextlib.suppress(OSError):
+        run.records_dir.mkdir(parents=True, exist_ok=True)
+        with open(events_path(run.records_dir, 0), "a") as f:
+            f.write(json.dumps(row, separators=(",", ":")) + "\n")
+
+
+def rank_steps(job_id: str) -> list[str]:
+    """The job's running rank steps (``JOB.N``; not its batch or extern step)."""
+    out = subprocess.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], capture_output=True, text=True, timeout=30)
+    return [s for s in out.stdout.split() if s.split(".")[-1].isdigit()] if out.returncode == 0 else []
+
+
+def watch(run_dir: Path, env: dict[str, str], grace_s: float = STUCK_STEP_S, poll_s: float = 1.0,
+          cancel=None) -> str | None:
+    """Beside a rank step (the batch shell starts it in the background and stops it when srun returns): when a rank
+    of this start has exited with an error and the step is still running ``grace_s`` later, cancel the step.
+
+    After a node crash srun waits for the lost node's tasks to report their end, which never comes (measured on the
+    test cluster: still waiting minutes after the node's slurmd was back); cancelling the step makes srun give up
+    within seconds, and the restart goes on. Returns the line it printed, or None when it had nothing to do."""
+    job_id = env.get("SLURM_JOB_ID")
+    start = restart_count(env)
+    failed_at = None
+    while job_id:
+        beats = heartbeat.read_all(run_dir, start)
+        failed = sorted(r for r, b in beats.items() if b.exit and b.exit.get("code"))
+        if failed and failed_at is None:
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at >= grace_s:
+            steps = rank_steps(job_id)
+            for step in steps:
+                (cancel or (lambda s: subprocess.run(["scancel", s], capture_output=True, timeout=30)))(step)
+            if steps:
+                line = (f"the rank step did not end {grace_s:.0f} s after rank {failed[0]} failed (a lost node's "
+                        f"tasks never report their end): step {', '.join(steps)} cancelled")
+                _say(line)
+                return line
+            return None
+        time.sleep(poll_s)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpc_tools.runtime.restarts", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    b = sub.add_parser("begin", help="exports of this life's first rank step")
+    b.add_argument("--run-dir", required=True, type=Path)
+    n = sub.add_parser("next", help="after a failed rank step: exports of a new step (exit 0) or none (exit 1)")
+    n.add_argument("--run-dir", required=True, type=Path)
+    n.add_argument("--exit-code", required=True, type=int)
+    w = sub.add_parser("watch", help="beside a rank step: cancel it when it outlives a failed rank (a lost node)")
+    w.add_argument("--run-dir", required=True, type=Path)
+    args = parser.parse_args(argv)
+    env = dict(os.environ)
+    try:
+        if args.what == "begin":
+            print(begin(args.run_dir, env))
+            return 0
+        if args.what == "watch":
+            watch(args.run_dir, env)
+            return 0
+        line = next_step(args.run_dir, args.exit_code, env)
+    except Exception as exc:  # the batch script must reach its epilogue whatever happens here
+        print(f"hpc_tools restarts: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if line is None:
+        return 1
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+def local_restart(run: RunFolder, exit_codes: dict[int, int], start: int) -> int | None:
+    """The local executor's in-job restart: after start ``start`` of the ranks failed (rank -> return code of the
+    first failing ranks), the number of the next start, recorded in the manifest's ``restarts`` (None: no restart,
+    the budget ``cluster.restarts`` is spent, or the ranks completed or were stopped)."""
+    from datetime import datetime, timezone
+
+    from hpc_tools.runtime.epilogue import failures_from_exit_codes
+
+    at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+    manifest = run.manifest()
+    budget = _recipe(run).cluster.restarts
+    done = [r for r in manifest.get("restarts", []) if r.get("kind", "in-job") == "in-job"]
+    if not budget or manifest.get("state") in ("COMPLETED", "REQUEUED", "PREEMPTED", "CANCELLED") or \
+            manifest.get("cancel_requested") or len(done) >= budget:
+        return None
+    code = next(iter(exit_codes.values()), 1)
+    found = culprit(run, 128 - code if code < 0 else code, start, failures_from_exit_codes(exit_codes))
+    seen = [int(e.get("restart_count") or 0) for e in manifest.get("events", []) if e.get("event") == "started"]
+    n = max([start, *seen]) + 1
+    entry = {"at": at, **found, "job_id": None, "restart": n, "kind": "in-job", "nodes": None, "from_iteration": None,
+             "time_to_first_step_s": None}
+    _set_aside_hang(run, n)
+    run.update(event="restarting", state="STARTING", restart_count=n, restarts=[*manifest.get("restarts", []), entry],
+               reason=None, failed_ranks=None, failed_nodes=None, exit_code=None, error=None)
+    _say(f"{len(done) + 1} of {budget} in this run ({found['cause']}: {found['reason']}); the ranks start again "
+         "from the newest complete checkpoint", restart=True)
+    return n

@@ -1,0 +1,380 @@
+"""The saves of every backend: which tier a step goes to, background writes, the commit that makes a checkpoint
+complete, and the record of each save (``checkpoint.async_save``, ``checkpoint.local_dir``; docs/checkpoints.md).
+
+An engine writes its files (``write_checkpoint(folder, step, background)``: everything its library writes, returning
+``None`` when the files are on disk or a ``Write`` when they are still being written in the background) and says what
+its meta file holds (``checkpoint_meta(step)``); this module does the rest, the same for every backend::
+
+    save(step, tier)      # the loop, at a step due on a tier: collective
+        drain()           # one background write at a time: the previous one is committed first
+        path = dirs.begin(step)  (rank 0, the tier's root), barrier, engine.write_checkpoint(path, ...)
+        sync: commit now; background: pending until every rank's write is done
+    poll()                # the loop, every step boundary while a write is pending: one flag all-reduce (MIN);
+                          # once every rank is done: commit
+    commit                # Write.finish() (the library's collective end, e.g. torch_dist's metadata), barrier,
+                          # every rank's sizes and checksums (checkpoint_agree.gather_records), rank 0 renames the
+                          # partial folder to iter_N and moves `latest` (CheckpointDirs.commit)
+    close(error)          # after an error: the background writer is stopped, its folder stays partial
+
+So ``latest`` moves only after the background write and its checksums are complete on every rank; a write that
+fails or is killed is never committed (its partial folder is removed, the previous checkpoint stays ``latest``); a
+process killed during the write leaves only a partial folder, which no resume reads. The last step's save and a stop's
+save are synchronous and come after the outstanding write is committed, so a run never ends or requeues with a write
+in flight.
+
+Tiers: ``shared`` (``checkpoint.dir``: every ``interval_iters``, the last step, a stop) and ``local``
+(``checkpoint.local_dir``, node-local disk: every ``local_interval_iters``). A local save that finds no room (the size
+of the newest checkpoint does not fit in the free space, or the write fails with an ``OSError``) goes to the shared
+tier instead, told in one line. A resume takes the newest complete checkpoint of either tier (``loop.resume``).
+
+Every save gives one ``SaveRecord`` {iteration, tier, async, blocked_s, write_s, verified}: the loop writes it as the
+collector's ``checkpoint_save`` event (seconds = blocked_s: the goodput's "checkpoint blocked" bucket) and ``status
+--json`` lists them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from hpc_tools.checkpoints.dirs import META, CheckpointDirs
+
+if TYPE_CHECKING:
+    from hpc_tools.runtime.context import RankContext
+
+log = logging.getLogger("hpc_tools")
+
+SHARED, LOCAL = "shared", "local"
+INJECT_KILL_WRITER_ENV = "HPC_TOOLS_INJECT_KILL_CKPT_WRITER"
+"""Fault injection for tests only: ``"4"`` kills (SIGKILL) rank 0's background writer of the step-4 save right after
+it started, as a crash of the writer mid-write would."""
+INJECT_LOCAL_FREE_ENV = "HPC_TOOLS_INJECT_LOCAL_FREE_BYTES"
+"""Fault injection for tests only (where no small filesystem can be mounted): the local tier's free space is taken
+as at most this many bytes."""
+ROOM_MARGIN = 1.10
+"""A local save needs the newest checkpoint's size x this much free space (shards grow little between saves)."""
+
+
+class Write(Protocol):
+    """One rank's background write of a checkpoint (what ``write_checkpoint(..., background=True)`` returns)."""
+
+    ended: float | None
+    """``time.perf_counter()`` when this rank's write ended, when known (else the poll that found it done)."""
+
+    def done(self) -> bool:
+        """This rank's write has ended (well or not); local and cheap."""
+
+    def finish(self) -> None:
+        """Collective, once every rank's write is done: the library's end of the save; raises when it failed."""
+
+    def abort(self) -> None:
+        """Stop the write without committing it (after an error; its folder stays partial)."""
+
+    def kill(self) -> None:
+        """Kill the writer now (``INJECT_KILL_WRITER_ENV``, tests only)."""
+
+
+@dataclass
+class SaveRecord:
+    """What one save cost and left: the ``checkpoint_save`` event's fields and ``status --json``'s ``checkpoints``."""
+
+    iteration: int
+    tier: str
+    async_: bool
+    blocked_s: float
+    """Wall time training stood still for it: the save call (staging the state into a copy, for a background save)
+    plus the commit at a later step boundary."""
+    write_s: float
+    """From the save call to the end of the write (the slowest rank's known end; for a background write at best the
+    poll that found it done)."""
+    verified: bool
+    """Committed with every rank's file sizes (and checksums unless checkpoint.verify: size): a resume can verify
+    it. False for a save that failed or was killed (never `latest`)."""
+    path: str
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["async"] = d.pop("async_")
+        return d
+
+
+@dataclass
+class _Pending:
+    step: int
+    tier: str
+    dirs: CheckpointDirs
+    write: Write
+    t_start: float
+    blocked_s: float
+
+
+def expand_dir(raw: str) -> tuple[Path | None, str]:
+    """``checkpoint.local_dir`` with ``~`` and environment variables expanded on this node; (None, why) when a
+    variable it names is not set here."""
+    expanded = os.path.expanduser(os.path.expandvars(raw))
+    if "$" in expanded:
+        return None, f"checkpoint.local_dir={raw}: {expanded[expanded.index('$'):].split('/')[0]} is not set here"
+    return Path(expanded), ""
+
+
+def local_tier(ctx: "RankContext") -> CheckpointDirs | None:
+    """The node-local tier's folders, or None (not configured, a variable unset, or a multi-node run: told once)."""
+    ck = ctx.recipe.checkpoint
+    if not ck.local_dir or not ck.local_interval_iters:
+        return None
+    root, why = expand_dir(ck.local_dir)
+    if root is None or ctx.dist.local_world_size != ctx.dist.world_size:
+        why = why or (f"checkpoint.local_dir: a run on {ctx.dist.world_size // max(ctx.dist.local_world_size, 1)} "
+                      "nodes keeps each node's shards on that node only (no peer replication)")
+        if ctx.is_rank0:
+            log.warning("%s: the local checkpoint tier is off, every save goes to checkpoint.dir", why)
+        return None
+    return CheckpointDirs(root, keep_last=ck.keep_last)
+
+
+def tiers(ctx: "RankContext") -> list[CheckpointDirs]:
+    """The run's own checkpoint roots, the shared tier first: where a resume looks (the local tier only where
+    ``local_tier`` would use it; nothing logged)."""
+    ck = ctx.recipe.checkpoint
+    out = [CheckpointDirs(ctx.checkpoint_dir, keep_last=ck.keep_last)]
+    if ck.local_dir and ck.local_interval_iters and ctx.dist.local_world_size == ctx.dist.world_size:
+        root, _ = expand_dir(ck.local_dir)
+        if root is not None:
+            out.append(CheckpointDirs(root, keep_last=ck.keep_last))
+    return out
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """The bytes a complete checkpoint's meta records (0 when unreadable)."""
+    try:
+        meta = CheckpointDirs.read_meta(path)
+        return sum(int(e.get("size") or 0) for entries in meta["files"]["by_rank"].values()
+                   for e in entries.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0
+
+
+def _flag_all(value: bool, device) -> bool:
+    """Collective: ``value`` on every rank (MIN all-reduce of one flag)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([1.0 if value else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t.item() == 1.0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _error_line(e: BaseException) -> str:
+    return (f"{type(e).__name__}: {e}".splitlines() or [type(e).__name__])[0][:300]
+
+
+class Saver:
+    """The saves of one run on one rank (every method is a collective except ``tier_due``)."""
+
+    def __init__(self, ctx: "RankContext", engine: Any):
+        ck = ctx.recipe.checkpoint
+        self.ctx, self.engine = ctx, engine
+        self.shared = CheckpointDirs(ctx.checkpoint_dir, keep_last=ck.keep_last)
+        self.local = local_tier(ctx)
+        self.background = bool(ck.async_save)
+        self.checksum = ck.verify == "checksum"
+        self.interval, self.local_interval = ck.interval_iters, ck.local_interval_iters
+        self.pending: _Pending | None = None
+        self.shared_next = False  # a background write to the local tier failed: the next save goes to the shared one
+        self.kill_step = _kill_step()
+
+    # -- when ----------------------------------------------------------------------------------------------------------
+    def tier_due(self, step: int, last: int, stop: bool) -> str | None:
+        """The tier step ``step`` saves to, or None: shared on a stop, at the last step and every interval_iters;
+        else local every local_interval_iters."""
+        if stop or step == last or (self.interval and step % self.interval == 0):
+            return SHARED
+        if self.local is not None and self.local_interval and step % self.local_interval == 0:
+            return SHARED if self.shared_next else LOCAL
+        return None
+
+    # -- saving --------------------------------------------------------------------------------------------------------
+    def save(self, step: int, tier: str, *, final: bool) -> list[SaveRecord]:
+        """Save step ``step`` to ``tier`` (after committing an outstanding background write); in the background
+        with checkpoint.async_save unless ``final`` (the last step, a stop). Returns the records of the saves that
+        ended here (the previous background one, this one when synchronous)."""
+        records = self.drain()
+        t0 = time.perf_counter()
+        dirs = self.shared
+        if tier == LOCAL:
+            why = self._local_no_room()
+            if why is None:
+                dirs = self.local
+            else:
+                self._tell_fallback(step, why)
+                tier = SHARED
+        if tier == SHARED:
+            self.shared_next = False  # the shared save that a failed local write asked for
+        background = self.background and not final
+        write, error = None, None
+        try:
+            partial = self._begin(dirs, step)
+            write = self.engine.write_checkpoint(partial, step, background=background)
+        except BaseException as e:  # torch's CheckpointException (a failed shard write) is a BaseException
+            if tier != LOCAL or isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            error = _error_line(e)
+        if tier == LOCAL:  # every rank takes the same branch: a full local disk on any rank moves the save
+            errors = [e for e in _gather(error) if e]
+            if errors:
+                if write is not None:
+                    write.abort()
+                self._discard(dirs, step)
+                self._tell_fallback(step, errors[0])
+                return records + self.save(step, SHARED, final=final)
+        if self.kill_step == step and write is not None and self.ctx.is_rank0:
+            write.kill()
+        if write is None:
+            records.append(self._commit(_Pending(step, tier, dirs, None, t0, 0.0)))
+            return records
+        self.pending = _Pending(step, tier, dirs, write, t0, time.perf_counter() - t0)
+        self.ctx.info("checkpoint of step %d staged in %.3f s (%s tier); written in the background, complete once "
+                      "every rank's write is done", step, self.pending.blocked_s, tier)
+        return records
+
+    def poll(self) -> list[SaveRecord]:
+        """At a step boundary: commit the background write once every rank's is done (one all-reduce while one is
+        pending; nothing otherwise)."""
+        if self.pending is None:
+            return []
+        if not _flag_all(self.pending.write.done(), self.ctx.device):
+            return []
+        return [self._commit(self.pending)]
+
+    def drain(self) -> list[SaveRecord]:
+        """Wait for the outstanding background write and commit it (before another save, the end, a stop)."""
+        if self.pending is None:
+            return []
+        while not self.pending.write.done():
+            time.sleep(0.005)
+        return [self._commit(self.pending)]
+
+    def close(self) -> None:
+        """After an error: stop an outstanding background write without committing it (its folder stays partial,
+        never resumed from)."""
+        if self.pending is not None:
+            with contextlib.suppress(Exception):
+                self.pending.write.abort()
+            self.ctx.info("background checkpoint write of step %d not committed (the run ended with an error): its "
+                          "folder stays partial", self.pending.step)
+            self.pending = None
+
+    # -- the steps of one save -----------------------------------------------------------------------------------------
+    def _begin(self, dirs: CheckpointDirs, step: int) -> Path:
+        error = None
+        if self.ctx.is_rank0:
+            try:
+                dirs.begin(step)
+            except OSError as e:
+                error = e
+        _barrier()
+        if error is not None:
+            raise error
+        return dirs.partial_path(step)
+
+    def _commit(self, p: _Pending) -> SaveRecord:
+        t0 = time.perf_counter()
+        self.pending = None
+        error = None
+        if p.write is not None:
+            try:
+                p.write.finish()
+            except BaseException as e:  # torch's CheckpointException is a BaseException; never committed
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                error = _error_line(e)
+        ended = (p.write.ended if p.write is not None else None) or t0
+        errors = [e for e in _gather(error) if e] if p.write is not None else []
+        if errors:
+            self._discard(p.dirs, p.step)
+            latest = p.dirs.newest()
+            if p.tier == LOCAL:
+                self.shared_next = True
+            if self.ctx.is_rank0:
+                log.error("checkpoint of step %d (%s tier, written in the background) failed: %s; not committed, "
+                          "%s stays the newest%s", p.step, p.tier, errors[0],
+                          latest.name if latest is not None else "no checkpoint",
+                          "; the next save goes to the shared tier" if p.tier == LOCAL else "")
+            return SaveRecord(p.step, p.tier, True, p.blocked_s + time.perf_counter() - t0, ended - p.t_start, False,
+                              str(p.dirs.partial_path(p.step)), note=errors[0])
+        partial = p.dirs.partial_path(p.step)
+        _barrier()
+        from hpc_tools.train import checkpoint_agree
+
+        files = checkpoint_agree.gather_records(partial, exclude=[META], checksum=self.checksum)
+        final = p.dirs.final_path(p.step)
+        if self.ctx.is_rank0:
+            meta = {**self.engine.checkpoint_meta(p.step), "tier": p.tier, "async": p.write is not None}
+            final = p.dirs.commit(p.step, meta=meta, files=files)
+            if p.write is not None:
+                self.ctx.info("checkpoint of step %d complete (written in the background, %s tier): %s", p.step,
+                              p.tier, final)
+        _barrier()
+        now = time.perf_counter()
+        if p.write is None:
+            return SaveRecord(p.step, p.tier, False, now - p.t_start, now - p.t_start, True, str(final))
+        write_s = max(_gather(ended - p.t_start))
+        return SaveRecord(p.step, p.tier, True, p.blocked_s + now - t0, write_s, True, str(final))
+
+    def _discard(self, dirs: CheckpointDirs, step: int) -> None:
+        if self.ctx.is_rank0:
+            shutil.rmtree(dirs.partial_path(step), ignore_errors=True)
+        _barrier()
+
+    def _local_no_room(self) -> str | None:
+        """Collective: why the local tier cannot take a save now (rank 0 looks: one node), or None."""
+        why = None
+        if self.ctx.is_rank0:
+            root = self.local.root
+            newest = self.local.newest() or self.shared.newest()
+            need = int(checkpoint_bytes(newest) * ROOM_MARGIN) if newest is not None else 0
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                free = shutil.disk_usage(root).free
+                if os.environ.get(INJECT_LOCAL_FREE_ENV, "").isdigit():
+                    free = min(free, int(os.environ[INJECT_LOCAL_FREE_ENV]))
+                if not os.access(root, os.W_OK):
+                    why = f"{root} is not writable"
+                elif need and free < need:
+                    why = f"{root} has {free / 1e6:.1f} MB free, the checkpoint needs ~{need / 1e6:.1f} MB"
+            except OSError as e:
+                why = _error_line(e)
+        return _gather(why)[0]
+
+    def _tell_fallback(self, step: int, why: str) -> None:
+        if self.ctx.is_rank0:
+            log.warning("local checkpoint tier full or unusable (%s): step %d saved to the shared tier %s instead",
+                        why, step, self.shared.root)
+
+
+def _gather(obj: Any) -> list[Any]:
+    from hpc_tools.train import checkpoint_agree
+
+    return checkpoint_agree.gather(obj)
+
+
+def _kill_step() -> int | None:
+    spec = os.environ.get(INJECT_KILL_WRITER_ENV, "").strip()
+    return int(spec) if spec.isdigit() else None
+

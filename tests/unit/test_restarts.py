@@ -1,0 +1,188 @@
+"""In-job restarts (cluster.restarts, cluster.spare_nodes): the decision after a failed rank step, the nodes of the new
+step, the record in the manifest, and what the rendered script and the Slurm flags become. The real thing (kill -9,
+SIGSTOP, a crashed node on the 2-node test cluster) is tests/integration/test_restarts_slurm.py."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+
+import pytest
+
+from hpc_tools.recipe.load import dump_resolved, load_recipe
+from hpc_tools.registry import RunFolder
+from hpc_tools.render.envsetup import rank_srun_args
+from hpc_tools.render.sbatch import render_sbatch
+from hpc_tools.render.slurm_params import SlurmSpec
+from hpc_tools.runtime import heartbeat, restarts
+from hpc_tools.runtime.heartbeat import Beat
+from tests.conftest import REPO
+
+RECIPE = REPO / "recipes" / "gpt_zero.yaml"
+TWO_NODES = ["cluster.nodes=2", "cluster.gpus_per_node=1"]
+
+
+def recipe(*sets: str):
+    return load_recipe(RECIPE, overrides=[*TWO_NODES, *sets], profile="local")
+
+
+def run_folder(tmp_path, *sets: str, **manifest) -> RunFolder:
+    text = dump_resolved(recipe(*sets))
+    run = RunFolder.create(tmp_path, "r", text, "", {"executor": "sbatch", "state": "RUNNING", "world_size": 2,
+                                                     "job_id": "77", **manifest})
+    run.update(event="started", state="RUNNING", restart_count=0)
+    return run
+
+
+def kill_report(run: RunFolder, node: str = "n2", rank: int = 1) -> None:
+    """What srun wrote into the batch log when rank ``rank`` was killed, and the heartbeats of that start."""
+    log = run.path / "batch.out"
+    log.write_text(f"hpc_tools: run folder {run.path}\nsrun: error: {node}: task {rank}: Killed\n"
+                   "srun: error: n1: task 0: Killed\n")
+    run.update(batch_log=str(log))
+    heartbeat.write(run.path, Beat(rank=0, node="n1", pid=1, restart=0, step=12))
+    heartbeat.write(run.path, Beat(rank=rank, node=node, pid=2, restart=0, step=12))
+
+
+ENV = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-3]"}
+
+
+@pytest.fixture
+def cluster(monkeypatch):
+    """Slurm's view, played: the job's nodes and which of them answer a probe step."""
+    state = {"nodes": ["n1", "n2"], "down": set(), "requeued": []}
+    monkeypatch.setattr(restarts, "allocation_nodes", lambda job, env: list(state["nodes"]))
+    return state
+
+
+def decide(run, cluster, exit_code=137, env=ENV, wait_s=0.0):
+    return restarts.next_step(run.path, exit_code, dict(env), prober=lambda n: n not in cluster["down"],
+                              wait_s=wait_s, requeue=lambda job: cluster["requeued"].append(job) or True)
+
+
+def exported(line: str) -> dict[str, str]:
+    words = shlex.split(line)
+    assert words[0] == "export"
+    return dict(w.split("=", 1) for w in words[1:])
+
+
+def test_a_killed_rank_gets_a_new_step_on_the_same_nodes_and_is_recorded(tmp_path, cluster):
+    run = run_folder(tmp_path, "cluster.restarts=2")
+    kill_report(run)
+    env = exported(decide(run, cluster))
+    assert env["HPC_TOOLS_NODELIST"] == "n1,n2" and env["MASTER_ADDR"] == "n1"
+    assert env["HPC_TOOLS_RESTART_BASE"] == "1" and env["HPC_TOOLS_EXCLUDED"] == ""
+    assert int(env["MASTER_PORT"]) != restarts.step_port("77", 0)  # the ended step's store may hold its port
+    m = run.manifest()
+    assert m["state"] == "STARTING" and m["restart_count"] == 1 and m["reason"] is None
+    [entry] = m["restarts"]
+    assert entry["cause"] == "killed" and entry["rank"] == 1 and entry["node"] == "n2" and entry["kind"] == "in-job"
+    assert entry["reason"] == "rank 1 on n2 was killed by signal 9 (Killed) after step 12"
+    assert entry["from_iteration"] is None and entry["time_to_first_step_s"] is None
+    # rank 0 of the new start fills in where it resumed and how long the fault took to the first step
+    restarts.first_step(run, 1, 11)
+    [entry] = run.manifest()["restarts"]
+    assert entry["from_iteration"] == 10 and 0 <= entry["time_to_first_step_s"] < 60
+    events = [json.loads(x) for x in (run.records_dir / "events_rank00000.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["restart"], e["seconds"]) for e in events] == [("recovery", 1,
+                                                                           entry["time_to_first_step_s"])]
+
+
+def test_the_budget_is_spent_then_the_failure_ends_the_job(tmp_path, cluster):
+    run = run_folder(tmp_path, "cluster.restarts=1")
+    kill_report(run)
+    assert decide(run, cluster) is not None
+    run.update(event="started", state="RUNNING", restart_count=1)
+    kill_report(run)
+    assert decide(run, cluster, env={**ENV, "HPC_TOOLS_RESTART_BASE": "1"}) is None
+    assert len(run.manifest()["restarts"]) == 1
+    assert decide(run_folder(tmp_path / "off"), cluster) is None  # restarts: 0 (the default): never
+
+
+def test_no_restart_after_a_stop_signal_or_success(tmp_path, cluster):
+    run = run_folder(tmp_path, "cluster.restarts=2")
+    assert decide(run, cluster, exit_code=0) is None
+    run.update(event="preempted", state="REQUEUED")  # the time-limit signal: the ranks checkpointed and requeued
+    assert decide(run, cluster) is None and "restarts" not in run.manifest()
+
+
+def test_a_spare_node_replaces_the_failed_one(tmp_path, cluster):
+    cluster["nodes"] = ["n1", "n2", "n3"]
+    run = run_folder(tmp_path, "cluster.restarts=2", "cluster.spare_nodes=1")
+    kill_report(run)
+    env = exported(decide(run, cluster))
+    assert env["HPC_TOOLS_NODELIST"] == "n1,n3" and env["HPC_TOOLS_EXCLUDED"] == "n2"
+    assert run.manifest()["restarts"][0]["nodes"] == ["n1", "n3"]
+
+
+def test_without_a_spare_the_failed_node_is_waited_for_and_then_the_job_requeued(tmp_path, cluster):
+    run = run_folder(tmp_path, "cluster.restarts=2")
+    kill_report(run)
+    cluster["down"] = {"n2"}  # its slurmd does not answer (a crashed node)
+    assert decide(run, cluster) is None
+    assert cluster["requeued"] == ["77"]
+    m = run.manifest()
+    assert m["state"] == "REQUEUED" and m["restarts"][0]["kind"] == "requeue"
+
+
+def test_a_node_that_comes_back_is_used_again(tmp_path, cluster, monkeypatch):
+    run = run_folder(tmp_path, "cluster.restarts=2")
+    kill_report(run)
+    answers = iter([False, False, True])  # n2's slurmd answers the third probe
+    monkeypatch.setattr(restarts.time, "sleep", lambda s: None)
+    line = restarts.next_step(run.path, 137, dict(ENV), prober=lambda n: n == "n1" or next(answers), wait_s=60)
+    assert exported(line)["HPC_TOOLS_NODELIST"] == "n1,n2"
+
+
+def test_a_hang_verdict_is_the_cause_and_is_set_aside(tmp_path, cluster):
+    run = run_folder(tmp_path, "cluster.restarts=2")
+    run.update(state="HANG", reason="rank 1 (n2) stopped responding in all_reduce", failed_ranks=[1],
+               failed_nodes=["n2"])
+    (run.path / "HANG.txt").write_text("rank 1 (n2) stopped responding in all_reduce\n")
+    assert decide(run, cluster, exit_code=86) is not None
+    entry = run.manifest()["restarts"][0]
+    assert entry["cause"] == "hang" and entry["rank"] == 1 and entry["node"] == "n2"
+    assert not (run.path / "HANG.txt").exists() and (run.path / "hang" / "HANG-restart0.txt").is_file()
+    assert run.manifest()["state"] == "STARTING"
+
+
+def test_a_requeued_life_numbers_its_start_above_the_in_job_restarts(tmp_path):
+    run = run_folder(tmp_path, "cluster.restarts=2")
+    run.update(event="started", state="RUNNING", restart_count=1)  # an in-job restart of the first life
+    line = restarts.begin(run.path, {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1", "SLURM_JOB_NODELIST": "n1"})
+    env = exported(line)
+    assert env["HPC_TOOLS_RESTART_BASE"] == "1"  # 1 (Slurm's count) + 1 = start 2, not a second start 1
+
+
+def test_slurm_flags_and_the_rendered_loop():
+    spec = SlurmSpec.from_recipe(recipe("cluster.restarts=2", "cluster.spare_nodes=1"))
+    assert ("nodes", "3") in spec.sbatch_options() and ("no-kill", None) in spec.sbatch_options()
+    assert spec.submitit_parameters()["nodes"] == 3 and spec.submitit_parameters()["additional_parameters"]["no-kill"]
+    assert rank_srun_args(recipe("cluster.restarts=2", "cluster.spare_nodes=1").cluster)[-2:] == ["--nodes=2",
+                                                                                                   "--ntasks=2"]
+    plain = render_sbatch(recipe())
+    assert "runtime.restarts" not in plain and "--no-kill" not in plain and "#SBATCH --nodes=2" in plain
+    script = render_sbatch(recipe("cluster.restarts=2"))
+    assert "while :; do" in script and "hpc_tools.runtime.restarts next" in script
+    assert '--overlap ${HPC_TOOLS_NODELIST:+"--nodelist=$HPC_TOOLS_NODELIST"}' in script
+    assert "hpc_tools.runtime.restarts watch" in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_spares_without_restarts_are_refused(cli):
+    out = cli("validate", str(RECIPE), "--profile", "local", "--set", "cluster.spare_nodes=1")
+    assert out.returncode != 0
+    assert "cluster.spare_nodes=1 are only used by in-job restarts" in out.stdout + out.stderr
+
+
+def test_a_step_that_outlives_a_failed_rank_is_cancelled(tmp_path, monkeypatch):
+    """After a node crash srun waits for the lost node's tasks forever: the watcher cancels the step."""
+    run = run_folder(tmp_path, "cluster.restarts=2")
+    heartbeat.write(run.path, Beat(rank=0, node="n1", pid=1, restart=0, step=12,
+                                   exit={"code": 1, "error": "RuntimeError: Connection closed by peer", "time": 1.0}))
+    heartbeat.write(run.path, Beat(rank=1, node="n2", pid=2, restart=0, step=12))
+    monkeypatch.setattr(restarts, "rank_steps", lambda job: ["77.0"])
+    cancelled = []
+    line = restarts.watch(run.path, dict(ENV), grace_s=0.0, poll_s=0.01, cancel=cancelled.append)
+    assert cancelled == ["77.0"] and "rank 0 failed" in line
