@@ -1,8 +1,9 @@
 """The per-rank step record: the one definition every trainer writes and every analysis reads.
 
 Versioned: a change that renames or retypes a field bumps SCHEMA_VERSION, and so does a new field a reader may look
-for (version 2 added ``val_loss`` and ``eval_time_s``); readers accept every version up to SCHEMA_VERSION: an older
-file simply lacks the newer columns (``profiling.records`` reads them as absent).
+for (version 2 added ``val_loss`` and ``eval_time_s``; version 3 the router figures of mixture-of-experts runs,
+``moe_aux_loss``, ``moe_load_imbalance`` and ``moe_tokens_per_expert``); readers accept every version up to
+SCHEMA_VERSION: an older file simply lacks the newer columns (``profiling.records`` reads them as absent).
 Records are appended as JSON lines to ``records/rank<RANK>.jsonl`` during the run (a requeued job appends to the same
 file) and compacted into ``records/rank<RANK>.parquet`` at the end (``profiling.records`` owns the file names and the
 reading). Optional fields are null when not measured on that step or rank (e.g. ``loss`` off the last pipeline stage,
@@ -14,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 """Record versions every reader accepts."""
 
 
@@ -68,13 +69,14 @@ STEP_FIELDS: tuple[Field, ...] = (
                                       "skipped (training.max_nonfinite_steps)"),
     Field("moe_aux_loss", "float", False, "mixture of experts: the router's load-balancing loss (without its "
                                           "coefficient), mean over the MoE layers and microbatches, the same on every "
-                                          "rank; null without experts or with load_balancing_type none"),
+                                          "rank; null without experts or with load_balancing_type none (schema "
+                                          "version 3)"),
     Field("moe_load_imbalance", "float", False, "mixture of experts: max over the MoE layers of the busiest expert's "
                                                 "tokens / the mean tokens per expert in the step (1 = even), the same "
-                                                "on every rank"),
+                                                "on every rank (schema version 3)"),
     Field("moe_tokens_per_expert", "str", False, "mixture of experts: tokens routed to each expert in the step "
                                                  "(a token counts once per top-k expert), summed over the MoE layers, "
-                                                 "as a JSON list"),
+                                                 "as a JSON list (schema version 3)"),
 )
 
 FIELD_NAMES = tuple(f.name for f in STEP_FIELDS)

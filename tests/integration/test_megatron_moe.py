@@ -5,12 +5,15 @@ One launch of 4 gloo ranks runs every layout (tests/integration/moe_driver.py): 
 4 experts, top-2, ``alltoall`` dispatcher, fp32) loads one shared EP1 checkpoint and trains 4 steps under each layout.
 EP only moves experts between ranks and TP2 + sequence parallelism splits the sequence; both change the order of
 floating-point sums and nothing else, so the losses agree to fp32 summation order (measured within 5e-7 here; held
-to LOSS_ATOL = 1e-5). One 1-rank launch (tests/integration/moe_shims_driver.py) checks the CPU shims.
+to LOSS_ATOL = 1e-5). One 1-rank launch (tests/integration/moe_shims_driver.py) checks the CPU shims. And
+recipes/gpt_moe.yaml's ``local:`` profile (EP2 on 4 CPU ranks) trains through ``python -m hpc_tools submit``, with
+the router figures in its records, summary.json and report.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -27,6 +30,9 @@ AUX_ATOL = 1e-5
 REFERENCE = "EP1 (DP4)"
 TOKENS_PER_STEP = 8 * 16  # global batch x sequence length
 MOE_LAYERS, TOPK = 2, 2
+
+SUBMIT_ITERS = 6
+"""The local profile's run, cut to 6 steps (checkpoint at 3 and 6) to keep the slow tier short."""
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
@@ -102,3 +108,46 @@ def test_moe_and_mla_train_on_cpu_with_the_shims(shims):
 def test_each_cpu_shim_is_needed(shims, shim, error):
     """Without the shim (megatron-core's or torch's original put back), the same run fails with upstream's error."""
     assert shims["without"][shim] is not None and error in shims["without"][shim], shims["without"][shim]
+
+
+@pytest.fixture(scope="module")
+def submitted(tmp_path_factory) -> Path:
+    from tests.conftest import run_cli
+
+    runs = tmp_path_factory.mktemp("moe_runs")
+    proc = run_cli("submit", "recipes/gpt_moe.yaml", "--executor", "local", "--profile", "local", "--wait",
+                   "--runs-dir", str(runs), "--set", f"training.train_iters={SUBMIT_ITERS}",
+                   "--set", "checkpoint.interval_iters=3", "--set", "profiling.communication_sample_interval=2")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "EP2xETP1xEDP2" in proc.stdout + proc.stderr
+    (run,) = runs.iterdir()
+    return run
+
+
+def test_the_moe_recipe_trains_locally_end_to_end_with_router_figures(submitted):
+    from tests.conftest import step_records
+
+    assert json.loads((submitted / "manifest.json").read_text())["state"] == "COMPLETED"
+    records = step_records(submitted)
+    assert sorted(records) == [0, 1, 2, 3]
+    for recs in records.values():
+        assert [r["step"] for r in recs] == list(range(1, SUBMIT_ITERS + 1))
+        for r in recs:
+            counts = json.loads(r["moe_tokens_per_expert"])
+            assert len(counts) == 4 and sum(counts) == 16 * 64 * 2 * 2  # global batch x seq x top-2 x MoE layers
+            assert 1.0 <= r["moe_load_imbalance"] <= 2.0 and r["moe_aux_loss"] > 0
+    assert records[0][-1]["loss"] < records[0][0]["loss"]
+    summary = json.loads((submitted / "summary.json").read_text())
+    assert summary["moe_load_imbalance_median"] >= 1.0 and summary["moe_aux_loss"] > 0
+    assert any(row["kind"] == "all_to_all" for row in summary["comm"])  # the dispatcher's, timed by the collector
+
+
+def test_the_report_has_the_moe_line(submitted, tmp_path):
+    from tests.conftest import run_cli
+
+    proc = run_cli("report", str(submitted), "--out", str(tmp_path / "report"), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "## Mixture of experts" in text
+    assert re.search(r"router load imbalance median [\d.]+ \(max [\d.]+\), load-balancing loss [\d.]+, "
+                     r"all-to-all [\d.]+ % of the step", text), text[text.index("## Mixture"):][:600]
