@@ -2,8 +2,9 @@
 
 Versioned: a change that renames or retypes a field bumps SCHEMA_VERSION, and so does a new field a reader may look
 for (version 2 added ``val_loss`` and ``eval_time_s``; version 3 ``cpu_time_s``, ``involuntary_switches`` and
-``collective_wait_s``, what tells a rank the host stalled from one slow in its own code); readers accept every version up to SCHEMA_VERSION: an older
-file simply lacks the newer columns (``profiling.records`` reads them as absent).
+``collective_wait_s``, what tells a rank the host stalled from one slow in its own code); readers accept every
+version up to SCHEMA_VERSION: an older file simply lacks the newer columns (``profiling.records`` reads them as
+absent).
 Records are appended as JSON lines to ``records/rank<RANK>.jsonl`` during the run (a requeued job appends to the same
 file) and compacted into ``records/rank<RANK>.parquet`` at the end (``profiling.records`` owns the file names and the
 reading). Optional fields are null when not measured on that step or rank (e.g. ``loss`` off the last pipeline stage,
