@@ -203,6 +203,30 @@ class CommTracer:
         return _TimedWork(out, op, self.clock) if hasattr(out, "wait") else out
 
     @contextlib.contextmanager
+    def host_coalescing(self, orig_cm, args, kwargs):
+        """``_coalescing_manager`` on an untraced step (``host_wait``): its ops run at the block's exit, which is
+        timed, and so is the ``wait()`` of the returned handle (async)."""
+        self._local.coalesce = []  # the ops inside are queued, not run: not timed one by one
+        try:
+            with orig_cm(*args, **kwargs) as cm:
+                yield cm
+                self._local.coalesce = None
+                t0 = time.perf_counter()
+            self.host_wait_s += time.perf_counter() - t0
+        finally:
+            self._local.coalesce = None
+        real_wait = getattr(cm, "wait", None)
+        if real_wait is not None:
+            def wait():
+                w0 = time.perf_counter()
+                try:
+                    real_wait()
+                finally:
+                    self.host_wait_s += time.perf_counter() - w0
+
+            cm.wait = wait
+
+    @contextlib.contextmanager
     def coalescing(self, orig_cm, args, kwargs):
         async_ops = kwargs.get("async_ops", args[2] if len(args) > 2 else False)
         items: list[tuple[str, int, int]] = []
@@ -310,8 +334,10 @@ def _wrap_coalescing(orig_cm):
     @functools.wraps(orig_cm)
     def coalescing_manager(*args, **kwargs):
         tracer = _TRACER
-        if tracer is None or not tracer.sampling or getattr(tracer._local, "coalesce", None) is not None:
+        if tracer is None or getattr(tracer._local, "coalesce", None) is not None:
             return orig_cm(*args, **kwargs)
+        if not tracer.sampling:
+            return tracer.host_coalescing(orig_cm, args, kwargs) if tracer.host_wait else orig_cm(*args, **kwargs)
         return tracer.coalescing(orig_cm, args, kwargs)
 
     coalescing_manager.__hpc_orig__ = orig_cm

@@ -45,8 +45,9 @@ spaced),
 - its mean lateness is more than ``THRESHOLD`` of the stage's mean step time (a mean, not a median: a stall hits some
   steps and not others), and so is its mean unexplained lateness (late - CPU excess - data excess), which is also more
   than half of its lateness, and
-- on the steps where some rank of the stage was late by more than ``THRESHOLD`` of the median step, it was the
-  latest so often that chance is ruled out: a one-sided binomial test against 1 / (ranks of the stage), p <= P_MAX.
+- its lateness is no chance: a one-sided test of its per-step lateness having mean 0 (t = mean / standard error,
+  normal tail) gives p <= P_MAX, and it was the latest of its stage, by more than ``THRESHOLD`` of the median step,
+  on two steps or more (the verdict also says on how many of the steps where a rank was that late).
 
 The verdict overrides a busy-time verdict of the same rank (a stall in its compute also makes it busier). A rank late
 by its extra CPU time or data keeps its busy-time verdict (compute or data), and an injected sleep is, from outside,
@@ -107,7 +108,7 @@ class RankVerdict:
     switches_excess: float | None = None  # mean of (its involuntary_switches - its peers' median)
     steps_latest: int | None = None  # steps on which it was the latest of its stage by more than THRESHOLD
     steps_late: int | None = None  # steps on which some rank of its stage was late by more than THRESHOLD
-    late_p: float | None = None  # binomial p of steps_latest of steps_late against 1 / (ranks of the stage)
+    late_p: float | None = None  # one-sided p of its mean lateness being chance (``mean_above_zero_p``)
     busy_cause: str | None = None  # the busy-time verdict a host-stall verdict replaced
 
     def as_dict(self) -> dict[str, Any]:
@@ -187,19 +188,16 @@ def _others_median_by_order(x: np.ndarray) -> np.ndarray:
     return (kth_of_others(m // 2 - 1) + kth_of_others(m // 2)) / 2
 
 
-def binomial_tail(k: int, n: int, p: float) -> float:
-    """P(at least k successes of n trials of chance p): log-space terms, exact enough at any n."""
-    if k <= 0:
+def mean_above_zero_p(x: np.ndarray) -> float:
+    """One-sided p that values with mean 0 give a mean as high as ``x``'s: t = mean / (sd / sqrt(n)), against the
+    normal tail (n >= ``MIN_STEPS``). One large value alone (a single long pause) keeps t near 1: it is not enough."""
+    n = x.size
+    if n < 2:
         return 1.0
-    if k > n:
-        return 0.0
-    if p >= 1.0:
-        return 1.0
-    lp, lq = math.log(p), math.log1p(-p)
-    lg = math.lgamma(n + 1)
-    terms = [lg - math.lgamma(j + 1) - math.lgamma(n - j + 1) + j * lp + (n - j) * lq for j in range(k, n + 1)]
-    top = max(terms)
-    return min(1.0, math.exp(top) * math.fsum(math.exp(t - top) for t in terms))
+    mean, sd = float(x.mean()), float(x.std(ddof=1))
+    if sd <= 0:
+        return 0.0 if mean > 0 else 1.0
+    return 0.5 * math.erfc(mean / (sd / math.sqrt(n)) / math.sqrt(2))
 
 
 HOST_COLUMNS = ("collective_wait_s", "cpu_time_s", "data_time_s", "pp_wait_s", "step_time_s", "involuntary_switches")
@@ -410,7 +408,10 @@ def _judge_host(sample: StragglerSample, out: list[RankVerdict]) -> None:
     step_median = float(np.median(m["step_time_s"]))
     if step_mean <= 0:
         return
-    late = others_median(m["collective_wait_s"]) - m["collective_wait_s"]
+    # Its time in the step outside collectives over its peers': how much longer they waited for it at the step's
+    # collectives than it started the step after them (work between steps, e.g. rank 0's progress line, is not late).
+    outside = m["step_time_s"] - m["collective_wait_s"]
+    late = outside - others_median(outside)
     cpu_x = m["cpu_time_s"] - others_median(m["cpu_time_s"])
     data_x = m["data_time_s"] - others_median(m["data_time_s"])
     p2p_x = m["pp_wait_s"] - others_median(m["pp_wait_s"])
@@ -420,7 +421,6 @@ def _judge_host(sample: StragglerSample, out: list[RankVerdict]) -> None:
     big = worst > THRESHOLD * step_median
     latest = np.argmax(late, axis=0)
     steps_late = int(np.count_nonzero(big))
-    chance = 1.0 / len(out)
     for i, v in enumerate(out):
         v.late_s = float(late[i].mean())
         v.late_share = v.late_s / step_mean
@@ -430,8 +430,8 @@ def _judge_host(sample: StragglerSample, out: list[RankVerdict]) -> None:
         v.switches_excess = float(sw_x[i].mean())
         v.steps_late = steps_late
         v.steps_latest = int(np.count_nonzero(big & (latest == i)))
-        v.late_p = binomial_tail(v.steps_latest, steps_late, chance)
-        if (n >= MIN_STEPS and steps_late >= MIN_STEPS and v.late_share > THRESHOLD and v.late_p <= P_MAX
+        v.late_p = mean_above_zero_p(late[i])
+        if (n >= MIN_STEPS and v.steps_latest >= 2 and v.late_share > THRESHOLD and v.late_p <= P_MAX
                 and v.late_unexplained_s > max(0.5 * v.late_s, THRESHOLD * step_mean)):
             v.straggler, v.cause, v.busy_cause = True, HOST_STALLED, v.cause
 
