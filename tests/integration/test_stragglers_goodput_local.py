@@ -172,23 +172,24 @@ def rank_pid(run_dir: Path, rank: int) -> int | None:
 @pytest.mark.slow
 def test_a_rank_stopped_half_of_the_time_is_the_one_straggler_host_stalled(tmp_path):
     """A DP-only Megatron run on 2 ranks, rank 1 stopped for 0.15 s of every 0.3 s (SIGSTOP/SIGCONT from a thread here)
-    from its first step on: its peer waits for it in the collectives, the stall lands inside them as often as not, and
+    from its first steps on: its peer waits for it in the collectives, the stall lands inside them as often as not, and
     its busy time alone cannot tell. ``analyze --json`` names it, and only it, with the cause "host stalled"; so does
     ``status`` while the job runs."""
     from hpc_tools.analysis.live import stragglers_and_goodput
     from tests.conftest import run_cli
 
-    steps, victim = 44, 1
+    steps, victim = 26, 1
     recipe = load_recipe(GPT, ["parallel.tensor_size=1", "parallel.pipeline_size=1",
                                "parallel.sequence_parallel=false", "cluster.gpus_per_node=2",
                                f"training.train_iters={steps}", "training.eval_interval=null",
                                f"checkpoint.interval_iters={steps}"], profile="local")
     run = prepare_run(recipe, tmp_path, "local", source=str(GPT))
     records = run.records_dir / f"rank{victim:05d}.jsonl"
+    opened = run.records_dir / f"events_rank{victim:05d}.jsonl"  # its collector's start: the steps follow
     done, stops, live = threading.Event(), [], {}
 
     def stop_half_of_the_time():
-        while not done.is_set() and not (records.exists() and records.stat().st_size):
+        while not done.is_set() and not opened.exists():
             time.sleep(0.02)
         pid = rank_pid(run.path, victim)
         while pid and not done.is_set():
@@ -197,7 +198,7 @@ def test_a_rank_stopped_half_of_the_time_is_the_one_straggler_host_stalled(tmp_p
                 stops.append(pid)
                 time.sleep(0.15)
                 os.kill(pid, signal.SIGCONT)
-                if len(records.read_text().splitlines()) >= steps - 6 and not live:
+                if not live and records.exists() and len(records.read_text().splitlines()) >= steps - 8:
                     live.update(stragglers_and_goodput(run))  # what `status` shows while the job runs
                 else:
                     time.sleep(0.15)
