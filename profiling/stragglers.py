@@ -33,25 +33,31 @@ the stall lands inside a collective or a pipeline wait as often as not, where it
 it, are held as long as it is. What does tell, on every measured step (not the sampled ones) from the records' host
 figures (``cpu_time_s``, ``involuntary_switches``, ``collective_wait_s``: CPU ranks):
 
-    late = peers' median collective_wait_s - its collective_wait_s    (how much longer the others waited for it)
+    outside = step_time_s - collective_wait_s      (its time in the step outside collectives)
+    late    = outside - peers' median outside       (how much longer the others waited for it in the step)
 
 A rank that arrives last at a collective waits least in it, so ``late`` adds up, over the step's collectives, how
-long its peers waited for it to arrive; a stall inside a collective holds every member alike and adds nothing. Of
-that lateness, its extra CPU time (``cpu_time_s`` over its peers' median: more work) and extra data time explain
-what its own code did; the rest it spent off its CPU outside collectives: stalled. A rank is a straggler with the
-cause "host stalled" when, over all measured steps its stage's ranks recorded (``MAX_HOST_STEPS`` at most, evenly
-spaced),
+long its peers waited for it to arrive, less how much later than them it started the step (the loop's work between
+steps, such as rank 0's progress line, is not lateness); a stall inside a collective holds every member alike and
+adds nothing. Of that lateness, its extra CPU time (``cpu_time_s`` over its peers' median: more work) and extra data
+time explain what its own code did; the rest it spent off its CPU outside collectives: stalled. A rank is a
+straggler with the cause "host stalled" when, over all measured steps its stage's ranks recorded (``MAX_HOST_STEPS``
+at most, evenly spaced),
 
 - its mean lateness is more than ``THRESHOLD`` of the stage's mean step time (a mean, not a median: a stall hits some
   steps and not others), and so is its mean unexplained lateness (late - CPU excess - data excess), which is also more
-  than half of its lateness, and
+  than half of its lateness, while its extra CPU time is not (a rank with that much more work is slow in its own
+  code, however much a busy host adds to it: its busy-time verdict stands), and
 - its lateness is no chance: a one-sided test of its per-step lateness having mean 0 (t = mean / standard error,
   normal tail) gives p <= P_MAX, and it was the latest of its stage, by more than ``THRESHOLD`` of the median step,
   on two steps or more (the verdict also says on how many of the steps where a rank was that late).
 
 The verdict overrides a busy-time verdict of the same rank (a stall in its compute also makes it busier). A rank late
 by its extra CPU time or data keeps its busy-time verdict (compute or data), and an injected sleep is, from outside,
-a stall. Involuntary context switches (over its peers' median per step) are reported, not judged: many say the CPU
+a stall. A stall travels down the pipeline (the stalled rank sends late; its neighbour in the next stage waits in
+its recv and arrives late at its own stage's collectives): of stalled-looking ranks of several stages, those whose
+lateness is mostly their extra pipeline wait (``pp_wait_s`` over their peers') are the stalled one's victims, not
+named. Involuntary context switches (over its peers' median per step) are reported, not judged: many say the CPU
 was taken from it (contention), few with a large lateness say it was stopped. GPU ranks record no
 ``collective_wait_s`` (their collectives return before they ran): there this rule does not apply.
 
@@ -432,7 +438,8 @@ def _judge_host(sample: StragglerSample, out: list[RankVerdict]) -> None:
         v.steps_latest = int(np.count_nonzero(big & (latest == i)))
         v.late_p = mean_above_zero_p(late[i])
         if (n >= MIN_STEPS and v.steps_latest >= 2 and v.late_share > THRESHOLD and v.late_p <= P_MAX
-                and v.late_unexplained_s > max(0.5 * v.late_s, THRESHOLD * step_mean)):
+                and v.late_unexplained_s > max(0.5 * v.late_s, THRESHOLD * step_mean)
+                and v.cpu_excess_s <= THRESHOLD * step_mean):  # more CPU work than that: slow in its own code
             v.straggler, v.cause, v.busy_cause = True, HOST_STALLED, v.cause
 
 
