@@ -79,7 +79,7 @@ THRESHOLD = 0.05  # excess busy time, as a share of the median step time, that m
 P_MAX = 0.01  # sign-test p-value at or below which the excess is not chance
 MIN_STEPS = 7  # the fewest compared steps at which P_MAX can be reached (0.5**7 = 0.0078)
 MAX_STEPS = 512  # compared steps kept per rank (evenly spaced over the run)
-MAX_HOST_STEPS = 1 << 16  # steps kept per rank for the host-stall rule (all of them up to this, then evenly spaced)
+MAX_HOST_STEPS = 1 << 13  # steps kept per rank for the host-stall rule (all of them up to this, then evenly spaced)
 CAUSES = ("compute", "data", "communication", "host stalled")
 HOST_STALLED = "host stalled"
 
@@ -230,10 +230,11 @@ class StragglerSample:
             return
         if idx.size > MAX_HOST_STEPS:
             idx = idx[:: math.ceil(idx.size / MAX_HOST_STEPS)]
-        out = {}
+        out: dict[str, np.ndarray | None] = {}  # float32 (a thousand ranks stay small); None: not recorded (0)
         for name in HOST_COLUMNS:
             col = cols.get(name)
-            out[name] = np.zeros(idx.size) if col is None else np.nan_to_num(col[idx].astype(np.float64), nan=0.0)
+            col = None if col is None else col[idx]
+            out[name] = None if col is None or np.isnan(col).all() else np.nan_to_num(col, nan=0.0).astype(np.float32)
         self.host[rank] = (pp_rank, cols["step"][idx].astype(np.int64), out)
 
     def add_rank(self, rank: int, pp_rank: int, cols: dict[str, np.ndarray], measured: np.ndarray) -> None:
@@ -391,16 +392,21 @@ def _host_matrices(sample: StragglerSample, ranks: list[int]) -> tuple[int, dict
     rows = [sample.host[r] for r in ranks]
     first = rows[0][1]
     if all(r[1].shape == first.shape and np.array_equal(r[1], first) for r in rows[1:]):
-        if first.size == 0:
-            return 0, None
-        return int(first.size), {c: np.vstack([r[2][c] for r in rows]) for c in HOST_COLUMNS}
-    steps = first
-    for r in rows[1:]:
-        steps = np.intersect1d(steps, r[1])
+        keep = [slice(None)] * len(rows)
+        steps = first
+    else:
+        steps = first
+        for r in rows[1:]:
+            steps = np.intersect1d(steps, r[1])
+        keep = [np.isin(r[1], steps) for r in rows]
     if steps.size == 0:
         return 0, None
-    keep = [np.isin(r[1], steps) for r in rows]
-    return int(steps.size), {c: np.vstack([r[2][c][k] for r, k in zip(rows, keep)]) for c in HOST_COLUMNS}
+
+    def column(name: str) -> np.ndarray:
+        return np.vstack([np.zeros(steps.size) if r[2][name] is None else r[2][name][k].astype(np.float64)
+                          for r, k in zip(rows, keep)])
+
+    return int(steps.size), {c: column(c) for c in HOST_COLUMNS}
 
 
 def _judge_host(sample: StragglerSample, out: list[RankVerdict]) -> None:
