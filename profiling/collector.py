@@ -34,8 +34,8 @@ What it measures (each optional part switched by ``profiling.*``):
 
 Fault injection for tests only: ``HPC_TOOLS_TEST_SLOW_RANK=RANK:KIND:SECONDS[,...]`` (KIND ``compute`` or ``data``)
 makes that rank spend SECONDS more on every step: sleeping inside the data timer (``data``: waiting on input), or
-right after it, before the step's work, busy on its CPU (``compute``: SECONDS of this thread's CPU time, as slower
-compute would): a real straggler whose peers wait for it in the step's collectives.
+right after it, before the step's work, busy on its CPU (``compute``: spinning, as slower compute would): a real
+straggler whose peers wait for it in the step's collectives.
 """
 
 from __future__ import annotations
@@ -79,10 +79,11 @@ def injected_delays(rank: int, spec: str | None = None) -> dict[str, float]:
 
 
 def burn_cpu(seconds: float) -> None:
-    """Keep this thread busy on its CPU until it has used ``seconds`` of CPU time (test-only slow compute)."""
-    end = time.thread_time() + seconds
+    """Keep this thread busy on its CPU for ``seconds`` (test-only slow compute): it takes all the CPU the host gives
+    it, so its peers wait ``seconds`` for it and its CPU time shows the extra work."""
+    end = time.perf_counter() + seconds
     x = 0
-    while time.thread_time() < end:
+    while time.perf_counter() < end:
         for i in range(1000):
             x += i
 

@@ -178,7 +178,7 @@ def test_a_rank_stopped_half_of_the_time_is_the_one_straggler_host_stalled(tmp_p
     from hpc_tools.analysis.live import stragglers_and_goodput
     from tests.conftest import run_cli
 
-    steps, victim = 26, 1
+    steps, victim = 36, 1
     recipe = load_recipe(GPT, ["parallel.tensor_size=1", "parallel.pipeline_size=1",
                                "parallel.sequence_parallel=false", "cluster.gpus_per_node=2",
                                f"training.train_iters={steps}", "training.eval_interval=null",
