@@ -10,7 +10,7 @@ by design (the end of a run waits for its write): it is listed but not counted w
 
 Goal (issue 24): the median background save blocks training for at most a quarter of the median synchronous save.
 
-    PYTHONPATH=. python benchmarks/bench_async_checkpoint.py [--steps 10] [--every 2] [--dir /tmp/x] [--json out.json]
+    PYTHONPATH=. python benchmarks/bench_async_checkpoint.py [--steps 20] [--every 5] [--dir /tmp/x] [--json out.json]
 """
 
 from __future__ import annotations
@@ -57,14 +57,15 @@ def run(root: Path, steps: int, every: int, background: bool) -> tuple[list[dict
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--every", type=int, default=2)
-    ap.add_argument("--dir", default=None, help="where the runs go (default: a temporary folder, removed)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--every", type=int, default=5)
+    ap.add_argument("--dir", default=None, help="keep the runs here (default: a temporary folder, removed)")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        bg, params, wall_bg = run(Path(tmp) / "async", args.steps, args.every, True)
-        sync, _, wall_sync = run(Path(tmp) / "sync", args.steps, args.every, False)
+    with tempfile.TemporaryDirectory() as tmp:
+        where = Path(args.dir) if args.dir else Path(tmp)
+        bg, params, wall_bg = run(where / "async", args.steps, args.every, True)
+        sync, _, wall_sync = run(where / "sync", args.steps, args.every, False)
     print(f"model: {params / 1e6:.1f} M parameters, DP2 on 2 CPU ranks (gloo), a save every {args.every} of "
           f"{args.steps} steps")
     print(f"{'run':<6} {'step':>4} {'tier':<7} {'async':<5} {'blocked_s':>9} {'write_s':>8}")

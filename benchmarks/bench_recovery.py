@@ -122,8 +122,8 @@ def main() -> int:
     for name in ("in-job", "requeue"):
         values = sorted(r[name]["kill_to_first_step_s"] for r in rows)
         starts = sorted(r[name]["kill_to_rank_start_s"] for r in rows)
-        print(f"{name}: kill -9 -> first new step median {values[len(values) // 2]:.1f} s "
-              f"(min {values[0]:.1f}, max {values[-1]:.1f}); -> new ranks started median {starts[len(starts) // 2]:.1f} s")
+        print(f"{name}: kill -9 -> first new step median {values[len(values) // 2]:.1f} s (min {values[0]:.1f}, "
+              f"max {values[-1]:.1f}); -> new ranks started median {starts[len(starts) // 2]:.1f} s")
     return 0
 
 

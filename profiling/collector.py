@@ -22,6 +22,10 @@ What it measures (each optional part switched by ``profiling.*``):
   into the step record and ``records/comm_rank<R>.jsonl`` (with bus bandwidth).
 * pipeline bubble: with pipeline_size > 1, time stalled in pipeline p2p on every step (``pp_wait_s``), over the step
   time (``bubble_fraction``), next to the theory ``(p-1)/(v m)`` in the summaries.
+* host time (every step, two ``getrusage`` calls): CPU time of the rank process over the step (``cpu_time_s``,
+  every thread: torch's intra-op threads count) and its involuntary context switches (``involuntary_switches``);
+  with the communication tracer, the host time held in collectives every step (``collective_wait_s``, CPU ranks).
+  What they tell (a rank the host stalled from one slow in its own code): ``stragglers.py``.
 * GPU telemetry (``telemetry.py``), a torch.profiler window (``trace.py``), summaries (``summary.py``, whose figures
   ``figures.py`` defines for the summary, ``analyze`` and the calibration alike).
 * events outside the steps (``event``): this start of the rank (process start, node) when the collector opens, and
@@ -29,8 +33,9 @@ What it measures (each optional part switched by ``profiling.*``):
   ``goodput.py``).
 
 Fault injection for tests only: ``HPC_TOOLS_TEST_SLOW_RANK=RANK:KIND:SECONDS[,...]`` (KIND ``compute`` or ``data``)
-makes that rank sleep SECONDS on every step, inside the data timer (``data``) or right after it, before the step's
-work (``compute``): a real straggler whose peers wait for it in the step's collectives.
+makes that rank spend SECONDS more on every step: sleeping inside the data timer (``data``: waiting on input), or
+right after it, before the step's work, busy on its CPU (``compute``: spinning, as slower compute would): a real
+straggler whose peers wait for it in the step's collectives.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import socket
 import time
 from pathlib import Path
@@ -70,6 +76,16 @@ def injected_delays(rank: int, spec: str | None = None) -> dict[str, float]:
         except ValueError:
             raise ValueError(f"{SLOW_RANK_ENV}={spec!r}: each item must be RANK:compute|data:SECONDS") from None
     return out
+
+
+def burn_cpu(seconds: float) -> None:
+    """Keep this thread busy on its CPU for ``seconds`` (test-only slow compute): it takes all the CPU the host gives
+    it, so its peers wait ``seconds`` for it and its CPU time shows the extra work."""
+    end = time.perf_counter() + seconds
+    x = 0
+    while time.perf_counter() < end:
+        for i in range(1000):
+            x += i
 
 
 def process_start_time() -> float | None:
@@ -146,6 +162,7 @@ class StepCollector:
         self.theory_bubble = theory_bubble
         self._rss = _Rss() if self.cfg.memory else None
         self._t0 = None
+        self._ru0 = None
         self._data_s = 0.0
         self._comm_file = None
         self._measure_bubble = False
@@ -165,7 +182,8 @@ class StepCollector:
         self.event("start", process_start=process_start_time(), node=self.node)
         measure_bubble = self._measure_bubble = self.cfg.pipeline_bubble and pipeline_size > 1
         if self.cfg.communication or measure_bubble:
-            self.tracer = comm_mod.CommTracer(self.clock, p2p_every_step=measure_bubble)
+            self.tracer = comm_mod.CommTracer(self.clock, p2p_every_step=measure_bubble,
+                                              host_wait=self.cfg.communication)
             comm_mod.install(self.tracer)
         if self.cfg.gpu_telemetry and cuda:
             from profiling.telemetry import TelemetrySampler
@@ -232,6 +250,7 @@ class StepCollector:
             self.tracer.begin_step(self.cfg.communication and step % self.cfg.communication_sample_interval == 0)
         if self.telemetry is not None:
             self.telemetry.step = step
+        self._ru0 = resource.getrusage(resource.RUSAGE_SELF) if self.enabled else None
         self._t0 = self.clock.mark()
 
     def add_data_time(self, seconds: float) -> None:
@@ -247,14 +266,15 @@ class StepCollector:
                 time.sleep(self._delays.get("data", 0.0))
         finally:
             self._data_s += time.perf_counter() - t0
-        if self._delays:
-            time.sleep(self._delays.get("compute", 0.0))
+        if self._delays.get("compute"):
+            burn_cpu(self._delays["compute"])
 
     def end_step(self, step: int, *, loss: float | None = None, lr: float | None = None,
                  grad_norm: float | None = None, skipped: bool | None = None,
                  nonfinite: bool | None = None, figures: dict[str, Any] | None = None) -> dict[str, Any]:
         """The step's record; ``figures``: further schema fields the trainer measured (e.g. the MoE router's)."""
         end = self.clock.mark()
+        ru0, ru1 = self._ru0, resource.getrusage(resource.RUSAGE_SELF) if self._ru0 is not None else None
         self.clock.wait(end)  # the collectors' one host-GPU synchronisation (see the module docstring)
         dt = self.clock.seconds(self._t0, end) if self._t0 is not None else 0.0
         tps = self.tokens_per_step / dt if dt > 0 else 0.0
@@ -276,6 +296,9 @@ class StepCollector:
         if not self.enabled:
             return record
         record.update(self._flops_fields(dt))
+        if ru1 is not None:
+            record["cpu_time_s"] = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+            record["involuntary_switches"] = ru1.ru_nivcsw - ru0.ru_nivcsw
         if self.cuda and self.cfg.memory:
             import torch
 
@@ -323,6 +346,7 @@ class StepCollector:
     def _comm_fields(self, step: int, dt: float, record: dict[str, Any]) -> list[dict[str, Any]] | None:
         sampled = self.tracer.sampling
         ops = self.tracer.end_step()
+        record["collective_wait_s"] = self.tracer.collective_wait_s(ops)
         if self._measure_bubble:
             p2p = [op for op in ops if op.kind == "p2p"]
             record["pp_wait_s"] = sum(comm_mod.stalled_s(op, self.clock) for op in p2p)

@@ -13,6 +13,12 @@ operation; ``span_s`` = issue to the end of the last wait, an upper bound of the
 bandwidth (for synchronous ops the two are equal). Ops inside ``_coalescing_manager`` run at the block's exit and are
 counted as one operation of their kind. On GPU the marks are CUDA events on the current stream (see clock.py).
 
+Every step, on host clocks (CPU ranks), the wrappers also add up the time this rank is held in collectives other than
+pipeline p2p (the call plus the ``wait()`` of an async one: ``CommTracer.host_wait_s``, the record's
+``collective_wait_s``): two ``perf_counter`` reads per collective. A rank that arrives late at a collective waits
+least in it, so this is what tells which rank the others wait for on every step, not only on the sampled ones
+(``profiling.stragglers``). GPU collectives return before they ran, so GPU ranks leave it out.
+
 The wrappers cost one attribute check when not tracing; tracing happens on sampled steps only, plus p2p on every
 step when the pipeline bubble is measured (pipeline_size > 1).
 
@@ -29,6 +35,7 @@ import functools
 import inspect
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,12 +115,34 @@ class _TimedWork:
         return getattr(self._work, name)
 
 
-class CommTracer:
-    """Per-process tracing state; ``begin_step`` / ``end_step`` bracket the traced operations of one step."""
+class _HostTimedWork:
+    """Proxy of a Work handle whose wait() adds to the tracer's every-step collective wait (host clock)."""
 
-    def __init__(self, clock: Clock, p2p_every_step: bool = False):
+    __slots__ = ("_work", "_tracer")
+
+    def __init__(self, work, tracer: "CommTracer"):
+        self._work, self._tracer = work, tracer
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._tracer.host_wait_s += time.perf_counter() - t0
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+class CommTracer:
+    """Per-process tracing state; ``begin_step`` / ``end_step`` bracket the traced operations of one step.
+    ``host_wait``: also add up, every step, the host time held in collectives other than p2p (``host_wait_s``)."""
+
+    def __init__(self, clock: Clock, p2p_every_step: bool = False, host_wait: bool = False):
         self.clock = clock
         self.p2p_every_step = p2p_every_step
+        self.host_wait = host_wait and not clock.cuda
+        self.host_wait_s = 0.0
         self.sampling = False
         self.ops: list[Op] = []
         self._local = threading.local()
@@ -121,10 +150,34 @@ class CommTracer:
     def begin_step(self, sample: bool) -> None:
         self.ops = []
         self.sampling = sample
+        self.host_wait_s = 0.0
 
     def end_step(self) -> list[Op]:
         ops, self.ops, self.sampling = self.ops, [], False
         return ops
+
+    def collective_wait_s(self, ops: list[Op]) -> float | None:
+        """This step's host time held in collectives other than p2p (None when not measured): the timed ops' on a
+        sampled step, the every-step sum otherwise."""
+        if not self.host_wait:
+            return None
+        traced = sum(stalled_s(op, self.clock) for op in ops if op.kind != "p2p")
+        return self.host_wait_s + traced
+
+    def host_call(self, orig, args, kwargs):
+        """An untraced collective timed on the host clock (``host_wait``): its call and its Work's waits."""
+        if getattr(self._local, "inside", False) or getattr(self._local, "coalesce", None) is not None:
+            return orig(*args, **kwargs)
+        self._local.inside = True
+        t0 = time.perf_counter()
+        try:
+            out = orig(*args, **kwargs)
+        finally:
+            self.host_wait_s += time.perf_counter() - t0
+            self._local.inside = False
+        if out is None or isinstance(out, (int, list)) or not hasattr(out, "wait"):
+            return out
+        return _HostTimedWork(out, self)
 
     def wants(self, kind: str) -> bool:
         return (self.sampling or (self.p2p_every_step and kind == "p2p")) and not getattr(self._local, "inside", False)
@@ -148,6 +201,30 @@ class CommTracer:
         if isinstance(out, list):
             return [_TimedWork(w, op, self.clock) if hasattr(w, "wait") else w for w in out]
         return _TimedWork(out, op, self.clock) if hasattr(out, "wait") else out
+
+    @contextlib.contextmanager
+    def host_coalescing(self, orig_cm, args, kwargs):
+        """``_coalescing_manager`` on an untraced step (``host_wait``): its ops run at the block's exit, which is
+        timed, and so is the ``wait()`` of the returned handle (async)."""
+        self._local.coalesce = []  # the ops inside are queued, not run: not timed one by one
+        try:
+            with orig_cm(*args, **kwargs) as cm:
+                yield cm
+                self._local.coalesce = None
+                t0 = time.perf_counter()
+            self.host_wait_s += time.perf_counter() - t0
+        finally:
+            self._local.coalesce = None
+        real_wait = getattr(cm, "wait", None)
+        if real_wait is not None:
+            def wait():
+                w0 = time.perf_counter()
+                try:
+                    real_wait()
+                finally:
+                    self.host_wait_s += time.perf_counter() - w0
+
+            cm.wait = wait
 
     @contextlib.contextmanager
     def coalescing(self, orig_cm, args, kwargs):
@@ -243,6 +320,8 @@ def _wrap(name: str, orig):
     def wrapper(*args, **kwargs):
         tracer = _TRACER
         if tracer is None or not tracer.wants(kind):
+            if tracer is not None and tracer.host_wait and kind != "p2p":
+                return tracer.host_call(orig, args, kwargs)
             return orig(*args, **kwargs)
         size, group = read(args, kwargs)
         return tracer.call(orig, kind, nbytes(size), group, args, kwargs)
@@ -255,8 +334,10 @@ def _wrap_coalescing(orig_cm):
     @functools.wraps(orig_cm)
     def coalescing_manager(*args, **kwargs):
         tracer = _TRACER
-        if tracer is None or not tracer.sampling or getattr(tracer._local, "coalesce", None) is not None:
+        if tracer is None or getattr(tracer._local, "coalesce", None) is not None:
             return orig_cm(*args, **kwargs)
+        if not tracer.sampling:
+            return tracer.host_coalescing(orig_cm, args, kwargs) if tracer.host_wait else orig_cm(*args, **kwargs)
         return tracer.coalescing(orig_cm, args, kwargs)
 
     coalescing_manager.__hpc_orig__ = orig_cm

@@ -23,7 +23,8 @@ from profiling.schema import fields
 # set at evaluation steps only; version-1 files lack it and read as no validation loss.
 COLUMNS = fields("step", "restart", "pp_rank", "step_time_s", "tokens", "data_time_s", "comm_time_s", "pp_wait_s",
                  "loss", "model_flops", "hardware_flops", "tflops_per_gpu", "mfu", "mem_allocated_max_bytes",
-                 "mem_reserved_max_bytes", "rss_bytes", "val_loss", "moe_load_imbalance", "moe_aux_loss")
+                 "mem_reserved_max_bytes", "rss_bytes", "val_loss", "cpu_time_s", "involuntary_switches",
+                 "collective_wait_s", "moe_load_imbalance", "moe_aux_loss")
 REQUIRED = fields("step", "step_time_s")
 STRAGGLER_THRESHOLD = straggler_rules.THRESHOLD  # excess busy time (share of the step) that makes a straggler
 GB = 1e9
@@ -65,8 +66,17 @@ DEFINITIONS: dict[str, str] = {
                "other ranks of its pipeline stage); it is a straggler when its median excess busy time exceeds 5 % "
                "of the median step time and it is busier than its peers on enough steps for a one-sided sign test "
                "to give p <= 0.01 (7+ steps). Cause: data or compute, whichever excess is larger; communication "
-               "when, with no late peer, its own waiting exceeds its peers' by the same rule. The verdict names "
-               "rank, node (its records' `node`), cause, excess, steps and p (profiling.stragglers).",
+               "when, with no late peer, its own waiting exceeds its peers' by the same rule. Host stalled: over every "
+               "measured step (CPU ranks), a rank's lateness is its time in the step outside collectives "
+               "(step_time_s - collective_wait_s) minus its peers' median: how much longer they waited for it at the "
+               "step's collectives; less its extra cpu_time_s and data time it is unexplained (off its CPU outside "
+               "collectives). A rank is host stalled when its mean lateness and its mean unexplained lateness exceed "
+               "5 % of the stage's mean step time (the latter also half its lateness), a one-sided test of its "
+               "per-step lateness against mean 0 gives p <= 0.01 and it was the latest by over 5 % of the median "
+               "step on 2+ steps; this overrides its busy-time verdict. Of stalled-looking ranks of several pipeline "
+               "stages, those late by their extra pipeline wait are the stalled one's victims. The verdict names "
+               "rank, node (its records' `node`), cause, excess, steps and "
+               "p (profiling.stragglers).",
     "last_loss": "The mean over the ranks that report a loss at the last step that has one.",
     "goodput": "Per life of the run (each start of its ranks): allocation = its start (rank process start or the "
                "launcher's event) to its end; start-up = to the first step's start, less the checkpoint load; "
@@ -221,6 +231,11 @@ class RankFigures:
     steps_slower: int | None = None
     straggler_p: float | None = None
     straggler_z: float | None = None
+    late_s: float | None = None
+    late_share: float | None = None
+    late_unexplained_s: float | None = None
+    cpu_excess_s: float | None = None
+    switches_excess: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         # Every field is a scalar: a shallow dict equals asdict(), without its per-field deep copies (a thousand ranks)
@@ -331,6 +346,10 @@ def mark_stragglers(ranks: list[RankFigures], sample: straggler_rules.StragglerS
                                                                              v.excess_s, v.excess_share)
         r.steps_compared, r.steps_slower, r.straggler_p, r.straggler_z = (v.steps_compared, v.steps_slower,
                                                                            v.p_value, v.z)
+        r.late_s, r.late_share, r.late_unexplained_s, r.cpu_excess_s, r.switches_excess = (
+            v.late_s, v.late_share, v.late_unexplained_s, v.cpu_excess_s, v.switches_excess)
+        if v.cause == straggler_rules.HOST_STALLED:  # how sure: the host rule's steps and p
+            r.steps_compared, r.steps_slower, r.straggler_p = v.host_steps, v.steps_latest, v.late_p
     named = [v for v in verdicts if v.straggler]
     return {"rank_skew": float((medians.max() - medians.min()) / centre) if centre > 0 else None,
             "slowest_rank": ranks[int(np.argmax(medians))].rank,
@@ -470,7 +489,7 @@ class RunReducer:
         figures = rank_figures(rank, cols, measured_sel)
         if figures is not None:
             self.ranks.append(figures)
-            self.straggler_sample.add_rank(rank, figures.pp_rank, cols, measured_sel)
+            self.straggler_sample.add(rank, figures.pp_rank, cols, measured_sel)
         self._tokens.append(_median_or_none(cols["tokens"][measured_sel] if "tokens" in cols else None))
         self._flops.append(_median_or_none(cols["model_flops"][measured_sel] if "model_flops" in cols else None))
         self._hw_flops.append(_median_or_none(cols["hardware_flops"][measured_sel] if "hardware_flops" in cols

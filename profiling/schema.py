@@ -1,9 +1,11 @@
 """The per-rank step record: the one definition every trainer writes and every analysis reads.
 
 Versioned: a change that renames or retypes a field bumps SCHEMA_VERSION, and so does a new field a reader may look
-for (version 2 added ``val_loss`` and ``eval_time_s``; version 3 the router figures of mixture-of-experts runs,
-``moe_aux_loss``, ``moe_load_imbalance`` and ``moe_tokens_per_expert``); readers accept every version up to
-SCHEMA_VERSION: an older file simply lacks the newer columns (``profiling.records`` reads them as absent).
+for (version 2 added ``val_loss`` and ``eval_time_s``; version 3 ``cpu_time_s``, ``involuntary_switches`` and
+``collective_wait_s``, what tells a rank the host stalled from one slow in its own code; version 4 the router figures
+of mixture-of-experts runs, ``moe_aux_loss``, ``moe_load_imbalance`` and ``moe_tokens_per_expert``); readers accept
+every version up to SCHEMA_VERSION: an older file simply lacks the newer columns (``profiling.records`` reads them as
+absent).
 Records are appended as JSON lines to ``records/rank<RANK>.jsonl`` during the run (a requeued job appends to the same
 file) and compacted into ``records/rank<RANK>.parquet`` at the end (``profiling.records`` owns the file names and the
 reading). Optional fields are null when not measured on that step or rank (e.g. ``loss`` off the last pipeline stage,
@@ -15,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+SCHEMA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 """Record versions every reader accepts."""
 
 
@@ -67,16 +69,24 @@ STEP_FIELDS: tuple[Field, ...] = (
                                          "null except at evaluation steps (schema version 2)"),
     Field("nonfinite", "bool", False, "the step's loss or gradient norm was not finite on some rank: the update was "
                                       "skipped (training.max_nonfinite_steps)"),
+    Field("cpu_time_s", "float", False, "CPU seconds (user + system, all threads of the rank process) over the step, "
+                                        "from getrusage (schema version 3)"),
+    Field("involuntary_switches", "int", False, "involuntary context switches of the rank process during the step "
+                                                "(getrusage ru_nivcsw: the OS took the CPU from it; schema version 3)"),
+    Field("collective_wait_s", "float", False, "host seconds this rank was held in collectives other than pipeline "
+                                               "p2p during the step, every step (a rank that arrives late waits "
+                                               "least); null on GPU ranks and without profiling.communication "
+                                               "(schema version 3)"),
     Field("moe_aux_loss", "float", False, "mixture of experts: the router's load-balancing loss (without its "
                                           "coefficient), mean over the MoE layers and microbatches, the same on every "
                                           "rank; null without experts or with load_balancing_type none (schema "
-                                          "version 3)"),
+                                          "version 4)"),
     Field("moe_load_imbalance", "float", False, "mixture of experts: max over the MoE layers of the busiest expert's "
                                                 "tokens / the mean tokens per expert in the step (1 = even), the same "
-                                                "on every rank (schema version 3)"),
+                                                "on every rank (schema version 4)"),
     Field("moe_tokens_per_expert", "str", False, "mixture of experts: tokens routed to each expert in the step "
                                                  "(a token counts once per top-k expert), summed over the MoE layers, "
-                                                 "as a JSON list (schema version 3)"),
+                                                 "as a JSON list (schema version 4)"),
 )
 
 FIELD_NAMES = tuple(f.name for f in STEP_FIELDS)

@@ -12,7 +12,8 @@ from profiling.figures import reduce_records
 
 
 def stragglers_and_goodput(run) -> dict[str, Any]:
-    """{stragglers, straggler_nodes, straggler_verdict, goodput: ``Goodput.summary()``} of a run folder."""
+    """{stragglers, straggler_nodes, straggler_verdict, straggler_causes: {rank: cause}, goodput:
+    ``Goodput.summary()``} of a run folder."""
     inp = run_input(run)
     lay, recipe = inp.layout, inp.recipe
     world = lay.world_size if lay else int(inp.manifest.get("world_size") or 1)
@@ -21,7 +22,9 @@ def stragglers_and_goodput(run) -> dict[str, Any]:
     figures = reducer.figures(world, lay.bubble_fraction if lay and lay.pipeline_size > 1 else None)
     g = goodput.measure(run.records_dir, inp.manifest, world, bool(recipe.cluster.uses_gpus) if recipe else False)
     return {"stragglers": figures["stragglers"], "straggler_nodes": figures["straggler_nodes"],
-            "straggler_verdict": figures["straggler_verdict"], "goodput": g.summary()}
+            "straggler_verdict": figures["straggler_verdict"],
+            "straggler_causes": {str(r.rank): r.straggler_cause for r in reducer.ranks if r.straggler},
+            "goodput": g.summary()}
 
 
 def checkpoint_saves(run) -> list[dict[str, Any]]:

@@ -68,13 +68,14 @@ def run(args: argparse.Namespace) -> int:
                      f"{sum(c['write_s'] for c in bg) / len(bg):.2f} s written, on average")
         failed = len(saves) - len(done)
         print(line + (f"; {failed} failed (not committed)" if failed else ""))
-    for i, r in enumerate(manifest.get("restarts") or [], 1):  # in-job restarts (cluster.restarts) and requeues
-        after = f", first new step {r['time_to_first_step_s']} s later" \
-            if r.get("time_to_first_step_s") is not None else ""
-        start = f"; resumed from iteration {r['from_iteration']}{after}" if r.get("from_iteration") is not None else ""
-        where = f" on {','.join(r['nodes'])}" if r.get("nodes") else ""
-        print(f"restart {i} ({r.get('kind', 'in-job')}{where}) at {r.get('at')}: {r.get('cause')}: "
-              f"{r.get('reason') or '?'}{start}")
+    for i, again in enumerate(manifest.get("restarts") or [], 1):  # in-job restarts (cluster.restarts) and requeues
+        after = f", first new step {again['time_to_first_step_s']} s later" \
+            if again.get("time_to_first_step_s") is not None else ""
+        start = f"; resumed from iteration {again['from_iteration']}{after}" \
+            if again.get("from_iteration") is not None else ""
+        where = f" on {','.join(again['nodes'])}" if again.get("nodes") else ""
+        print(f"restart {i} ({again.get('kind', 'in-job')}{where}) at {again.get('at')}: {again.get('cause')}: "
+              f"{again.get('reason') or '?'}{start}")
     if manifest.get("error"):
         print(f"error    {manifest['error']}")
     for marker in hang_markers(r):  # the hang verdict with every rank's stacks

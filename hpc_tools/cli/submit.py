@@ -21,7 +21,12 @@ A submitted recipe without overrides or profile also refreshes jobs/<recipe>.sba
 
 A local run shows rank 0's output as it trains: the start-up phases with their times, then one progress line per
 training.log_interval (step N/total, loss, validation loss, tok/s, TFLOP/s, MFU, memory, elapsed, ETA). Library
-warnings go to each rank's log once each, and one line counts them; `status` shows the newest progress line."""
+warnings go to each rank's log once each, and one line counts them; `status` shows the newest progress line.
+
+Failures: with --set cluster.restarts=N a rank that dies or hangs (or a crashed node) is recovered inside the same
+Slurm job (a new srun step from the newest complete checkpoint, no trip through the queue; locally the ranks start
+again), N times over the run; --set cluster.spare_nodes=K allocates K extra nodes so a failed node is left out.
+Each restart is listed by `status` (docs/fault-tolerance.md)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

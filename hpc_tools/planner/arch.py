@@ -156,6 +156,17 @@ def stage_layer_counts(arch: Arch, pipeline: int, stage: int, virtual: int = 1) 
     return per_stage - n_moe, n_moe
 
 
+def busiest_moe_stage(arch: Arch, pipeline: int, virtual: int = 1) -> int | None:
+    """The middle pipeline stage with the most MoE layers (the earliest of them: it holds the most microbatches in
+    flight) when it holds more than the first stage (a ``moe_layer_freq`` list such as DeepSeek-V3's, dense layers
+    first, loads the stages unevenly, and middle stages then can hold more than the first); None otherwise."""
+    if not arch.moe or pipeline < 3:
+        return None
+    counts = [stage_layer_counts(arch, pipeline, s, virtual)[1] for s in range(pipeline)]
+    best = max(range(1, pipeline - 1), key=lambda s: (counts[s], -s))
+    return best if counts[best] > counts[0] else None
+
+
 def total_parameters(arch: Arch) -> int:
     """Parameters of the whole model (TP1, tied embeddings counted once), over the vocabulary the job allocates."""
     pc = pieces(arch, 1)

@@ -13,7 +13,15 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from hpc_tools.planner.arch import Arch, fsdp_parameters, pieces, stage_layer_counts, stage_parameters, stage_split
+from hpc_tools.planner.arch import (
+    Arch,
+    busiest_moe_stage,
+    fsdp_parameters,
+    pieces,
+    stage_layer_counts,
+    stage_parameters,
+    stage_split,
+)
 from hpc_tools.planner.knobs import Knobs
 
 GB = 1e9
@@ -455,13 +463,16 @@ def stage_memory(arch: Arch, k: Knobs, stage: int, on_gpu: bool = True) -> Stage
 
 def estimate_memory(arch: Arch, k: Knobs, on_gpu: bool = True) -> MemoryPlan:
     """Memory of the first and last pipeline stages; the peak is the larger (middle stages hold less than the
-    first: fewer microbatches in flight and no embedding)."""
+    first: fewer microbatches in flight and no embedding), unless a middle stage holds more MoE layers than the first
+    (``busiest_moe_stage``), which is then planned too, between them."""
     p = k.layout.pipeline_size
     first = stage_memory(arch, k, 0, on_gpu)
     if p == 1:
         return MemoryPlan((first,), first)
     last = stage_memory(arch, k, p - 1, on_gpu)
-    return MemoryPlan((first, last), last if last.total > first.total else first)
+    middle = busiest_moe_stage(arch, p, k.virtual)
+    stages = (first, last) if middle is None else (first, stage_memory(arch, k, middle, on_gpu), last)
+    return MemoryPlan(stages, max(stages, key=lambda st: st.total))
 
 
 def _zero3_working_set(arch: Arch, k: Knobs) -> float:

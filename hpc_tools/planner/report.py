@@ -89,10 +89,13 @@ def print_plan(plan: Plan) -> None:
     mem.add_row("total", f"{peak.total / div:.2f}", _esc(verdict(plan)), style="bold")
     con.print(mem)
     if len(plan.memory.stages) > 1:
-        first, last = plan.memory.stages
+        first, last = plan.memory.stages[0], plan.memory.stages[-1]
+        middle = (f"; stage {plan.memory.stages[1].stage}, the one with the most MoE layers, "
+                  f"{count(plan.memory.stages[1].params)} parameters, {plan.memory.stages[1].total / div:.2f} {unit}"
+                  if len(plan.memory.stages) > 2 else "; middle stages hold less than the first")
         con.print(f"Per GPU: first stage {count(first.params)} parameters, {first.total / div:.2f} {unit}; last stage "
-                  f"(p-1 = {last.stage}) {count(last.params)} parameters, {last.total / div:.2f} {unit}; middle stages "
-                  "hold less than the first", highlight=False)
+                  f"(p-1 = {last.stage}) {count(last.params)} parameters, {last.total / div:.2f} {unit}{middle}",
+                  highlight=False)
     if plan.time is None:
         con.print(f"Step time: not predicted (no peak FLOP/s for {plan.hardware.gpu_type}; set "
                   "cluster.gpu_peak_tflops)", highlight=False)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hpc_tools.planner.arch import Arch, fsdp_parameters, pieces, stage_layer_counts, stage_split
+from hpc_tools.planner.arch import Arch, busiest_moe_stage, fsdp_parameters, pieces, stage_layer_counts, stage_split
 from hpc_tools.planner.hardware import Hardware
 from hpc_tools.planner.knobs import Knobs
 
@@ -131,7 +131,8 @@ def estimate_step_time(arch: Arch, k: Knobs, hw: Hardware, flops: tuple[float, .
         n = fsdp_parameters(arch, t)
     else:
         shards = lay.expert_size * lay.expert_tensor_size
-        split = max((stage_split(arch, t, p, s, shards, v) for s in {0, p - 1}), key=sum)
+        stages = {0, p - 1} | ({busiest} if (busiest := busiest_moe_stage(arch, p, v)) is not None else set())
+        split = max((stage_split(arch, t, p, s, shards, v) for s in stages), key=sum)
         n = sum(split)
     dp_bw = hw.link_bw(spans_nodes=t * cp * d > hw.gpus_per_node)
     fwd_per_mb, bwd_per_mb = compute / m / 3, 2 * compute / m / 3
@@ -173,7 +174,7 @@ def _expert_comm(arch: Arch, k: Knobs, hw: Hardware, tok: int) -> float:
     else:
         one = e * rep * arch.topk * h * (ep - 1) / ep / bw if ep > 1 else 0.0
     one += _gather(e * rep * arch.topk * h * etp, etp, hw.link_bw(spans_nodes=etp > hw.gpus_per_node))
-    layers = max(stage_layer_counts(arch, lay.pipeline_size, s, k.virtual)[1] for s in {0, lay.pipeline_size - 1})
+    layers = max(stage_layer_counts(arch, lay.pipeline_size, s, k.virtual)[1] for s in range(lay.pipeline_size))
     return passes * one * layers
 
 

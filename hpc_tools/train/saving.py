@@ -89,7 +89,8 @@ class SaveRecord:
     async_: bool
     blocked_s: float
     """Wall time training stood still for it: the save call (staging the state into a copy, for a background save)
-    plus the commit at a later step boundary."""
+    plus the commit at a later step boundary, plus any wait for its write (a save due, or the end of the run,
+    before it was done)."""
     write_s: float
     """From the save call to the end of the write (the slowest rank's known end; for a background write at best the
     poll that found it done)."""
@@ -144,8 +145,9 @@ def tiers(ctx: "RankContext") -> list[CheckpointDirs]:
     ``local_tier`` would use it; nothing logged)."""
     ck = ctx.recipe.checkpoint
     out = [CheckpointDirs(ctx.checkpoint_dir, keep_last=ck.keep_last)]
-    if ck.local_dir and ck.local_interval_iters and ctx.dist.local_world_size == ctx.dist.world_size:
-        root, _ = expand_dir(ck.local_dir)
+    raw = getattr(ck, "local_dir", None)  # a harness's stand-in recipe may have no local tier fields
+    if raw and getattr(ck, "local_interval_iters", 0) and ctx.dist.local_world_size == ctx.dist.world_size:
+        root, _ = expand_dir(raw)
         if root is not None:
             out.append(CheckpointDirs(root, keep_last=ck.keep_last))
     return out
@@ -249,8 +251,9 @@ class Saver:
             records.append(self._commit(_Pending(step, tier, dirs, None, t0, 0.0)))
             return records
         self.pending = _Pending(step, tier, dirs, write, t0, time.perf_counter() - t0)
-        self.ctx.info("checkpoint of step %d staged in %.3f s (%s tier); written in the background, complete once "
-                      "every rank's write is done", step, self.pending.blocked_s, tier)
+        parts = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.3f} s" for k, v in getattr(write, "parts", {}).items())
+        self.ctx.info("checkpoint of step %d staged in %.3f s (%s tier%s); written in the background, complete once "
+                      "every rank's write is done", step, self.pending.blocked_s, tier, f": {parts}" if parts else "")
         return records
 
     def poll(self) -> list[SaveRecord]:
@@ -266,8 +269,10 @@ class Saver:
         """Wait for the outstanding background write and commit it (before another save, the end, a stop)."""
         if self.pending is None:
             return []
+        t0 = time.perf_counter()
         while not self.pending.write.done():
             time.sleep(0.005)
+        self.pending.blocked_s += time.perf_counter() - t0  # training waits for this write: blocked by it
         return [self._commit(self.pending)]
 
     def close(self) -> None:

@@ -33,6 +33,16 @@ CASES = [
      ["model.family=gpt", "model.num_query_groups=null", "model.ffn_hidden_size=null"]),
 ]
 
+# Megatron only (experts): the MoE recipe's local profile (4 experts, top-2), and with a shared expert, an expert width
+# of its own and a per-layer moe_layer_freq list. Built with the allgather dispatcher (the same parameters as alltoall,
+# whose constructor wants CUDA streams).
+MOE_CASES = [
+    ("moe 4 experts top-2", "recipes/gpt_moe.yaml", []),
+    ("moe shared expert, freq list", "recipes/gpt_moe.yaml",
+     ["model.num_layers=4", "model.moe_layer_freq=[0, 1, 0, 1]", "model.moe_ffn_hidden_size=48",
+      "model.moe_shared_expert_intermediate_size=96"]),
+]
+
 # (case, s, b, h, heads, query groups, ffn, swiglu) for the activation check; dropout 0 as in the shipped recipes
 # (CPU dropout saves a 16-bit noise tensor where CUDA's saves a 1-byte mask).
 LAYERS = [("gpt MHA GELU", 128, 2, 256, 8, 8, 1024, False), ("GQA SwiGLU", 64, 3, 256, 8, 2, 704, True)]
@@ -49,11 +59,15 @@ def _load(recipe: str, overrides: list[str], backend: str):
 def _megatron_count(recipe) -> int:
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     m = recipe.model
-    cfg = TransformerConfig(num_layers=m.num_layers, hidden_size=m.hidden_size,
+    moe = {} if m.num_experts is None else dict(
+        num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size, moe_layer_freq=m.moe_layer_freq,
+        moe_grouped_gemm=False, moe_token_dispatcher_type="allgather")
+    cfg = TransformerConfig(**moe, num_layers=m.num_layers, hidden_size=m.hidden_size,
                             num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
                             ffn_hidden_size=m.ffn_hidden_size,
                             kv_channels=m.head_dim, normalization=m.normalization, add_bias_linear=m.add_bias_linear,
@@ -62,7 +76,9 @@ def _megatron_count(recipe) -> int:
                             use_cpu_initialization=True, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                             bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
                             gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization=m.normalization),
+    spec = (get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=m.normalization) if moe
+            else get_gpt_layer_local_spec(normalization=m.normalization))
+    model = GPTModel(config=cfg, transformer_layer_spec=spec,
                      vocab_size=m.padded_vocab_size(1), max_sequence_length=m.seq_length,
                      position_embedding_type=m.position_embedding, rotary_base=m.rotary_base,
                      share_embeddings_and_output_weights=not m.untie_embeddings)
@@ -134,6 +150,8 @@ def child() -> None:
     for name, recipe, overrides in CASES:
         out[name] = {"megatron": _megatron_count(_load(recipe, overrides, "megatron")),
                      "hf": _hf_count(_load(recipe, overrides, "deepspeed"))}
+    for name, recipe, overrides in MOE_CASES:
+        out[name] = {"megatron": _megatron_count(_load(recipe, overrides, "megatron"))}
     layers = {case[0]: _layer_saved_bytes(*case[1:]) for case in LAYERS}
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
@@ -166,6 +184,20 @@ def test_planner_counts_equal_real_models(real_counts, name, recipe, overrides):
     # and profiling.flops (the owner of parameter counts) agrees, over the vocabulary each job allocates
     assert num_parameters(megatron.model, vocab_size=megatron.model.padded_vocab_size(1)) == real["megatron"]
     assert num_parameters(deepspeed.model) == real["hf"]
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("name, recipe, overrides", MOE_CASES, ids=[c[0] for c in MOE_CASES])
+def test_moe_counts_equal_megatrons_moe_model(real_counts, name, recipe, overrides):
+    """Router, routed experts, shared expert, dense layers of a moe_layer_freq list: profiling.flops and the
+    planner's pieces count what Megatron-core's MoE GPT allocates."""
+    from hpc_tools.planner.arch import arch_for, total_parameters
+    from profiling.flops import num_parameters
+
+    megatron = _load(recipe, overrides, "megatron")
+    real = real_counts["models"][name]["megatron"]
+    assert num_parameters(megatron.model, vocab_size=megatron.model.padded_vocab_size(1)) == real
+    assert total_parameters(arch_for(megatron)) == real
 
 
 @pytest.mark.megatron

@@ -1,14 +1,16 @@
-"""In-job restarts (cluster.restarts) on the real 2-node test cluster: a rank killed with SIGKILL (the rendered sbatch
-script), a rank frozen with SIGSTOP (submitit; the hang watchdog ends the step) and a crashed node (every process of
-n2 killed, its slurmd back 20 s later: issue 24 item 5) are each recovered inside the same Slurm job: sacct shows one
-job (no requeue) with several steps, the manifest records the restart, and the run completes with the losses of an
-uninterrupted run bit for bit.
+"""In-job restarts (cluster.restarts) on the real 2-node test cluster, each recovered inside the same Slurm job: sacct
+shows one job (no requeue) with several steps, the manifest records every restart, and the run completes with the
+losses of an uninterrupted run bit for bit.
 
-The jobs are recipes/gpt_zero.yaml's local profile (a tiny LLaMA under ZeRO-2) as 2 nodes x 1 rank, a checkpoint every
-5 steps, one OpenMP thread per rank (as the local uninterrupted run has), so every loss must be equal. The kill and
-stop jobs run side by side; the crash job is submitted held and released once they are done (the crash kills every
-process of n2).
-Figures (fault -> first new step) are printed with -s.
+- `faults` (submitit, 1 node x 2 ranks on n1, cluster.restarts=2): rank 1 killed with SIGKILL after step 12, then,
+  in the restarted step, rank 1 frozen with SIGSTOP (the hang watchdog, 15 s, ends the step): two restarts;
+- `crash` (the rendered sbatch script, 2 nodes x 1 rank): every process of n2 killed after step 12 (slurmd,
+  slurmstepd, the rank), its slurmd back 20 s later (issue 24 item 5).
+
+Both are recipes/gpt_zero.yaml's local profile (a tiny LLaMA under ZeRO-2, data parallel over 2 ranks), a checkpoint
+every 5 steps, one OpenMP thread per rank (as the local uninterrupted run has), so every loss must be equal. The two
+jobs and the uninterrupted run go side by side (the crash touches only n2, where `faults` has no rank). Figures
+(from each step's end to the new start's first step) are printed with -s.
 """
 
 from __future__ import annotations
@@ -29,12 +31,15 @@ from hpc_tools.runtime import heartbeat
 from tests.conftest import loss_curve, run_cli, step_records
 
 RECIPE = "recipes/gpt_zero.yaml"
-ITERS, CRASH_ITERS, FAULT_AT = 30, 40, 12
+ITERS, FAULT_AT = 40, 12
 HANG_S = 15
 COMMON = ["--set", "checkpoint.interval_iters=5", "--set", 'cluster.setup.env.OMP_NUM_THREADS="1"',
-          "--set", f"training.lr_decay_iters={CRASH_ITERS}"]
-ON_SLURM = ["--set", "cluster.nodes=2", "--set", "cluster.gpus_per_node=1", "--set", "cluster.restarts=2",
-            "--set", f"cluster.hang_timeout_min={HANG_S / 60}", "--set", "cluster.time_limit=10"]
+          "--set", f"training.train_iters={ITERS}"]
+ON_SLURM = ["--set", "cluster.restarts=2", "--set", f"cluster.hang_timeout_min={HANG_S / 60}",
+            "--set", "cluster.time_limit=10"]
+TWO_NODES = ["--set", "cluster.nodes=2", "--set", "cluster.gpus_per_node=1"]
+ON_N1 = ["--set", "cluster.nodes=1", "--set", "cluster.gpus_per_node=2",
+         "--set", "cluster.sbatch_extra=[--nodelist=n1]"]
 DEADLINE_S = 900
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multinode, pytest.mark.deepspeed, pytest.mark.slow]
@@ -45,35 +50,33 @@ class Job:
     name: str
     job_id: str
     run: RunFolder
-    fault_at: float | None = None  # wall time of the fault
-    fault_step: int | None = None
+    faults: list[tuple[str, int, float]] = field(default_factory=list)  # (what, after step, wall time)
     done: bool = False
-    notes: list[str] = field(default_factory=list)
 
 
-def submit_sbatch(tmp: Path, name: str, iters: int, *extra: str) -> Job:
+def submit_sbatch(tmp: Path, name: str, *sets: str) -> Job:
     script = tmp / f"{name}.sbatch"
-    out = run_cli("render", RECIPE, "--profile", "local", *COMMON, *ON_SLURM, "--set", f"training.train_iters={iters}",
-                  "-o", str(script))
+    out = run_cli("render", RECIPE, "--profile", "local", *COMMON, *ON_SLURM, *sets, "-o", str(script))
     assert out.returncode == 0, out.stderr
     runs = tmp / f"runs-{name}"
-    sub = subprocess.run(["sbatch", "--parsable", *extra, str(script)], cwd=tmp, capture_output=True, text=True,
+    sub = subprocess.run(["sbatch", "--parsable", str(script)], cwd=tmp, capture_output=True, text=True,
                          timeout=60, env={**os.environ, "HPC_TOOLS_RUNS_DIR": str(runs)})
     assert sub.returncode == 0, sub.stderr
     job_id = sub.stdout.strip().split(";")[0]
     return Job(name, job_id, RunFolder(runs / f"gpt_zero-j{job_id}"))
 
 
-def submit_submitit(tmp: Path, name: str, iters: int) -> Job:
+def submit_submitit(tmp: Path, name: str, *sets: str) -> Job:
     out = run_cli("submit", RECIPE, "--profile", "local", "--executor", "slurm", "--json", "--runs-dir",
-                  str(tmp / f"runs-{name}"), *COMMON, *ON_SLURM, "--set", f"training.train_iters={iters}")
+                  str(tmp / f"runs-{name}"), *COMMON, *ON_SLURM, *sets)
     assert out.returncode == 0, out.stderr
     job = json.loads(out.stdout)
     return Job(name, job["job_id"], RunFolder(job["run_dir"]))
 
 
-def rank0_step(run: RunFolder) -> int:
-    recs = step_records(run.path).get(0, []) if run.path.is_dir() else []
+def newest_step(run: RunFolder, start: int) -> int:
+    """Rank 0's newest step of start ``start`` (0 before it recorded one)."""
+    recs = [r for r in step_records(run.path).get(0, []) if r["restart"] == start] if run.path.is_dir() else []
     return recs[-1]["step"] if recs else 0
 
 
@@ -90,11 +93,22 @@ def sacct_lines(job_id: str) -> list[list[str]]:
 
 def reference_run(tmp: Path, box: dict) -> None:
     box["out"] = run_cli("submit", RECIPE, "--executor", "local", "--json", "--runs-dir", str(tmp / "reference"),
-                         *COMMON, "--set", f"training.train_iters={CRASH_ITERS}", timeout=DEADLINE_S)
+                         *COMMON, timeout=DEADLINE_S)
+
+
+def signal_rank1(j: Job, start: int, what: str, sig: int) -> bool:
+    """``sig`` to rank 1 of start ``start`` once that start has done step FAULT_AT (so a checkpoint exists)."""
+    step = newest_step(j.run, start)
+    victim = heartbeat.read_all(j.run.path, start).get(1) if step >= FAULT_AT else None
+    if victim is None:
+        return False
+    os.kill(victim.pid, sig)
+    j.faults.append((what, step, time.time()))
+    return True
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory) -> dict[str, Job]:
+def jobs(tmp_path_factory) -> dict:
     from hpc_tools.testing.slurm_faults import crash_node, restart_slurmd
     from tests.conftest import _need_slurm
 
@@ -104,101 +118,90 @@ def jobs(tmp_path_factory) -> dict[str, Job]:
     ref = threading.Thread(target=reference_run, args=(tmp, box), daemon=True)
     ref.start()
     found: dict[str, Job] = {}
-    slurmd_back = False
+    crashed_at = None
     try:
-        found["kill"] = submit_sbatch(tmp, "kill", ITERS)
-        found["stop"] = submit_submitit(tmp, "stop", ITERS)
-        found["crash"] = submit_sbatch(tmp, "crash", CRASH_ITERS, "--hold")
-        crashed_at = None
+        found["faults"] = submit_submitit(tmp, "faults", *ON_N1)
+        found["crash"] = submit_sbatch(tmp, "crash", *TWO_NODES)
+        faults, crash = found["faults"], found["crash"]
         deadline = time.monotonic() + DEADLINE_S
         while time.monotonic() < deadline and not all(j.done for j in found.values()):
-            for name, j in found.items():
-                if j.fault_at is None and name != "crash" and rank0_step(j.run) >= FAULT_AT:
-                    victim = heartbeat.read_all(j.run.path, 0).get(1)
-                    if victim is not None:
-                        os.kill(victim.pid, signal.SIGKILL if name == "kill" else signal.SIGSTOP)
-                        j.fault_at, j.fault_step = time.time(), rank0_step(j.run)
-                j.done = j.done or not in_queue(j.job_id)
-            kill, stop, crash = found["kill"], found["stop"], found["crash"]
-            if kill.done and stop.done and not crash.notes:
-                subprocess.run(["scontrol", "release", crash.job_id], check=True, timeout=30)
-                crash.notes.append("released")
-            if crash.fault_at is None and crash.notes and rank0_step(crash.run) >= FAULT_AT:
-                crash.fault_step = rank0_step(crash.run)
+            if not faults.faults:
+                signal_rank1(faults, 0, "kill", signal.SIGKILL)
+            elif len(faults.faults) == 1:
+                signal_rank1(faults, 1, "stop", signal.SIGSTOP)
+            if not crash.faults and newest_step(crash.run, 0) >= FAULT_AT:
+                crash.faults.append(("crash", newest_step(crash.run, 0), time.time()))
                 crash_node("n2")
-                crash.fault_at = crashed_at = time.time()
-            if crashed_at and not slurmd_back and time.time() - crashed_at >= 20:
+                crashed_at = time.time()
+            if crashed_at and time.time() - crashed_at >= 20:
                 restart_slurmd("n2")
-                slurmd_back = True
+                crashed_at = None
+            for j in found.values():
+                j.done = j.done or not in_queue(j.job_id)
             time.sleep(0.2)
         ref.join(timeout=max(deadline - time.monotonic(), 1))
-        box["jobs"] = found
         for j in found.values():
-            entry = (j.run.manifest().get("restarts") or [{}])[0]
-            print(f"\n{j.name} (job {j.job_id}): fault after step {j.fault_step}, restart {entry.get('cause')} "
-                  f"rank {entry.get('rank')} on {entry.get('node')}, from iteration {entry.get('from_iteration')}, "
-                  f"first new step {entry.get('time_to_first_step_s')} s after the failed step ended")
-        found["_reference"] = box.get("out")  # type: ignore[assignment]
-        yield found
+            for entry in j.run.manifest().get("restarts") or []:
+                print(f"\n{j.name} (job {j.job_id}): {entry.get('cause')} of rank {entry.get('rank')} on "
+                      f"{entry.get('node')}, resumed from iteration {entry.get('from_iteration')}, first new step "
+                      f"{entry.get('time_to_first_step_s')} s after the failed step ended")
+        yield {**found, "_reference": box.get("out")}
     finally:
-        for j in found.values():
-            if isinstance(j, Job):
-                subprocess.run(["scancel", j.job_id], timeout=30)
-        if found.get("crash") and found["crash"].fault_at and not slurmd_back:
+        if crashed_at:
             restart_slurmd("n2")
+        for j in found.values():
+            subprocess.run(["scancel", j.job_id], timeout=30)
 
 
-def reference_losses(jobs, iters: int) -> dict[int, float]:
+def reference_losses(jobs) -> dict[int, float]:
     out = jobs["_reference"]
     assert out is not None and out.returncode == 0, out and out.stderr[-3000:]
     losses = loss_curve(Path(json.loads(out.stdout)["run_dir"]))
-    assert sorted(losses) == list(range(1, CRASH_ITERS + 1))
-    return {s: v for s, v in losses.items() if s <= iters}
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    return losses
 
 
-def check_recovered_in_job(j: Job, iters: int, reference: dict[int, float]) -> dict:
-    assert j.fault_at is not None, f"{j.name}: job {j.job_id} never reached step {FAULT_AT}"
-    assert j.done, f"{j.name}: job {j.job_id} still queued: {j.run.manifest().get('state')}"
+def recovered_in_job(jobs, name: str, restarts: int) -> list[dict]:
+    """The job completed in one Slurm life with ``restarts`` in-job restarts and the uninterrupted losses."""
+    j: Job = jobs[name]
+    assert len(j.faults) == restarts, f"{name}: job {j.job_id}: faults injected {j.faults}"
+    assert j.done, f"{name}: job {j.job_id} still queued: {j.run.manifest().get('state')}"
     m = j.run.manifest()
     assert m["state"] == "COMPLETED", (m["state"], m.get("reason"), m["events"][-4:])
     lines = sacct_lines(j.job_id)
     records = [x for x in lines if x[0] == j.job_id]
     assert len(records) == 1 and records[0][1] == "COMPLETED", lines  # one life: no requeue
     steps = [x for x in lines if x[0].startswith(j.job_id + ".") and x[0].split(".")[1].isdigit()]
-    assert len(steps) >= 2, lines  # the failed rank step and the new one (plus the restart's probes)
-    got = loss_curve(j.run.path)
-    assert sorted(got) == list(range(1, iters + 1))
-    assert got == reference, {s: (got[s], reference[s]) for s in reference if got.get(s) != reference[s]}
-    [entry] = m["restarts"]
-    assert entry["kind"] == "in-job" and entry["job_id"] == j.job_id and entry["restart"] == 1
-    assert entry["from_iteration"] is not None and entry["from_iteration"] % 5 == 0
-    assert 0 < entry["time_to_first_step_s"] < DEADLINE_S
-    return entry
+    assert len(steps) >= restarts + 1, lines  # the failed rank steps and the last one (plus the restarts' probes)
+    reference, got = reference_losses(jobs), loss_curve(j.run.path)
+    assert got == reference, {s: (got.get(s), reference[s]) for s in reference if got.get(s) != reference[s]}
+    entries = m["restarts"]
+    assert [e["restart"] for e in entries] == list(range(1, restarts + 1))
+    for entry, (_, step, _) in zip(entries, j.faults):
+        assert entry["kind"] == "in-job" and entry["job_id"] == j.job_id
+        assert entry["from_iteration"] % 5 == 0 and entry["from_iteration"] <= step  # the newest complete checkpoint
+        assert 0 < entry["time_to_first_step_s"] < DEADLINE_S
+    return entries
 
 
-def test_killed_rank_is_restarted_in_the_same_job(jobs):
-    entry = check_recovered_in_job(jobs["kill"], ITERS, reference_losses(jobs, ITERS))
-    assert entry["cause"] == "killed" and entry["rank"] == 1 and entry["node"] == "n2"
-    assert entry["reason"].startswith("rank 1 on n2 was killed by signal 9 (Killed)")
-    status = run_cli("status", str(jobs["kill"].run.path))
-    assert status.returncode == 0 and "restart 1 " in status.stdout and "killed: rank 1 on n2" in status.stdout
-    js = json.loads(run_cli("status", str(jobs["kill"].run.path), "--json").stdout)
-    assert js["restarts"][0]["cause"] == "killed"
-
-
-def test_hung_rank_is_restarted_after_the_hang_timeout(jobs):
-    j = jobs["stop"]
-    entry = check_recovered_in_job(j, ITERS, reference_losses(jobs, ITERS))
-    assert entry["cause"] == "hang" and entry["rank"] == 1 and entry["node"] == "n2"
-    assert entry["reason"].startswith("rank 1 (n2) stopped responding")
-    assert (j.run.path / "hang" / "HANG-restart0.txt").is_file() and not (j.run.path / "HANG.txt").exists()
-    status = json.loads(run_cli("status", str(j.run.path), "--json").stdout)
+def test_killed_then_hung_rank_is_restarted_in_the_same_job(jobs):
+    killed, hung = recovered_in_job(jobs, "faults", 2)
+    assert killed["cause"] == "killed" and killed["rank"] == 1 and killed["node"] == "n1"
+    assert killed["reason"].startswith("rank 1 on n1 was killed by signal 9 (Killed)")
+    assert hung["cause"] == "hang" and hung["rank"] == 1 and hung["node"] == "n1"
+    assert hung["reason"].startswith("rank 1 (n1) stopped responding")
+    run = jobs["faults"].run
+    assert (run.path / "hang" / "HANG-restart1.txt").is_file() and not (run.path / "HANG.txt").exists()
+    text = run_cli("status", str(run.path))
+    assert text.returncode == 0 and "killed: rank 1 on n1" in text.stdout and "restart 2 (in-job" in text.stdout
+    status = json.loads(run_cli("status", str(run.path), "--json").stdout)
     assert status["status"] == "completed"  # the recovered hang's verdict no longer speaks for the run
+    assert [r["cause"] for r in status["restarts"]] == ["killed", "hang"]
 
 
 def test_crashed_node_is_survived_in_the_same_job(jobs):
     """Issue 24 item 5: n2 crashed (every process), its slurmd back 20 s later: the run completes."""
-    entry = check_recovered_in_job(jobs["crash"], CRASH_ITERS, reference_losses(jobs, CRASH_ITERS))
+    [entry] = recovered_in_job(jobs, "crash", 1)
     assert entry["nodes"] == ["n1", "n2"]  # no spare: the new step waited for n2 to come back
     # the rank on n2 went with its node; rank 0's error (its peer's connection closed) is not taken for the culprit
     assert entry["rank"] == 1 and entry["node"] == "n2" and entry["cause"] in ("node failure", "lost"), entry

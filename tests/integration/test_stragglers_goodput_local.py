@@ -155,3 +155,73 @@ def test_an_injected_straggler_on_two_slurm_nodes_is_named_with_its_node(slurm_m
         print(f"\nSlurm 2 nodes, injected 3:compute:{DELAY_S}: {row['straggler_verdict']}")
     finally:
         subprocess.run(["scancel", str(data["job_id"])], capture_output=True, timeout=30)
+
+
+def rank_pid(run_dir: Path, rank: int) -> int | None:
+    import psutil
+
+    for p in psutil.process_iter(["pid", "cmdline", "environ"]):
+        cmdline = p.info["cmdline"] or []
+        if ("hpc_tools.runtime.rank" in cmdline and str(run_dir) in cmdline
+                and (p.info["environ"] or {}).get("RANK") == str(rank)):
+            return p.info["pid"]
+    return None
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+def test_a_rank_stopped_half_of_the_time_is_the_one_straggler_host_stalled(tmp_path):
+    """A DP-only Megatron run on 2 ranks, rank 1 stopped for 0.15 s of every 0.3 s (SIGSTOP/SIGCONT from a thread here)
+    from its first steps on: its peer waits for it in the collectives, the stall lands inside them as often as not, and
+    its busy time alone cannot tell. ``analyze --json`` names it, and only it, with the cause "host stalled"; so does
+    ``status`` while the job runs."""
+    from hpc_tools.analysis.live import stragglers_and_goodput
+    from tests.conftest import run_cli
+
+    steps, victim = 36, 1
+    recipe = load_recipe(GPT, ["parallel.tensor_size=1", "parallel.pipeline_size=1",
+                               "parallel.sequence_parallel=false", "cluster.gpus_per_node=2",
+                               f"training.train_iters={steps}", "training.eval_interval=null",
+                               f"checkpoint.interval_iters={steps}"], profile="local")
+    run = prepare_run(recipe, tmp_path, "local", source=str(GPT))
+    records = run.records_dir / f"rank{victim:05d}.jsonl"
+    opened = run.records_dir / f"events_rank{victim:05d}.jsonl"  # its collector's start: the steps follow
+    done, stops, live = threading.Event(), [], {}
+
+    def stop_half_of_the_time():
+        while not done.is_set() and not opened.exists():
+            time.sleep(0.02)
+        pid = rank_pid(run.path, victim)
+        while pid and not done.is_set():
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                stops.append(pid)
+                time.sleep(0.15)
+                os.kill(pid, signal.SIGCONT)
+                if not live and records.exists() and len(records.read_text().splitlines()) >= steps - 8:
+                    live.update(stragglers_and_goodput(run))  # what `status` shows while the job runs
+                else:
+                    time.sleep(0.15)
+            except (ProcessLookupError, FileNotFoundError):  # the rank ended (its records compacted)
+                break
+
+    stopper = threading.Thread(target=stop_half_of_the_time, daemon=True)
+    stopper.start()
+    try:
+        assert run_local(run, 2) == 0, (run.logs_dir / "rank00000.out").read_text()[-3000:]
+    finally:
+        done.set()
+        stopper.join()
+    assert len(stops) >= 10
+    out = run_cli("analyze", str(run.path), "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    verdict = result["runs"][0]["straggler_verdict"]
+    assert [(s["rank"], s["straggler_cause"]) for s in result["stragglers"]] == [(victim, "host stalled")], verdict
+    assert [r["rank"] for r in result["ranks"] if r["straggler"]] == [victim]
+    stalled = next(r for r in result["ranks"] if r["rank"] == victim)
+    assert stalled["steps_compared"] >= steps - 4  # every measured step, not the sampled ones
+    assert stalled["late_s"] > 0.03 and abs(stalled["cpu_excess_s"]) < 0.5 * stalled["late_s"], stalled
+    assert verdict.startswith(f"rank {victim} (node {os.uname().nodename}): host stalled"), verdict
+    assert live.get("straggler_causes") == {str(victim): "host stalled"}, live.get("straggler_verdict")
+    print(f"\nstopped half of the time: {verdict}\nlive (status): {live['straggler_verdict']}")

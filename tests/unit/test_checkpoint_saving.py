@@ -85,6 +85,24 @@ def test_latest_moves_only_when_the_background_write_is_done(tmp_path):
     assert meta["async"] is True and meta["tier"] == SHARED and "shard.bin" in meta["files"]["by_rank"]["0"]
 
 
+def test_the_last_save_waits_for_the_pending_write_and_commits_it_first(tmp_path):
+    ctx, engine = make_ctx(tmp_path, async_save=True), FakeEngine()
+    saver = Saver(ctx, engine)
+    saver.save(2, SHARED, final=False)
+    write, calls = engine.writes[-1], []
+
+    def done():  # the write ends while the final save waits for it
+        calls.append(1)
+        return len(calls) >= 3
+
+    write.done = done
+    records = saver.save(4, SHARED, final=True)  # the last step or a stop: synchronous, after the pending one
+    assert [(r.iteration, r.async_, r.verified) for r in records] == [(2, True, True), (4, False, True)]
+    assert len(calls) >= 3 and records[0].blocked_s > 0 and saver.pending is None
+    shared = CheckpointDirs(tmp_path / "shared")
+    assert [s for s, _ in shared.complete()] == [2, 4] and shared.newest_step() == 4
+
+
 def test_a_failed_background_write_is_never_committed(tmp_path, caplog):
     ctx, engine = make_ctx(tmp_path, async_save=True), FakeEngine()
     saver = Saver(ctx, engine)

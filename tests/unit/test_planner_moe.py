@@ -184,3 +184,22 @@ def test_plan_json_reports_total_and_active_parameters_and_says_what_active_coun
     fp8 = json.loads(run_cli("plan", str(REPO / "recipes/llama_long_context.yaml"), "--json").stdout)
     step = fp8["step_time"]
     assert step["mfu_fp8_peak"].startswith("FP8") and 0 < step["mfu_fp8"] < step["mfu"]
+
+
+def test_a_middle_stage_with_more_moe_layers_is_planned_too():
+    """Dense layers first (DeepSeek-V3's moe_layer_freq list): the first stage holds fewer experts than the middle
+    ones, so the peak may sit in the middle; the plan takes that stage too."""
+    from hpc_tools.planner.arch import busiest_moe_stage, stage_layer_counts
+
+    r = inline_recipe("mixtral_8x7b", "model.moe_layer_freq=" + str([0] * 6 + [1] * 26), "parallel.pipeline_size=4",
+                      check=False)
+    arch, k = arch_for(r), Knobs.from_recipe(r)
+    assert [stage_layer_counts(arch, 4, s)[1] for s in range(4)] == [2, 8, 8, 8]
+    assert busiest_moe_stage(arch, 4) == 1
+    mem = estimate_memory(arch, k)
+    assert [s.stage for s in mem.stages] == [0, 1, 3]
+    assert mem.peak.total == max(s.total for s in mem.stages)
+    # 8 MoE layers against the first stage's 2: more memory than the first stage, which "middle stages hold less
+    # than the first" would have assumed
+    assert mem.stages[1].total > mem.stages[0].total
+    assert busiest_moe_stage(arch_for(inline_recipe("mixtral_8x7b", check=False)), 4) is None  # all MoE: even

@@ -192,3 +192,41 @@ def test_disabled_collector_writes_nothing(tmp_path):
     c.close()
     assert rec["step_time_s"] > 0 and rec["tokens_per_s"] > 0
     assert not (tmp_path / "records").exists() and comm._TRACER is None
+
+
+def test_host_figures_every_step_cpu_switches_and_collective_wait(world1, tmp_path):
+    """Every step, unsampled ones too: the host time held in collectives (sync, async waited, a coalesced block at its
+    exit and its wait), the process CPU time and the involuntary switches; a sleep is wall time, not CPU time."""
+    import time
+
+    import torch
+
+    from profiling.collector import StepCollector, burn_cpu
+
+    dist = world1
+    c = StepCollector(run_id="r", records_dir=tmp_path / "records", rank=0, world_size=1, job_id=None, restart=0,
+                      tokens_per_step=100, coords={"tp_rank": 0, "pp_rank": 0, "dp_rank": 0})
+    try:
+        assert c.tracer is not None and c.tracer.host_wait
+        c.start_step(1)  # step 1 is not a sampled step (communication_sample_interval 10)
+        seen = [c.tracer.host_wait_s]
+        dist.all_reduce(torch.ones(4))
+        seen.append(c.tracer.host_wait_s)
+        dist.all_reduce(torch.ones(4), async_op=True).wait()
+        seen.append(c.tracer.host_wait_s)
+        with dist._coalescing_manager(async_ops=True) as cm:
+            dist.all_reduce(torch.ones(3))
+            dist.all_reduce(torch.ones(5))
+        seen.append(c.tracer.host_wait_s)
+        cm.wait()
+        seen.append(c.tracer.host_wait_s)
+        time.sleep(0.2)
+        burn_cpu(0.1)
+        rec = c.end_step(1)
+    finally:
+        c.close()
+    assert all(b > a for a, b in zip(seen, seen[1:])), seen  # each collective and each wait counted
+    assert rec["collective_wait_s"] == pytest.approx(seen[-1])
+    assert rec["step_time_s"] > 0.3 and 0 < rec["cpu_time_s"] < rec["step_time_s"] - 0.19  # the sleep is off-CPU
+    assert isinstance(rec["involuntary_switches"], int) and rec["involuntary_switches"] >= 0
+    validate_record(rec)

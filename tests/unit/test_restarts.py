@@ -186,3 +186,18 @@ def test_a_step_that_outlives_a_failed_rank_is_cancelled(tmp_path, monkeypatch):
     cancelled = []
     line = restarts.watch(run.path, dict(ENV), grace_s=0.0, poll_s=0.01, cancel=cancelled.append)
     assert cancelled == ["77.0"] and "rank 0 failed" in line
+
+
+def test_status_lists_the_restarts(tmp_path, cluster, cli):
+    run = run_folder(tmp_path, "cluster.restarts=2")
+    kill_report(run)
+    decide(run, cluster)
+    restarts.first_step(run, 1, 11)
+    (run.path / "HANG.txt").write_text("rank 1 (n2) stopped responding\n")  # status reads hang markers after them
+    out = cli("status", str(run.path))
+    assert out.returncode == 0, out.stderr
+    assert "restart 1 (in-job on n1,n2) at " in out.stdout
+    assert ": killed: rank 1 on n2 was killed by signal 9 (Killed) after step 12; resumed from iteration 10" \
+        in out.stdout
+    js = json.loads(cli("status", str(run.path), "--json").stdout)
+    assert js["restarts"][0]["from_iteration"] == 10
