@@ -32,9 +32,12 @@ def check_expressible(recipe: "Recipe") -> None:
 
 
 def hf_config(recipe: "Recipe"):
-    """The transformers config for ``model:`` (fp32 weights; DeepSpeed casts for bf16/fp16)."""
-    check_expressible(recipe)
+    """The transformers config for ``model:`` (fp32 weights; DeepSpeed casts for bf16/fp16); a mixture of experts is
+    a Mixtral config (``hpc_tools.hf.mapping.architecture`` says what it must be: Megatron-trained only)."""
     m = recipe.model
+    if m.num_experts is not None:
+        return _mixtral_config(recipe)
+    check_expressible(recipe)
     eos = BYTE_EOS_ID if recipe.data.tokenizer == "byte" else None
     common: dict[str, Any] = {"vocab_size": m.vocab_size, "tie_word_embeddings": not m.untie_embeddings,
                               "initializer_range": m.init_method_std, "bos_token_id": eos, "eos_token_id": eos,
@@ -56,5 +59,26 @@ def hf_config(recipe: "Recipe"):
                           rope_parameters={"rope_type": "default", "rope_theta": float(m.rotary_base)},
                           attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear,
                           attention_dropout=m.attention_dropout, **common)
+    cfg._attn_implementation = ATTENTION
+    return cfg
+
+
+def _mixtral_config(recipe: "Recipe"):
+    from transformers import MixtralConfig
+
+    from hpc_tools.hf.mapping import architecture
+
+    architecture(recipe.model)  # a UserError naming the field Mixtral cannot express
+    m = recipe.model
+    eos = BYTE_EOS_ID if recipe.data.tokenizer == "byte" else None
+    cfg = MixtralConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.moe_ffn_hidden_size,
+                        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                        num_key_value_heads=m.num_query_groups, head_dim=m.head_dim, hidden_act="silu",
+                        max_position_embeddings=m.seq_length, rms_norm_eps=m.norm_epsilon,
+                        rope_parameters={"rope_type": "default", "rope_theta": float(m.rotary_base)},
+                        num_local_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk,
+                        router_aux_loss_coef=m.moe_aux_loss_coeff, attention_dropout=m.attention_dropout,
+                        tie_word_embeddings=not m.untie_embeddings, initializer_range=m.init_method_std,
+                        bos_token_id=eos, eos_token_id=eos, use_cache=False)
     cfg._attn_implementation = ATTENTION
     return cfg

@@ -18,7 +18,14 @@ Fused layouts undone here:
   Face gets ``model.vocab_size`` rows, and an import fills the padded rows with zeros.
 
 The architectures (``architecture``): GPT-2 (``GPT2LMHeadModel``: LayerNorm, GELU, learned positions; its Conv1D
-weights are stored transposed) and LLaMA (``LlamaForCausalLM``: RMSNorm, SwiGLU, RoPE, grouped-query attention).
+weights are stored transposed), LLaMA (``LlamaForCausalLM``: RMSNorm, SwiGLU, RoPE, grouped-query attention) and
+Mixtral (``MixtralForCausalLM``: LLaMA's attention with a mixture of SwiGLU experts in every layer). Mixtral's folder
+format (what ``save_pretrained`` writes and every published Mixtral checkpoint has): per layer
+``block_sparse_moe.gate.weight`` ``[experts, hidden]`` (Megatron's ``mlp.router.weight``) and per expert ``j``
+``block_sparse_moe.experts.j.w1`` (gate), ``w3`` (up), ``w2`` (down); Megatron stacks the experts in
+``mlp.experts.experts.linear_fc1.weight`` ``[layers, experts, 2 * moe_ffn, hidden]`` (gate half first) and
+``linear_fc2.weight`` ``[layers, experts, hidden, moe_ffn]``. Both route with a softmax over the experts, keep the
+top k and renormalise their weights (megatron-core's softmax after top-k).
 Torch is imported by the functions that need it.
 """
 
@@ -33,8 +40,8 @@ if TYPE_CHECKING:
 
     from hpc_tools.recipe.model import ModelConfig
 
-GPT2, LLAMA = "gpt2", "llama"
-ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM"}
+GPT2, LLAMA, MIXTRAL = "gpt2", "llama", "mixtral"
+ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM", MIXTRAL: "MixtralForCausalLM"}
 
 # Megatron-core checkpoint keys (global tensors). LAYER keys are stacked over the layers: [num_layers, ...].
 EMBED = "embedding.word_embeddings.weight"
@@ -48,6 +55,16 @@ PROJ = LAYER + "self_attention.linear_proj."
 NORM2 = LAYER + "mlp.linear_fc1.layer_norm_"
 FC1 = LAYER + "mlp.linear_fc1."
 FC2 = LAYER + "mlp.linear_fc2."
+ROUTER = LAYER + "mlp.router.weight"
+EXPERT_FC1 = LAYER + "mlp.experts.experts.linear_fc1.weight"  # [layers, experts, 2 * moe_ffn, hidden]
+EXPERT_FC2 = LAYER + "mlp.experts.experts.linear_fc2.weight"  # [layers, experts, hidden, moe_ffn]
+EXPERT_KEYS = (ROUTER, EXPERT_FC1, EXPERT_FC2)
+"""Checkpoint keys stacked over layers and experts (two leading axes) besides the router's."""
+MIXTRAL_SHAPE = {"family": "llama", "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None,
+                 "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
+                 "multi_latent_attention": False, "add_bias_linear": False}
+"""What Mixtral's class expresses of the MoE fields: every layer a MoE layer, no shared expert, softmax routing,
+standard attention, no biases."""
 
 
 def architecture(m: "ModelConfig") -> str:
@@ -57,6 +74,12 @@ def architecture(m: "ModelConfig") -> str:
     DeepSpeed backend builds); linear layers without biases export to GPT-2 as zero biases."""
     from hpc_tools.recipe.rules import HF_FAMILY_SHAPE
 
+    if m.num_experts is not None:
+        for key, needed in MIXTRAL_SHAPE.items():
+            if getattr(m, key) != needed:
+                raise UserError(f"model.{key}={getattr(m, key)} has no Hugging Face equivalent for a mixture of "
+                                f"experts ({ARCHITECTURES[MIXTRAL]} uses {key}={needed}; train with that to "
+                                "export or import it)")
     arch = GPT2 if m.family == "gpt" else LLAMA
     for key, needed in HF_FAMILY_SHAPE[m.family].items():
         if getattr(m, key) != needed:
@@ -67,7 +90,7 @@ def architecture(m: "ModelConfig") -> str:
         raise UserError(f"model.num_query_groups={m.num_query_groups} has no Hugging Face equivalent for "
                         "model.family=gpt (GPT-2 has plain multi-head attention; use family: llama for grouped "
                         "queries)")
-    return arch
+    return MIXTRAL if m.num_experts is not None else arch
 
 
 def hf_config_fields(m: "ModelConfig") -> dict[str, Any]:
@@ -80,6 +103,13 @@ def hf_config_fields(m: "ModelConfig") -> dict[str, Any]:
         return {"model_type": GPT2, "vocab_size": m.vocab_size, "n_positions": m.seq_length, "n_embd": m.hidden_size,
                 "n_layer": m.num_layers, "n_head": m.num_attention_heads, "n_inner": m.ffn_hidden_size,
                 "activation_function": "gelu", "layer_norm_epsilon": m.norm_epsilon, "tie_word_embeddings": tied}
+    if architecture(m) == MIXTRAL:
+        return {"model_type": MIXTRAL, "vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
+                "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
+                "num_key_value_heads": m.num_query_groups, "head_dim": m.head_dim,
+                "intermediate_size": m.moe_ffn_hidden_size, "num_local_experts": m.num_experts,
+                "num_experts_per_tok": m.moe_router_topk, "hidden_act": "silu", "rms_norm_eps": m.norm_epsilon,
+                "rope_theta": float(m.rotary_base), "tie_word_embeddings": tied}
     return {"model_type": LLAMA, "vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
             "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
             "num_key_value_heads": m.num_query_groups, "head_dim": m.head_dim, "intermediate_size": m.ffn_hidden_size,
@@ -115,7 +145,8 @@ RECIPE_FIELD = {"vocab_size": "vocab_size", "n_positions": "seq_length", "n_embd
                 "num_hidden_layers": "num_layers", "num_attention_heads": "num_attention_heads",
                 "num_key_value_heads": "num_query_groups", "head_dim": "hidden_size",
                 "intermediate_size": "ffn_hidden_size", "hidden_act": "activation", "rms_norm_eps": "norm_epsilon",
-                "rope_theta": "rotary_base", "attention_bias": "add_bias_linear", "mlp_bias": "add_bias_linear"}
+                "rope_theta": "rotary_base", "attention_bias": "add_bias_linear", "mlp_bias": "add_bias_linear",
+                "num_local_experts": "num_experts", "num_experts_per_tok": "moe_router_topk"}
 """The ``model:`` field that sets each config.json field (named in the error of a mismatch)."""
 
 
@@ -129,7 +160,9 @@ def config_mismatches(config: dict[str, Any], m: "ModelConfig") -> list[str]:
     for key, value in want.items():
         got = _config_value(config, key)
         if got != value:
-            out.append(f"{key}={got} (model.{RECIPE_FIELD[key]}={getattr(m, RECIPE_FIELD[key])} needs {value})")
+            field = "moe_ffn_hidden_size" if key == "intermediate_size" and m.num_experts is not None \
+                else RECIPE_FIELD[key]
+            out.append(f"{key}={got} (model.{field}={getattr(m, field)} needs {value})")
     return out
 
 
@@ -166,8 +199,10 @@ def megatron_keys(m: "ModelConfig") -> list[str]:
     norm = ["weight", "bias"] if m.normalization == "LayerNorm" else ["weight"]
     keys = [EMBED] + ([POSITIONS] if m.position_embedding == "learned_absolute" else [])
     keys += [NORM1 + n for n in norm] + [NORM2 + n for n in norm] + [FINAL_NORM + n for n in norm]
-    for linear in (QKV, PROJ, FC1, FC2):
+    for linear in (QKV, PROJ) if m.num_experts is not None else (QKV, PROJ, FC1, FC2):
         keys += [linear + "weight"] + ([linear + "bias"] if bias else [])
+    if m.num_experts is not None:
+        keys += list(EXPERT_KEYS)
     return keys + ([OUTPUT] if m.untie_embeddings else [])
 
 
@@ -194,6 +229,19 @@ def megatron_to_hf(mc: dict[str, "torch.Tensor"], m: "ModelConfig") -> dict[str,
     for i in range(m.num_layers):
         q, k, v = split_qkv(mc[QKV + "weight"][i], heads, groups)
         qkv_b = split_qkv(mc[QKV + "bias"][i], heads, groups) if bias else None
+        if arch == MIXTRAL:
+            p, ffn = f"model.layers.{i}.", m.moe_ffn_hidden_size
+            out[p + "input_layernorm.weight"] = _c(mc[NORM1 + "weight"][i])
+            out[p + "post_attention_layernorm.weight"] = _c(mc[NORM2 + "weight"][i])
+            out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = q, k
+            out[p + "self_attn.v_proj.weight"], out[p + "self_attn.o_proj.weight"] = v, _c(mc[PROJ + "weight"][i])
+            out[p + "block_sparse_moe.gate.weight"] = _c(mc[ROUTER][i])
+            for j in range(m.num_experts):
+                e = p + f"block_sparse_moe.experts.{j}."
+                fc1 = mc[EXPERT_FC1][i, j]
+                out[e + "w1.weight"], out[e + "w3.weight"] = _c(fc1[:ffn]), _c(fc1[ffn:])
+                out[e + "w2.weight"] = _c(mc[EXPERT_FC2][i, j])
+            continue
         proj_w, fc1_w, fc2_w = mc[PROJ + "weight"][i], mc[FC1 + "weight"][i], mc[FC2 + "weight"][i]
         if arch == GPT2:
             p = f"transformer.h.{i}."
@@ -283,9 +331,10 @@ def megatron_tensor(hf: Mapping[str, "torch.Tensor"], m: "ModelConfig", key: str
     if not key.startswith(LAYER):
         if key == OUTPUT:
             return pad_rows(_get(hf, "lm_head.weight"), padded_vocab)
+        llama = {EMBED: "model.embed_tokens.weight", FINAL_NORM + "weight": "model.norm.weight"}
         names = {GPT2: {EMBED: "transformer.wte.weight", POSITIONS: "transformer.wpe.weight",
                         FINAL_NORM + "weight": "transformer.ln_f.weight", FINAL_NORM + "bias": "transformer.ln_f.bias"},
-                 LLAMA: {EMBED: "model.embed_tokens.weight", FINAL_NORM + "weight": "model.norm.weight"}}[arch]
+                 LLAMA: llama, MIXTRAL: llama}[arch]
         t = _get(hf, names[key])
         return pad_rows(t, padded_vocab) if key == EMBED else t
     if arch == GPT2:
@@ -303,6 +352,14 @@ def megatron_tensor(hf: Mapping[str, "torch.Tensor"], m: "ModelConfig", key: str
             return _get(hf, p + transposed[key]).t()
         return _get(hf, p + names[key])
     p = f"model.layers.{layer}."
+    if key in EXPERT_KEYS:  # Mixtral: the layer's router, or its experts stacked [experts, ...]
+        moe = p + "block_sparse_moe."
+        if key == ROUTER:
+            return _get(hf, moe + "gate.weight")
+        if key == EXPERT_FC1:
+            return torch.stack([torch.cat([_get(hf, moe + f"experts.{j}.w1.weight"),
+                                           _get(hf, moe + f"experts.{j}.w3.weight")]) for j in range(m.num_experts)])
+        return torch.stack([_get(hf, moe + f"experts.{j}.w2.weight") for j in range(m.num_experts)])
     kind = key.rsplit(".", 1)[1]  # weight / bias
     if key in (QKV + "weight", QKV + "bias"):  # (the norm keys share the prefix)
         return merge_qkv(*(_get(hf, p + f"self_attn.{n}_proj.{kind}") for n in "qkv"), heads, groups)

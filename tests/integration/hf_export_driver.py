@@ -3,9 +3,10 @@
     python tests/integration/hf_export_driver.py --work DIR
 
 Without RANK in the environment it writes, in DIR, a random tiny Hugging Face model per family (``hf_gpt``,
-``hf_llama``: GPT2LMHeadModel and LlamaForCausalLM with grouped-query attention, every weight random, norms and
-biases included) and a fixed token batch (``tokens.pt``), then starts 4 copies of itself
-(``hpc_tools.testing.spawn``). Each rank then, for every family and every layout of LAYOUTS, in one
+``hf_llama``, ``hf_mixtral``: GPT2LMHeadModel, LlamaForCausalLM with grouped-query attention and MixtralForCausalLM
+with 4 experts, top-2, every weight random, norms and biases included) and a fixed token batch (``tokens.pt``), then
+starts 4 copies of itself (``hpc_tools.testing.spawn``). Each rank then, for every family and each of its layouts
+(FAMILY_LAYOUTS), in one
 torch.distributed world:
 
 1. creates (rank 0) a run folder ``runs/<case>`` whose recipe sets ``checkpoint.init_from_hf`` to the family's folder;
@@ -45,13 +46,19 @@ BASE = {
     "data": {"source": "synthetic"},
     "cluster": {"nodes": 1, "gpus_per_node": WORLD, "gpu_type": "cpu", "cpus_per_task": 1},
 }
-FAMILIES = {"gpt": {}, "llama": {"model": {"family": "llama", "num_query_groups": 2, "ffn_hidden_size": 160}}}
+FAMILIES = {"gpt": {}, "llama": {"model": {"family": "llama", "num_query_groups": 2, "ffn_hidden_size": 160}},
+            "mixtral": {"model": {"family": "llama", "num_query_groups": 2, "ffn_hidden_size": 96, "num_experts": 4,
+                                  "moe_router_topk": 2}}}
 LAYOUTS = {
     "tp1pp1": [],
     "tp2pp2": ["parallel.tensor_size=2", "parallel.pipeline_size=2"],
     "pp2vpp2": ["parallel.pipeline_size=2", "parallel.virtual_pipeline_size=2"],
+    "ep2tp2": ["parallel.expert_size=2", "parallel.tensor_size=2", "parallel.sequence_parallel=true"],
 }
-CASES = [f"{fam}-{lay}" for fam in FAMILIES for lay in LAYOUTS]
+FAMILY_LAYOUTS = {"gpt": ("tp1pp1", "tp2pp2", "pp2vpp2"), "llama": ("tp1pp1", "tp2pp2", "pp2vpp2"),
+                  "mixtral": ("tp1pp1", "ep2tp2")}
+"""Mixtral (a Megatron MoE): DP4 with every expert on each rank, and EP2 x TP2 (+SP, which MoE with TP needs)."""
+CASES = [f"{fam}-{lay}" for fam in FAMILIES for lay in FAMILY_LAYOUTS[fam]]
 
 
 def make_recipe(case: str, work: Path):

@@ -1,7 +1,8 @@
 """Megatron <-> Hugging Face: ``checkpoint.init_from_hf``, ``export`` and their round trip, in three layouts.
 
 One launch of 4 gloo ranks (tests/integration/hf_export_driver.py) initialises GPT-2 and LLaMA (GQA) models from
-random Hugging Face folders under TP1xPP1 (DP4), TP2xPP2 and PP2xVPP2 (DP2), saves step 0, trains 2 steps, saves, and
+random Hugging Face folders under TP1xPP1 (DP4), TP2xPP2 and PP2xVPP2 (DP2), and a Mixtral (4 experts, top-2) under
+TP1xPP1 (DP4) and EP2 x TP2 (+SP), saves step 0, trains 2 steps, saves, and
 records the Megatron logits of a fixed batch at both checkpoints. Here, in this process:
 
 - the export of step 0 equals the Hugging Face folder it started from, bit for bit, in every layout (so the round
@@ -97,7 +98,7 @@ def test_round_trip_is_bit_exact(driven, case, tmp_path, capsys):
 
 @pytest.mark.parametrize("case", driver.CASES)
 def test_trained_export_logits_equal_megatron(driven, tokens, case, tmp_path):
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM
 
     _, results = driven
     from hpc_tools.hf.export import export_run
@@ -111,7 +112,7 @@ def test_trained_export_logits_equal_megatron(driven, tokens, case, tmp_path):
     diff = (logits - want).abs().max().item()
     print(f"{case}: max |HF - Megatron| logits after {driver.STEPS} steps = {diff:.2e}")
     assert diff <= LOGITS_ATOL
-    cls = GPT2LMHeadModel if case.startswith("gpt") else LlamaForCausalLM
+    cls = {"gpt": GPT2LMHeadModel, "llama": LlamaForCausalLM, "mixtral": MixtralForCausalLM}[case.split("-")[0]]
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == [cls.__name__]
 
@@ -130,7 +131,7 @@ def test_layouts_train_alike_and_resume_wins(driven):
     _, results = driven
     for fam in driver.FAMILIES:
         ref = results[f"{fam}-tp1pp1"]["losses"]
-        for lay in driver.LAYOUTS:
+        for lay in driver.FAMILY_LAYOUTS[fam]:
             got = results[f"{fam}-{lay}"]["losses"]
             assert max(abs(a - b) for a, b in zip(got, ref)) <= 2e-6, (fam, lay, got, ref)
     assert all(r["declined_on_resume"] for r in results.values())

@@ -203,3 +203,51 @@ def test_init_from_hf_is_a_checkpoint_field():
 
     assert CheckpointConfig().init_from_hf is None
     assert resolve(GPT, ["checkpoint.init_from_hf=/models/x"]).checkpoint.init_from_hf == "/models/x"
+
+
+MIXTRAL_SETS = ("model.family=llama", "model.num_query_groups=2", "model.ffn_hidden_size=48", "model.num_experts=4",
+                "model.moe_router_topk=2", "model.moe_ffn_hidden_size=40")
+
+
+def test_mixtral_round_trip_and_config_fields():
+    """A Mixtral state dict (the on-disk names) -> Megatron's expert-stacked tensors -> the same state dict."""
+    import torch
+
+    from hpc_tools.hf import mapping
+
+    m = model(*MIXTRAL_SETS)
+    assert mapping.architecture(m) == mapping.MIXTRAL
+    fields = mapping.hf_config_fields(m)
+    assert fields["model_type"] == "mixtral" and fields["num_local_experts"] == 4
+    assert fields["num_experts_per_tok"] == 2 and fields["intermediate_size"] == 40
+    torch.manual_seed(0)
+    hf = {}
+    for i in range(m.num_layers):
+        p = f"model.layers.{i}."
+        hf[p + "input_layernorm.weight"] = torch.randn(32)
+        hf[p + "post_attention_layernorm.weight"] = torch.randn(32)
+        hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.o_proj.weight"] = torch.randn(32, 32), torch.randn(32, 32)
+        hf[p + "self_attn.k_proj.weight"], hf[p + "self_attn.v_proj.weight"] = torch.randn(16, 32), torch.randn(16, 32)
+        hf[p + "block_sparse_moe.gate.weight"] = torch.randn(4, 32)
+        for j in range(4):
+            e = p + f"block_sparse_moe.experts.{j}."
+            hf[e + "w1.weight"], hf[e + "w3.weight"] = torch.randn(40, 32), torch.randn(40, 32)
+            hf[e + "w2.weight"] = torch.randn(32, 40)
+    hf["model.embed_tokens.weight"], hf["model.norm.weight"] = torch.randn(300, 32), torch.randn(32)
+    hf["lm_head.weight"] = torch.randn(300, 32)
+    mc = mapping.hf_to_megatron(hf, m, 384)
+    assert mc[mapping.EXPERT_FC1].shape == (2, 4, 80, 32) and mc[mapping.EXPERT_FC2].shape == (2, 4, 32, 40)
+    assert torch.equal(mc[mapping.EXPERT_FC1][1, 2, :40], hf["model.layers.1.block_sparse_moe.experts.2.w1.weight"])
+    back = mapping.megatron_to_hf(mc, m)
+    assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+@pytest.mark.parametrize("sets, field", [(("model.moe_layer_freq=2",), "moe_layer_freq"),
+                                         (("model.moe_shared_expert_intermediate_size=64",),
+                                          "moe_shared_expert_intermediate_size"),
+                                         (("model.moe_router_score_function=sigmoid",), "moe_router_score_function")])
+def test_moe_options_mixtral_lacks_are_refused_naming_the_field(sets, field):
+    from hpc_tools.hf import mapping
+
+    with pytest.raises(UserError, match=f"model.{field}=.*MixtralForCausalLM"):
+        mapping.architecture(model(*MIXTRAL_SETS, *sets))

@@ -66,8 +66,10 @@ def read_megatron(ckpt: Path, keys: list[str]) -> dict[str, Any]:
     if missing:
         raise UserError(f"checkpoint {ckpt} lacks the tensors {missing[:3]} that the run's model section needs "
                         "(was the recipe's model section changed after training?)")
-    extra = sorted(k for k in stored if not k.startswith(("optimizer", "rng_state")) and "_extra_state" not in k
-                   and k not in keys)
+    # optimizer state: "optimizer..." keys, or "chained_<i>.optimizer..." when the optimizer is chained (experts
+    # get their own distributed optimizer over the expert-data-parallel group)
+    extra = sorted(k for k in stored if not k.startswith(("optimizer", "rng_state", "chained_"))
+                   and "_extra_state" not in k and k not in keys)
     if extra:
         raise UserError(f"checkpoint {ckpt} holds model tensors the export does not map: {extra[:3]} "
                         "(a model option hpc_tools' Hugging Face mapping does not cover)")

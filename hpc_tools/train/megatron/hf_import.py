@@ -104,11 +104,14 @@ def local_state(sharded: dict, tensors: Tensors, folder: str | Path) -> dict:
             return x.data  # e.g. Transformer Engine's _extra_state: the module's own
         if not isinstance(x, ShardedTensor):
             return x
-        where, axes = x.global_slice(), x.prepend_axis_num  # a layer-stacked key: the layer index comes first
-        if axes > 1 or x.flattened_range is not None:
+        # a layer-stacked key: the layer index comes first; an expert-stacked one (MoE): the layer, then the expert
+        where, axes = x.global_slice(), x.prepend_axis_num
+        if axes > 2 or x.flattened_range is not None:
             raise UserError(f"{FIELD}: Megatron's {x.key} is sharded in a way the import does not handle")
-        full = tensors.get(x.key, where[0] if axes else None)
-        want = tuple(x.global_shape[axes:])
+        full = tensors.get(x.key, where[0] if axes else None)  # an expert-stacked key: [experts, ...]
+        if axes == 2:
+            full, where, axes = full[where[1]], where[1:], 1
+        want = tuple(x.global_shape[len(x.global_shape) - full.dim():])
         if tuple(full.shape) != want:
             raise UserError(f"{FIELD}: {folder} gives {x.key} the shape {tuple(full.shape)}, the recipe's model "
                             f"needs {want} (give a folder of this model's shape)")
