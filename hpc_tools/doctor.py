@@ -198,7 +198,7 @@ def needs_transformer_engine(recipe: Recipe | None) -> bool:
     """A Megatron recipe on GPUs whose layers fail without TE: ``transformer_impl: transformer_engine``, or ``auto``
     with flash attention (the defaults). The rule of ``hpc_tools/train/megatron/layers.py`` ``layer_plan`` (the
     control plane does not import the trainers)."""
-    if recipe is None or recipe.backend.kind != "megatron" or not recipe.cluster.uses_gpus:
+    if recipe is None or backends.of(recipe).layers != "megatron" or not recipe.cluster.uses_gpus:
         return False
     mg = recipe.backend.megatron
     return mg.transformer_impl == "transformer_engine" or (mg.transformer_impl == "auto" and mg.use_flash_attention)
@@ -216,7 +216,7 @@ def gpu_library_checks(recipe: Recipe | None = None, pinned: dict[str, str] | No
     cannot run without them; elsewhere they are skipped (GPU nodes only)."""
     from packaging.specifiers import SpecifierSet
 
-    megatron_gpu = recipe is not None and recipe.backend.kind == "megatron" and recipe.cluster.uses_gpus
+    megatron_gpu = recipe is not None and backends.of(recipe).layers == "megatron" and recipe.cluster.uses_gpus
     rows = []
     te, accepted = _installed("transformer-engine", "transformer-engine-torch"), megatron_te_range()
     if te is None:
@@ -251,7 +251,7 @@ def nvme_offload_check(recipe: Recipe) -> Check | None:
     """DeepSpeed's ``async_io`` op, built at first use, for ``offload_optimizer``/``offload_param: nvme``: it needs
     libaio's headers and library and a C compiler here (DeepSpeed's own test: ``AsyncIOBuilder.has_function``).
     None for other recipes. Imports DeepSpeed (seconds)."""
-    if recipe.backend.kind != "deepspeed":
+    if backends.of(recipe).sharding != "zero":  # NVMe offload is ZeRO's (backend.deepspeed)
         return None
     ds = recipe.backend.deepspeed
     if "nvme" not in (ds.offload_optimizer, ds.offload_param):

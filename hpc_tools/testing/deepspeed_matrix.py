@@ -27,8 +27,11 @@ class StopAfter:
 
     def __init__(self, stop, step: int):
         self.stop, self.step = stop, step
+        self.started_step: int | None = None  # as the watchdog's: the first step this start completed
 
     def beat(self, step: int) -> None:
+        if self.started_step is None:
+            self.started_step = step
         if step >= self.step:
             self.stop.requested = True
 
