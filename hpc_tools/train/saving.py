@@ -145,9 +145,8 @@ def tiers(ctx: "RankContext") -> list[CheckpointDirs]:
     ``local_tier`` would use it; nothing logged)."""
     ck = ctx.recipe.checkpoint
     out = [CheckpointDirs(ctx.checkpoint_dir, keep_last=ck.keep_last)]
-    raw = getattr(ck, "local_dir", None)  # a harness's stand-in recipe may have no local tier fields
-    if raw and getattr(ck, "local_interval_iters", 0) and ctx.dist.local_world_size == ctx.dist.world_size:
-        root, _ = expand_dir(raw)
+    if ck.local_dir and ck.local_interval_iters and ctx.dist.local_world_size == ctx.dist.world_size:
+        root, _ = expand_dir(ck.local_dir)
         if root is not None:
             out.append(CheckpointDirs(root, keep_last=ck.keep_last))
     return out

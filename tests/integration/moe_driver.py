@@ -229,7 +229,7 @@ def rank_main(out: Path, only: list[str]) -> None:
 def launch(out: Path, only: list[str], timeout_s: float = 600) -> int:
     """Start the ranks of this script (WORLD on CPU, min(2, GPUs) on CUDA) and wait for them; returns the first
     non-zero exit code (124: timed out)."""
-    from hpc_tools.testing.spawn import RanksFailed, spawn_ranks
+    from hpc_tools.testing.spawn import spawn_exit_code
 
     world = WORLD
     if DEVICE == "cuda":
@@ -239,15 +239,8 @@ def launch(out: Path, only: list[str], timeout_s: float = 600) -> int:
     with tempfile.TemporaryDirectory(prefix="moe_driver_") as work:
         args = [sys.executable, __file__, "--out", str(out), "--device", DEVICE,
                 *sum((["--only", o] for o in only), [])]
-        try:
-            ranks = spawn_ranks(args, world, env={"MG_DRIVER_WORK": work, "PYTHONWARNINGS": "ignore"},
-                                timeout_s=timeout_s, check=True)
-        except RanksFailed as failed:
-            print(failed, file=sys.stderr)
-            culprit = failed.ranks[failed.culprit]
-            return 124 if culprit.timed_out else culprit.returncode
-        print(ranks[0].log)
-        return 0
+        return spawn_exit_code(args, world, env={"MG_DRIVER_WORK": work, "PYTHONWARNINGS": "ignore"},
+                               timeout_s=timeout_s)
 
 
 def main() -> int:

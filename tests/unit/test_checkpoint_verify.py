@@ -158,7 +158,8 @@ class Ctx:
         self.recipe = SimpleNamespace(
             training=SimpleNamespace(train_iters=iters, log_interval=1, max_nonfinite_steps=limit),
             checkpoint=SimpleNamespace(interval_iters=interval, keep_last=5, resume=True, load_path=load_path,
-                                       verify=verify))
+                                       verify=verify, local_dir=None,
+                                       local_interval_iters=None))
         self.is_rank0, self.rank, self.logged = True, 0, []
 
     def heartbeat(self, step):

@@ -24,7 +24,8 @@ class FakeContext:
         self.recipe = SimpleNamespace(
             training=SimpleNamespace(train_iters=iters, log_interval=2, max_nonfinite_steps=3),
             checkpoint=SimpleNamespace(interval_iters=interval, keep_last=2, resume=resume, load_path=load_path,
-                                       verify="checksum"))
+                                       verify="checksum", local_dir=None,
+                                       local_interval_iters=None))
         self.is_rank0 = True
         self.logged: list[str] = []
 

@@ -155,7 +155,8 @@ class _Ctx:
         self.recipe = SimpleNamespace(
             training=SimpleNamespace(train_iters=5, log_interval=2, max_nonfinite_steps=3, eval_interval=eval_interval,
                                      eval_iters=2),
-            checkpoint=SimpleNamespace(interval_iters=None, keep_last=2, resume=True, load_path=None, verify="size"))
+            checkpoint=SimpleNamespace(interval_iters=None, keep_last=2, resume=True, load_path=None, verify="size",
+                                       local_dir=None, local_interval_iters=None))
         self.checkpoint_dir = tmp_path / "checkpoints"
         self.run_dir = tmp_path
         self.is_rank0 = True
