@@ -48,10 +48,12 @@ def gather_records(folder: Path, *, checksum: bool, exclude: Iterable[str] = ())
             "seconds": max(s for _, s in lists)}
 
 
-def agree(folder: Path, meta: dict[str, Any], *, checksum: bool) -> tuple[list[Problem], dict[str, float]]:
+def agree(folder: Path, meta: dict[str, Any], *, checksum: bool, share: tuple[int, int] | None = None
+          ) -> tuple[list[Problem], dict[str, float]]:
     """Collective at load: every rank verifies its share; returns every rank's problems and the cost
-    (files, bytes checksummed, the slowest rank's seconds, GB/s per rank)."""
-    rank, world = rank_and_world()
+    (files, bytes checksummed, the slowest rank's seconds, GB/s per rank). ``share`` = (index, count) among the ranks
+    that see the same copy of ``folder`` (a node-local one: the node's ranks); default: every rank, one copy."""
+    rank, world = share or rank_and_world()
     mine = verify_share(folder, meta, rank, world, checksum=checksum)
     everyone = gather(mine)
     problems = [p for v in everyone for p in v.problems]

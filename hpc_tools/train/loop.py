@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
-from hpc_tools.checkpoints.dirs import CheckpointDirs, resume_source
+from hpc_tools.checkpoints.dirs import CheckpointDirs, parse_step, resume_source
 from hpc_tools.errors import UserError
 
 if TYPE_CHECKING:
@@ -183,49 +183,60 @@ def resume(ctx: "RankContext", engine: Engine) -> int:
 
     if not engine.checkpoints:
         return 0
+    from hpc_tools.train import node_tier
     from hpc_tools.train.saving import tiers
 
     ck = ctx.recipe.checkpoint
-    dirs, *others = tiers(ctx)  # the shared tier, then the node-local one (checkpoint.local_dir) when in use
-    own = {d.root: d for d in (dirs, *others)}
+    dirs, local = tiers(ctx)  # the shared tier, and this node's folder of the node-local one when in use
+    nodes = node_tier.Nodes.of(ctx) if local is not None and ck.resume else None
     if ck.resume:
-        for tier in (dirs, *others):
+        for tier in (dirs, local) if local is not None else (dirs,):
             for path, why in tier.incomplete():
                 ctx.info("checkpoint %s is not complete, not resumed from: %s", path, why)
     skip: list[Path] = []
     failures: list[str] = []
     while True:
-        source = resume_source(dirs, resume=ck.resume, load_path=ck.load_path, skip=skip, tiers=others)
+        # the local tier: the newest checkpoint the nodes hold together (collective), copied to every node when it
+        # is newer than the shared tier's (on a tie the shared, durable one)
+        cand = node_tier.candidate(local, nodes, skip) if nodes is not None else None
+        source = resume_source(dirs, resume=ck.resume, load_path=None if cand else ck.load_path, skip=skip)
+        share = None
+        own = source is not None and source.parent == dirs.root
+        if cand is not None and (not own or cand.step > parse_step(source.name)):
+            source, share = node_tier.assemble(local, nodes, cand), nodes.share
         if source is None:
             if failures:
                 raise CheckpointError("no checkpoint left to resume from: " + "; ".join(failures)
                                       + " (set aside: the folders named *.bad-*; fix or remove them, or fix the "
                                         "load error, to retry)")
             return 0
-        step, problem = _verified_load(ctx, engine, source, checksum=ck.verify == "checksum")
-        tier = own.get(source.parent)
+        step, problem = _verified_load(ctx, engine, source, checksum=ck.verify == "checksum", share=share)
+        tier, leads = (local, nodes.is_leader) if share else (dirs if own else None, ctx.is_rank0)
         if problem is None:
-            if ctx.is_rank0 and tier is not None:
+            if leads and tier is not None:
                 tier.mark_verified(source)  # kept by keep_last until a later resume verifies a newer one
             return step
         failures.append(problem.line(source))
         skip.append(source)
+        verified = problem.reason == "load"  # its files passed verification: kept, only skipped
+        moved = tier.set_aside(source, problem.reason, problem.line(source)) \
+            if leads and tier is not None and not verified else None
         if ctx.is_rank0:
-            verified = problem.reason == "load"  # its files passed verification: kept, only skipped
-            moved = tier.set_aside(source, problem.reason, problem.line(source)) if tier and not verified else None
             log.error("checkpoint %s is bad: %s; %s; falling back to the previous complete checkpoint", source,
                       problem.line(source), f"set aside as {moved.name}" if moved else
                       "skipped, kept (its files verified)" if verified else "skipped (checkpoint.load_path)")
         checkpoint_agree.gather(None)  # the others wait for the rename before listing the folder again
 
 
-def _verified_load(ctx: "RankContext", engine: Engine, source: Path, *, checksum: bool):
-    """Collective: (step, None) once ``source`` verified and loaded on every rank, else (None, the first problem)."""
+def _verified_load(ctx: "RankContext", engine: Engine, source: Path, *, checksum: bool,
+                   share: tuple[int, int] | None = None):
+    """Collective: (step, None) once ``source`` verified and loaded on every rank, else (None, the first problem).
+    ``share``: this rank's part among the ranks that see the same copy (``checkpoint_agree.agree``)."""
     from hpc_tools.checkpoints.verify import Problem
     from hpc_tools.train import checkpoint_agree
 
     meta = CheckpointDirs.read_meta(source)
-    problems, cost = checkpoint_agree.agree(source, meta, checksum=checksum)
+    problems, cost = checkpoint_agree.agree(source, meta, checksum=checksum, share=share)
     if problems:
         for p in problems[1:]:
             ctx.info("  also: %s", p.line(source))

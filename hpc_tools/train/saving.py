@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from hpc_tools.checkpoints.dirs import META, CheckpointDirs
+from hpc_tools.train import node_tier
 
 if TYPE_CHECKING:
     from hpc_tools.runtime.context import RankContext
@@ -126,30 +127,26 @@ def expand_dir(raw: str) -> tuple[Path | None, str]:
 
 
 def local_tier(ctx: "RankContext") -> CheckpointDirs | None:
-    """The node-local tier's folders, or None (not configured, a variable unset, or a multi-node run: told once)."""
+    """The node-local tier's folders on this node: ``<local_dir>/<run folder name>`` (runs that share a local_dir
+    never read each other's checkpoints), or None (not configured, or a variable it names unset on some node: told
+    once). Collective: every rank gets the same answer."""
     ck = ctx.recipe.checkpoint
     if not ck.local_dir or not ck.local_interval_iters:
         return None
     root, why = expand_dir(ck.local_dir)
-    if root is None or ctx.dist.local_world_size != ctx.dist.world_size:
-        why = why or (f"checkpoint.local_dir: a run on {ctx.dist.world_size // max(ctx.dist.local_world_size, 1)} "
-                      "nodes keeps each node's shards on that node only (no peer replication)")
+    whys = [w for w in _gather(why if root is None else None) if w]
+    if whys:
         if ctx.is_rank0:
-            log.warning("%s: the local checkpoint tier is off, every save goes to checkpoint.dir", why)
+            log.warning("%s: the local checkpoint tier is off, every save goes to checkpoint.dir", whys[0])
         return None
-    return CheckpointDirs(root, keep_last=ck.keep_last)
+    return CheckpointDirs(root / Path(ctx.run_dir).name, keep_last=ck.keep_last)
 
 
-def tiers(ctx: "RankContext") -> list[CheckpointDirs]:
-    """The run's own checkpoint roots, the shared tier first: where a resume looks (the local tier only where
-    ``local_tier`` would use it; nothing logged)."""
+def tiers(ctx: "RankContext") -> tuple[CheckpointDirs, CheckpointDirs | None]:
+    """The run's own checkpoint roots: the shared tier, and this node's folder of the node-local one when in use
+    (``local_tier``; collective, nothing logged twice)."""
     ck = ctx.recipe.checkpoint
-    out = [CheckpointDirs(ctx.checkpoint_dir, keep_last=ck.keep_last)]
-    if ck.local_dir and ck.local_interval_iters and ctx.dist.local_world_size == ctx.dist.world_size:
-        root, _ = expand_dir(ck.local_dir)
-        if root is not None:
-            out.append(CheckpointDirs(root, keep_last=ck.keep_last))
-    return out
+    return CheckpointDirs(ctx.checkpoint_dir, keep_last=ck.keep_last), local_tier(ctx)
 
 
 def checkpoint_bytes(path: Path) -> int:
@@ -193,6 +190,8 @@ class Saver:
         self.ctx, self.engine = ctx, engine
         self.shared = CheckpointDirs(ctx.checkpoint_dir, keep_last=ck.keep_last)
         self.local = local_tier(ctx)
+        self.nodes = node_tier.Nodes.of(ctx) if self.local is not None else None
+        self.replicate = bool(ck.local_replicate)
         self.background = bool(ck.async_save)
         self.checksum = ck.verify == "checksum"
         self.interval, self.local_interval = ck.interval_iters, ck.local_interval_iters
@@ -285,9 +284,14 @@ class Saver:
             self.pending = None
 
     # -- the steps of one save -----------------------------------------------------------------------------------------
+    def _leads(self, dirs: CheckpointDirs) -> bool:
+        """Whether this rank changes ``dirs``' folders: global rank 0 on the shared tier, each node's leader on its
+        node's local folder."""
+        return self.nodes.is_leader if dirs is self.local and self.nodes is not None else self.ctx.is_rank0
+
     def _begin(self, dirs: CheckpointDirs, step: int) -> Path:
         error = None
-        if self.ctx.is_rank0:
+        if self._leads(dirs):
             try:
                 dirs.begin(step)
             except OSError as e:
@@ -324,16 +328,25 @@ class Saver:
                               str(p.dirs.partial_path(p.step)), note=errors[0])
         partial = p.dirs.partial_path(p.step)
         _barrier()
-        from hpc_tools.train import checkpoint_agree
+        if p.tier == LOCAL:  # each node its own folder: its own files recorded, copied to the next node
+            files = node_tier.records(partial, self.nodes, checksum=self.checksum)
+            own = node_tier.own_files(partial, self.nodes)
+            if self.replicate and self.nodes.is_leader:
+                node_tier.transfer(self.nodes, node_tier.replica_moves(own), source=partial, target=partial)
+            _barrier()
+        else:
+            from hpc_tools.train import checkpoint_agree
 
-        files = checkpoint_agree.gather_records(partial, exclude=[META], checksum=self.checksum)
+            files = checkpoint_agree.gather_records(partial, exclude=[META], checksum=self.checksum)
         final = p.dirs.final_path(p.step)
-        if self.ctx.is_rank0:
+        if self._leads(p.dirs):
             meta = {**self.engine.checkpoint_meta(p.step), "tier": p.tier, "async": p.write is not None}
+            if p.tier == LOCAL:
+                meta["nodes"] = self.nodes.count
             final = p.dirs.commit(p.step, meta=meta, files=files)
-            if p.write is not None:
-                self.ctx.info("checkpoint of step %d complete (written in the background, %s tier): %s", p.step,
-                              p.tier, final)
+        if self.ctx.is_rank0 and p.write is not None:
+            self.ctx.info("checkpoint of step %d complete (written in the background, %s tier): %s", p.step, p.tier,
+                          final)
         _barrier()
         now = time.perf_counter()
         if p.write is None:
@@ -342,17 +355,19 @@ class Saver:
         return SaveRecord(p.step, p.tier, True, p.blocked_s + now - t0, write_s, True, str(final))
 
     def _discard(self, dirs: CheckpointDirs, step: int) -> None:
-        if self.ctx.is_rank0:
+        if self._leads(dirs):
             shutil.rmtree(dirs.partial_path(step), ignore_errors=True)
         _barrier()
 
     def _local_no_room(self) -> str | None:
-        """Collective: why the local tier cannot take a save now (rank 0 looks: one node), or None."""
+        """Collective: why the local tier cannot take a save now (each node's leader looks at its disk), or None."""
         why = None
-        if self.ctx.is_rank0:
+        if self.nodes.is_leader:
             root = self.local.root
             newest = self.local.newest() or self.shared.newest()
-            need = int(checkpoint_bytes(newest) * ROOM_MARGIN) if newest is not None else 0
+            held = 1.0 if newest is None or newest.parent == root else \
+                min(1.0, (1 + self.replicate) / self.nodes.count)  # this node's part of a whole checkpoint
+            need = int(checkpoint_bytes(newest) * held * ROOM_MARGIN) if newest is not None else 0
             try:
                 root.mkdir(parents=True, exist_ok=True)
                 free = shutil.disk_usage(root).free
@@ -364,7 +379,9 @@ class Saver:
                     why = f"{root} has {free / 1e6:.1f} MB free, the checkpoint needs ~{need / 1e6:.1f} MB"
             except OSError as e:
                 why = _error_line(e)
-        return _gather(why)[0]
+            if why and self.nodes.count > 1:
+                why = f"node {self.nodes.node}: {why}"
+        return next((w for w in _gather(why) if w), None)
 
     def _tell_fallback(self, step: int, why: str) -> None:
         if self.ctx.is_rank0:

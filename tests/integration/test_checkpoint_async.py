@@ -74,22 +74,22 @@ def runs(tmp_path_factory):
     shared_b, mount = root / "shared_b", root / "local_b"
     (shared_b).mkdir()
     shutil.copytree(a.checkpoints_dir / dir_name(4), shared_b / dir_name(4))
-    iter5 = local_a / "ckpt" / dir_name(5)
+    iter5 = local_a / "ckpt" / a.path.name / dir_name(5)  # <local_dir>/<run folder name>/iter_N
+    recipe_b, b = prepare(root / "b", f"checkpoint.dir={shared_b}")
     mount.mkdir()
     size = folder_bytes(iter5)
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size * 1.05) + (256 << 10)}", "tmpfs",
                               str(mount)], capture_output=True).returncode == 0
     try:
-        shutil.copytree(iter5, mount / "ckpt" / dir_name(5))
-        recipe_b, b = prepare(root / "b", f"checkpoint.dir={shared_b}")
+        shutil.copytree(iter5, mount / "ckpt" / b.path.name / dir_name(5))
         env = {"HPCT_LOCAL": str(mount)} if mounted else {"HPCT_LOCAL": str(mount), INJECT_LOCAL_FREE_ENV: "4096"}
         assert launch(recipe_b, b, **env) == 0, log0(b)[-4000:]
-        local_b = steps(CheckpointDirs(mount / "ckpt"))
+        local_b = steps(CheckpointDirs(mount / "ckpt" / b.path.name))
     finally:
         if mounted:
             subprocess.run(["umount", str(mount)], check=False)
-    return {"a": a, "local_a": CheckpointDirs(local_a / "ckpt"), "b": b, "shared_b": CheckpointDirs(shared_b),
-            "local_b": local_b, "root": root, "mounted": mounted}
+    return {"a": a, "local_a": CheckpointDirs(local_a / "ckpt" / a.path.name), "b": b,
+            "shared_b": CheckpointDirs(shared_b), "local_b": local_b, "root": root, "mounted": mounted}
 
 
 def test_a_killed_background_writer_is_never_committed(runs):
@@ -129,7 +129,8 @@ def test_status_lists_the_saves_and_goodput_has_checkpoint_blocked(runs):
 def test_restart_takes_the_newer_local_checkpoint_and_a_full_local_tier_falls_back(runs):
     a, b = runs["a"], runs["b"]
     log = log0(b)
-    assert f"resumed from {b.path.parent.parent / 'local_b' / 'ckpt' / dir_name(5)} at step 5" in log, log[-3000:]
+    local5 = b.path.parent.parent / "local_b" / "ckpt" / b.path.name / dir_name(5)
+    assert f"resumed from {local5} at step 5" in log, log[-3000:]
     ref, got = loss_curve(a.path), loss_curve(b.path)
     assert [got[s] for s in (6, 7, 8)] == [ref[s] for s in (6, 7, 8)]  # bit for bit
     assert steps(runs["shared_b"]) == [4, 6, 7, 8]  # the local saves of 6 and 7 found no room

@@ -4,11 +4,14 @@ losses of an uninterrupted run bit for bit.
 
 - `faults` (submitit, 1 node x 2 ranks on n1, cluster.restarts=2): rank 1 killed with SIGKILL after step 12, then,
   in the restarted step, rank 1 frozen with SIGSTOP (the hang watchdog, 15 s, ends the step): two restarts;
-- `crash` (the rendered sbatch script, 2 nodes x 1 rank): every process of n2 killed after step 12 (slurmd,
-  slurmstepd, the rank), its slurmd back 20 s later (issue 24 item 5).
+- `crash` (the rendered sbatch script, 2 nodes x 1 rank): rank 1 (on n2) killed with SIGKILL after step 12, then,
+  in the restarted step, every process of n2 killed after step 22 (slurmd, slurmstepd, the rank) and n2's node-local
+  checkpoint folder deleted (a lost disk), its slurmd back 20 s later (issue 24 item 5).
 
-Both are recipes/gpt_zero.yaml's local profile (a tiny LLaMA under ZeRO-2, data parallel over 2 ranks), a checkpoint
-every 5 steps, one OpenMP thread per rank (as the local uninterrupted run has), so every loss must be equal. The two
+Both are recipes/gpt_zero.yaml's local profile (a tiny LLaMA under ZeRO-2, data parallel over 2 ranks) with a
+node-local checkpoint tier every 2 steps (`<tmp>/local/$SLURMD_NODENAME`: each node its own folder) and the shared
+tier only at the end, so every restart resumes from the node-local tier (after the crash, n2's files come back from
+n1's replica); one OpenMP thread per rank (as the local uninterrupted run has), so every loss must be equal. The two
 jobs and the uninterrupted run go side by side (the crash touches only n2, where `faults` has no rank). Figures
 (from each step's end to the new start's first step) are printed with -s.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -31,7 +35,8 @@ from hpc_tools.runtime import heartbeat
 from tests.conftest import loss_curve, run_cli, step_records
 
 RECIPE = "recipes/gpt_zero.yaml"
-ITERS, FAULT_AT = 40, 12
+ITERS, FAULT_AT, CRASH_AT = 40, 12, 22
+LOCAL_EVERY = 2
 HANG_S = 15
 COMMON = ["--set", "checkpoint.interval_iters=5", "--set", 'cluster.setup.env.OMP_NUM_THREADS="1"',
           "--set", f"training.train_iters={ITERS}"]
@@ -54,9 +59,16 @@ class Job:
     done: bool = False
 
 
+def local_tier(tmp: Path) -> list[str]:
+    """The node-local tier in ``tmp/local/<node>`` every LOCAL_EVERY steps; the shared one only at the last step."""
+    return ["--set", f"checkpoint.local_dir={tmp}/local/$SLURMD_NODENAME", "--set",
+            f"checkpoint.local_interval_iters={LOCAL_EVERY}", "--set", f"checkpoint.interval_iters={ITERS + 10}"]
+
+
 def submit_sbatch(tmp: Path, name: str, *sets: str) -> Job:
     script = tmp / f"{name}.sbatch"
-    out = run_cli("render", RECIPE, "--profile", "local", *COMMON, *ON_SLURM, *sets, "-o", str(script))
+    out = run_cli("render", RECIPE, "--profile", "local", *COMMON, *ON_SLURM, *local_tier(tmp), *sets, "-o",
+                  str(script))
     assert out.returncode == 0, out.stderr
     runs = tmp / f"runs-{name}"
     sub = subprocess.run(["sbatch", "--parsable", str(script)], cwd=tmp, capture_output=True, text=True,
@@ -68,7 +80,7 @@ def submit_sbatch(tmp: Path, name: str, *sets: str) -> Job:
 
 def submit_submitit(tmp: Path, name: str, *sets: str) -> Job:
     out = run_cli("submit", RECIPE, "--profile", "local", "--executor", "slurm", "--json", "--runs-dir",
-                  str(tmp / f"runs-{name}"), *COMMON, *ON_SLURM, *sets)
+                  str(tmp / f"runs-{name}"), *COMMON, *ON_SLURM, *local_tier(tmp), *sets)
     assert out.returncode == 0, out.stderr
     job = json.loads(out.stdout)
     return Job(name, job["job_id"], RunFolder(job["run_dir"]))
@@ -129,9 +141,12 @@ def jobs(tmp_path_factory) -> dict:
                 signal_rank1(faults, 0, "kill", signal.SIGKILL)
             elif len(faults.faults) == 1:
                 signal_rank1(faults, 1, "stop", signal.SIGSTOP)
-            if not crash.faults and newest_step(crash.run, 0) >= FAULT_AT:
-                crash.faults.append(("crash", newest_step(crash.run, 0), time.time()))
+            if not crash.faults:
+                signal_rank1(crash, 0, "kill", signal.SIGKILL)
+            elif len(crash.faults) == 1 and newest_step(crash.run, 1) >= CRASH_AT:
+                crash.faults.append(("crash", newest_step(crash.run, 1), time.time()))
                 crash_node("n2")
+                shutil.rmtree(tmp / "local" / "n2", ignore_errors=True)  # the node's disk lost with it
                 crashed_at = time.time()
             if crashed_at and time.time() - crashed_at >= 20:
                 restart_slurmd("n2")
@@ -177,9 +192,14 @@ def recovered_in_job(jobs, name: str, restarts: int) -> list[dict]:
     assert got == reference, {s: (got.get(s), reference[s]) for s in reference if got.get(s) != reference[s]}
     entries = m["restarts"]
     assert [e["restart"] for e in entries] == list(range(1, restarts + 1))
+    logs = [*j.run.path.rglob("*.out"), *j.run.path.rglob("*.err"), *j.run.path.parents[1].glob(f"*-{j.job_id}.out")]
+    resumed = {line.split("resumed from ", 1)[1] for log in logs
+               for line in log.read_text(errors="replace").splitlines() if "resumed from " in line}
     for entry, (_, step, _) in zip(entries, j.faults):
         assert entry["kind"] == "in-job" and entry["job_id"] == j.job_id
-        assert entry["from_iteration"] % 5 == 0 and entry["from_iteration"] <= step  # the newest complete checkpoint
+        assert 0 < entry["from_iteration"] <= step and entry["from_iteration"] % LOCAL_EVERY == 0, (entry, step)
+        tier = f"/local/n1/{j.run.path.name}/iter_{entry['from_iteration']:07d} at step {entry['from_iteration']}"
+        assert any(line.endswith(tier) for line in resumed), (tier, resumed)  # rank 0's log: the node-local tier
         assert 0 < entry["time_to_first_step_s"] < DEADLINE_S
     return entries
 
@@ -199,9 +219,12 @@ def test_killed_then_hung_rank_is_restarted_in_the_same_job(jobs):
     assert [r["cause"] for r in status["restarts"]] == ["killed", "hang"]
 
 
-def test_crashed_node_is_survived_in_the_same_job(jobs):
-    """Issue 24 item 5: n2 crashed (every process), its slurmd back 20 s later: the run completes."""
-    [entry] = recovered_in_job(jobs, "crash", 1)
-    assert entry["nodes"] == ["n1", "n2"]  # no spare: the new step waited for n2 to come back
+def test_killed_rank_then_crashed_node_are_survived_in_the_same_job(jobs):
+    """Issue 24 item 5: rank 1 on n2 killed, then n2 crashed (every process) and its local disk lost, its slurmd
+    back 20 s later: the run completes, both times from the node-local tier (n2's files from n1's replica)."""
+    killed, crashed = recovered_in_job(jobs, "crash", 2)
+    assert killed["cause"] == "killed" and killed["rank"] == 1 and killed["node"] == "n2", killed
+    assert crashed["nodes"] == ["n1", "n2"]  # no spare: the new step waited for n2 to come back
     # the rank on n2 went with its node; rank 0's error (its peer's connection closed) is not taken for the culprit
-    assert entry["rank"] == 1 and entry["node"] == "n2" and entry["cause"] in ("node failure", "lost"), entry
+    assert crashed["rank"] == 1 and crashed["node"] == "n2" and crashed["cause"] in ("node failure", "lost"), crashed
+    assert crashed["from_iteration"] > killed["from_iteration"]  # the newer local checkpoint, reassembled on n2

@@ -63,8 +63,8 @@ def make_ctx(tmp_path: Path, **ck):
     ck = CheckpointConfig(**{"keep_last": 5, **ck})
     infos: list[str] = []
     return SimpleNamespace(
-        recipe=SimpleNamespace(checkpoint=ck), checkpoint_dir=tmp_path / "shared", is_rank0=True, device="cpu",
-        dist=SimpleNamespace(world_size=2, local_world_size=2),
+        recipe=SimpleNamespace(checkpoint=ck), checkpoint_dir=tmp_path / "shared", run_dir=tmp_path / "run", rank=0, is_rank0=True, device="cpu",
+        dist=SimpleNamespace(world_size=2, local_world_size=2, node_rank=0),
         info=lambda msg, *a: infos.append(msg % a), infos=infos)
 
 
@@ -125,13 +125,13 @@ def test_a_full_local_tier_falls_back_to_the_shared_one_and_says_so(tmp_path, ca
     assert [saver.tier_due(s, 8, False) for s in (1, 4, 8)] == [LOCAL, SHARED, SHARED]
     assert saver.tier_due(3, 8, True) == SHARED  # a stop saves to the durable tier
     [rec] = saver.save(1, LOCAL, final=False)
-    assert rec.tier == LOCAL and CheckpointDirs(tmp_path / "local").newest_step() == 1
-    engine.full.add(tmp_path / "local")
+    assert rec.tier == LOCAL and CheckpointDirs(tmp_path / "local" / "run").newest_step() == 1
+    engine.full.add(tmp_path / "local" / "run")
     with caplog.at_level(logging.WARNING, logger="hpc_tools"):
         [rec] = saver.save(2, LOCAL, final=False)
     assert rec.tier == SHARED and rec.verified
     assert CheckpointDirs(tmp_path / "shared").newest_step() == 2
-    assert not CheckpointDirs(tmp_path / "local").partial_path(2).exists()  # the half-written folder is gone
+    assert not CheckpointDirs(tmp_path / "local" / "run").partial_path(2).exists()  # the half-written folder is gone
     lines = [r.getMessage() for r in caplog.records if "local checkpoint tier" in r.getMessage()]
     assert len(lines) == 1 and "No space left on device" in lines[0] and "step 2 saved to the shared tier" in lines[0]
 

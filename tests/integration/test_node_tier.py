@@ -1,0 +1,58 @@
+"""The node-local checkpoint tier of a multi-node run (``hpc_tools.train.node_tier``), through the real ``Saver`` and
+the loop's real ``resume`` on 4 gloo ranks seen as 2 nodes x 2 ranks, each node with its own folder
+(tests/integration/node_tier_driver.py: one launch for every case). The same tier on the real 2-node Slurm cluster,
+with real training, is tests/integration/test_restarts_slurm.py's crash job."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ALL = [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "hpc_tools_meta.json"]
+
+pytestmark = [pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("node_tier") / "results.json"
+    proc = subprocess.run([sys.executable, str(HERE / "node_tier_driver.py"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_each_node_holds_its_own_files_and_the_previous_nodes(results):
+    r = results["replicated"]
+    assert r["nodes_count"] == 2 and r["leaders"] == [0, 2]
+    assert [(x["iteration"], x["tier"], x["async"], x["verified"]) for x in r["records"]] == [
+        (2, "local", False, True), (3, "shared", False, True), (4, "local", True, True)]
+    assert "/node0/ckpt/run/iter_0000004" in r["records"][2]["path"]
+    for node in r["nodes"]:  # 2 nodes: own + the peer's = every rank's shard on each node
+        assert node == {"iter_0000002": ALL, "iter_0000004": ALL}
+
+
+def test_a_wiped_node_gets_the_newest_local_checkpoint_back_from_its_peer(results):
+    r = results["wiped"]
+    assert r["resumed"] == 4  # the local step 4 over the shared step 3, although node 1 held nothing
+    assert r["nodes"][1] == {"iter_0000004": ALL}  # copied from node 0's replica, meta included
+
+
+def test_without_replication_a_lost_node_loses_its_newest_local_checkpoint(results):
+    r = results["unreplicated"]
+    before = r["nodes_before"]
+    assert before[0]["iter_0000006"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "hpc_tools_meta.json"]
+    assert before[1]["iter_0000006"] == ["__2_0.distcp", "__3_0.distcp", "hpc_tools_meta.json"]
+    assert r["resumed"] == 4  # step 6's node-1 shards went with its disk: the newest step the nodes hold whole
+
+
+def test_a_corrupt_copy_on_one_node_sets_the_checkpoint_aside_on_every_node(results):
+    r = results["corrupt"]
+    assert r["resumed"] == 3  # the shared tier's step 3
+    for node in r["nodes"]:
+        assert "iter_0000004" not in node and "SET_ASIDE.txt" in node["iter_0000004.bad-checksum"]
