@@ -113,8 +113,8 @@ def rank_main(out: Path) -> None:
         config = CheckpointConfig(**{"keep_last": 5, "local_dir": "$NODE_DIR/ckpt", "local_interval_iters": 2,
                                      "interval_iters": 3, "async_save": True, **ck})
         return SimpleNamespace(recipe=SimpleNamespace(checkpoint=config), checkpoint_dir=work / "shared",
-                               run_dir=work / "run", rank=rank, is_rank0=rank == 0, device="cpu", dist=DistEnv.from_environ(),
-                               info=lambda msg, *a: infos.append(msg % a))
+                               run_dir=work / "run", rank=rank, is_rank0=rank == 0, device="cpu",
+                               dist=DistEnv.from_environ(), info=lambda msg, *a: infos.append(msg % a))
 
     mine = Path(os.environ["NODE_DIR"]) / "ckpt" / "run"  # <local_dir>/<run folder name>
     engine = Engine(rank, WORLD)

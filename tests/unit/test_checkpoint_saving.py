@@ -63,7 +63,8 @@ def make_ctx(tmp_path: Path, **ck):
     ck = CheckpointConfig(**{"keep_last": 5, **ck})
     infos: list[str] = []
     return SimpleNamespace(
-        recipe=SimpleNamespace(checkpoint=ck), checkpoint_dir=tmp_path / "shared", run_dir=tmp_path / "run", rank=0, is_rank0=True, device="cpu",
+        recipe=SimpleNamespace(checkpoint=ck), checkpoint_dir=tmp_path / "shared", run_dir=tmp_path / "run", rank=0,
+        is_rank0=True, device="cpu",
         dist=SimpleNamespace(world_size=2, local_world_size=2, node_rank=0),
         info=lambda msg, *a: infos.append(msg % a), infos=infos)
 
