@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -21,6 +22,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+"""As a user's shell runs them: bytecode written once and read after (a session that sets PYTHONDONTWRITEBYTECODE
+would compile every module at every start, ~0.1 s here)."""
 HELP_GOAL_S = 0.10  # over a bare interpreter start
 LIGHT_GOAL_S = 0.45
 
@@ -41,7 +45,7 @@ def light_commands(runs_dir: str) -> dict[str, list[str]]:
 def wall(argv: list[str]) -> tuple[float, int]:
     """Seconds from process start to exit of ``python -m hpc_tools ARGV``, and its exit code."""
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "hpc_tools", *argv], cwd=REPO, capture_output=True)
+    proc = subprocess.run([sys.executable, "-m", "hpc_tools", *argv], cwd=REPO, capture_output=True, env=ENV)
     return time.perf_counter() - t0, proc.returncode
 
 
@@ -49,7 +53,7 @@ def schema_import_s() -> float:
     """Import time of hpc_tools.recipe.schema measured inside a fresh interpreter (interpreter start excluded)."""
     code = ("import time; t0 = time.perf_counter(); import hpc_tools.recipe.schema; "
             "print(time.perf_counter() - t0)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True, env=ENV)
     return float(out.stdout.strip())
 
 
@@ -90,7 +94,7 @@ def main() -> None:
 
 def _timed(argv: list[str]) -> float:
     t0 = time.perf_counter()
-    subprocess.run(argv, capture_output=True, check=True)
+    subprocess.run(argv, capture_output=True, check=True, env=ENV)
     return time.perf_counter() - t0
 
 

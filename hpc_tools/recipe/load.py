@@ -23,7 +23,7 @@ import yaml
 from pydantic import ValidationError
 
 from hpc_tools.errors import RecipeError, UserError
-from hpc_tools.recipe.pydantic_errors import violation_from_pydantic
+from hpc_tools.recipe.pydantic_errors import violations_from_pydantic
 from hpc_tools.recipe.schema import Recipe
 from hpc_tools.recipe.site import read_site
 from hpc_tools.recipe.text import printable
@@ -106,7 +106,7 @@ def build(raw: dict[str, Any], source: str = "recipe") -> Recipe:
     try:
         return Recipe.model_validate(raw)
     except ValidationError as exc:
-        raise RecipeError([violation_from_pydantic(err, raw) for err in exc.errors()], source) from None
+        raise RecipeError(violations_from_pydantic(exc.errors(), raw), source) from None
 
 
 def load_recipe(path: str | Path, overrides: Iterable[str] = (), profile: str | None = None,

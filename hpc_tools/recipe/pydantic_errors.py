@@ -8,8 +8,22 @@ import difflib
 from typing import Any
 
 from hpc_tools.errors import Violation
+from hpc_tools.recipe.base import BOUNDED
 from hpc_tools.recipe.fields import field_at, schema_path, valid_keys
 from hpc_tools.recipe.text import printable
+
+
+def violations_from_pydantic(errors: list[dict[str, Any]], raw: dict[str, Any]) -> list[Violation]:
+    """Pydantic's errors as one-line Violations: one per error, one per refused value of a section's guard
+    (``recipe.base.BOUNDED``: its fields' paths, as if each field had failed on its own)."""
+    out = []
+    for err in errors:
+        if err["type"] == BOUNDED:
+            out += [violation_from_pydantic({**err, "type": "value_error", "loc": (*err["loc"], name), "input": value,
+                                             "msg": why}, raw) for name, value, why in err["ctx"]["problems"]]
+        else:
+            out.append(violation_from_pydantic(err, raw))
+    return out
 
 
 def violation_from_pydantic(err: dict[str, Any], raw: dict[str, Any]) -> Violation:

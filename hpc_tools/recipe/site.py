@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_tools.errors import RecipeError, UserError
-from hpc_tools.recipe.pydantic_errors import violation_from_pydantic
+from hpc_tools.recipe.pydantic_errors import violations_from_pydantic
 from hpc_tools.recipe.text import printable
 from hpc_tools.recipe.yamlfile import MAX_BYTES, decode, parse_yaml
 
@@ -101,7 +101,7 @@ def check_site(raw: dict[str, Any], source: str) -> None:
                 # left to the recipe: required fields, and cross-field checks of a whole section (no location)
                 if err["type"] == "missing" or not err["loc"]:
                     continue
-                violations.append(violation_from_pydantic({**err, "loc": (key, *err["loc"])}, raw))
+                violations += violations_from_pydantic([{**err, "loc": (key, *err["loc"])}], raw)
     if violations:
         raise RecipeError(violations, source)
 

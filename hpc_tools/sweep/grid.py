@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from hpc_tools.errors import RecipeError, UserError
 from hpc_tools.recipe.load import resolve
-from hpc_tools.recipe.pydantic_errors import violation_from_pydantic
+from hpc_tools.recipe.pydantic_errors import violations_from_pydantic
 from hpc_tools.recipe.schema import Recipe
 from hpc_tools.recipe.sweep import SweepConfig, axis_keys
 
@@ -88,7 +88,7 @@ def sweep_config(raw: dict[str, Any], source: str = "recipe") -> SweepConfig:
     except ValidationError as exc:
         # Same wording as every other recipe field: prefix the location with the section name.
         errors = [{**err, "loc": ("sweep", *err["loc"])} for err in exc.errors()]
-        raise RecipeError([violation_from_pydantic(err, raw) for err in errors], source) from None
+        raise RecipeError(violations_from_pydantic(errors, raw), source) from None
 
 
 def expand(raw: dict[str, Any], overrides: Iterable[str] = (), profile: str | None = None,
