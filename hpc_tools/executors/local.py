@@ -7,6 +7,7 @@ rank fails the others are stopped, as ``srun --kill-on-bad-exit`` does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -116,11 +117,23 @@ def _run_ranks(run: RunFolder, world_size: int, echo: IO[bytes] | None, extra_en
         stop_ranks(procs)
         code = 130
     finally:
+        end_groups(procs)
         for pump in pumps:
             pump.join(timeout=5)
         for log in logs:
             log.close()
     return code, first_failed
+
+
+def end_groups(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL what is left in the process group of each rank that has exited: the children it forked (a checkpoint
+    writer, a data worker) outlive a rank killed with SIGKILL, holding CPU, memory and the rank's output pipe; as
+    Slurm ends a step's cgroup, the local executor ends its ranks' groups."""
+    for p in procs:
+        if p.poll() is None:
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
 
 
 def _shell_status(returncode: int) -> int:

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_tools.executors.local import rank_env, stop_ranks
+from hpc_tools.executors.local import end_groups, rank_env, stop_ranks
 from hpc_tools.runtime.distenv import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -95,6 +95,7 @@ def _launch(argv: Sequence[str], world_size: int, extra: Mapping[str, str], cwd:
         culprit, timed_out = _wait(procs, time.monotonic() + timeout_s, poll_s)
     finally:
         stop_ranks([p for p in procs if p.poll() is None])  # only on failure, timeout or interrupt
+        end_groups(procs)  # what the ranks forked and left behind
         for log in files:
             log.close()
     return [CompletedRank(rank, p.returncode, (logs / f"rank{rank}.log").read_text(errors="replace"), timed_out)
