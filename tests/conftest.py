@@ -63,6 +63,22 @@ def repo() -> Path:
     return REPO
 
 
+DRIVERS = Path(__file__).resolve().parent / "integration"
+
+
+def run_driver(script: str, out: Path, *args: str, timeout: float) -> dict:
+    """Run ``tests/integration/<script>`` (a ``*_driver.py`` that launches its own ranks) with ``--out OUT ARGS``;
+    its JSON results, once it exited 0 (else the tail of its output). Prints how long it took (with -s)."""
+    import time
+
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(DRIVERS / script), "--out", str(out), *args], capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    print(f"\n{script}: {time.monotonic() - t0:.0f} s")
+    return json.loads(Path(out).read_text())
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600,
             input: str | None = None) -> subprocess.CompletedProcess:
     """`python -m hpc_tools ARGS` in a fresh process, as a user runs it."""

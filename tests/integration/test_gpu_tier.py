@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_driver
+
 torch = pytest.importorskip("torch")
 
 HERE = Path(__file__).resolve().parent
@@ -52,11 +54,8 @@ def test_real_shape_single_gpu_mfu(tmp_path):
 
 @pytest.fixture(scope="module")
 def gpu_path(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("gpu_path") / "results.json"
-    proc = subprocess.run([sys.executable, str(HERE / "megatron_gpu_path_driver.py"), "--out", str(out),
-                           "--device", "cuda"], capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return run_driver("megatron_gpu_path_driver.py", tmp_path_factory.mktemp("gpu_path") / "results.json",
+                      "--device", "cuda", timeout=1200)
 
 
 def test_resume_on_gpu(gpu_path):

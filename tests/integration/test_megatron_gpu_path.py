@@ -14,12 +14,12 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_driver
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -30,11 +30,8 @@ pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("mg_gpu_path") / "results.json"
-    proc = subprocess.run([sys.executable, str(HERE / "megatron_gpu_path_driver.py"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return run_driver("megatron_gpu_path_driver.py", tmp_path_factory.mktemp("mg_gpu_path") / "results.json",
+                      timeout=900)
 
 
 @pytest.mark.parametrize("case", list(driver.TE_CASES))

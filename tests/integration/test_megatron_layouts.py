@@ -11,13 +11,13 @@ BF16_ATOL = 5e-3 against the fp32 run: bf16 keeps 8 significant bits, measured w
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_driver
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -31,12 +31,8 @@ pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("mg_layouts") / "results.json"
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(HERE / "megatron_driver.py"), "--out", str(out)], capture_output=True,
-                          text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    data = json.loads(out.read_text())
+    data = run_driver("megatron_driver.py", tmp_path_factory.mktemp("mg_layouts") / "results.json", timeout=1500)
     _print_table(data, time.monotonic() - t0)
     return data
 

@@ -14,12 +14,12 @@ tests/unit/test_moe_records.py).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_driver
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -37,18 +37,9 @@ SUBMIT_ITERS = 6
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 
-def _run(script: str, out: Path, timeout: float) -> dict:
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(HERE / script), "--out", str(out)], capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    print(f"\n{script}: {time.monotonic() - t0:.0f} s")
-    return json.loads(out.read_text())
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    data = _run("moe_driver.py", tmp_path_factory.mktemp("moe") / "results.json", 900)
+    data = run_driver("moe_driver.py", tmp_path_factory.mktemp("moe") / "results.json", timeout=900)
     for case, r in data.items():
         print(f"  {case:28s} losses {r['losses']}")
     return data
@@ -56,7 +47,7 @@ def results(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def shims(tmp_path_factory) -> dict:
-    return _run("moe_shims_driver.py", tmp_path_factory.mktemp("moe_shims") / "shims.json", 600)
+    return run_driver("moe_shims_driver.py", tmp_path_factory.mktemp("moe_shims") / "shims.json", timeout=600)
 
 
 @pytest.mark.parametrize("case", [c for c in driver.CASES if c != REFERENCE])

@@ -13,13 +13,12 @@ over 4 steps; FP8 (3-4 mantissa bits in the GEMMs) FP8_ATOL = 0.15.
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_driver
 
 torch = pytest.importorskip("torch")
 
@@ -33,11 +32,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.megatron,
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("moe_gpu") / "results.json"
-    proc = subprocess.run([sys.executable, str(HERE / "moe_driver.py"), "--out", str(out), "--device", "cuda"],
-                          capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    data = json.loads(out.read_text())
+    data = run_driver("moe_driver.py", tmp_path_factory.mktemp("moe_gpu") / "results.json", "--device", "cuda",
+                      timeout=1200)
     for case, r in data.items():
         print(f"  {case:24s} {r['losses']}  {r['plan']}")
     return data

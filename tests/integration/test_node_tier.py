@@ -5,12 +5,11 @@ with real training, is tests/integration/test_restarts_slurm.py's crash job."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_driver
 
 HERE = Path(__file__).resolve().parent
 ALL = [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "hpc_tools_meta.json"]
@@ -20,11 +19,7 @@ pytestmark = [pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("node_tier") / "results.json"
-    proc = subprocess.run([sys.executable, str(HERE / "node_tier_driver.py"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return run_driver("node_tier_driver.py", tmp_path_factory.mktemp("node_tier") / "results.json", timeout=300)
 
 
 def test_each_node_holds_its_own_files_and_the_previous_nodes(results):
