@@ -1,6 +1,7 @@
-"""The measured layout search for real: `plan --search --measure 3` runs the planner's top 3 layouts of the tiny GPT
+"""The measured layout search for real: `plan --search --measure 2` runs the planner's top 2 layouts of the tiny GPT
 (gpt_3d's local profile, 4 CPU ranks, Megatron-core) for a few steps each, locally one after another, and on the
-2-node Slurm test cluster as one job array, where `submit --auto --measure 3` then submits the winner.
+2-node Slurm test cluster as one job array, where `submit --auto --measure 2` then submits the winner (two
+candidates rank as well as three; each one more costs the suite a 4-rank Megatron start on each path).
 
 Checked: every candidate ran, the printed ranking follows the measured step times (recomputed from the runs' records
 through profiling.figures), predicted and measured step times are both shown, the calibration file changed, and the
@@ -21,7 +22,7 @@ from hpc_tools.recipe.load import load_recipe
 from tests.conftest import REPO, run_cli
 
 RECIPE = str(REPO / "recipes/gpt_3d.yaml")
-K = 3
+K = 2
 STEPS = 3  # measured steps per candidate, after the recipe's warm-up steps
 
 

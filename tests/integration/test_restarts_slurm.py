@@ -5,7 +5,7 @@ losses of an uninterrupted run bit for bit.
 - `faults` (submitit, 1 node x 2 ranks on n1, cluster.restarts=2): rank 1 killed with SIGKILL after step 12, then,
   in the restarted step, rank 1 frozen with SIGSTOP (the hang watchdog, 15 s, ends the step): two restarts;
 - `crash` (the rendered sbatch script, 2 nodes x 1 rank): rank 1 (on n2) killed with SIGKILL after step 12, then,
-  in the restarted step, every process of n2 killed after step 22 (slurmd, slurmstepd, the rank) and n2's node-local
+  in the restarted step, every process of n2 killed after step 18 (slurmd, slurmstepd, the rank) and n2's node-local
   checkpoint folder deleted (a lost disk), its slurmd back 20 s later (issue 24 item 5).
 
 Both are recipes/gpt_zero.yaml's local profile (a tiny LLaMA under ZeRO-2, data parallel over 2 ranks) with a
@@ -35,7 +35,7 @@ from hpc_tools.runtime import heartbeat
 from tests.conftest import loss_curve, run_cli, step_records
 
 RECIPE = "recipes/gpt_zero.yaml"
-ITERS, FAULT_AT, CRASH_AT = 40, 12, 22
+ITERS, FAULT_AT, CRASH_AT = 40, 12, 18
 LOCAL_EVERY = 2
 HANG_S = 15
 COMMON = ["--set", "checkpoint.interval_iters=5", "--set", 'cluster.setup.env.OMP_NUM_THREADS="1"',
