@@ -23,9 +23,11 @@ save are synchronous and come after the outstanding write is committed, so a run
 in flight.
 
 Tiers: ``shared`` (``checkpoint.dir``: every ``interval_iters``, the last step, a stop) and ``local``
-(``checkpoint.local_dir``, node-local disk: every ``local_interval_iters``). A local save that finds no room (the size
-of the newest checkpoint does not fit in the free space, or the write fails with an ``OSError``) goes to the shared
-tier instead, told in one line. A resume takes the newest complete checkpoint of either tier (``loop.resume``).
+(``checkpoint.local_dir``/<run folder>, node-local disk: every ``local_interval_iters``; on several nodes each node's
+leader begins and commits its node's folder, and the commit records each node's own files and copies them to the next
+node first: ``node_tier``). A local save that finds no room (this node's part of the newest checkpoint does not fit in
+the free space, or the write fails with an ``OSError``) goes to the shared tier instead, told in one line. A resume
+takes the newest complete checkpoint of either tier (``loop.resume``; the local one as the nodes hold it together).
 
 Every save gives one ``SaveRecord`` {iteration, tier, async, blocked_s, write_s, verified}: the loop writes it as the
 collector's ``checkpoint_save`` event (seconds = blocked_s: the goodput's "checkpoint blocked" bucket) and ``status
@@ -365,8 +367,7 @@ class Saver:
         if self.nodes.is_leader:
             root = self.local.root
             newest = self.local.newest() or self.shared.newest()
-            held = 1.0 if newest is None or newest.parent == root else \
-                min(1.0, (1 + self.replicate) / self.nodes.count)  # this node's part of a whole checkpoint
+            held = min(1.0, (1 + self.replicate) / self.nodes.count)  # this node's part of a whole checkpoint
             need = int(checkpoint_bytes(newest) * held * ROOM_MARGIN) if newest is not None else 0
             try:
                 root.mkdir(parents=True, exist_ok=True)
