@@ -171,8 +171,8 @@ def plan(by_node: Sequence[dict[int, tuple[dict[str, dict], dict[str, int]]] | N
         nodes = [held.get(step) if held else None for held in by_node]
         recorded_files = next(files for files, _ in (x for x in nodes if x is not None))
         want = {name: e.get("size") for name, e in recorded_files.items()}
-        want[META] = next(x[1][META] for x in nodes if x is not None and META in x[1])  # the leaders' metas differ
-        # in their commit time only: a node that lacks it gets the first one
+        # the leaders' meta files differ in their commit time only: a node that lacks one gets the first holder's
+        want[META] = next(x[1][META] for x in nodes if x is not None and META in x[1])
         moves, whole = [], True
         for name in sorted(want, key=lambda n: (n == META, n)):
             holders = [i for i, x in enumerate(nodes) if x is not None and (x[1].get(name) == want[name]
