@@ -143,7 +143,8 @@ def run(ctx: "RankContext", build: Callable[["RankContext"], Engine]) -> None:
 def process_group(ctx: "RankContext") -> Iterator[None]:
     """torch.distributed over ``ctx.dist_backend`` (gloo on CPU, nccl on GPU) for the duration.
 
-    A group that already exists (a harness running many jobs in one process group) is used and left up. On success
+    A group that already exists (a harness running many jobs in one process group) is used and left up; the groups
+    the job created beside it are destroyed at the end (``train/groups.py``). On success
     the ranks leave together (a barrier); after an error this rank leaves at once, so that its peers fail fast
     instead of waiting for it.
     """
@@ -152,16 +153,21 @@ def process_group(ctx: "RankContext") -> Iterator[None]:
 
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
+    from hpc_tools.train import groups
+
     created = not dist.is_initialized()
     if created:
         dist.init_process_group(ctx.dist_backend, rank=ctx.rank, world_size=ctx.dist.world_size,
                                 timeout=getattr(ctx, "collective_timeout", None))  # the hang watchdog fires first
+    before = None if created else groups.snapshot()
     try:
         yield
         dist.barrier()
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
+        elif before is not None and dist.is_initialized():
+            groups.destroy_since(before)  # the job's own groups: the harness's next job makes its own
 
 
 def default_collector(ctx: "RankContext", **coords: int):

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from hpc_tools.checkpoints.dirs import META, CheckpointDirs
 from hpc_tools.checkpoints.verify import ALGORITHM, listing, record_share, recorded
+from hpc_tools.train import groups
 
 if TYPE_CHECKING:
     from hpc_tools.runtime.context import RankContext
@@ -90,7 +91,7 @@ class Nodes:
         """Collective (every rank, the same call order): built once per process and kept."""
         dist = _dist()
         key = (ctx.rank, ctx.dist.world_size, id(dist.group.WORLD) if dist is not None else None)
-        if key not in _NODES:
+        if key not in _NODES or (_NODES[key].group is not None and not groups.alive(_NODES[key].group)):
             keys = gather(node_key(ctx))
             order: list[tuple[int, str]] = []
             for k in keys:

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hpc_tools.train import groups
 from hpc_tools.train.loop import StepResult, nonfinite_injected
 from hpc_tools.train.megatron.schedule import apply_lr
 from hpc_tools.train.schedule import lr_at
@@ -112,6 +113,7 @@ class Engine:
         self.recipe, self.layout, self.device_type = recipe, layout, device_type
         self.plan = layer_plan(recipe, device_type)  # fails here, before any model is built, when a GPU lacks TE
         self.notes = fusion_notes(recipe, device_type)  # what this node's missing fusions cost; told at start
+        self._groups_before = groups.snapshot()  # ended in close(): a harness runs many engines in one world
         self.coords = init_parallel(layout, recipe.training.seed, timeout)
         self.config = transformer_config(recipe, layout, device_type, self.plan)
         self.chunks = build_chunks(recipe, layout, self.config, device_type)
@@ -324,3 +326,4 @@ class Engine:
         if self.router is not None:
             self.router.close()
         ps.destroy_model_parallel()
+        groups.destroy_since(self._groups_before)

@@ -1,0 +1,48 @@
+"""A job's own process groups end with it (``hpc_tools.train.groups``): in a harness that runs many jobs in one world,
+every gloo group left behind keeps its transport threads (a Megatron layout matrix ended with ~900 per rank)."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+
+dist = pytest.importorskip("torch.distributed")
+
+from hpc_tools.train import groups  # noqa: E402
+
+
+def gloo_threads() -> int:
+    names = (p.read_text().strip() for p in Path("/proc/self/task").glob("*/comm"))
+    return sum(1 for n in names if n.startswith(("pt_gloo", "gloo_tcp")))
+
+
+@pytest.fixture
+def world():
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_groups_made_after_the_snapshot_are_destroyed_and_their_threads_end(world):
+    keep = dist.new_group([0], backend="gloo")  # made before: left alone
+    before = groups.snapshot()
+    threads = gloo_threads()
+    made = [dist.new_group([0], backend="gloo") for _ in range(4)]
+    assert gloo_threads() > threads and all(groups.alive(g) for g in made)
+    assert groups.destroy_since(before) == 4
+    assert not any(groups.alive(g) for g in made) and groups.alive(keep) and groups.alive(dist.group.WORLD)
+    del made
+    gc.collect()
+    assert gloo_threads() <= threads
+    assert groups.destroy_since(groups.snapshot()) == 0
+
+
+def test_without_a_world_there_is_nothing_to_snapshot():
+    if not dist.is_initialized():
+        assert groups.snapshot() == frozenset()
