@@ -32,16 +32,23 @@ def snapshot() -> frozenset:
     return frozenset(_pg_map())
 
 
+_generation = 0
+
+
+def generation() -> int:
+    """How many times ``destroy_since`` has run in this process: a cache of groups (``node_tier.Nodes``) keyed on it
+    is rebuilt after a job's groups were destroyed. Every rank calls ``destroy_since`` at the same points, so every
+    rank counts the same (a rank outside a group holds no entry for it, so the groups each destroys differ)."""
+    return _generation
+
+
 def destroy_since(before: frozenset) -> int:
     """Destroy every process group created after ``before`` was taken (never the world); returns how many."""
     import torch.distributed as dist
 
+    global _generation
+    _generation += 1
     new = [pg for pg in _pg_map() if pg not in before and pg is not dist.group.WORLD]
     for pg in new:
         dist.destroy_process_group(pg)
     return len(new)
-
-
-def alive(pg) -> bool:
-    """Whether ``pg`` is still a live process group (not destroyed)."""
-    return pg in _pg_map()

@@ -90,8 +90,8 @@ class Nodes:
     def of(cls, ctx: "RankContext") -> "Nodes":
         """Collective (every rank, the same call order): built once per process and kept."""
         dist = _dist()
-        key = (ctx.rank, ctx.dist.world_size, id(dist.group.WORLD) if dist is not None else None)
-        if key not in _NODES or (_NODES[key].group is not None and not groups.alive(_NODES[key].group)):
+        key = (ctx.rank, ctx.dist.world_size, id(dist.group.WORLD) if dist is not None else None, groups.generation())
+        if key not in _NODES:
             keys = gather(node_key(ctx))
             order: list[tuple[int, str]] = []
             for k in keys:
@@ -107,8 +107,9 @@ class Nodes:
         return _NODES[key]
 
 
-_NODES: dict[tuple[int, int, int | None], Nodes] = {}
-"""Per process and process group: ``Nodes.of`` is collective, and the saver and the resume both ask."""
+_NODES: dict[tuple[int, int, int | None, int], Nodes] = {}
+"""Per process, world and generation of groups (``train/groups.py``): ``Nodes.of`` is collective, and the saver and
+the resume both ask."""
 
 
 # -- saving ----------------------------------------------------------------------------------------------------------

@@ -34,9 +34,11 @@ def test_groups_made_after_the_snapshot_are_destroyed_and_their_threads_end(worl
     before = groups.snapshot()
     threads = gloo_threads()
     made = [dist.new_group([0], backend="gloo") for _ in range(4)]
-    assert gloo_threads() > threads and all(groups.alive(g) for g in made)
-    assert groups.destroy_since(before) == 4
-    assert not any(groups.alive(g) for g in made) and groups.alive(keep) and groups.alive(dist.group.WORLD)
+    alive = groups.snapshot
+    assert gloo_threads() > threads and all(g in alive() for g in made)
+    generation = groups.generation()
+    assert groups.destroy_since(before) == 4 and groups.generation() == generation + 1
+    assert not any(g in alive() for g in made) and keep in alive() and dist.group.WORLD in alive()
     del made
     gc.collect()
     assert gloo_threads() <= threads
