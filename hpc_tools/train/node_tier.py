@@ -112,6 +112,36 @@ _NODES: dict[tuple[int, int, int | None, int], Nodes] = {}
 the resume both ask."""
 
 
+def one_folder(root: Path, nodes: Nodes) -> bool:
+    """Collective: whether ``root`` is the same folder on every node (a shared file system given as the node-local
+    tier: the leaders would write and rename one folder at once). Each leader writes a probe file named by a token of
+    this call and its node, then looks for another node's; answered once per folder and generation of groups."""
+    if nodes.count < 2:
+        return False
+    key = (str(root), groups.generation())
+    if key not in _ONE_FOLDER:
+        import uuid
+
+        token = gather(uuid.uuid4().hex)[0]
+        probe = root / f".node-probe-{token}-{nodes.node}"
+        if nodes.is_leader:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                probe.touch()
+            except OSError:
+                pass  # an unusable folder is told by the save's room check
+        _barrier()
+        seen = nodes.is_leader and any(p != probe for p in root.glob(f".node-probe-{token}-*"))
+        _ONE_FOLDER[key] = any(gather(seen))
+        _barrier()
+        if nodes.is_leader:
+            probe.unlink(missing_ok=True)
+    return _ONE_FOLDER[key]
+
+
+_ONE_FOLDER: dict[tuple[str, int], bool] = {}
+
+
 # -- saving ----------------------------------------------------------------------------------------------------------
 def own_files(folder: Path, nodes: Nodes) -> list[dict[str, int] | None]:
     """Collective: each node's files in ``folder`` as its leader lists them (before any replica arrives), by node."""

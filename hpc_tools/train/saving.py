@@ -130,8 +130,8 @@ def expand_dir(raw: str) -> tuple[Path | None, str]:
 
 def local_tier(ctx: "RankContext") -> CheckpointDirs | None:
     """The node-local tier's folders on this node: ``<local_dir>/<run folder name>`` (runs that share a local_dir
-    never read each other's checkpoints), or None (not configured, or a variable it names unset on some node: told
-    once). Collective: every rank gets the same answer."""
+    never read each other's checkpoints), or None (not configured, a variable it names unset on some node, or one
+    folder seen by several nodes: told). Collective: every rank gets the same answer."""
     ck = ctx.recipe.checkpoint
     if not ck.local_dir or not ck.local_interval_iters:
         return None
@@ -141,7 +141,19 @@ def local_tier(ctx: "RankContext") -> CheckpointDirs | None:
         if ctx.is_rank0:
             log.warning("%s: the local checkpoint tier is off, every save goes to checkpoint.dir", whys[0])
         return None
-    return CheckpointDirs(root / Path(ctx.run_dir).name, keep_last=ck.keep_last)
+    dirs = CheckpointDirs(root / Path(ctx.run_dir).name, keep_last=ck.keep_last)
+    if node_tier.one_folder(dirs.root, node_tier.Nodes.of(ctx)):
+        if ctx.is_rank0 and str(dirs.root) not in _TOLD:
+            _TOLD.add(str(dirs.root))
+            log.warning("checkpoint.local_dir=%s is the same folder on every node (a shared file system): the local "
+                        "checkpoint tier is off, every save goes to checkpoint.dir (give a node-local path, e.g. "
+                        "$SLURM_TMPDIR/ckpt or /scratch/$SLURMD_NODENAME)", ck.local_dir)
+        return None
+    return dirs
+
+
+_TOLD: set[str] = set()
+"""Local tiers already told to be one folder on every node (the resume and the saver both ask)."""
 
 
 def tiers(ctx: "RankContext") -> tuple[CheckpointDirs, CheckpointDirs | None]:

@@ -17,7 +17,9 @@ that saved it):
    1's disk emptied again: step 6 cannot be restored (its node-1 files are gone), the resume takes step 4, which node
    0 still holds whole;
 4. ``corrupt``: a byte of node 1's copy of step 4 changed: node 1's verification fails, every node sets its step 4
-   aside, the resume falls back to the shared step 3.
+   aside, the resume falls back to the shared step 3;
+5. ``one_folder``: a ``local_dir`` that is the same folder for both nodes (a shared file system given as the local
+   tier): the tier is off, no step is due on it.
 
 Rank 0 writes ``{case: {...}}`` as JSON; tests/integration/test_node_tier.py asserts on it.
 """
@@ -155,6 +157,10 @@ def rank_main(out: Path) -> None:
     dist.barrier()
     infos.clear()
     results["corrupt"] = {"resumed": loop.resume(ctx, engine), "nodes": nodes_hold(), "log": list(infos)}
+    # 5. one folder for both nodes
+    saver = Saver(ctx_for(local_dir=str(work / "one" / "ckpt")), engine)
+    results["one_folder"] = {"local": saver.local is not None, "due_at_2": saver.tier_due(2, 10, False),
+                             "left": sorted(p.name for p in (work / "one" / "ckpt" / "run").iterdir())}
     if rank == 0:
         out.write_text(json.dumps(results, indent=1))
     dist.barrier()

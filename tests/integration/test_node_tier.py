@@ -51,3 +51,8 @@ def test_a_corrupt_copy_on_one_node_sets_the_checkpoint_aside_on_every_node(resu
     assert r["resumed"] == 3  # the shared tier's step 3
     for node in r["nodes"]:
         assert "iter_0000004" not in node and "SET_ASIDE.txt" in node["iter_0000004.bad-checksum"]
+
+
+def test_a_local_dir_that_is_one_folder_for_every_node_is_refused(results):
+    r = results["one_folder"]
+    assert r == {"local": False, "due_at_2": None, "left": []}  # tier off, nothing due, the probes removed
