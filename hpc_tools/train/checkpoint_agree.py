@@ -13,7 +13,7 @@ from typing import Any, Iterable
 from hpc_tools.checkpoints.verify import ALGORITHM, Problem, record_share, verify_share
 
 
-def _dist():
+def live_dist():
     try:
         import torch.distributed as dist
     except ImportError:
@@ -22,13 +22,13 @@ def _dist():
 
 
 def rank_and_world() -> tuple[int, int]:
-    dist = _dist()
+    dist = live_dist()
     return (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
 
 
 def gather(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank (one all_gather_object; only at save and resume)."""
-    dist = _dist()
+    dist = live_dist()
     if dist is None:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
@@ -36,14 +36,17 @@ def gather(obj: Any) -> list[Any]:
     return out
 
 
-def gather_records(folder: Path, *, checksum: bool, exclude: Iterable[str] = ()) -> dict[str, Any]:
+def gather_records(folder: Path, *, checksum: bool, exclude: Iterable[str] = (),
+                   share: tuple[int, int] | None = None) -> dict[str, Any]:
     """Collective at save: every rank records its share of ``folder``; returns the meta's ``files`` value (on every
-    rank): ``{"algorithm", "world_size", "by_rank": {"0": {...}, ...}, "seconds": slowest rank}``."""
-    rank, world = rank_and_world()
+    rank): ``{"algorithm", "world_size", "by_rank": {"0": {...}, ...}, "seconds": slowest rank}``. ``share`` =
+    (index, count) among the ranks that see the same copy of ``folder`` (a node-local one: the node's ranks, each
+    recording its node's own files); default: every rank, one copy."""
+    index, count = share or rank_and_world()
     t0 = time.perf_counter()
-    mine = record_share(folder, rank, world, checksum=checksum, exclude=exclude)
+    mine = record_share(folder, index, count, checksum=checksum, exclude=exclude)
     lists = gather((mine, time.perf_counter() - t0))
-    return {"algorithm": ALGORITHM if checksum else None, "world_size": world,
+    return {"algorithm": ALGORITHM if checksum else None, "world_size": len(lists),
             "by_rank": {str(r): entries for r, (entries, _) in enumerate(lists)},
             "seconds": max(s for _, s in lists)}
 

@@ -5,7 +5,8 @@ share of a save, the copy of a node's files to its peer, and the assembly of a c
 Each node has its own ``local_dir`` (node-local disk: the same path string, a different disk). A save to the tier::
 
     every rank writes into <local_dir>/iter_N.partial on its own node (the backend's own files)
-    records(...)     every rank records (size, checksum) a share of the files its node wrote; gathered: the meta
+    gather_records   every rank records (size, checksum) a share of the files its node wrote (checkpoint_agree,
+                     share = the node's ranks); gathered: the meta
     replicate(...)   node leaders (the lowest rank of each node): node i's files are copied to node i+1 (mod nodes),
                      over a gloo group of the leaders, when checkpoint.local_replicate (the default)
     commit           every leader renames its node's folder to iter_N, with the same meta, and moves `latest`
@@ -24,14 +25,14 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from hpc_tools.checkpoints.dirs import META, CheckpointDirs
-from hpc_tools.checkpoints.verify import ALGORITHM, listing, record_share, recorded
+from hpc_tools.checkpoints.verify import listing, recorded
 from hpc_tools.train import groups
+from hpc_tools.train.checkpoint_agree import gather, live_dist
 
 if TYPE_CHECKING:
     from hpc_tools.runtime.context import RankContext
@@ -41,19 +42,6 @@ CHUNK = 16 << 20
 
 Move = tuple[str, int, int, int]
 """One file's copy: (name relative to the checkpoint folder, from node, to node, size in bytes)."""
-
-
-def _dist():
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def gather(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` in rank order, on every rank (one all_gather_object; at save and resume only)."""
-    from hpc_tools.train import checkpoint_agree
-
-    return checkpoint_agree.gather(obj)
 
 
 def node_key(ctx: "RankContext") -> tuple[int, str]:
@@ -89,7 +77,7 @@ class Nodes:
     @classmethod
     def of(cls, ctx: "RankContext") -> "Nodes":
         """Collective (every rank, the same call order): built once per process and kept."""
-        dist = _dist()
+        dist = live_dist()
         key = (ctx.rank, ctx.dist.world_size, id(dist.group.WORLD) if dist is not None else None, groups.generation())
         if key not in _NODES:
             keys = gather(node_key(ctx))
@@ -148,18 +136,6 @@ def own_files(folder: Path, nodes: Nodes) -> list[dict[str, int] | None]:
     mine = listing(folder, exclude=[META]) if nodes.is_leader else None
     everyone = gather(mine)
     return [everyone[r] for r in nodes.leaders]
-
-
-def records(folder: Path, nodes: Nodes, *, checksum: bool) -> dict[str, Any]:
-    """Collective: the meta's ``files`` value when every node has written its own files into ``folder``: each rank
-    records a share of its node's files (``checkpoint_agree.gather_records`` for node-local folders)."""
-    t0 = time.perf_counter()
-    index, count = nodes.share
-    mine = record_share(folder, index, count, checksum=checksum, exclude=[META])
-    lists = gather((mine, time.perf_counter() - t0))
-    return {"algorithm": ALGORITHM if checksum else None, "world_size": len(lists),
-            "by_rank": {str(r): entries for r, (entries, _) in enumerate(lists)},
-            "seconds": max(s for _, s in lists)}
 
 
 def replica_moves(own: Sequence[dict[str, int] | None]) -> list[Move]:
@@ -279,6 +255,6 @@ def transfer(nodes: Nodes, moves: Sequence[Move], *, source: Path, target: Path)
 
 
 def _barrier() -> None:
-    dist = _dist()
+    dist = live_dist()
     if dist is not None:
         dist.barrier()

@@ -342,16 +342,16 @@ class Saver:
                               str(p.dirs.partial_path(p.step)), note=errors[0])
         partial = p.dirs.partial_path(p.step)
         _barrier()
-        if p.tier == LOCAL:  # each node its own folder: its own files recorded, copied to the next node
-            files = node_tier.records(partial, self.nodes, checksum=self.checksum)
+        from hpc_tools.train import checkpoint_agree
+
+        local = p.tier == LOCAL  # each node its own folder: its own files recorded, then copied to the next node
+        files = checkpoint_agree.gather_records(partial, exclude=[META], checksum=self.checksum,
+                                                share=self.nodes.share if local else None)
+        if local:
             own = node_tier.own_files(partial, self.nodes)
             if self.replicate and self.nodes.is_leader:
                 node_tier.transfer(self.nodes, node_tier.replica_moves(own), source=partial, target=partial)
             _barrier()
-        else:
-            from hpc_tools.train import checkpoint_agree
-
-            files = checkpoint_agree.gather_records(partial, exclude=[META], checksum=self.checksum)
         final = p.dirs.final_path(p.step)
         if self._leads(p.dirs):
             meta = {**self.engine.checkpoint_meta(p.step), "tier": p.tier, "async": p.write is not None}
