@@ -103,7 +103,8 @@ the resume both ask."""
 def one_folder(root: Path, nodes: Nodes) -> bool:
     """Collective: whether ``root`` is the same folder on every node (a shared file system given as the node-local
     tier: the leaders would write and rename one folder at once). Each leader writes a probe file named by a token of
-    this call and its node, then looks for another node's; answered once per folder and generation of groups."""
+    this call and its node, then looks for another node's, and removes its own before any rank returns; answered once
+    per folder and generation of groups."""
     if nodes.count < 2:
         return False
     key = (str(root), groups.generation())
@@ -120,10 +121,10 @@ def one_folder(root: Path, nodes: Nodes) -> bool:
                 pass  # an unusable folder is told by the save's room check
         _barrier()
         seen = nodes.is_leader and any(p != probe for p in root.glob(f".node-probe-{token}-*"))
-        _ONE_FOLDER[key] = any(gather(seen))
-        _barrier()
+        _ONE_FOLDER[key] = any(gather(seen))  # collective: every leader has looked before any probe goes
         if nodes.is_leader:
             probe.unlink(missing_ok=True)
+        _barrier()  # every probe is gone on return, on every rank (a caller may list the folder next)
     return _ONE_FOLDER[key]
 
 
