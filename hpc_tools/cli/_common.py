@@ -13,7 +13,8 @@ RUN_REF = "run folder, run id (or unique prefix) or Slurm job id"
 def add_recipe_args(p: argparse.ArgumentParser, nargs: str | None = None) -> None:
     p.add_argument("recipe", nargs=nargs, help="recipe YAML file" + ("s" if nargs in ("+", "*") else ""))
     add_overrides(p, "override a recipe value (repeatable; the value is read as YAML), "
-                     "e.g. --set parallel.tensor_size=4")
+                     "e.g. --set parallel.tensor_size=4; --set local.SECTION.KEY=VALUE sets a value of the "
+                     "recipe's local profile (used when the profile is, checked either way)")
     p.add_argument("--profile", choices=["local"], default=None,
                    help="apply the recipe's local profile (small model and CPU layout)")
 

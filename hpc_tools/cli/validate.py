@@ -15,7 +15,8 @@ HELP = ("check recipes (schema, layout arithmetic, backend rules, memory fit, th
 DESCRIPTION = HELP + """
 
 Each violation is one line: FIELD=VALUE RULE (FIX). Exit 0 when valid, 2 otherwise.
-A recipe with a `local:` profile is checked as written and with the profile applied.
+A recipe with a `local:` profile is checked as written and with the profile applied
+(--set local.SECTION.KEY=VALUE sets a value of that profile).
 
 A recipe that passes its own rules is then checked against the world (skip with --offline):
   files here     data.paths, data.blend prefixes (.bin/.idx), data.tokenizer, checkpoint.load_path,
@@ -52,7 +53,8 @@ def check(path: str, overrides: list[str], profile: str | None, fit: bool, world
     from hpc_tools.recipe.load import read_yaml, resolve
 
     try:
-        recipe = resolve(read_yaml(path), overrides, profile, path)
+        # without the profile, --set local.… values are not checked here: the profile's own check (next) reports them
+        recipe = resolve(read_yaml(path), overrides, profile, path, check_profile=False)
         violations = fit_violations(recipe) if fit else []
     except RecipeError as exc:
         violations = exc.violations
@@ -75,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
 
     results = []
     for path in args.recipe:
-        profiles = [args.profile] if args.profile else [None] + (["local"] if _has_local(read_yaml(path)) else [])
+        profiles = [args.profile] if args.profile else \
+            [None] + (["local"] if _has_local(read_yaml(path), args.overrides) else [])
         for profile in profiles:
             results.append({"recipe": path, "profile": profile,
                             "errors": check(path, args.overrides, profile, not args.no_fit, not args.offline)})
@@ -133,5 +136,8 @@ def _rules(as_json: bool) -> int:
     return 0
 
 
-def _has_local(raw: dict) -> bool:
-    return raw.get("local") is not None
+def _has_local(raw: dict, overrides: list[str]) -> bool:
+    """Whether the recipe has a local profile, in its file or made by --set local.SECTION.KEY=VALUE."""
+    from hpc_tools.recipe.load import apply_overrides, split_profile_overrides
+
+    return apply_overrides(raw, split_profile_overrides(overrides)[0]).get("local") is not None

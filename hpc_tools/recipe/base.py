@@ -108,8 +108,10 @@ class Section(BaseModel):
         # Before type coercion: a 400-digit integer is refused before pydantic turns it into a float, and nested
         # sections (mappings of their own fields) are left to their own guard so errors keep their full path.
         if isinstance(data, dict):
-            kinds = _field_kinds(cls)
-            _refuse([(name, value, check_value(value, multiline=kinds[name][1])) for name, value in data.items()
+            kinds, scalars = _field_kinds(cls), _field_scalars(cls)
+            data = {name: _as_bool(value, scalars[name]) if name in scalars else value for name, value in data.items()}
+            _refuse([(name, value, check_value(value, multiline=kinds[name][1]) or check_scalar(value, scalars[name]))
+                     for name, value in data.items()
                      if name in kinds and not (isinstance(value, BaseModel) or
                                                (isinstance(value, dict) and kinds[name][0]))])
         return data
@@ -136,6 +138,109 @@ def _field_kinds(cls: type[BaseModel]) -> dict[str, tuple[bool, bool]]:
         kinds = {name: (_holds_section(f), MULTILINE in f.metadata) for name, f in cls.model_fields.items()}
         type.__setattr__(cls, "_hpc_field_kinds", kinds)
     return kinds
+
+
+# --- strict scalar types ----------------------------------------------------------------------------------------------
+# Pydantic's lax mode turns `true` into 1 for an int field and 1 or "1" into True for a bool field: a YAML boolean
+# written for a count (`moe_router_topk: true`) would train with 1. The guard refuses a value whose kind the field's
+# annotation does not name, as the user wrote it. The recipe reader (``recipe/yamlfile.py``) reads YAML 1.2 booleans
+# only (true/false), so `yes`, `no`, `on`, `off` reach the guard as the words written: a bool field takes them as
+# true/false, a number field refuses them quoting the word.
+
+BOOL_WORDS = {"true": True, "false": False, "yes": True, "no": False, "on": True, "off": False}
+"""YAML 1.1's spellings of true and false (PyYAML's safe loader reads these as booleans): a bool field takes them."""
+
+
+def scalar_kinds(annotation: Any) -> tuple[frozenset[str], frozenset[str]]:
+    """(kinds of a scalar value, kinds of a list item) the annotation accepts, each from
+    {"bool", "int", "float", "str", "any"}; a section or a mapping adds nothing (it has a guard of its own, or is
+    walked by ``_as_bool``)."""
+    scalars: set[str] = set()
+    items: set[str] = set()
+
+    def walk(t: Any, into: set[str]) -> None:
+        origin = typing.get_origin(t)
+        if origin is Annotated:
+            walk(typing.get_args(t)[0], into)
+        elif origin in (typing.Union, types.UnionType):
+            for arg in typing.get_args(t):
+                walk(arg, into)
+        elif origin is typing.Literal:
+            into.update("bool" if isinstance(v, bool) else type(v).__name__ for v in typing.get_args(t))
+        elif origin in (list, tuple, set, frozenset):
+            for arg in typing.get_args(t):
+                walk(arg, items)
+        elif origin is dict:
+            if any(arg is Any for arg in typing.get_args(t)):
+                into.add("mapping-any")
+        elif t is Any:
+            into.add("any")
+        elif t in (bool, int, float, str):
+            into.add(t.__name__)
+
+    walk(annotation, scalars)
+    return frozenset(scalars), frozenset(items)
+
+
+def check_scalar(value: Any, kinds: tuple[frozenset[str], frozenset[str]]) -> str | None:
+    """Why ``value`` is of a kind the field does not take (a boolean for a number, a number for a boolean); None
+    when it is not refused here (pydantic checks the rest)."""
+    scalars, items = kinds
+    if isinstance(value, list) and items:
+        for i, item in enumerate(value):
+            why = _scalar_mismatch(item, items)
+            if why:
+                return f"item {i} {why}"
+        return None
+    return _scalar_mismatch(value, scalars)
+
+
+def _scalar_mismatch(value: Any, kinds: frozenset[str]) -> str | None:
+    if not kinds or "any" in kinds:
+        return None
+    numbers = kinds & {"int", "float"}
+    noun = "an integer" if "float" not in numbers else "a number"
+    if isinstance(value, bool) and "bool" not in kinds and numbers:
+        return f"is a boolean (YAML reads true and false as booleans), not a number -- give {noun}"
+    if isinstance(value, str) and value.lower() in BOOL_WORDS and "str" not in kinds and numbers:
+        return f"is a word for true or false, not a number -- give {noun}"
+    if "bool" in kinds and not numbers and "str" not in kinds:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return "is a number, not true or false -- give true or false"
+        if isinstance(value, str) and value.lower() not in BOOL_WORDS:
+            return "is a string, not true or false -- give true or false"
+    return None
+
+
+def _as_bool(value: Any, kinds: tuple[frozenset[str], frozenset[str]]) -> Any:
+    """``value`` with YAML 1.1 boolean words read as booleans where the field takes a boolean and no string (and, in
+    a mapping of anything such as ``config_overrides``, at any depth: the library it is passed to reads JSON
+    booleans)."""
+    scalars, _ = kinds
+    if isinstance(value, str) and value.lower() in BOOL_WORDS and "bool" in scalars and "str" not in scalars:
+        return BOOL_WORDS[value.lower()]
+    if "mapping-any" in scalars and isinstance(value, dict):
+        return _words_as_bools(value)
+    return value
+
+
+def _words_as_bools(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _words_as_bools(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_words_as_bools(v) for v in value]
+    if isinstance(value, str) and value.lower() in BOOL_WORDS:
+        return BOOL_WORDS[value.lower()]
+    return value
+
+
+def _field_scalars(cls: type[BaseModel]) -> dict[str, tuple[frozenset[str], frozenset[str]]]:
+    """{field: scalar_kinds of its annotation} of a section class, worked out once per class."""
+    found = cls.__dict__.get("_hpc_field_scalars")
+    if found is None:
+        found = {name: scalar_kinds(f.annotation) for name, f in cls.model_fields.items()}
+        type.__setattr__(cls, "_hpc_field_scalars", found)
+    return found
 
 
 def _holds_section(field) -> bool:

@@ -5,7 +5,8 @@ Precedence, lowest to highest (the one place it is decided):
     2. the site file (``hpc_tools.recipe.site``: $HPC_TOOLS_SITE or ~/.config/hpc_tools/site.yaml), merged under every
        recipe file ``read_yaml`` reads (a run folder's resolved recipe is complete and never gets it again),
     3. the recipe file,
-    4. its `local:` profile, when the job runs locally or with `--profile local`,
+    4. its `local:` profile, when the job runs locally or with `--profile local` (`--set local.section.key=value`
+       sets a value of the profile itself: applied with it, and checked against the schema whether or not it is),
     5. `--set section.key=value` overrides from the command line, in the order given.
 Mappings merge key by key (a site's `cluster.setup.env` and a recipe's add up); lists and values replace.
 
@@ -24,7 +25,7 @@ from pydantic import ValidationError
 
 from hpc_tools.errors import RecipeError, UserError
 from hpc_tools.recipe.pydantic_errors import violations_from_pydantic
-from hpc_tools.recipe.schema import Recipe
+from hpc_tools.recipe.schema import PROFILE_SECTIONS, Recipe
 from hpc_tools.recipe.site import read_site
 from hpc_tools.recipe.text import printable
 from hpc_tools.recipe.yamlfile import RecipeLimitError, read_recipe_file, safe_yaml
@@ -98,7 +99,19 @@ def apply_profile(raw: dict[str, Any], profile: str | None) -> dict[str, Any]:
         return merged
     if not isinstance(block, dict):
         raise UserError(f"{profile}: must be a mapping of recipe sections (got {type(block).__name__})")
+    unknown = [key for key in block if key not in PROFILE_SECTIONS]
+    if unknown:
+        raise UserError(f"{profile}.{printable(str(unknown[0]))[:80]} is not a section a profile may set "
+                        f"(valid: {', '.join(PROFILE_SECTIONS)})")
     return deep_merge(merged, block)
+
+
+def split_profile_overrides(overrides: Iterable[str]) -> tuple[list[str], list[str]]:
+    """(``--set local.…`` overrides, which set the local profile's own values, the others)."""
+    local, rest = [], []
+    for text in overrides:
+        (local if text.partition("=")[0].strip().split(".")[0] in PROFILES else rest).append(text)
+    return local, rest
 
 
 def build(raw: dict[str, Any], source: str = "recipe") -> Recipe:
@@ -117,7 +130,14 @@ def load_recipe(path: str | Path, overrides: Iterable[str] = (), profile: str | 
 
 
 def resolve(raw: dict[str, Any], overrides: Iterable[str] = (), profile: str | None = None,
-            source: str = "recipe", check: bool = True) -> Recipe:
+            source: str = "recipe", check: bool = True, check_profile: bool = True) -> Recipe:
+    """The typed recipe: ``raw`` with ``profile`` applied and ``overrides`` over it. ``--set local.…`` overrides set
+    the local profile's values (applied with the profile, never dropped); without the profile they are still checked
+    against the schema (with ``check_profile``: ``validate`` checks the profile itself)."""
+    profile_sets, overrides = split_profile_overrides(overrides)
+    raw = apply_overrides(raw, profile_sets)
+    if profile_sets and profile is None and check_profile and raw.get("local") is not None:
+        build(apply_profile(raw, "local"), f"{source} (profile local)")  # the schema only: the values are recipe values
     merged = apply_overrides(apply_profile(raw, profile), overrides)
     if profile is not None:
         merged.pop("local", None)

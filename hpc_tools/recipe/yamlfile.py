@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,14 @@ class RecipeLoader(yaml.SafeLoader):
 
 
 RecipeLoader.add_constructor("tag:yaml.org,2002:int", RecipeLoader.construct_yaml_int)
+# YAML 1.2 booleans: only true/false (any of PyYAML's three casings) are booleans; YAML 1.1's yes/no/on/off stay the
+# words written, so that a number field refusing one quotes it as written (`restarts=yes`, not `restarts=true`); a
+# bool field takes them as true/false (``recipe.base.BOOL_WORDS``).
+RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                   list("tTfF"))
 
 def expanded_size(node: yaml.Node, limit: int = MAX_NODES) -> int:
     """Values in the YAML tree once aliases are expanded, counted without expanding them (memoised per node);
