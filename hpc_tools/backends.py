@@ -57,6 +57,8 @@ class Backend:
     """``parallel.sequence_parallel`` (with tensor parallelism: norms and dropout on sequence shards)."""
     interleaved_pipeline: bool = False
     """``parallel.virtual_pipeline_size`` > 1."""
+    uneven_pipeline: bool = False
+    """``parallel.num_layers_in_first_pipeline_stage`` / ``..._last_...``: first and last stages of their own length."""
     pipeline_parallel: bool = True
     """``parallel.pipeline_size`` > 1 (False: every rank holds every layer; data parallelism only)."""
     selective_recompute: bool = False
@@ -105,7 +107,8 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
     Backend(kind="megatron", summary="Megatron-core GPT/Llama/MoE: tensor, pipeline (1F1B / interleaved), data, "
             "context and expert parallelism, sequence parallelism, distributed optimizer, FP8",
             trainer="hpc_tools.train.megatron.trainer", trains_model=True, options="megatron",
-            tensor_parallel=True, sequence_parallel=True, interleaved_pipeline=True, selective_recompute=True,
+            tensor_parallel=True, sequence_parallel=True, interleaved_pipeline=True, uneven_pipeline=True,
+            selective_recompute=True,
             experts=True, expert_parallel=True, context_parallel=True, fp8=True, multi_latent_attention=True,
             pads_vocab=True, async_save=True,
             reads_init_from_hf=True, hf_export="hpc_tools.train.megatron.hf_export:export_checkpoint",

@@ -38,6 +38,10 @@ class ParallelLayout:
     expert_tensor_size: int | None = None
     """ETP: tensor-parallel degree inside an expert; None (when built by hand) = tensor_size, Megatron's default.
     ``from_recipe`` resolves the recipe's null to 1 when the model has experts."""
+    first_stage_layers: int | None = None
+    """Layers on the first pipeline stage (``parallel.num_layers_in_first_pipeline_stage``); None = an equal share."""
+    last_stage_layers: int | None = None
+    """Layers on the last pipeline stage (``parallel.num_layers_in_last_pipeline_stage``); None = an equal share."""
 
     def __post_init__(self) -> None:
         if self.expert_tensor_size is None:
@@ -61,7 +65,8 @@ class ParallelLayout:
                    pipeline_size=p.pipeline_size, data_size=data, virtual_pipeline_size=p.virtual_pipeline_size,
                    sequence_parallel=p.sequence_parallel, micro_batch_size=t.micro_batch_size,
                    global_batch_size=global_batch, context_size=p.context_size, expert_size=p.expert_size,
-                   expert_tensor_size=etp)
+                   expert_tensor_size=etp, first_stage_layers=p.num_layers_in_first_pipeline_stage,
+                   last_stage_layers=p.num_layers_in_last_pipeline_stage)
 
     @property
     def world_size(self) -> int:
@@ -122,6 +127,17 @@ class ParallelLayout:
         v = self.virtual_pipeline_size if self.interleaved else 1
         return (self.pipeline_size - 1) / (v * self.num_microbatches)
 
+    @property
+    def uneven(self) -> bool:
+        """The first or the last pipeline stage has a layer count of its own (Megatron-core's uneven stages)."""
+        return self.first_stage_layers is not None or self.last_stage_layers is not None
+
+    def stage_chunks(self, num_layers: int) -> tuple[tuple[range, ...], ...] | None:
+        """The layers of each model chunk of each pipeline stage (``pipeline_chunks``); None when this layout cannot
+        split ``num_layers`` (a rule reports it)."""
+        return pipeline_chunks(num_layers, self.pipeline_size, self.virtual_pipeline_size if self.interleaved else 1,
+                               self.first_stage_layers, self.last_stage_layers)
+
     def deepspeed_batch(self) -> dict[str, int]:
         """DeepSpeed's batch triple; train_batch_size = micro x accumulation x data-parallel size."""
         return {
@@ -143,6 +159,8 @@ class ParallelLayout:
 
     def describe(self) -> str:
         vpp = f"xVPP{self.virtual_pipeline_size}" if self.interleaved else ""
+        if self.uneven:
+            vpp += f"({uneven_label(self.first_stage_layers, self.last_stage_layers)})"
         sp = "+SP" if self.sequence_parallel else ""
         cp = f"xCP{self.context_size}" if self.context_size > 1 else ""
         ep = (f", EP{self.expert_size}xETP{self.expert_tensor_size}xEDP{self.expert_data_size}"
@@ -150,3 +168,76 @@ class ParallelLayout:
         return (f"TP{self.tensor_size}xPP{self.pipeline_size}{vpp}{cp}xDP{self.data_size}{sp}{ep} on {self.nodes}x"
                 f"{self.ranks_per_node} ranks, micro {self.micro_batch_size}, global {self.global_batch_size}, "
                 f"{self.num_microbatches} microbatches")
+
+
+def uneven_label(first: int | None, last: int | None) -> str:
+    """``first 3, last 2``: the stages an uneven split sets (for layout labels)."""
+    return ", ".join(f"{name} {n}" for name, n in (("first", first), ("last", last)) if n is not None)
+
+
+def middle_stage_layers(num_layers: int, pipeline: int, first: int | None, last: int | None) -> tuple[int, int]:
+    """(layers left for the middle stages, middle stages): what the first and last stages' own counts leave, in
+    Megatron-core's sense (a stage without a count of its own is a middle stage)."""
+    return (num_layers - (first or 0) - (last or 0),
+            pipeline - (first is not None) - (last is not None))
+
+
+def pipeline_chunks(num_layers: int, pipeline: int, virtual: int = 1, first: int | None = None,
+                    last: int | None = None) -> tuple[tuple[range, ...], ...] | None:
+    """Which layers each pipeline stage builds: ``[stage][chunk]`` is the range of (global, 0-based) layer indices of
+    model chunk ``chunk`` of ``stage``, as Megatron-core assigns them (``get_num_layers_to_build`` and
+    ``get_transformer_layer_offset``, 0.16). Even stages: chunk j of stage s holds the equal chunk ``s + p j``.
+    Uneven stages: the first (last) stage holds ``first`` (``last``) layers, split into ``virtual`` equal chunks, and
+    the middle stages an equal share of the rest; chunk j of every stage comes from round j of ``num_layers /
+    virtual`` layers. None when the split is not one Megatron-core builds: a count not divisible by ``virtual``, or
+    not divisible over the middle stages, or a stage left with no layers (Megatron-core 0.16 itself accepts a
+    negative middle count and a count on PP1; the recipe's rules refuse both)."""
+    v = virtual
+    if pipeline < 1 or v < 1 or num_layers < 1:
+        return None
+    if first is None and last is None:
+        if num_layers % (pipeline * v):
+            return None
+        per = (num_layers // (pipeline * v),) * pipeline
+    else:
+        if pipeline < 2 or any(n is not None and (n < 1 or n % v) for n in (first, last)):
+            return None
+        middle, stages = middle_stage_layers(num_layers, pipeline, first, last)
+        if middle < 0 or (stages == 0) != (middle == 0) or (stages and (middle % stages or middle // stages % v)):
+            return None
+        share = middle // stages if stages else 0
+        counts = [share] * pipeline
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+        per = tuple(n // v for n in counts)
+    round_size = sum(per)
+    starts = [sum(per[:s]) for s in range(pipeline)]
+    return tuple(tuple(range(j * round_size + starts[s], j * round_size + starts[s] + per[s]) for j in range(v))
+                 for s in range(pipeline))
+
+
+def uneven_splits(num_layers: int, pipeline: int, virtual: int = 1) -> list[tuple[int | None, int | None]]:
+    """The uneven splits worth trying when ``pipeline`` x ``virtual`` does not divide ``num_layers``: (first, last)
+    stage counts with the middle stages' share the smallest that fits (a multiple of ``virtual``) and the first and
+    last stages no longer than it: the rest split over both ends (both orders), or left on one end. Empty when no such
+    split exists (PP1, or too few layers)."""
+    v = virtual
+    if pipeline < 2 or num_layers < pipeline:
+        return []
+    share = -(-num_layers // pipeline)
+    share += -share % v
+    out: list[tuple[int | None, int | None]] = []
+    rest = num_layers - (pipeline - 2) * share  # left for the two end stages
+    if pipeline == 2:
+        rest = num_layers
+    half = rest // 2 - rest // 2 % v
+    for first in (half, rest - half):
+        last = rest - first
+        if v <= first <= share and v <= last <= share and first % v == 0 and last % v == 0:
+            out.append((first, last))
+    one = num_layers - (pipeline - 1) * share  # left for one end stage
+    if pipeline > 2 and v <= one < share and one % v == 0:
+        out += [(one, None), (None, one)]
+    return [s for s in dict.fromkeys(out) if pipeline_chunks(num_layers, pipeline, v, *s) is not None]

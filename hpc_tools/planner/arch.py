@@ -12,6 +12,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from hpc_tools import backends
+from hpc_tools.layout import pipeline_chunks
 
 if TYPE_CHECKING:
     from hpc_tools.recipe.model import ModelConfig
@@ -145,26 +146,42 @@ def pieces(arch: Arch, tensor: int = 1) -> Pieces:
 
 
 @lru_cache(maxsize=4096)
-def stage_layer_counts(arch: Arch, pipeline: int, stage: int, virtual: int = 1) -> tuple[int, int]:
-    """(dense layers, MoE layers) on pipeline stage ``stage``: its ``virtual`` model chunks are chunks
-    ``stage + p j`` of the ``p v`` equal chunks (Megatron's interleaved assignment)."""
-    per_stage = arch.layers // pipeline
+def stage_layer_counts(arch: Arch, pipeline: int, stage: int, virtual: int = 1, first: int | None = None,
+                       last: int | None = None) -> tuple[int, int]:
+    """(dense layers, MoE layers) on pipeline stage ``stage``, the layers Megatron-core assigns its ``virtual``
+    model chunks (``layout.pipeline_chunks``: even stages, chunks ``stage + p j`` of the ``p v`` equal chunks;
+    uneven ones, ``first`` / ``last`` layers on the first / last stage and equal shares of the rest between)."""
+    chunks = pipeline_chunks(arch.layers, pipeline, virtual, first, last)
+    if chunks is None:  # a split the rules refuse (never planned): equal shares, rounded down
+        chunk = arch.layers // (pipeline * virtual)
+        chunks = tuple(tuple(range((s + pipeline * j) * chunk, (s + pipeline * j + 1) * chunk) for j in range(virtual))
+                       for s in range(pipeline))
+    mine = chunks[stage]
+    n = sum(len(c) for c in mine)
     if not arch.moe:
-        return per_stage, 0
-    chunk = arch.layers // (pipeline * virtual)
-    n_moe = sum(sum(arch.moe_flags[c * chunk:(c + 1) * chunk]) for c in range(stage, pipeline * virtual, pipeline))
-    return per_stage - n_moe, n_moe
+        return n, 0
+    n_moe = sum(sum(arch.moe_flags[c.start:c.stop]) for c in mine)
+    return n - n_moe, n_moe
 
 
-def busiest_moe_stage(arch: Arch, pipeline: int, virtual: int = 1) -> int | None:
-    """The middle pipeline stage with the most MoE layers (the earliest of them: it holds the most microbatches in
-    flight) when it holds more than the first stage (a ``moe_layer_freq`` list such as DeepSeek-V3's, dense layers
-    first, loads the stages unevenly, and middle stages then can hold more than the first); None otherwise."""
-    if not arch.moe or pipeline < 3:
+def busiest_moe_stage(arch: Arch, pipeline: int, virtual: int = 1, first: int | None = None,
+                      last: int | None = None) -> int | None:
+    """The middle pipeline stage with the most MoE layers, then the most layers (the earliest of them: it holds the
+    most microbatches in flight) when it holds more than the first stage; None otherwise. A ``moe_layer_freq`` list
+    such as DeepSeek-V3's (dense layers first) loads the stages unevenly, and so does a first stage shorter than the
+    middle ones (uneven stages): a middle stage then can hold more than the first, and is planned too."""
+    if pipeline < 3 or (not arch.moe and first is None and last is None):
         return None
-    counts = [stage_layer_counts(arch, pipeline, s, virtual)[1] for s in range(pipeline)]
-    best = max(range(1, pipeline - 1), key=lambda s: (counts[s], -s))
-    return best if counts[best] > counts[0] else None
+    counts = [stage_layer_counts(arch, pipeline, s, virtual, first, last) for s in range(pipeline)]
+    load = [(n_moe, n_dense + n_moe) for n_dense, n_moe in counts]
+    best = max(range(1, pipeline - 1), key=lambda s: (load[s], -s))
+    return best if load[best] > load[0] else None
+
+
+def stage_layers(arch: Arch, pipeline: int, virtual: int = 1, first: int | None = None,
+                 last: int | None = None) -> int:
+    """Layers on the longest pipeline stage: the stage that sets the pipeline's pace (L / p when even)."""
+    return max(sum(stage_layer_counts(arch, pipeline, s, virtual, first, last)) for s in range(pipeline))
 
 
 def total_parameters(arch: Arch) -> int:
@@ -185,14 +202,14 @@ def fsdp_parameters(arch: Arch, tensor: int) -> int:
 
 
 def stage_split(arch: Arch, tensor: int, pipeline: int, stage: int, expert_shards: int = 1,
-                virtual: int = 1) -> tuple[int, int]:
+                virtual: int = 1, first: int | None = None, last: int | None = None) -> tuple[int, int]:
     """(dense, expert) parameters on one GPU of pipeline stage ``stage``. Dense: its dense layers and the non-expert
     part of its MoE layers (attention, norms, router, shared expert: TP-split); the embeddings on the first stage;
     the final norm and output layer on the last (with tied embeddings and p > 1 the last stage holds its own copy of
     the word embedding, whose gradient is all-reduced with the first stage's). Expert: the routed experts of its MoE
     layers split over ``expert_shards`` = EP x ETP GPUs."""
     pc = pieces(arch, tensor)
-    n_dense, n_moe = stage_layer_counts(arch, pipeline, stage, virtual)
+    n_dense, n_moe = stage_layer_counts(arch, pipeline, stage, virtual, first, last)
     n = n_dense * pc.layer + n_moe * pc.moe_layer
     if stage == 0:
         n += pc.word_embedding + pc.position_embedding
@@ -202,6 +219,6 @@ def stage_split(arch: Arch, tensor: int, pipeline: int, stage: int, expert_shard
 
 
 def stage_parameters(arch: Arch, tensor: int, pipeline: int, stage: int, expert_shards: int = 1,
-                     virtual: int = 1) -> int:
+                     virtual: int = 1, first: int | None = None, last: int | None = None) -> int:
     """Parameters on one GPU of pipeline stage ``stage`` (``stage_split``: dense + expert)."""
-    return sum(stage_split(arch, tensor, pipeline, stage, expert_shards, virtual))
+    return sum(stage_split(arch, tensor, pipeline, stage, expert_shards, virtual, first, last))

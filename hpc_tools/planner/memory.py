@@ -334,9 +334,9 @@ def stage_activation_bytes(arch: Arch, k: Knobs, stage: int) -> tuple[float, flo
     """(activations held at the stage's peak, recompute working set) in bytes for one GPU of ``stage``."""
     lay, v = k.layout, k.virtual
     p, m = lay.pipeline_size, lay.num_microbatches
-    chunk_layers = arch.layers // (p * v)
     chunks = _chunks_in_flight(p, v, max(m, 1), stage)
-    n_dense, n_moe = stage_layer_counts(arch, p, stage, v)
+    n_dense, n_moe = stage_layer_counts(arch, p, stage, v, lay.first_stage_layers, lay.last_stage_layers)
+    chunk_layers = (n_dense + n_moe) // v  # this stage's chunks (uneven stages: its own length)
     # Hugging Face models have no selective recompute; with fused attention it changes nothing anyway.
     recompute = "none" if not k.row.selective_recompute and k.recompute == "selective" else k.recompute
     if recompute != "full":
@@ -435,14 +435,16 @@ def stage_memory(arch: Arch, k: Knobs, stage: int, on_gpu: bool = True) -> Stage
         n = fsdp_parameters(arch, lay.tensor_size)
         params, grads, optim = fsdp_state_bytes(n, k.shard_group)
     elif k.zero:
-        n = stage_parameters(arch, lay.tensor_size, lay.pipeline_size, stage)
+        n = stage_parameters(arch, lay.tensor_size, lay.pipeline_size, stage, first=lay.first_stage_layers,
+                             last=lay.last_stage_layers)
         params, grads, optim = zero_state_bytes(n, lay.data_size, k.zero_stage, k.precision, k.offload_optimizer,
                                                 k.offload_param)
     else:
         # dense parameters: reduced and (distributed optimizer) sharded over DP x CP; routed experts, split over
         # EP x ETP, over the expert-data-parallel group EDP = world / (PP x ETP x EP)
         dense, expert = stage_split(arch, lay.tensor_size, lay.pipeline_size, stage,
-                                    lay.expert_size * lay.expert_tensor_size, k.virtual)
+                                    lay.expert_size * lay.expert_tensor_size, k.virtual, lay.first_stage_layers,
+                                    lay.last_stage_layers)
         n = dense + expert
         params, grads, optim = megatron_state_bytes(dense, lay.dense_grad_size, k.precision, k.distributed_optimizer)
         if expert:
@@ -463,14 +465,16 @@ def stage_memory(arch: Arch, k: Knobs, stage: int, on_gpu: bool = True) -> Stage
 
 def estimate_memory(arch: Arch, k: Knobs, on_gpu: bool = True) -> MemoryPlan:
     """Memory of the first and last pipeline stages; the peak is the larger (middle stages hold less than the
-    first: fewer microbatches in flight and no embedding), unless a middle stage holds more MoE layers than the first
-    (``busiest_moe_stage``), which is then planned too, between them."""
-    p = k.layout.pipeline_size
+    first: fewer microbatches in flight and no embedding), unless a middle stage holds more MoE layers or more
+    layers than the first (``busiest_moe_stage``: MoE layers placed unevenly, or uneven stages with a shorter
+    first stage), which is then planned too, between them."""
+    lay = k.layout
+    p = lay.pipeline_size
     first = stage_memory(arch, k, 0, on_gpu)
     if p == 1:
         return MemoryPlan((first,), first)
     last = stage_memory(arch, k, p - 1, on_gpu)
-    middle = busiest_moe_stage(arch, p, k.virtual)
+    middle = busiest_moe_stage(arch, p, k.virtual, lay.first_stage_layers, lay.last_stage_layers)
     stages = (first, last) if middle is None else (first, stage_memory(arch, k, middle, on_gpu), last)
     return MemoryPlan(stages, max(stages, key=lambda st: st.total))
 

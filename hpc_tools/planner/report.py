@@ -90,7 +90,8 @@ def print_plan(plan: Plan) -> None:
     con.print(mem)
     if len(plan.memory.stages) > 1:
         first, last = plan.memory.stages[0], plan.memory.stages[-1]
-        middle = (f"; stage {plan.memory.stages[1].stage}, the one with the most MoE layers, "
+        busiest = "MoE layers" if plan.knobs.moe else "layers"
+        middle = (f"; stage {plan.memory.stages[1].stage}, the middle one with the most {busiest}, "
                   f"{count(plan.memory.stages[1].params)} parameters, {plan.memory.stages[1].total / div:.2f} {unit}"
                   if len(plan.memory.stages) > 2 else "; middle stages hold less than the first")
         con.print(f"Per GPU: first stage {count(first.params)} parameters, {first.total / div:.2f} {unit}; last stage "

@@ -16,7 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hpc_tools.planner.arch import Arch, busiest_moe_stage, fsdp_parameters, pieces, stage_layer_counts, stage_split
+from hpc_tools.planner.arch import (
+    Arch,
+    busiest_moe_stage,
+    fsdp_parameters,
+    pieces,
+    stage_layer_counts,
+    stage_layers,
+    stage_split,
+)
 from hpc_tools.planner.hardware import Hardware
 from hpc_tools.planner.knobs import Knobs
 
@@ -108,13 +116,17 @@ def estimate_step_time(arch: Arch, k: Knobs, hw: Hardware, flops: tuple[float, .
                    + (hardware_flops - gemm_flops) / (hw.peak_flops * efficiency)) / lay.world_size
     else:
         compute = hardware_flops / lay.world_size / (hw.peak_flops * efficiency)
+    # the pipeline runs at the pace of its longest stage: with uneven stages (or L not a multiple of p) one stage's
+    # layers exceed L / p, and every stage waits for it (the embedding and head are not assigned to stages here)
+    stage_n = stage_layers(arch, p, v, lay.first_stage_layers, lay.last_stage_layers) if p > 1 else arch.layers
+    compute *= stage_n * p / arch.layers
     terms = {COMPUTE: compute, BUBBLE: compute * lay.bubble_fraction}
 
     # TP: per layer and microbatch 2 all-reduces forward and 2 backward of b s h (SP: all-gather + reduce-scatter
     # pairs, same bus bytes) = 8 b s h (t-1)/t elements (Narayanan et al.); full recompute repeats the forward's 2.
     collectives = 6 if k.recompute == "full" else 4
     tp_bw = hw.link_bw(spans_nodes=t > hw.gpus_per_node)
-    terms[TP_COMM] = collectives * _allreduce(e * tok * arch.hidden, t, tp_bw) * (arch.layers // p) * m
+    terms[TP_COMM] = collectives * _allreduce(e * tok * arch.hidden, t, tp_bw) * stage_n * m
 
     # PP: each microbatch crosses each stage boundary forward (activations) and backward (their gradients), v times
     # when interleaved; b s h per message (b s h / t with SP). Taken as exposed (the send of one microbatch is on the
@@ -125,14 +137,16 @@ def estimate_step_time(arch: Arch, k: Knobs, hw: Hardware, flops: tuple[float, .
     if arch.moe:
         terms[EP_COMM] = _expert_comm(arch, k, hw, tok) * m
     if cp > 1:
-        terms[CP_COMM] = _context_comm(arch, k, hw, tok, efficiency) * (arch.layers // p) * m
+        terms[CP_COMM] = _context_comm(arch, k, hw, tok, efficiency) * stage_n * m
 
     if k.fsdp:
         n = fsdp_parameters(arch, t)
     else:
         shards = lay.expert_size * lay.expert_tensor_size
-        stages = {0, p - 1} | ({busiest} if (busiest := busiest_moe_stage(arch, p, v)) is not None else set())
-        split = max((stage_split(arch, t, p, s, shards, v) for s in stages), key=sum)
+        first, last = lay.first_stage_layers, lay.last_stage_layers
+        busiest = busiest_moe_stage(arch, p, v, first, last)
+        stages = {0, p - 1} | ({busiest} if busiest is not None else set())
+        split = max((stage_split(arch, t, p, s, shards, v, first, last) for s in stages), key=sum)
         n = sum(split)
     dp_bw = hw.link_bw(spans_nodes=t * cp * d > hw.gpus_per_node)
     fwd_per_mb, bwd_per_mb = compute / m / 3, 2 * compute / m / 3
@@ -174,7 +188,8 @@ def _expert_comm(arch: Arch, k: Knobs, hw: Hardware, tok: int) -> float:
     else:
         one = e * rep * arch.topk * h * (ep - 1) / ep / bw if ep > 1 else 0.0
     one += _gather(e * rep * arch.topk * h * etp, etp, hw.link_bw(spans_nodes=etp > hw.gpus_per_node))
-    layers = max(stage_layer_counts(arch, lay.pipeline_size, s, k.virtual)[1] for s in range(lay.pipeline_size))
+    layers = max(stage_layer_counts(arch, lay.pipeline_size, s, k.virtual, lay.first_stage_layers,
+                                    lay.last_stage_layers)[1] for s in range(lay.pipeline_size))
     return passes * one * layers
 
 
@@ -269,6 +284,9 @@ def time_notes(k: Knobs, hw: Hardware, efficiency: float, efficiency_source: str
         COMPUTE: f"hardware FLOPs ({convention} convention, recompute={k.recompute}"
                  f"{', MoE: top-k experts per token' if k.moe else ''}) / "
                  f"(peak {hw.peak_flops / 1e12:.0f} TFLOP/s x efficiency {efficiency:.2f}, {efficiency_source}){fp8}"
+                 + (f"; x p x (longest stage's layers) / L: the pipeline runs at its longest stage's pace "
+                    f"(uneven stages: first {lay.first_stage_layers}, last {lay.last_stage_layers})"
+                    if lay.uneven else "")
                  if hw.peak_flops else "no peak",
         BUBBLE: f"compute x (p-1)/(v m) = {lay.bubble_fraction:.3f}",
         TP_COMM: f"{6 if k.recompute == 'full' else 4} x b s h per layer per microbatch, all-reduce busbw "

@@ -16,6 +16,14 @@ class ParallelConfig(Section):
     """Data-parallel degree (d); -1 = infer as world size / (tensor_size x pipeline_size)."""
     virtual_pipeline_size: int | None = Field(default=None, gt=0, le=1 << 10)
     """Model chunks per pipeline stage for the interleaved 1F1B schedule (v); null = not interleaved."""
+    num_layers_in_first_pipeline_stage: int | None = Field(default=None, gt=0, le=100_000)
+    """Transformer layers on the first pipeline stage (Megatron-core's field of the same name); null = an equal share.
+    Uneven stages: the first stage also holds the embedding, so a shorter one evens out memory and time. The layers
+    the first and last stages leave are split equally over the middle stages (each a multiple of
+    virtual_pipeline_size when interleaved, as is this count). Needs pipeline_size > 1 and backend.kind megatron."""
+    num_layers_in_last_pipeline_stage: int | None = Field(default=None, gt=0, le=100_000)
+    """Transformer layers on the last pipeline stage (Megatron-core's field of the same name); null = an equal share.
+    The last stage also holds the final norm, output layer and loss; rules as for the first stage."""
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence across the tensor-parallel group (needs tensor_size > 1)."""
     context_size: int = Field(default=1, gt=0, le=1 << 20)

@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 from hpc_tools import backends
 from hpc_tools.errors import Violation
-from hpc_tools.layout import ParallelLayout
+from hpc_tools.layout import ParallelLayout, middle_stage_layers, pipeline_chunks, uneven_splits
 from hpc_tools.recipe.reads import fields_read
 from hpc_tools.recipe.schema import Recipe
 
@@ -108,12 +108,69 @@ def heads_shape(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
 
 @rule
 def layers_divisible_by_stages(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
-    """model.num_layers is divisible by pipeline_size x virtual_pipeline_size."""
-    chunks = lay.pipeline_size * (r.parallel.virtual_pipeline_size or 1)
+    """model.num_layers is divisible by pipeline_size x virtual_pipeline_size (unless the first or last stage has a
+    layer count of its own: uneven_pipeline_stages checks those)."""
+    p = r.parallel
+    if p.num_layers_in_first_pipeline_stage is not None or p.num_layers_in_last_pipeline_stage is not None:
+        return
+    chunks = lay.pipeline_size * (p.virtual_pipeline_size or 1)
     if r.model.num_layers % chunks:
-        what = "pipeline_size" if not r.parallel.virtual_pipeline_size else "pipeline_size x virtual_pipeline_size"
+        what = "pipeline_size" if not p.virtual_pipeline_size else "pipeline_size x virtual_pipeline_size"
+        splits = (uneven_splits(r.model.num_layers, lay.pipeline_size, p.virtual_pipeline_size or 1)
+                  if backends.of(r).uneven_pipeline else [])
+        uneven = f", or uneven stages: {_split(splits[0])}" if splits else ""
         yield Violation("model.num_layers", r.model.num_layers, f"must be divisible by parallel.{what}={chunks}",
-                        f"use a multiple of {chunks} layers, or {_try(divisors(r.model.num_layers))} for that product")
+                        f"use a multiple of {chunks} layers, or {_try(divisors(r.model.num_layers))} for that "
+                        f"product{uneven}")
+
+
+def _split(split: tuple[int | None, int | None]) -> str:
+    """``parallel.num_layers_in_first_pipeline_stage=2 and ...last...=3``: one uneven split, as recipe settings."""
+    return " and ".join(f"parallel.num_layers_in_{end}_pipeline_stage={n}"
+                        for end, n in zip(("first", "last"), split) if n is not None)
+
+
+@rule
+def uneven_pipeline_stages(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """num_layers_in_first/last_pipeline_stage (Megatron-core's uneven stages) need pipeline_size > 1, are multiples
+    of virtual_pipeline_size, and leave layers that split equally over the middle stages (each share a multiple of
+    virtual_pipeline_size), none of them empty."""
+    p, m = r.parallel, r.model
+    first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
+    if (first is None and last is None) or not backends.of(r).uneven_pipeline:
+        return  # even stages: layers_divisible_by_stages; a backend without them: backend_features
+    path, value = ((f"parallel.num_layers_in_{'first' if first is not None else 'last'}_pipeline_stage",
+                    first if first is not None else last))
+    v, pp = p.virtual_pipeline_size or 1, lay.pipeline_size
+    if pp == 1:
+        yield Violation(path, value, "needs parallel.pipeline_size > 1 (it sets one pipeline stage's layers)",
+                        "set pipeline_size >= 2, or leave it null")
+        return
+    for end, n in (("first", first), ("last", last)):
+        if n is not None and n % v:
+            yield Violation(f"parallel.num_layers_in_{end}_pipeline_stage", n,
+                            f"must be a multiple of parallel.virtual_pipeline_size={v} (the stage's {v} model "
+                            "chunks hold equal shares)", f"use {max(n - n % v, v)} or {n - n % v + v}")
+            return
+    if pipeline_chunks(m.num_layers, pp, v, first, last) is not None:
+        return
+    middle, stages = middle_stage_layers(m.num_layers, pp, first, last)
+    given = " + ".join(f"{n} ({end})" for end, n in (("first", first), ("last", last)) if n is not None)
+    if stages == 0 or middle <= 0:
+        what = (f"leaves {middle} of model.num_layers={m.num_layers} layers for {stages} middle stages"
+                if stages else f"gives {given} = {m.num_layers - middle} layers, not model.num_layers={m.num_layers}")
+    elif middle % stages:
+        what = (f"leaves {middle} of model.num_layers={m.num_layers} layers, not divisible by the {stages} middle "
+                f"stages of parallel.pipeline_size={pp}")
+    else:
+        what = (f"leaves {middle // stages} layers per middle stage, not a multiple of "
+                f"parallel.virtual_pipeline_size={v}")
+    splits = uneven_splits(m.num_layers, pp, v)
+    fix = ("leave both null: the stages divide evenly" if m.num_layers % (pp * v) == 0 else
+           f"try {_split(splits[0])}" if splits else
+           f"no uneven split of {m.num_layers} layers fits pipeline_size={pp}"
+           f"{f' x virtual_pipeline_size={v}' if v > 1 else ''}: change pipeline_size")
+    yield Violation(path, value, what + " (Megatron-core's uneven stages)", fix)
 
 
 @rule
@@ -161,10 +218,12 @@ def sequence_parallel_needs_tensor(r: Recipe, lay: ParallelLayout) -> Iterator[V
 
 @rule
 def recompute_layers_fit(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
-    """With full recomputation, recompute_num_layers is at most the layers of one pipeline chunk."""
-    t = r.training
-    chunks = lay.pipeline_size * (r.parallel.virtual_pipeline_size or 1)
-    per_chunk = r.model.num_layers // chunks if r.model.num_layers % chunks == 0 else None
+    """With full recomputation, recompute_num_layers is at most the layers of one pipeline chunk (the longest, with
+    uneven stages)."""
+    t, p = r.training, r.parallel
+    split = pipeline_chunks(r.model.num_layers, lay.pipeline_size, p.virtual_pipeline_size or 1,
+                            p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage)
+    per_chunk = max(len(c) for stage in split for c in stage) if split else None
     if t.recompute_granularity == "full" and per_chunk and t.recompute_num_layers > per_chunk:
         yield Violation("training.recompute_num_layers", t.recompute_num_layers,
                         f"exceeds the {per_chunk} layers of one pipeline chunk", f"use 1..{per_chunk}")
@@ -371,6 +430,13 @@ def backend_features(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     if not row.pipeline_parallel and lay.pipeline_size != 1:
         yield Violation("parallel.pipeline_size", lay.pipeline_size, f"must be 1 with backend.kind={kind} (every rank "
                         "holds every layer)", f"use backend.kind: {_others('pipeline_parallel')} for pipelines")
+    for end, n in (("first", r.parallel.num_layers_in_first_pipeline_stage),
+                   ("last", r.parallel.num_layers_in_last_pipeline_stage)):
+        if n is not None and not row.uneven_pipeline:
+            yield Violation(f"parallel.num_layers_in_{end}_pipeline_stage", n,
+                            f"is not available with backend.kind={kind} (it has no uneven pipeline stages)",
+                            f"set it null, or use backend.kind: {_others('uneven_pipeline')} for uneven stages")
+            break
     if not row.interleaved_pipeline and r.parallel.virtual_pipeline_size not in (None, 1):
         yield Violation("parallel.virtual_pipeline_size", r.parallel.virtual_pipeline_size,
                         f"is not supported by backend.kind={kind}'s pipeline",
