@@ -22,6 +22,9 @@ DS_DEFAULT_BUCKET_ELEMS = 500_000_000
 _MEGATRON_LAYERS = frozenset(b.kind for b in backends.BACKENDS.values() if b.layers == "megatron")
 _ZERO = frozenset(b.kind for b in backends.BACKENDS.values() if b.sharding == "zero")
 _FSDP = frozenset(b.kind for b in backends.BACKENDS.values() if b.sharding == "fsdp")
+# Fields of ``section_updates`` that ``overrides`` writes only where they mean something.
+_ONLY_FULL_RECOMPUTE = frozenset({"recompute_method", "recompute_num_layers"})
+_ONLY_EXPERTS = frozenset({"expert_size", "expert_tensor_size"})
 
 @dataclass(frozen=True, slots=True)
 class Knobs:
@@ -114,67 +117,49 @@ class Knobs:
         return 4 if self.precision == "fp32" else 2
 
     def describe(self) -> str:
-        """Short label, e.g. ``TP2 PP4 VPP2 DP8 SP mb2 rc=selective distopt``."""
+        """Short label naming every dimension the search turns, each always (also at its default), e.g.
+        ``TP2 PP4 VPP2 CP1 DP8 SP EP8xETP1 mb2 rc=selective distopt`` (EPxETP for models with experts)."""
         lay = self.layout
-        parts = [f"TP{lay.tensor_size}", f"PP{lay.pipeline_size}"]
-        if lay.interleaved:
-            parts.append(f"VPP{lay.virtual_pipeline_size}")
-        if lay.context_size > 1:
-            parts.append(f"CP{lay.context_size}")
-        parts += [f"DP{lay.data_size}"] + (["SP"] if lay.sequence_parallel else [])
-        if lay.expert_size > 1 or lay.expert_tensor_size != lay.tensor_size:
+        parts = [f"TP{lay.tensor_size}", f"PP{lay.pipeline_size}", f"VPP{self.virtual}", f"CP{lay.context_size}",
+                 f"DP{lay.data_size}", "SP" if lay.sequence_parallel else "no-SP"]
+        if self.moe:
             parts.append(f"EP{lay.expert_size}xETP{lay.expert_tensor_size}")
         parts.append(f"mb{lay.micro_batch_size}")
-        parts.append(f"rc={self.recompute}")
+        parts.append(f"rc={self.recompute}" + (f"({self.recompute_method},{self.recompute_num_layers})"
+                                                if self.recompute == "full" else ""))
         if self.fp8:
             parts.append(f"fp8-{self.fp8}")
         if self.fsdp:
             s, d = self.shard_group, self.layout.data_size
             parts.append({"ddp": "ddp", "full_shard": "fsdp"}.get(self.fsdp_strategy, f"hsdp{d // s}x{s}"))
-            if self.fsdp_strategy != "ddp" and not self.fsdp_reshard:
-                parts.append("no-reshard")
+            if self.fsdp_strategy != "ddp":
+                parts.append("reshard" if self.fsdp_reshard else "no-reshard")
         elif not self.zero:
             parts.append("distopt" if self.distributed_optimizer else "no-distopt")
         else:
-            parts.append(f"zero{self.zero_stage}")
-            if self.offload_optimizer != "none":
-                parts.append(f"opt->{self.offload_optimizer}")
-            if self.offload_param != "none":
-                parts.append(f"param->{self.offload_param}")
+            parts += [f"zero{self.zero_stage}", f"opt->{self.offload_optimizer}", f"param->{self.offload_param}"]
         return " ".join(parts)
 
     def overrides(self) -> list[str]:
-        """``--set`` strings that turn a recipe into this configuration (global batch pinned explicitly)."""
-        lay = self.layout
-        out = [f"parallel.tensor_size={lay.tensor_size}", f"parallel.pipeline_size={lay.pipeline_size}",
-               f"parallel.virtual_pipeline_size={lay.virtual_pipeline_size if lay.interleaved else 'null'}",
-               "parallel.data_size=-1", f"parallel.sequence_parallel={str(lay.sequence_parallel).lower()}",
-               *self._new_dimensions(),
-               f"training.micro_batch_size={lay.micro_batch_size}",
-               f"training.global_batch_size={lay.global_batch_size}",
-               f"training.recompute_granularity={self.recompute}"]
-        if self.recompute == "full":
-            out += [f"training.recompute_method={self.recompute_method}",
-                    f"training.recompute_num_layers={self.recompute_num_layers}"]
-        section = f"backend.{self.row.options}"
-        out += [f"{section}.{key}={_setting(value)}"
-                for key, value in self._option_updates().items()]
-        return out
-
-    def _new_dimensions(self) -> list[str]:
-        """CP, EP and ETP as ``--set`` strings, only where they differ from the defaults (dense recipes' overrides
-        stay as they were)."""
-        lay, out = self.layout, []
-        if lay.context_size != 1:
-            out.append(f"parallel.context_size={lay.context_size}")
-        if lay.expert_size != 1:
-            out.append(f"parallel.expert_size={lay.expert_size}")
-        if self.moe and lay.expert_tensor_size != 1:
-            out.append(f"parallel.expert_tensor_size={lay.expert_tensor_size}")
+        """``--set`` strings that turn a recipe into this configuration: every field ``section_updates`` writes
+        (global batch pinned explicitly), each always, also where it equals the default or the recipe's value, so
+        that applying them re-plans to this configuration whatever the recipe held. Left out: the full-recompute
+        method and layer count unless the recompute is full, and the expert sizes of a model without experts (the
+        rules hold them at 1 / null there)."""
+        out = []
+        for section, fields in self.section_updates().items():
+            prefix = section if section in ("parallel", "training") else f"backend.{section}"
+            for key, value in fields.items():
+                if key in _ONLY_FULL_RECOMPUTE and self.recompute != "full":
+                    continue
+                if key in _ONLY_EXPERTS and not self.moe:
+                    continue
+                out.append(f"{prefix}.{key}={_setting(value)}")
         return out
 
     def section_updates(self) -> dict[str, dict[str, Any]]:
-        """The same changes as nested field updates per recipe section (for model_copy)."""
+        """The same changes as nested field updates per recipe section (for model_copy). Every field written here is
+        also a ``--set`` of ``overrides`` (a dimension the search turns belongs here, or its rows cannot be applied)."""
         lay = self.layout
         upd: dict[str, dict[str, Any]] = {
             "parallel": {"tensor_size": lay.tensor_size, "pipeline_size": lay.pipeline_size,
@@ -201,7 +186,9 @@ class Knobs:
 
 
 def _setting(value: Any) -> str:
-    """A value as ``--set`` spells it (true/false, null)."""
+    """A value as ``--set`` spells it (true/false, null, [a, b])."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_setting(v) for v in value) + "]"
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 

@@ -112,6 +112,13 @@ def print_plan(plan: Plan) -> None:
     con.print(steps)
 
 
+def set_args(overrides: list[str]) -> str:
+    """``--set A --set B`` as a shell reads it back (each value quoted where the shell would change it)."""
+    import shlex
+
+    return " ".join(f"--set {shlex.quote(o)}" for o in overrides)
+
+
 def search_dict(result: SearchResult) -> dict[str, Any]:
     def cand(c) -> dict[str, Any]:
         out = {"config": result.label(c), "memory_bytes": c.memory_bytes, "peak_stage": c.peak_stage,
@@ -176,7 +183,7 @@ def print_search(result: SearchResult, recipe_name: str) -> None:
     for c, v in result.broke_rules[:3]:
         con.print(f"Pruned by rules: {result.label(c)}: {v}", highlight=False)
     if best:
-        con.print("Apply the best: " + " ".join(f"--set {o}" for o in result.overrides(best)), highlight=False)
+        con.print("Apply the best: " + set_args(result.overrides(best)), highlight=False, soft_wrap=True)
 
 
 def print_calibration(report: dict[str, Any]) -> None:

@@ -130,6 +130,9 @@ def enumerate_knobs(recipe: "Recipe", base: Knobs) -> Iterator[Knobs]:
     m, c = recipe.model, recipe.cluster
     world, batch = base.layout.world_size, base.layout.global_batch_size
     row = base.row
+    # DeepSpeed's overlap_comm where the recipe's zero_optimization sets it (else DeepSpeed's default, on for ZeRO-3):
+    # the value the re-plan of a candidate's overrides reads.
+    overlap = row.zero_config(recipe).get("overlap_comm")
     if row.tensor_parallel:
         tensors = [t for t in _divisors(c.gpus_per_node)
                    if m.num_attention_heads % t == 0 and m.num_query_groups % t == 0]
@@ -150,7 +153,7 @@ def enumerate_knobs(recipe: "Recipe", base: Knobs) -> Iterator[Knobs]:
                 if batch % d:
                     continue
                 per_replica = batch // d
-                opts = list(_optimizer_options(base, t, p, d))
+                opts = list(_optimizer_options(base, t, p, d, overlap))
                 for b in _divisors(per_replica):
                     micro = per_replica // b
                     vs = [1]
@@ -186,7 +189,7 @@ def _knobs(base: Knobs, layout: ParallelLayout, recompute: str, opt: dict) -> Kn
                  fp8=base.fp8, dispatcher=base.dispatcher, moe=base.moe)
 
 
-def _optimizer_options(base: Knobs, t: int, p: int, d: int) -> Iterator[dict]:
+def _optimizer_options(base: Knobs, t: int, p: int, d: int, overlap: bool | None = None) -> Iterator[dict]:
     if base.fsdp:
         for reshard in (True, False):
             yield {"fsdp_strategy": "full_shard", "fsdp_shard_size": None, "fsdp_reshard": reshard}
@@ -205,12 +208,13 @@ def _optimizer_options(base: Knobs, t: int, p: int, d: int) -> Iterator[dict]:
         if p > 1 and stage >= 2:
             continue  # DeepSpeed refuses ZeRO-2/3 with its pipeline
         yield {"zero_stage": stage, "offload_optimizer": "none", "offload_param": "none",
-               "ds_overlap_comm": stage == 3}
+               "ds_overlap_comm": stage == 3 if overlap is None else bool(overlap)}
         if stage >= 1:
             yield {"zero_stage": stage, "offload_optimizer": "cpu", "offload_param": "none",
-                   "ds_overlap_comm": stage == 3}
+                   "ds_overlap_comm": stage == 3 if overlap is None else bool(overlap)}
         if stage == 3:
-            yield {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu", "ds_overlap_comm": True}
+            yield {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu",
+                   "ds_overlap_comm": True if overlap is None else bool(overlap)}
 
 
 def search(recipe: "Recipe", top: int = 5, losers: int = 5, efficiency: float | None = None,

@@ -356,7 +356,7 @@ def _memory(value: float | None, unit) -> str:
 
 def print_measure(report: MeasureReport) -> None:
     """The measured ranking as a table: predicted vs measured step time per candidate, failures with their reason."""
-    from hpc_tools.planner.report import _console, _esc, _table, _unit
+    from hpc_tools.planner.report import _console, _esc, _table, _unit, set_args
 
     con = _console()
 
@@ -403,6 +403,6 @@ def print_measure(report: MeasureReport) -> None:
         con.print("no candidate measured a step time: nothing to choose", style="bold red")
         return
     con.print(f"Measured best: {winner.config} ({winner.measured_step_s:.4f} s/step)", highlight=False)
-    con.print("Apply it: " + " ".join(f"--set {o}" for o in winner.overrides), highlight=False)
+    con.print("Apply it: " + set_args(winner.overrides), highlight=False, soft_wrap=True)
     if report.sweep:
         con.print(f"runs: {report.sweep}", highlight=False)
