@@ -20,6 +20,8 @@ def show(value: Any) -> str:
         return "true" if value else "false"
     if value is None:
         return "null"
+    if isinstance(value, (list, tuple)):  # items as YAML shows them: [1, true], not Python's [1, True]
+        return "[" + ", ".join(repr(v) if isinstance(v, str) and "," in v else show(v) for v in value) + "]"
     return str(value)
 
 

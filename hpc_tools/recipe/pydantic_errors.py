@@ -17,6 +17,8 @@ def violations_from_pydantic(errors: list[dict[str, Any]], raw: dict[str, Any]) 
     """Pydantic's errors as one-line Violations: one per error, one per refused value of a section's guard
     (``recipe.base.BOUNDED``: its fields' paths, as if each field had failed on its own)."""
     out = []
+    errors, unions = _union_fields(errors)
+    out += [_union_violation(path, errs) for path, errs in unions.items()]
     for err in errors:
         if err["type"] == BOUNDED:
             out += [violation_from_pydantic({**err, "type": "value_error", "loc": (*err["loc"], name), "input": value,
@@ -24,6 +26,45 @@ def violations_from_pydantic(errors: list[dict[str, Any]], raw: dict[str, Any]) 
         else:
             out.append(violation_from_pydantic(err, raw))
     return out
+
+
+def _union_fields(errors: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+    """(the errors that are not about a union field, {union field path: its errors}). Pydantic tries each member of a
+    union (``int | list[0/1]``) and reports each member's failure under the member's tag (``constrained-int``,
+    ``list[literal[0,1]]``): one field, one value, one line (``_union_violation``)."""
+    rest, unions = [], {}
+    for err in errors:
+        loc = [str(x) for x in err["loc"]]
+        k = len(loc)
+        while k and field_at(loc[:k]) is None:
+            k -= 1
+        info = field_at(loc[:k]) if k else None
+        members = _members(info.annotation) if info is not None and k < len(loc) else []
+        if len(members) > 1 and not loc[k].isdigit():
+            unions.setdefault(".".join(loc[:k]), []).append(err)
+        else:
+            rest.append(err)
+    return rest, unions
+
+
+def _members(annotation: Any) -> list[Any]:
+    """The members of a union annotation other than None ([] for a plain one)."""
+    import types
+    import typing
+
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return []
+    return [a for a in typing.get_args(annotation) if a is not type(None)]
+
+
+def _union_violation(path: str, errs: list[dict[str, Any]]) -> Violation:
+    """One line for a value no member of a union field takes: what the field accepts, in words."""
+    from hpc_tools.recipe.explain import type_name  # the readable type (``integer (> 0) or list of 0/1``)
+
+    info = field_at(path.split("."))
+    value = min(errs, key=lambda e: len(e["loc"])).get("input")  # the field's own value, not an item of it
+    accepted = type_name(info.annotation) if info is not None else "another value"
+    return Violation(printable(path), _shown_input(value), "is not a value this field takes", f"accepted: {accepted}")
 
 
 def violation_from_pydantic(err: dict[str, Any], raw: dict[str, Any]) -> Violation:

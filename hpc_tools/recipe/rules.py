@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from hpc_tools import backends
-from hpc_tools.errors import Violation
+from hpc_tools.errors import Violation, show
 from hpc_tools.layout import ParallelLayout, middle_stage_layers, pipeline_chunks, uneven_splits
 from hpc_tools.recipe.reads import fields_read
 from hpc_tools.recipe.schema import Recipe
@@ -40,9 +40,53 @@ def rule(fn: RuleFn) -> RuleFn:
     return fn
 
 
+# A rule refusing the layout's product (layout_fills_world) also makes what the layout derives from it unsound.
+DERIVED = {"layout_fills_world": frozenset({"parallel.data_size"})}
+
+
 def check_recipe(recipe: Recipe) -> list[Violation]:
+    """Every violation, one line per root cause: a line computed from a value an earlier rule refused (a sequence
+    length checked against a refused context_size, a batch split by a refused layout: the rule reads that field and
+    the line names it) is left out, and the lines refusing one value are one line whose fix is what every rule
+    admits (``merged``)."""
     layout = ParallelLayout.from_recipe(recipe)
-    return [v for r in RULES for v in r.fn(recipe, layout)]
+    kept: list[Violation] = []
+    refused: set[str] = set()
+    for r in RULES:
+        for v in r.fn(recipe, layout):
+            if v.path not in refused and r.reads & refused and _names_any(v, refused):
+                continue
+            kept.append(v)
+            refused |= {v.path} | DERIVED.get(r.name, frozenset())
+    return merged(kept)
+
+
+def _names_any(v: Violation, fields: set[str]) -> bool:
+    """Whether the line's rule or fix names one of ``fields`` (by its key: ``tensor_size``, ``data_size``)."""
+    text = f"{v.rule} ({v.fix})"
+    return any(re.search(rf"(?<![\w]){re.escape(f.rsplit('.', 1)[-1])}(?![\w])", text) for f in fields)
+
+
+def merged(violations: list[Violation]) -> list[Violation]:
+    """The lines refusing the same field and value as one line: the rules joined, the fix what every rule admits
+    (the intersection of the values their fixes list, ``_Fix``), or each fix once when they list none."""
+    groups: dict[tuple[str, str], list[Violation]] = {}
+    for v in violations:
+        groups.setdefault((v.path, show(v.value)), []).append(v)
+    out = []
+    for group in groups.values():
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        listed = [v.fix.values for v in group if isinstance(v.fix, _Fix)]
+        fixes = [v.fix for v in group if not isinstance(v.fix, _Fix)]
+        if listed:
+            common = [x for x in listed[0] if all(x in other for other in listed[1:])]
+            fixes.insert(0, _try(common) if common else "no value satisfies all of these: change the fields they "
+                         "name")
+        out.append(Violation(group[0].path, group[0].value, " and ".join(v.rule for v in group),
+                             "; ".join(dict.fromkeys(fixes))))
+    return out
 
 
 def divisors(n: int) -> list[int]:
@@ -51,9 +95,22 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def _try(values: list[int], limit: int = 8) -> str:
+class _Fix(str):
+    """A fix that lists the values it admits (``values``), so that the fixes of rules refusing the same value can be
+    intersected (``merged``)."""
+
+    values: tuple[int, ...] = ()
+
+
+def _fix(text: str, values: list[int]) -> _Fix:
+    fix = _Fix(text)
+    fix.values = tuple(values)
+    return fix
+
+
+def _try(values: list[int], limit: int = 8) -> _Fix:
     shown = ", ".join(str(v) for v in values[:limit])
-    return f"try {shown}{', ...' if len(values) > limit else ''}"
+    return _fix(f"try {shown}{', ...' if len(values) > limit else ''}", values)
 
 
 # --- layout -----------------------------------------------------------------------------------------------------------
@@ -65,11 +122,18 @@ def layout_fills_world(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     cp = f" x parallel.context_size={lay.context_size}" if lay.context_size > 1 else ""
     if r.parallel.data_size == -1:
         if world % rep:
-            yield Violation("parallel.tensor_size", r.parallel.tensor_size,
-                            f"x parallel.pipeline_size={r.parallel.pipeline_size}{cp} must divide the world size "
+            # The factor named is the one that does not divide the world alone (else tensor_size); its fix lists
+            # the values of it that fill the world with the others as they are.
+            factors = {"tensor_size": lay.tensor_size, "pipeline_size": lay.pipeline_size,
+                       "context_size": lay.context_size}
+            name = next((k for k, v in factors.items() if world % v), "tensor_size")
+            others = rep // factors[name]
+            shown = [f"parallel.{k}={v}" for k, v in factors.items() if k != name and (v > 1 or k != "context_size")]
+            yield Violation(f"parallel.{name}", factors[name], f"x {' x '.join(shown)} must divide the world size "
                             f"cluster.nodes x cluster.gpus_per_node = {world}",
-                            f"make tensor_size x pipeline_size{' x context_size' if cp else ''} one of "
-                            f"{', '.join(map(str, divisors(world)))}")
+                            _fix(f"make tensor_size x pipeline_size{' x context_size' if cp else ''} one of "
+                                 f"{', '.join(map(str, divisors(world)))}",
+                                 [d for d in divisors(world) if world % (d * others) == 0]))
     elif lay.layout_size != world:
         yield Violation("parallel.data_size", r.parallel.data_size,
                         f"gives tensor x pipeline{' x context' if cp else ''} x data = {lay.layout_size}, not the "
@@ -184,8 +248,8 @@ def interleaving_needs_pipeline(r: Recipe, lay: ParallelLayout) -> Iterator[Viol
                         "set pipeline_size >= 2 or virtual_pipeline_size: null")
     elif lay.data_size > 0 and lay.num_microbatches % lay.pipeline_size:
         yield Violation("parallel.virtual_pipeline_size", v,
-                        f"needs the microbatch count ({lay.num_microbatches}) divisible by "
-                        f"pipeline_size={lay.pipeline_size} for the interleaved schedule",
+                        f"needs the microbatch count ({lay.num_microbatches}: global batch / micro batch / "
+                        f"data_size) divisible by pipeline_size={lay.pipeline_size} for the interleaved schedule",
                         "raise training.global_batch_size to a multiple of "
                         f"{lay.micro_batch_size * lay.data_size * lay.pipeline_size}")
 
@@ -252,7 +316,7 @@ def expert_layout_fits(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
         yield Violation("parallel.expert_size", ep,
                         f"x parallel.expert_tensor_size={etp} must divide tensor x context x data = world / "
                         f"pipeline = {dense} (world = PP x ETP x EP x EDP)",
-                        f"with expert_tensor_size {etp} {_try(fits)} for expert_size")
+                        _fix(f"with expert_tensor_size {etp} {_try(fits)} for expert_size", fits))
     if r.model.add_bias_linear and r.model.moe_shared_expert_intermediate_size is not None:
         yield Violation("model.moe_shared_expert_intermediate_size", r.model.moe_shared_expert_intermediate_size,
                         "cannot be combined with model.add_bias_linear (Megatron-core's shared experts have no "

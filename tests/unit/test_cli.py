@@ -35,8 +35,11 @@ def test_validate_reports_every_violation_with_exit_2():
                   "parallel.tensor_size=3", "--set", "training.lr=0.0002", "--set", "training.min_lr=1")
     assert out.returncode == 2
     errors = [ln for ln in out.stdout.splitlines() if ln.startswith("error:")]
-    needle = "parallel.tensor_size=3 must divide model.num_attention_heads=16 (try 1, 2, 4, 8, 16)"
-    assert any(needle in e for e in errors)
+    # tensor_size=3 breaks two rules (the world size, the heads): one line, whose fix is what both admit
+    needle = ("parallel.tensor_size=3 x parallel.pipeline_size=2 must divide the world size cluster.nodes x "
+              "cluster.gpus_per_node = 16 and must divide model.num_attention_heads=16 (try 1, 2, 4, 8)")
+    assert any(needle in e for e in errors), errors
+    assert sum("parallel.tensor_size=3" in e for e in errors) == len({e.split(":")[1] for e in errors}), errors
     assert any("training.min_lr=1.0 exceeds training.lr=0.0002" in e for e in errors)
     assert "Traceback" not in out.stderr + out.stdout
 
