@@ -27,8 +27,11 @@ cluster (gpu_type@partition), else the default 0.6."""
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_recipe_args(p, nargs="?")
     add_json(p)
-    p.add_argument("--search", action="store_true", help="enumerate TP/PP/VPP/DP, micro batch, recompute, "
-                   "optimizer sharding and offload; rank what fits by predicted step time")
+    from hpc_tools.planner.dimensions import searched_text
+
+    p.add_argument("--search", action="store_true",
+                   help=f"enumerate {searched_text()} (the model, cluster and global batch held); rank what fits "
+                        "and keeps the recipe rules by predicted step time")
     p.add_argument("--backends", default=None, metavar="KINDS",
                    help="with --search: rank these backend kinds together (a comma list, e.g. megatron,deepspeed,fsdp, "
                         "or all), each checked with the recipe rules; default: the recipe's backend.kind only")
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_plan(plan)
         for v in violations:
-            print(f"error: {args.recipe}: {v}")
+            say(f"error: {args.recipe}: {v}")
     return 1 if plan.fits is False else 0
 
 

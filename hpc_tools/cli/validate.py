@@ -14,7 +14,10 @@ HELP = ("check recipes (schema, layout arithmetic, backend rules, memory fit, th
         "Slurm cluster); report every violation")
 DESCRIPTION = HELP + """
 
-Each violation is one line: FIELD=VALUE RULE (FIX). Exit 0 when valid, 2 otherwise.
+Each violation is one line on stderr: FIELD=VALUE RULE (FIX); each valid recipe an `ok:` line on stdout.
+Exit 0 when valid, 2 otherwise. An unknown key that Megatron-LM, Megatron-core, torchtitan or DeepSpeed
+uses (tensor_model_parallel_size, parallelism.tensor_parallel_degree, zero_optimization.stage, ...) is named
+with the field that holds it here.
 A recipe with a `local:` profile is checked as written and with the profile applied
 (--set local.SECTION.KEY=VALUE sets a value of that profile).
 
@@ -29,6 +32,7 @@ The reference, without a recipe:
   python -m hpc_tools validate --explain parallel               a section: its fields
   python -m hpc_tools validate --explain recipe                 the sections
   python -m hpc_tools validate --explain heads_shape            a cross-field rule: its doc and the fields it reads
+  python -m hpc_tools validate --explain expert_model_parallel_size   another library's name: the field it is here
   python -m hpc_tools validate --rules                          every cross-field rule"""
 
 
@@ -91,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
             where = printable(r["recipe"]) + (f" (profile {r['profile']})" if r["profile"] else "")
             if r["errors"]:
                 for e in r["errors"]:
-                    print(f"error: {where}: {printable(e['message'])}")
+                    say(f"error: {where}: {printable(e['message'])}")
             else:
                 print(f"ok: {where}")
         if args.verbose or slurm["unreachable"]:  # Slurm installed but silent: worth one line; absent: normal

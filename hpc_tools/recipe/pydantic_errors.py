@@ -1,5 +1,6 @@
 """A pydantic validation error as the one-line ``Violation`` users read: the field, the value, the rule and the fix
-(unknown keys get the nearest valid key). Used for recipes (``recipe/load.py``) and the site file (``recipe/site.py``).
+(an unknown key gets the field it is here when another library uses that name, ``recipe/aliases.py``, else the
+nearest valid key). Used for recipes (``recipe/load.py``) and the site file (``recipe/site.py``).
 """
 
 from __future__ import annotations
@@ -8,8 +9,9 @@ import difflib
 from typing import Any
 
 from hpc_tools.errors import Violation
+from hpc_tools.recipe import aliases
 from hpc_tools.recipe.base import BOUNDED
-from hpc_tools.recipe.fields import field_at, schema_path, valid_keys
+from hpc_tools.recipe.fields import field_at, leaf_paths, model_at, schema_path, valid_keys
 from hpc_tools.recipe.text import printable
 
 
@@ -68,16 +70,14 @@ def _union_violation(path: str, errs: list[dict[str, Any]]) -> Violation:
 
 
 def violation_from_pydantic(err: dict[str, Any], raw: dict[str, Any]) -> Violation:
-    """One pydantic error as a one-line Violation (unknown keys get the nearest valid key)."""
+    """One pydantic error as a one-line Violation (unknown keys: ``unknown_key_fix``)."""
     loc = [printable(str(x))[:80] for x in err["loc"] if not str(x).startswith("function-")]
     path = ".".join(loc) or "recipe"
     kind = err["type"]
-    err = {**err, "input": _shown_input(err.get("input"))}
     if kind == "extra_forbidden":
-        keys = valid_keys(loc[:-1])
-        near = difflib.get_close_matches(loc[-1], keys, n=1, cutoff=0.5)
-        hint = f"did you mean {near[0]!r}? " if near else ""
-        return Violation(path, err.get("input"), "is not a known key", f"{hint}valid keys: {', '.join(keys)}")
+        return Violation(path, _shown_input(err.get("input")), "is not a known key",
+                         unknown_key_fix(loc, err.get("input")))
+    err = {**err, "input": _shown_input(err.get("input"))}
     if kind == "missing":
         doc = _field_doc(loc)
         return Violation(path, Ellipsis, "is required", f"add it{': ' + doc if doc else ''}")
@@ -119,3 +119,67 @@ def _lower_first(text: str) -> str:
 def _field_doc(loc: list[str]) -> str:
     info = field_at(loc)
     return (info.description or "").split("\n")[0] if info else ""
+
+
+def unknown_key_fix(loc: list[str], value: Any) -> str:
+    """The fix of an unknown key at ``loc``: first the alias table (``recipe/aliases.py``: the name Megatron-LM,
+    Megatron-core, torchtitan or DeepSpeed gives a field of this recipe), then the same key in another section, and
+    only then the nearest valid key by spelling, never one that an alias name is as near to and means otherwise."""
+    key, section = loc[-1], loc[:-1]
+    found = aliases.find(loc)
+    inner = _inner_aliases(key, value)
+    if found is not None:
+        return "; ".join([_alias_text(found), *(f"its {sub} is `{a.target}`" for sub, a in inner)])
+    if inner:  # a foreign table given whole: torchtitan's `activation_checkpoint: {mode: full}`
+        return "; ".join(_alias_text(a) for _, a in inner)
+    elsewhere = [p for p in leaf_paths() if p.rpartition(".")[2] == key and p.rpartition(".")[0] != ".".join(section)]
+    if elsewhere:
+        return f"it is {_or(elsewhere)}, {'in another section' if '.' in elsewhere[0] else 'at the top level'}"
+    keys = valid_keys(section)
+    return f"{_near_key(key, section, keys)}valid keys: {', '.join(keys)}" if keys else _near_key(key, section, keys)
+
+
+def _alias_text(found: aliases.Alias) -> str:
+    """``Megatron-LM's --expert-model-parallel-size / ... is `parallel.expert_size` here; NOTE``."""
+    where = " / ".join(found.known_as)
+    if found.target is None:
+        return f"{where} is derived here: {found.note}"
+    noun = "the section " if model_at(found.target.split(".")) is not None else ""
+    return f"{where} is {noun}`{found.target}` here{'; ' + found.note if found.note else ''}"
+
+
+def _inner_aliases(key: str, value: Any, limit: int = 4) -> list[tuple[str, aliases.Alias]]:
+    """For a foreign table given whole (torchtitan's ``parallelism: {tensor_parallel_degree: 2}``): its keys that
+    the alias table knows (at most ``limit``), with their aliases."""
+    if not isinstance(value, dict):
+        return []
+    pairs = []
+    for sub in list(value)[:64]:
+        found = aliases.find([str(key), str(sub)])
+        if found is not None and found.target is not None and len(pairs) < limit:
+            pairs.append((printable(str(sub))[:40], found))
+    return pairs
+
+
+def _near_key(key: str, section: list[str], keys: list[str]) -> str:
+    """``did you mean 'X'? `` for the valid key nearest in spelling, unless an alias name is at least as near and
+    means another field (``expert_model_paralel_size`` is a misspelt alias of ``expert_size``, not
+    ``expert_tensor_size``)."""
+    name = aliases.lookup_name(key)
+    near = difflib.get_close_matches(name, keys, n=1, cutoff=0.5)
+    foreign = difflib.get_close_matches(name, list(aliases.ALIASES), n=1, cutoff=0.5)
+    if foreign and (not near or _ratio(name, foreign[0]) >= _ratio(name, near[0])):
+        alias = aliases.ALIASES[foreign[0]]
+        if not near or alias.target != ".".join([*section, near[0]]):
+            meaning = f"`{alias.target}` here" if alias.target else f"derived here: {alias.note}"
+            return f"did you mean {foreign[0]!r}, which is {meaning}? "
+    return f"did you mean {near[0]!r}? " if near else ""
+
+
+def _ratio(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()
+
+
+def _or(paths: list[str]) -> str:
+    shown = [f"`{p}`" for p in paths[:3]]
+    return " or ".join(shown) + (" or ..." if len(paths) > 3 else "")

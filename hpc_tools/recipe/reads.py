@@ -37,6 +37,7 @@ class _Layout:
 
 
 Binding = _Section | _Layout | frozenset
+_FOLLOWING: set[Callable[..., Any]] = set()  # helpers being read now (a helper calling itself is read once)
 
 
 @functools.cache
@@ -96,7 +97,39 @@ class _Reader:
                 reads |= self.env[sub.id]
             elif isinstance(sub, ast.Call) and getattr(sub.func, "id", "") == "getattr" and sub.args:
                 reads |= self._getattr(sub, node)
+            elif isinstance(sub, ast.Call):
+                reads |= self._call(sub)
         return frozenset(reads)
+
+    def _call(self, call: ast.Call) -> frozenset[str]:
+        """A helper given a section or the recipe (``backends.of(r)``, ``_mesh(r.backend.fsdp)``): what it reads
+        of its parameters, read in its own source the same way (a module-level Python function; not recursive)."""
+        fn = self._callee(call.func)
+        bound = [self._resolve(a) if isinstance(a, (ast.Name, ast.Attribute)) else None for a in call.args]
+        if fn is None or fn in _FOLLOWING or not any(isinstance(b, _Section) for b in bound):
+            return frozenset()
+        try:
+            func = _parse(fn)
+        except (OSError, TypeError, SyntaxError, IndexError):
+            return frozenset()
+        params = [a.arg for a in func.args.args]
+        env = {name: b for name, b in zip(params, bound) if isinstance(b, (_Section, _Layout))}
+        _FOLLOWING.add(fn)
+        try:
+            return _Reader(env, fn.__globals__).function(func)
+        finally:
+            _FOLLOWING.discard(fn)
+
+    def _callee(self, node: ast.expr) -> Callable[..., Any] | None:
+        """The plain function an expression names in the rule's module (``name`` or ``module.name``), else None."""
+        if isinstance(node, ast.Name):
+            fn = self.globals.get(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            fn = getattr(self.globals.get(node.value.id), node.attr, None) \
+                if inspect.ismodule(self.globals.get(node.value.id)) else None
+        else:
+            return None
+        return fn if inspect.isfunction(fn) else None
 
     def _resolve(self, node: ast.expr) -> Binding | None:
         """What an expression is: a section, the layout, or the fields a value is read from (None: not ours)."""

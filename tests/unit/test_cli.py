@@ -34,7 +34,8 @@ def test_validate_reports_every_violation_with_exit_2():
     out = run_cli("validate", "recipes/gpt_3d.yaml", "--set", "model.num_attention_heads=16", "--set",
                   "parallel.tensor_size=3", "--set", "training.lr=0.0002", "--set", "training.min_lr=1")
     assert out.returncode == 2
-    errors = [ln for ln in out.stdout.splitlines() if ln.startswith("error:")]
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert not [ln for ln in out.stdout.splitlines() if ln.startswith("error:")]  # errors: stderr, every command
     # tensor_size=3 breaks two rules (the world size, the heads): one line, whose fix is what both admit
     needle = ("parallel.tensor_size=3 x parallel.pipeline_size=2 must divide the world size cluster.nodes x "
               "cluster.gpus_per_node = 16 and must divide model.num_attention_heads=16 (try 1, 2, 4, 8)")

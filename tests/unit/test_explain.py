@@ -104,4 +104,54 @@ def test_more_violations_hint_is_a_command_that_lists_them_all():
     [command] = HINT.findall(str(info.value))
     assert command == f"python -m hpc_tools validate {path}"
     out = run_cli(*command.split()[3:], *[a for o in overrides for a in ("--set", o)])
-    assert out.returncode == 2 and len([ln for ln in out.stdout.splitlines() if "(profile" not in ln]) >= 2
+    assert out.returncode == 2 and len([ln for ln in out.stderr.splitlines() if ln.startswith("error:")
+                                        and "(profile" not in ln]) >= 2
+
+
+class _Traced:
+    """A recipe section that records every leaf field read through it (``path``), following properties and methods
+    (``m.moe_layers()`` reads ``m.num_layers``) so that what a rule reads at run time can be compared with what
+    ``recipe/reads.py`` finds in its source."""
+
+    def __init__(self, real, path: str, log: set[str]):
+        object.__setattr__(self, "_real", real)
+        object.__setattr__(self, "_path", path)
+        object.__setattr__(self, "_log", log)
+
+    def __getattr__(self, name: str):
+        from pydantic import BaseModel
+
+        real, cls = self._real, type(self._real)
+        if name in cls.model_fields:
+            path, value = f"{self._path}.{name}" if self._path else name, getattr(real, name)
+            if isinstance(value, BaseModel):
+                return _Traced(value, path, self._log)
+            self._log.add(path)
+            return value
+        attr = getattr(cls, name, None)
+        if isinstance(attr, property):
+            return attr.fget(self)
+        if callable(attr) and hasattr(attr, "__get__") and not name.startswith(("model_", "__")):
+            return attr.__get__(self)
+        return getattr(real, name)
+
+
+def test_every_field_a_rule_reads_at_run_time_is_one_explain_names():
+    """``validate --explain FIELD`` lists the rules that read FIELD (``Rule.reads``, from the rule's source, helpers it
+    passes a section to included): run every rule on every shipped recipe (and its local profile) through a recipe
+    that records its reads, and each leaf it read must be among them."""
+    from hpc_tools.recipe.load import read_yaml
+
+    leaves, checked = set(leaf_paths()), 0
+    for path in sorted((REPO / "recipes").glob("*.yaml")):
+        raw = read_yaml(path, site=False)
+        for profile in (None, "local") if raw.get("local") else (None,):
+            recipe = resolve(raw, (), profile, check=False)
+            layout = ParallelLayout.from_recipe(recipe)
+            for r in RULES:
+                log: set[str] = set()
+                list(r.fn(_Traced(recipe, "", log), layout))
+                missed = (log & leaves) - r.reads
+                assert not missed, (path.name, profile, r.name, sorted(missed))
+                checked += len(log)
+    assert checked > 100

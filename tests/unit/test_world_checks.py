@@ -120,7 +120,7 @@ def test_validate_names_each_missing_path_and_exits_2(tmp_path):
                                     "checkpoint": {"load_path": str(tmp_path / "nope_ckpt")}}))
     out = run_cli("validate", str(path))
     assert out.returncode == 2, out.stdout + out.stderr
-    errors = [ln for ln in out.stdout.splitlines() if ln.startswith("error:")]
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
     assert [e.split(": ", 2)[2].split("=")[0] for e in errors] == ["data.paths[0]", "data.paths[1]",
                                                                    "checkpoint.load_path"], errors
     offline = run_cli("validate", str(path), "--offline", "--json")
@@ -140,7 +140,7 @@ def test_validate_against_the_real_cluster_refuses_a_missing_partition(slurm, tm
     # the same recipe on the default partition, 3 nodes of a 2-node cluster: one line naming cluster.nodes
     path.write_text(yaml.safe_dump({**CPU, "cluster": {**CPU["cluster"], "nodes": 3}}))
     out = run_cli("validate", str(path))
-    assert out.returncode == 2 and f"cluster.nodes=3 exceeds the {slurm} nodes of partition" in out.stdout
+    assert out.returncode == 2 and f"cluster.nodes=3 exceeds the {slurm} nodes of partition" in out.stderr
 
 
 def test_submit_refuses_a_missing_path_before_writing_anything(tmp_path):
