@@ -11,6 +11,7 @@ from __future__ import annotations
 DIMENSIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("TP", ("layout.tensor_size",)),
     ("PP", ("layout.pipeline_size",)),
+    ("uneven first/last pipeline stages", ("layout.first_stage_layers", "layout.last_stage_layers")),
     ("VPP", ("layout.virtual_pipeline_size",)),
     ("CP", ("layout.context_size",)),
     ("EP", ("layout.expert_size",)),

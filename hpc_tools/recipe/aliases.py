@@ -61,6 +61,10 @@ TABLE: tuple[Alias, ...] = (
           (_lm("num-layers-per-virtual-pipeline-stage"),),
           "that is layers per model chunk (n); here it is chunks per stage: virtual_pipeline_size = "
           "num_layers / (pipeline_size x n)"),
+    Alias("decoder_first_pipeline_num_layers", "parallel.num_layers_in_first_pipeline_stage",
+          (_lm("decoder-first-pipeline-num-layers"),)),
+    Alias("decoder_last_pipeline_num_layers", "parallel.num_layers_in_last_pipeline_stage",
+          (_lm("decoder-last-pipeline-num-layers"),)),
     _same("context_parallel_size", "parallel.context_size"),
     _same("expert_model_parallel_size", "parallel.expert_size"),
     _same("expert_tensor_parallel_size", "parallel.expert_tensor_size"),
