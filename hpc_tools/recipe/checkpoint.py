@@ -33,11 +33,11 @@ class CheckpointConfig(Section):
     never committed (the previous checkpoint stays `latest`). The save of the last step or of a stop is synchronous,
     after the outstanding background write is committed."""
     local_dir: str | None = None
-    """A node-local checkpoint tier (e.g. `$SLURM_TMPDIR/ckpt` or a local NVMe scratch; environment variables and
-    `~` expanded on the rank at run time): saves every `local_interval_iters` steps go there, cheap and often; the
-    saves every `interval_iters` (and the last and stop saves) still go to `dir`, the durable shared tier. A resume
-    takes the newest complete, verified checkpoint of either tier. A local disk that is full (or unwritable) makes
-    that save go to `dir` instead, told in one log line. On several nodes each node keeps its own ranks' files (and,
+    """A node-local checkpoint tier (e.g. `/tmp/$SLURM_JOB_ID/ckpt` on each node's own disk, or a local NVMe
+    scratch; environment variables and `~` expanded on the rank at run time): saves every `local_interval_iters`
+    steps go there, cheap and often; the saves every `interval_iters` (and the last and stop saves) still go to `dir`,
+    the durable shared tier. A resume takes the newest complete, verified checkpoint of either tier. A local disk that
+    is full (or unwritable) makes that save go to `dir` instead, told in one log line. On several nodes each node keeps its own ranks' files (and,
     with `local_replicate`, the previous node's); a resume from this tier first copies to every node the files it
     lacks (a spare or wiped node: all of them). A folder that several nodes see as one (a shared file system) turns
     the tier off, told in one log line."""

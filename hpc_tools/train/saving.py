@@ -147,7 +147,7 @@ def local_tier(ctx: "RankContext") -> CheckpointDirs | None:
             _TOLD.add(str(dirs.root))
             log.warning("checkpoint.local_dir=%s is the same folder on every node (a shared file system): the local "
                         "checkpoint tier is off, every save goes to checkpoint.dir (give a node-local path, e.g. "
-                        "$SLURM_TMPDIR/ckpt or /scratch/$SLURMD_NODENAME)", ck.local_dir)
+                        "/tmp/$SLURM_JOB_ID/ckpt or /scratch/$SLURMD_NODENAME)", ck.local_dir)
         return None
     return dirs
 
