@@ -109,6 +109,11 @@ def _search(recipe, args: argparse.Namespace) -> int:
     else:
         result = search(recipe, top=args.top, losers=args.losers, efficiency=args.efficiency,
                         use_calibration=not args.no_calibration)
+    if result.best is None:  # which constraint emptied the search, and what would admit a layout
+        from hpc_tools.planner.empty import explain_search
+
+        result.why_none = explain_search(recipe, result, parse_kinds(args.backends) if args.backends else None,
+                                         args.efficiency, not args.no_calibration)
     if args.json:
         emit_json({"ok": result.best is not None, **search_dict(result)})
     else:

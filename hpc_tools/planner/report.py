@@ -139,6 +139,8 @@ def search_dict(result: SearchResult) -> dict[str, Any]:
         "next": [{**cand(c), "why": why_slower(c, best)} for c in result.ranked[result.top:]],
         "smallest_too_big": cand(result.smallest_too_big) if result.smallest_too_big else None,
     }
+    if result.why_none is not None:  # nothing ranked: the constraint that emptied the search, what would admit one
+        out["why_none"] = result.why_none.as_dict()
     if result.kinds:  # a search across backend kinds: each kind's best, or why it was dropped
         out["backends"] = [{"kind": k.kind, "enumerated": k.enumerated, "best": cand(k.best) if k.best else None,
                             "dropped": k.reason or None} for k in result.kinds]
@@ -155,6 +157,8 @@ def print_search(result: SearchResult, recipe_name: str) -> None:
               f"broke recipe rules", highlight=False)
     if not result.ranked:
         con.print("nothing fits and keeps the rules", style="bold red")
+        for line in result.why_none.lines() if result.why_none is not None else ():
+            con.print(line, highlight=False)
     best = result.best
     table = _table(f"Top {min(result.top, len(result.ranked))} by predicted step time (global batch fixed)",
                    "#", "step s", "tokens/s", "MFU", "GB", "configuration")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from hpc_tools import backends
 from hpc_tools.errors import UserError, Violation
@@ -72,6 +72,9 @@ class SearchResult:
     headroom_bytes: float = 0.0  # kept free of the GPU memory (hardware.headroom_bytes)
     headroom_note: str = ""
     kinds: list["KindOutcome"] = field(default_factory=list)  # per backend kind, across kinds only; [] otherwise
+    # when nothing is ranked: which constraint emptied the search, what would admit a layout (planner/empty.WhyNone,
+    # set by planner.empty.explain_search)
+    why_none: Any = None
 
     def label(self, c: Candidate) -> str:
         """A candidate's configuration, led by its backend kind when the search ranked several kinds."""
