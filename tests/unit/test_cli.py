@@ -111,6 +111,7 @@ def fake_slurm(tmp_path, scontrol_body: str):
     return {"PATH": f"{bin_dir}:{os.path.dirname(shutil.which('bash'))}", "PYTHONPATH": str(REPO)}
 
 
+@pytest.mark.slurm_client
 @pytest.mark.parametrize("scontrol", [
     'echo "Slurmctld(primary) at ctl is DOWN"; exit 1',  # a controller restart
     "exit 1",  # no answer at all
@@ -127,6 +128,7 @@ def test_slurm_installed_but_not_answering_is_an_error_never_a_local_run(tmp_pat
     assert not (tmp_path / "runs").exists(), "a run folder was made"
 
 
+@pytest.mark.slurm_client
 def test_no_slurm_installed_means_local_said_in_one_line(tmp_path, monkeypatch):
     from hpc_tools.submission import choose_executor
 
@@ -139,9 +141,48 @@ def test_no_slurm_installed_means_local_said_in_one_line(tmp_path, monkeypatch):
         choose_executor("slurm")
 
 
+@pytest.mark.slurm_client
 def test_slurm_answering_means_slurm(tmp_path, monkeypatch):
     from hpc_tools.submission import choose_executor
 
     env = fake_slurm(tmp_path, 'echo "Slurmctld(primary) at ctl is UP"')
     monkeypatch.setenv("PATH", env["PATH"])
     assert choose_executor("auto") == ("slurm", "")
+
+
+# One bad input per command (a missing recipe, run or file): the error is on stderr, stdout stays empty.
+BAD_INPUT = {
+    "validate": ["validate", "nope.yaml"], "plan": ["plan", "nope.yaml"], "render": ["render", "nope.yaml"],
+    "submit": ["submit", "nope.yaml"], "sweep": ["sweep", "nope.yaml"], "doctor": ["doctor", "nope.yaml"],
+    "status": ["status", "no-such-run"], "logs": ["logs", "no-such-run"], "cancel": ["cancel", "no-such-run"],
+    "resume": ["resume", "no-such-run"], "analyze": ["analyze", "no-such-run"],
+    "report": ["report", "no-such-run", "--out", "{tmp}/report"], "export": ["export", "no-such-run", "--out",
+                                                                                "{tmp}/model"],
+    "tensorboard": ["tensorboard", "no-such-run"], "list": ["list", "--limit", "many"],
+    "data": ["data", "prepare", "{tmp}/nope.txt", "--out", "{tmp}/prepared"],
+}
+
+
+def test_every_command_puts_its_errors_on_stderr(capsys, tmp_path, monkeypatch):
+    from hpc_tools.cli import command_specs, main
+
+    monkeypatch.setenv("HPC_TOOLS_RUNS_DIR", str(tmp_path / "runs"))
+    assert {s.name for s in command_specs()} <= set(BAD_INPUT), "add the new command's bad input here"
+    for name, argv in BAD_INPUT.items():
+        capsys.readouterr()
+        try:
+            code = main([a.format(tmp=tmp_path) for a in argv])
+        except SystemExit as exc:  # argparse's own refusal (list takes no path): usage and error, on stderr
+            code = exc.code
+        out = capsys.readouterr()
+        lines = out.err.strip().splitlines()
+        assert code == 2 and not out.out.strip(), (name, out.out[:300])
+        assert lines and "error: " in lines[-1] and (len(lines) == 1 or lines[0].startswith("usage:")), (name, lines)
+    # a recipe that breaks rules, and a plan whose fit check fails: the report on stdout, each error on stderr
+    code = main(["validate", "recipes/gpt_3d.yaml", "--offline", "--set", "parallel.tensor_size=3"])
+    out = capsys.readouterr()
+    assert code == 2 and "error:" not in out.out and "parallel.tensor_size=3" in out.err
+    code = main(["plan", "recipes/gpt_3d.yaml", "--set", "cluster.gpu_mem_gb=1"])
+    out = capsys.readouterr()
+    assert code == 1 and "error:" not in out.out and out.out.strip()
+    assert [ln for ln in out.err.splitlines() if ln.startswith("error: ")], out.err
