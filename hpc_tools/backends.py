@@ -63,10 +63,15 @@ class Backend:
     """``parallel.pipeline_size`` > 1 (False: every rank holds every layer; data parallelism only)."""
     selective_recompute: bool = False
     """``training.recompute_granularity: selective``."""
+    recompute_modules: bool = False
+    """``training.recompute_modules`` (which parts of a layer selective recomputation recomputes)."""
     experts: bool = False
     """Mixture-of-experts layers (``model.num_experts`` and the ``moe_*`` fields)."""
     expert_parallel: bool = False
     """``parallel.expert_size`` > 1 and ``parallel.expert_tensor_size`` (experts split across GPUs, all-to-all)."""
+    moe_comm_overlap: bool = False
+    """``parallel.overlap_moe_expert_parallel_comm`` and ``parallel.moe_shared_expert_overlap`` (the expert
+    all-to-all hidden behind another microbatch's or the shared expert's compute)."""
     context_parallel: bool = False
     """``parallel.context_size`` > 1 (sequences split across GPUs, ring exchange of keys and values)."""
     fp8: bool = False
@@ -108,7 +113,7 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
             "context and expert parallelism, sequence parallelism, distributed optimizer, FP8",
             trainer="hpc_tools.train.megatron.trainer", trains_model=True, options="megatron",
             tensor_parallel=True, sequence_parallel=True, interleaved_pipeline=True, uneven_pipeline=True,
-            selective_recompute=True,
+            selective_recompute=True, recompute_modules=True, moe_comm_overlap=True,
             experts=True, expert_parallel=True, context_parallel=True, fp8=True, multi_latent_attention=True,
             pads_vocab=True, async_save=True,
             reads_init_from_hf=True, hf_export="hpc_tools.train.megatron.hf_export:export_checkpoint",

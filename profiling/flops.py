@@ -215,6 +215,35 @@ def hardware_flops_parts(model_cfg: "ModelConfig", global_batch: int, recompute:
     return gemm * tokens, rest * tokens
 
 
+def recomputed_flops_per_token(model_cfg: "ModelConfig", modules: "tuple[str, ...] | list[str]", *,
+                               convention: Convention = "megatron") -> tuple[float, float]:
+    """Forward FLOPs per token that selective recomputation of ``modules`` (Megatron-core's ``recompute_modules``
+    names) runs again in the backward, as (weight-GEMM part, the rest). ``core_attn``: the attention core of every
+    layer (``korthikanti``: eq. 8's 3x, as ``hardware_flops_per_step``'s selective case); ``mla_up_proj``: multi-latent
+    attention's query and key/value up-projections; ``mlp``: the dense layers' MLPs; ``moe``: the MoE layers' router,
+    routed top-k and shared experts; ``shared_experts``: the shared experts. A module inside a recomputed ``moe``
+    layer is recomputed again by its own checkpoint (counted twice, as it runs). ``layernorm`` and ``moe_act`` are
+    elementwise: no matmul FLOPs (left out here as norms and activations are everywhere)."""
+    m = model_cfg
+    n_moe = sum(m.moe_layers())
+    mats = _mlp_matrices(m)
+    gemm = rest = 0.0
+    if "core_attn" in modules:
+        core = m.num_layers * _attention_flops(m, convention)[1]
+        rest += 3.0 * core if convention == "korthikanti" else core
+    if "mla_up_proj" in modules and m.multi_latent_attention:
+        a = m.num_attention_heads
+        q_up = (m.q_lora_rank or 0) * a * (m.qk_head_dim + m.qk_pos_emb_head_dim)
+        gemm += m.num_layers * 2 * (q_up + m.kv_lora_rank * a * (m.qk_head_dim + m.v_head_dim))
+    if "mlp" in modules:
+        gemm += (m.num_layers - n_moe) * _mlp_flops(m, False)
+    if "moe" in modules and n_moe:
+        gemm += n_moe * _mlp_flops(m, True)
+    if "shared_experts" in modules and n_moe and m.moe_shared_expert_intermediate_size:
+        gemm += n_moe * 2 * m.hidden_size * m.moe_shared_expert_intermediate_size * mats
+    return gemm, rest
+
+
 def flops_per_token(model_cfg: "ModelConfig", *, convention: Convention = "megatron",
                     vocab_size: int | None = None) -> float:
     """Model FLOPs per trained token (fwd + bwd); ~6 x parameters for large h (EleutherAI's C = 6 P D)."""

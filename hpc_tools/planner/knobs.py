@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_tools import backends
 from hpc_tools.layout import ParallelLayout
+from hpc_tools.recipe.training import recompute_modules
 
 if TYPE_CHECKING:
     from hpc_tools.recipe.schema import Recipe
@@ -50,6 +51,11 @@ class Knobs:
     fp8: str | None = None  # training.fp8 (e4m3 | hybrid) where the backend runs it; None: 16-bit GEMMs
     dispatcher: str = "alltoall"  # model.moe_token_dispatcher_type
     moe: bool = False  # the model has experts (parallel.expert_tensor_size null means 1, else tensor_size)
+    # training.recompute_modules as the recipe gives it (None: Megatron-core's default [core_attn]); read only with
+    # selective recomputation (``recomputed``)
+    recompute_modules: tuple[str, ...] | None = None
+    ep_overlap: bool = False  # parallel.overlap_moe_expert_parallel_comm (Megatron's combined 1F1B)
+    shared_expert_overlap: bool = False  # parallel.moe_shared_expert_overlap
 
     @classmethod
     def from_recipe(cls, recipe: "Recipe") -> "Knobs":
@@ -71,7 +77,10 @@ class Knobs:
                    fsdp_strategy=be.fsdp.strategy, fsdp_shard_size=be.fsdp.shard_size,
                    fsdp_reshard=be.fsdp.reshard_after_forward, flash=flash, on_gpu=recipe.cluster.uses_gpus,
                    fp8=t.fp8 if row.fp8 else None, dispatcher=recipe.model.moe_token_dispatcher_type,
-                   moe=recipe.model.num_experts is not None)
+                   moe=recipe.model.num_experts is not None,
+                   recompute_modules=tuple(t.recompute_modules) if t.recompute_modules is not None else None,
+                   ep_overlap=row.moe_comm_overlap and recipe.parallel.overlap_moe_expert_parallel_comm,
+                   shared_expert_overlap=row.moe_comm_overlap and recipe.parallel.moe_shared_expert_overlap)
 
     @property
     def row(self) -> backends.Backend:
@@ -108,6 +117,11 @@ class Knobs:
         return self.layout.data_size
 
     @property
+    def recomputed(self) -> frozenset[str]:
+        """The layer parts selective recomputation recomputes (Megatron-core's module names); empty otherwise."""
+        return frozenset(recompute_modules(self.recompute, self.recompute_modules))
+
+    @property
     def virtual(self) -> int:
         return self.layout.virtual_pipeline_size if self.layout.interleaved else 1
 
@@ -127,6 +141,10 @@ class Knobs:
         parts.append(f"mb{lay.micro_batch_size}")
         parts.append(f"rc={self.recompute}" + (f"({self.recompute_method},{self.recompute_num_layers})"
                                                 if self.recompute == "full" else ""))
+        if self.recompute == "selective" and self.recompute_modules is not None:
+            parts[-1] += "(" + ",".join(self.recompute_modules) + ")"
+        if self.ep_overlap or self.shared_expert_overlap:
+            parts.append("a2a-overlap" if self.ep_overlap else "shared-expert-overlap")
         if self.fp8:
             parts.append(f"fp8-{self.fp8}")
         if self.fsdp:
@@ -171,6 +189,9 @@ class Knobs:
                          "recompute_granularity": self.recompute, "recompute_method": self.recompute_method,
                          "recompute_num_layers": self.recompute_num_layers},
         }
+        if self.recompute_modules is not None:  # the recipe's list, kept where it is read (selective) only
+            upd["training"]["recompute_modules"] = (list(self.recompute_modules) if self.recompute == "selective"
+                                                    else None)
         upd[self.row.options] = self._option_updates()
         return upd
 

@@ -23,6 +23,7 @@ from hpc_tools.planner.arch import (
     stage_split,
 )
 from hpc_tools.planner.knobs import Knobs
+from hpc_tools.recipe.training import recompute_modules
 
 GB = 1e9
 CUDA_CONTEXT_BYTES = 1.5e9  # CUDA context + kernels + cuBLAS workspace: 1-2 GB (Ultra-Scale Playbook)
@@ -248,9 +249,11 @@ def _layer_terms(arch: Arch, k: Knobs, recompute: str, moe: bool = False) -> dic
     lay = k.layout
     s = local_seq(arch, k)
     if k.megatron_layers:
+        mods = recompute_modules(recompute, k.recompute_modules)
+        attention = "selective" if "core_attn" in mods else "none" if recompute == "selective" else recompute
         terms = megatron_layer_terms(s, lay.micro_batch_size, arch.hidden, arch.heads, lay.tensor_size,
                                      groups=arch.groups, head_dim=arch.head_dim, ffn=arch.ffn, gated=arch.gated,
-                                     sp=lay.sequence_parallel, recompute=recompute, flash=k.flash,
+                                     sp=lay.sequence_parallel, recompute=attention, flash=k.flash,
                                      hidden_dropout=arch.hidden_dropout, attention_dropout=arch.attention_dropout,
                                      act_bytes=k.act_bytes, rope=not arch.learned_positions,
                                      rmsnorm=arch.norm_params_per_h == 1, on_gpu=k.on_gpu)
@@ -261,7 +264,7 @@ def _layer_terms(arch: Arch, k: Knobs, recompute: str, moe: bool = False) -> dic
         if moe:
             del terms["MLP"]
             terms.update(moe_mlp_terms(arch, k, s))
-        return terms
+        return drop_recomputed(terms, arch, k, s, mods, moe)
     # Hugging Face layers (SDPA, separate gate/up projections): the generalised Korthikanti table
     return {"layer": layer_activation_bytes(s, lay.micro_batch_size, arch.hidden, arch.heads, lay.tensor_size,
                                             groups=arch.groups, head_dim=arch.head_dim, ffn=arch.ffn,
@@ -273,6 +276,33 @@ def _layer_terms(arch: Arch, k: Knobs, recompute: str, moe: bool = False) -> dic
 MOE_ROUTER, MOE_DISPATCHED, MOE_EXPERTS, MOE_COMBINE, MOE_SHARED = (
     "router (fp32 logits, scores, routing map)", "dispatched tokens (expert inputs, x top-k)",
     "routed experts' MLP (x top-k)", "expert outputs for the weighted combine (x top-k)", "shared expert MLP")
+QKV, LINEAR_INPUTS = "Q, K, V (+ fused QKV output kept by views)", "linear inputs (QKV, fc1)"
+
+
+def drop_recomputed(terms: dict[str, float], arch: Arch, k: Knobs, s: int, mods: "tuple[str, ...]",
+                    moe: bool) -> dict[str, float]:
+    """A Megatron-core layer's terms less what ``training.recompute_modules`` recomputes instead of keeping (each
+    checkpoint keeps its input, which the layer keeps anyway): ``layernorm`` the norms' outputs (the QKV and fc1 /
+    MoE inputs); ``mlp`` a dense layer's MLP; ``mla_up_proj`` everything multi-latent attention keeps above its
+    latents; ``moe`` the whole MoE MLP; ``moe_act`` the routed experts' activation (their fc1 output stays);
+    ``shared_experts`` the shared expert's MLP. ``core_attn`` is ``megatron_layer_terms``' selective case (the s^2
+    terms). The one layer being recomputed during its backward is not counted (smaller than a chunk in flight)."""
+    if "layernorm" in mods:
+        terms.pop(LINEAR_INPUTS, None)
+    if "mlp" in mods and not moe:
+        terms.pop("MLP", None)
+    if "mla_up_proj" in mods and arch.mla:
+        latents = 2 * (arch.q_lora + arch.kv_lora) + arch.pos_dim
+        terms[QKV] = k.act_bytes * s * k.layout.micro_batch_size * latents
+    if moe and "moe" in mods:
+        for name in (MOE_ROUTER, MOE_DISPATCHED, MOE_EXPERTS, MOE_COMBINE, MOE_SHARED):
+            terms.pop(name, None)
+    elif moe:
+        if "moe_act" in mods:  # fc1's output (2f under SwiGLU, f under GELU) of the 5f / 2f the experts keep
+            terms[MOE_EXPERTS] *= 2 / 5 if arch.gated else 1 / 2
+        if "shared_experts" in mods:
+            terms.pop(MOE_SHARED, None)
+    return terms
 
 
 def routed_tokens(arch: Arch, k: Knobs, s: int) -> float:
@@ -562,6 +592,9 @@ def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
                  f"head counts; {swiglu if arch.gated else 'GELU fc1 f + act f'} (f={arch.ffn}); "
                  f"{'dropout masks 1 byte' if arch.hidden_dropout else 'no dropout masks (dropout 0)'}; {attn}; "
                  f"TP{t}{' + SP' if lay.sequence_parallel else ''}; norm statistics not counted")
+    if k.recompute == "selective" and k.recompute_modules is not None and k.megatron_layers:
+        layer += (f"; recompute_modules [{', '.join(k.recompute_modules)}]: their outputs recomputed in the "
+                  "backward, not kept (the checkpoint inputs are)")
     if k.recompute == "full":
         kept = f"group of {k.recompute_num_layers} layers" if k.recompute_num_layers > 1 else "layer"
         layer += f"; full recompute keeps each {kept}'s input (2sbh{'/t' if lay.sequence_parallel else ''})"

@@ -42,6 +42,12 @@ COMPUTE, BUBBLE, TP_COMM, PP_COMM, DP_COMM, OFFLOAD = (
     "compute", "pipeline bubble", "tensor-parallel comm", "pipeline p2p", "data-parallel comm (exposed)",
     "offload (PCIe + CPU Adam)")
 EP_COMM, CP_COMM = "expert all-to-all (exposed)", "context-parallel K/V exchange (exposed)"
+RECOMPUTE_ELEMENTWISE = "recompute of norms / activations (memory-bound)"
+MEMORY_BOUND_MODULES = frozenset({"layernorm", "moe_act"})
+# HBM bandwidth per GPU, TB/s (NVIDIA / AMD datasheets): the memory-bound recomputations' pace.
+HBM_TBPS = {"A100-40GB": 1.555, "A100-80GB": 2.039, "H100-SXM": 3.35, "H100-PCIe": 2.0, "H100-NVL": 3.9,
+            "H200": 4.8, "H200-NVL": 4.8, "GH200": 4.0, "B200": 8.0, "MI300X": 5.3, "MI325X": 6.0, "L40S": 0.864,
+            "L4": 0.3, "A10": 0.6, "A40": 0.696, "V100-SXM": 0.9, "V100-PCIe": 0.9}
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,12 +84,18 @@ class StepTime:
 def step_flops(model_cfg: "ModelConfig", k: Knobs, convention: str) -> tuple[float, float, float]:
     """(model FLOPs, hardware FLOPs, the part of the hardware FLOPs in the layers' weight GEMMs) of one step, over
     the vocabulary the job pads to. MoE layers count the FLOPs of the top-k experts a token is routed to."""
-    from profiling.flops import hardware_flops_parts, model_flops_per_step
+    from profiling.flops import hardware_flops_parts, model_flops_per_step, recomputed_flops_per_token
 
     vocab = model_cfg.padded_vocab_size(k.layout.tensor_size) if k.row.pads_vocab else model_cfg.vocab_size
     recompute = "none" if not k.row.selective_recompute and k.recompute == "selective" else k.recompute
     batch = k.layout.global_batch_size
-    gemm, rest = hardware_flops_parts(model_cfg, batch, recompute, convention=convention, vocab_size=vocab)
+    if recompute == "selective" and k.recompute_modules is not None:  # one forward of each recomputed module
+        gemm, rest = hardware_flops_parts(model_cfg, batch, "none", convention=convention, vocab_size=vocab)
+        extra_gemm, extra_rest = recomputed_flops_per_token(model_cfg, k.recompute_modules, convention=convention)
+        tokens = batch * model_cfg.seq_length
+        gemm, rest = gemm + extra_gemm * tokens, rest + extra_rest * tokens
+    else:
+        gemm, rest = hardware_flops_parts(model_cfg, batch, recompute, convention=convention, vocab_size=vocab)
     return model_flops_per_step(model_cfg, batch, convention=convention, vocab_size=vocab), gemm + rest, gemm
 
 
@@ -135,7 +147,9 @@ def estimate_step_time(arch: Arch, k: Knobs, hw: Hardware, flops: tuple[float, .
     pp_bw = hw.link_bw(spans_nodes=lay.nodes > 1)
     terms[PP_COMM] = 2 * m * v * msg / pp_bw if p > 1 else 0.0
     if arch.moe:
-        terms[EP_COMM] = _expert_comm(arch, k, hw, tok) * m
+        terms[EP_COMM] = exposed_expert_comm(arch, k, hw, tok, compute, efficiency)
+    if k.recomputed & MEMORY_BOUND_MODULES and k.megatron_layers:
+        terms[RECOMPUTE_ELEMENTWISE] = _elementwise_recompute(arch, k, hw, tok, stage_n) * m
     if cp > 1:
         terms[CP_COMM] = _context_comm(arch, k, hw, tok, efficiency) * stage_n * m
 
@@ -172,6 +186,92 @@ def estimate_step_time(arch: Arch, k: Knobs, hw: Hardware, flops: tuple[float, .
                     hw.peak_flops, fp8_peak)
 
 
+def _moe_stage_layers(arch: Arch, k: Knobs) -> int:
+    """MoE layers of the pipeline stage that holds the most."""
+    lay = k.layout
+    return max(stage_layer_counts(arch, lay.pipeline_size, s, k.virtual, lay.first_stage_layers,
+                                  lay.last_stage_layers)[1] for s in range(lay.pipeline_size))
+
+
+def a2a_passes(k: Knobs) -> int:
+    """Dispatches and combines per MoE layer and microbatch: forward and backward (4), + the forward again when the
+    layer is recomputed (full recomputation, or ``moe`` in recompute_modules: 6)."""
+    return 6 if k.recompute == "full" or "moe" in k.recomputed else 4
+
+
+def unpaired_microbatches(k: Knobs) -> float:
+    """Microbatches of one step whose all-to-all Megatron-core's combined 1F1B cannot pair with another's compute:
+    the warm-up forwards and the cool-down backwards of the first stage (one extra warm-up forward, as the schedule
+    adds): PP1 one microbatch (the first forward, the last backward); interleaved (p-1) x 2 + (v-1) x p + 1 model
+    chunks, i.e. that / v microbatches; plain 1F1B p chunks (DualPipe-like schedules, for comparisons only: the
+    rules ask Megatron-core's interleaving)."""
+    lay = k.layout
+    p, v, m = lay.pipeline_size, k.virtual, max(lay.num_microbatches, 1)
+    if p == 1:
+        chunks = 1
+    elif v == 1:
+        chunks = p
+    else:
+        chunks = (p - 1) * 2 + (v - 1) * p + 1
+    return min(chunks / v, m)
+
+
+def exposed_expert_comm(arch: Arch, k: Knobs, hw: Hardware, tok: int, compute: float, efficiency: float) -> float:
+    """Exposed seconds per step of the token dispatcher on the busiest stage.
+
+    Not overlapped: every pass of every microbatch (``_expert_comm`` x m). ``overlap_moe_expert_parallel_comm``
+    (combined 1F1B): a paired forward's dispatch and combine run during the other microbatch's backward compute
+    (2/3 of a microbatch's compute), the backward's (and a recomputed forward's) during the forward compute (1/3):
+    exposed per pair max(0, a2a_fwd - compute_bwd) + max(0, a2a_bwd - compute_fwd); the unpaired warm-up and
+    cool-down microbatches (``unpaired_microbatches``) keep all of theirs. ``moe_shared_expert_overlap``: each pass
+    hidden behind the shared expert's compute of the same layer (its GEMMs at the 16-bit peak x efficiency).
+    The result is never negative and never below what no overlap could hide (the unpaired microbatches)."""
+    lay = k.layout
+    m = max(lay.num_microbatches, 1)
+    per_mb = _expert_comm(arch, k, hw, tok)
+    if k.ep_overlap:
+        fwd_a2a = per_mb * 2 / a2a_passes(k)
+        bwd_a2a = per_mb - fwd_a2a
+        fwd_c, bwd_c = compute / m / 3, 2 * compute / m / 3
+        pair = max(0.0, fwd_a2a - bwd_c) + max(0.0, bwd_a2a - fwd_c)
+        alone = unpaired_microbatches(k)
+        return alone * per_mb + (m - alone) * pair
+    if k.shared_expert_overlap and arch.shared_ffn:
+        mats = 3 if arch.gated else 2
+        shared = (3 * 2 * arch.hidden * arch.shared_ffn * mats / lay.tensor_size * tok * _moe_stage_layers(arch, k)
+                  / (hw.peak_flops * efficiency))
+        return m * max(0.0, per_mb - shared)
+    return m * per_mb
+
+
+def _elementwise_recompute(arch: Arch, k: Knobs, hw: Hardware, tok: int, stage_layers_n: int) -> float:
+    """Seconds per microbatch of the memory-bound recomputations on the busiest stage, one read of the input and one
+    write of the output at the GPU's HBM bandwidth: ``layernorm`` (the two norms of every layer, s b h each, / TP
+    with SP), ``moe_act`` (the routed experts' activation: SwiGLU reads 2f and writes f per token copy, GELU f and
+    f). 0 where the HBM bandwidth is unknown."""
+    bw = hbm_bandwidth(hw.gpu_type)
+    if not bw:
+        return 0.0
+    lay, e, mods = k.layout, k.act_bytes, k.recomputed
+    rep = tok / lay.tensor_size if lay.sequence_parallel else tok
+    nbytes = 0.0
+    if "layernorm" in mods:
+        nbytes += stage_layers_n * 2 * 2 * e * rep * arch.hidden
+    if "moe_act" in mods and arch.moe:
+        routed = rep * arch.topk * lay.expert_tensor_size
+        nbytes += _moe_stage_layers(arch, k) * e * routed * arch.moe_ffn / lay.expert_tensor_size * (
+            3 if arch.gated else 2)
+    return nbytes / bw
+
+
+def hbm_bandwidth(gpu_type: str) -> float | None:
+    """The GPU's memory bandwidth in bytes/s (vendor datasheets), None when not in the table."""
+    from profiling.peaks import canonical_gpu
+
+    tbps = HBM_TBPS.get(canonical_gpu(gpu_type) or "")
+    return tbps * 1e12 if tbps else None
+
+
 def _expert_comm(arch: Arch, k: Knobs, hw: Hardware, tok: int) -> float:
     """Seconds per microbatch of the token dispatcher on the busiest stage: per MoE layer a dispatch and a combine
     forward and again backward (4, 6 with full recompute). ``alltoall``: each GPU sends its tokens x top-k (16-bit,
@@ -181,16 +281,14 @@ def _expert_comm(arch: Arch, k: Knobs, hw: Hardware, tok: int) -> float:
     lay, e, h = k.layout, k.act_bytes, arch.hidden
     ep, etp = lay.expert_size, lay.expert_tensor_size
     rep = tok / lay.tensor_size if lay.sequence_parallel else tok
-    passes = 6 if k.recompute == "full" else 4
+    passes = a2a_passes(k)
     bw = hw.link_bw(spans_nodes=ep * etp > hw.gpus_per_node)
     if k.dispatcher == "allgather":
         one = _gather(e * rep * h * ep, ep, bw)
     else:
         one = e * rep * arch.topk * h * (ep - 1) / ep / bw if ep > 1 else 0.0
     one += _gather(e * rep * arch.topk * h * etp, etp, hw.link_bw(spans_nodes=etp > hw.gpus_per_node))
-    layers = max(stage_layer_counts(arch, lay.pipeline_size, s, k.virtual, lay.first_stage_layers,
-                                    lay.last_stage_layers)[1] for s in range(lay.pipeline_size))
-    return passes * one * layers
+    return passes * one * _moe_stage_layers(arch, k)
 
 
 def _context_comm(arch: Arch, k: Knobs, hw: Hardware, tok: int, efficiency: float) -> float:
@@ -282,7 +380,9 @@ def time_notes(k: Knobs, hw: Hardware, efficiency: float, efficiency_source: str
            "logits in 16-bit" if k.fp8 and hw.peak_flops_fp8 else "")
     notes = {
         COMPUTE: f"hardware FLOPs ({convention} convention, recompute={k.recompute}"
-                 f"{', MoE: top-k experts per token' if k.moe else ''}) / "
+                 + (f" [{', '.join(k.recompute_modules)}]: one more forward of each" if k.recompute == "selective"
+                    and k.recompute_modules is not None else "")
+                 + f"{', MoE: top-k experts per token' if k.moe else ''}) / "
                  f"(peak {hw.peak_flops / 1e12:.0f} TFLOP/s x efficiency {efficiency:.2f}, {efficiency_source}){fp8}"
                  + (f"; x p x (longest stage's layers) / L: the pipeline runs at its longest stage's pace "
                     f"(uneven stages: first {lay.first_stage_layers}, last {lay.last_stage_layers})"
@@ -308,10 +408,27 @@ def time_notes(k: Knobs, hw: Hardware, efficiency: float, efficiency_source: str
     if k.moe:
         how = ("all-gather + reduce-scatter of the EP group's tokens" if k.dispatcher == "allgather" else
                "all-to-all of b s h x top-k (16-bit), the (EP-1)/EP share leaving the GPU")
-        notes[EP_COMM] = (f"{6 if k.recompute == 'full' else 4} per MoE layer per microbatch (dispatch + combine, "
-                          f"forward + backward): {how}, EP{ep} x ETP{etp} "
+        if k.ep_overlap:
+            hidden = (f"overlapped (combined 1F1B): a paired microbatch's forward passes hide behind another's "
+                      f"backward compute and its backward passes behind the forward compute; the "
+                      f"{unpaired_microbatches(k):g} unpaired warm-up/cool-down microbatches fully exposed")
+        elif k.shared_expert_overlap and k.moe:
+            hidden = "overlapped with the shared expert's compute (moe_shared_expert_overlap)"
+        else:
+            hidden = "not overlapped"
+        routing = ("; every token copy for another node crosses the network (node-limited routing with NVLink "
+                   "forwarding, as DeepSeek-V3's, is not modelled)" if ep * etp > hw.gpus_per_node else "")
+        notes[EP_COMM] = (f"{a2a_passes(k)} per MoE layer per microbatch (dispatch + combine, forward + backward"
+                          f"{' + recomputed forward' if a2a_passes(k) == 6 else ''}): {how}, EP{ep} x ETP{etp} "
                           f"{'inside a node' if ep * etp <= hw.gpus_per_node else 'across nodes'} at "
-                          f"{hw.link_bw(ep * etp > hw.gpus_per_node) / gb:.0f} GB/s; balanced routing; not overlapped")
+                          f"{hw.link_bw(ep * etp > hw.gpus_per_node) / gb:.0f} GB/s; balanced routing{routing}; "
+                          f"{hidden}")
+    if k.recomputed & MEMORY_BOUND_MODULES and k.megatron_layers:
+        bw = hbm_bandwidth(hw.gpu_type)
+        notes[RECOMPUTE_ELEMENTWISE] = (
+            f"{', '.join(sorted(k.recomputed & MEMORY_BOUND_MODULES))} recomputed: one read and one write of each "
+            f"tensor per microbatch at HBM {bw / 1e12:.2f} TB/s (datasheet)" if bw else
+            "not priced: this GPU's HBM bandwidth is not in the table")
     if cp > 1:
         notes[CP_COMM] = (f"ring of CP{cp}: 3 (CP-1) K/V chunk transfers per layer per microbatch (forward; K/V and "
                           f"their gradients backward) at {hw.link_bw(lay.tensor_size * cp > hw.gpus_per_node) / gb:.0f}"

@@ -35,3 +35,12 @@ class ParallelConfig(Section):
     expert_tensor_size: int | None = Field(default=None, gt=0, le=1 << 20)
     """Tensor-parallel degree inside each expert (ETP); null = 1 when the model has experts (each expert whole on
     its GPU, Megatron's recommendation), else tensor_size."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """Hide the expert all-to-all behind compute (Megatron-core's combined 1F1B): the dispatch and combine of one
+    microbatch's forward run while another microbatch's backward computes, and the other way round. Needs expert_size
+    > 1, the alltoall dispatcher, bf16/fp16, GPUs, no full recomputation, and virtual_pipeline_size when
+    pipeline_size > 1 (Megatron-core's own preconditions)."""
+    moe_shared_expert_overlap: bool = False
+    """Run the shared expert (model.moe_shared_expert_intermediate_size) on its own CUDA stream while the token
+    dispatcher's all-to-all runs, hiding the all-to-all up to the shared expert's compute. Needs a shared expert, the
+    alltoall dispatcher and GPUs; excludes overlap_moe_expert_parallel_comm (Megatron-core refuses both)."""

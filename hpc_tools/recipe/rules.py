@@ -293,6 +293,49 @@ def recompute_layers_fit(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
                         f"exceeds the {per_chunk} layers of one pipeline chunk", f"use 1..{per_chunk}")
 
 
+@rule
+def recompute_modules_apply(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """recompute_modules needs selective recomputation and names parts this model has, once each (Megatron-core's
+    checks, and the modules it would silently skip)."""
+    t, m = r.training, r.model
+    mods = t.recompute_modules
+    if mods is None or not backends.of(r).recompute_modules:  # backend_features refuses the field there
+        return
+    field = "training.recompute_modules"
+    if t.recompute_granularity != "selective":
+        yield Violation(field, mods, f"is read only with training.recompute_granularity=selective, not "
+                        f"{t.recompute_granularity}", "set recompute_granularity: selective or recompute_modules: null")
+        return
+    seen = [x for i, x in enumerate(mods) if x in mods[:i]]
+    missing = {"moe": m.num_experts is None, "moe_act": m.num_experts is None,
+               "shared_experts": m.moe_shared_expert_intermediate_size is None,
+               "mla_up_proj": not m.multi_latent_attention, "mlp": all(m.moe_layers())}
+    why = {"moe": "model.num_experts is null", "moe_act": "model.num_experts is null",
+           "shared_experts": "model.moe_shared_expert_intermediate_size is null",
+           "mla_up_proj": "model.multi_latent_attention is false", "mlp": "every layer is an MoE layer"}
+    absent = next((x for x in mods if missing.get(x)), None)
+    grouped_off = (m.moe_grouped_gemm is False or not r.cluster.uses_gpus
+                   or r.backend.megatron.transformer_impl == "local")
+    if not mods:
+        yield Violation(field, mods, "is empty: selective recomputation would recompute nothing",
+                        "list modules (e.g. [core_attn]), set it null for [core_attn], or recompute_granularity: none")
+    elif seen:
+        yield Violation(field, mods, f"names {seen[0]} twice", "list each module once")
+    elif absent:
+        yield Violation(field, mods, f"names {absent}, which this model does not have ({why[absent]})",
+                        f"remove {absent}")
+    elif "moe_act" in mods and grouped_off:
+        yield Violation(field, mods, "names moe_act, which Megatron-core recomputes only in grouped-GEMM experts "
+                        "(Transformer Engine on GPUs, model.moe_grouped_gemm not false)", "remove moe_act")
+    elif "shared_experts" in mods and r.parallel.moe_shared_expert_overlap:
+        yield Violation(field, mods, "names shared_experts, which cannot be combined with "
+                        "parallel.moe_shared_expert_overlap (Megatron-core refuses it)",
+                        "remove shared_experts or set moe_shared_expert_overlap: false")
+    elif t.fp8 is not None and t.fp8_recipe == "delayed" and {"moe_act", "layernorm"} & set(mods):
+        yield Violation(field, mods, "names moe_act or layernorm, which FP8's delayed scaling cannot recompute "
+                        "(Megatron-core refuses it)", "remove them, or training.fp8_recipe: tensorwise or blockwise")
+
+
 # --- experts, context parallelism, FP8, multi-latent attention --------------------------------------------------------
 
 @rule
@@ -377,6 +420,54 @@ def moe_sequence_parallel(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]
         yield Violation("parallel.sequence_parallel", False,
                         f"must be true for a model with experts and parallel.tensor_size={lay.tensor_size}",
                         "set sequence_parallel: true, or tensor_size: 1")
+
+
+@rule
+def moe_comm_overlap(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """overlap_moe_expert_parallel_comm and moe_shared_expert_overlap keep Megatron-core 0.16's preconditions: experts
+    split over EP > 1 (a shared expert), the alltoall dispatcher, bf16/fp16, GPUs (CUDA streams), no full
+    recomputation, VPP with PP > 1, not both."""
+    m, p, t = r.model, r.parallel, r.training
+    if not backends.of(r).moe_comm_overlap:  # backend_features refuses the fields there
+        return
+    if p.overlap_moe_expert_parallel_comm:
+        field, needs = "parallel.overlap_moe_expert_parallel_comm", None
+        if m.num_experts is None:
+            needs = ("needs a model with experts (model.num_experts is null)", "set it false")
+        elif lay.expert_size == 1:
+            needs = ("needs parallel.expert_size > 1 (it hides the expert-parallel all-to-all)",
+                     "set expert_size > 1 or this false")
+        elif m.moe_token_dispatcher_type != "alltoall":
+            needs = (f"needs model.moe_token_dispatcher_type=alltoall, not {m.moe_token_dispatcher_type}",
+                     "set moe_token_dispatcher_type: alltoall or this false")
+        elif t.precision == "fp32":
+            needs = ("needs training.precision bf16 or fp16, not fp32", "use precision: bf16 or set this false")
+        elif not r.cluster.uses_gpus:
+            needs = ("needs GPUs (CUDA streams); CPU ranks (cluster.gpu_type=cpu) have none", "set it false")
+        elif t.recompute_granularity == "full":
+            needs = ("cannot be combined with training.recompute_granularity=full (Megatron-core refuses it)",
+                     "use selective recomputation (recompute_modules) or set this false")
+        elif lay.pipeline_size > 1 and not lay.interleaved:
+            needs = (f"needs parallel.virtual_pipeline_size > 1 with pipeline_size={lay.pipeline_size} (Megatron-core "
+                     "overlaps in the interleaved schedule only)", "set virtual_pipeline_size (e.g. 2) or this false")
+        elif p.moe_shared_expert_overlap:
+            needs = ("cannot be combined with parallel.moe_shared_expert_overlap (Megatron-core refuses both)",
+                     "set moe_shared_expert_overlap: false (this overlap hides the shared expert too)")
+        if needs:
+            yield Violation(field, True, *needs)
+    if p.moe_shared_expert_overlap and not p.overlap_moe_expert_parallel_comm:
+        field, needs = "parallel.moe_shared_expert_overlap", None
+        if m.moe_shared_expert_intermediate_size is None:
+            needs = ("needs a shared expert (model.moe_shared_expert_intermediate_size is null): Megatron-core "
+                     "would ignore it", "set it false")
+        elif m.moe_token_dispatcher_type != "alltoall":
+            needs = (f"needs model.moe_token_dispatcher_type=alltoall, not {m.moe_token_dispatcher_type}",
+                     "set moe_token_dispatcher_type: alltoall or this false")
+        elif not r.cluster.uses_gpus:
+            needs = ("needs GPUs (a CUDA stream for the shared expert); CPU ranks (cluster.gpu_type=cpu) have none",
+                     "set it false")
+        if needs:
+            yield Violation(field, True, *needs)
 
 
 @rule
@@ -508,6 +599,15 @@ def backend_features(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     if not row.selective_recompute and r.training.recompute_granularity == "selective":
         yield Violation("training.recompute_granularity", "selective", f"is not available with backend.kind={kind}",
                         f"use full or none, or backend.kind: {_others('selective_recompute')}")
+    if not row.recompute_modules and r.training.recompute_modules is not None:
+        yield Violation("training.recompute_modules", r.training.recompute_modules,
+                        f"is not available with backend.kind={kind}",
+                        f"set it null, or use backend.kind: {_others('recompute_modules')}")
+    overlaps = {"parallel.overlap_moe_expert_parallel_comm": r.parallel.overlap_moe_expert_parallel_comm,
+                "parallel.moe_shared_expert_overlap": r.parallel.moe_shared_expert_overlap}
+    for path in (p for p, on in overlaps.items() if on and not row.moe_comm_overlap):
+        yield Violation(path, True, f"is not available with backend.kind={kind}",
+                        f"set it false, or use backend.kind: {_others('moe_comm_overlap')}")
     if not row.experts and r.model.num_experts is not None:
         yield Violation("model.num_experts", r.model.num_experts, f"is not available with backend.kind={kind} (it "
                         "would train a dense model)", f"use backend.kind: {_others('experts')} for experts")

@@ -8,6 +8,19 @@ from pydantic import Field
 
 from hpc_tools.recipe.base import Section
 
+# training.recompute_modules: Megatron-core 0.16's TransformerConfig.recompute_modules choices, in its order
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+RecomputeModule = Literal["core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"]
+DEFAULT_RECOMPUTE_MODULES = ("core_attn",)  # Megatron-core's default when recompute_modules is None
+
+
+def recompute_modules(granularity: str, modules: "list[str] | tuple[str, ...] | None") -> tuple[str, ...]:
+    """The modules selective recomputation recomputes (``training.recompute_modules``, null = Megatron-core's
+    default [core_attn]); () unless the granularity is selective."""
+    if granularity != "selective":
+        return ()
+    return tuple(DEFAULT_RECOMPUTE_MODULES if modules is None else modules)
+
 
 class TrainingConfig(Section):
     micro_batch_size: int = Field(default=1, gt=0, le=1 << 24)
@@ -50,7 +63,13 @@ class TrainingConfig(Section):
     seed: int = 1234
     """Seed for initialisation, data order and dropout."""
     recompute_granularity: Literal["none", "selective", "full"] = "none"
-    """Activation recomputation: none, selective (attention core only) or full (whole layers)."""
+    """Activation recomputation: none, selective (the parts in recompute_modules; by default the attention core) or
+    full (whole layers)."""
+    recompute_modules: list[RecomputeModule] | None = Field(default=None, max_length=len(RECOMPUTE_MODULES))
+    """With selective recomputation: the parts of each layer recomputed in the backward instead of stored
+    (Megatron-core's names): `core_attn` (attention core), `moe_act` (routed experts' activation; grouped GEMM),
+    `layernorm` (the norms' outputs), `mla_up_proj` (multi-latent attention's up-projections and RoPE), `mlp` (dense
+    MLPs), `moe` (whole MoE layers, all-to-all included), `shared_experts`; null = [core_attn]."""
     recompute_method: Literal["uniform", "block"] = "uniform"
     """With full recomputation: `uniform` recomputes groups of recompute_num_layers, `block` the first
     recompute_num_layers per stage."""

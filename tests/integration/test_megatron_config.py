@@ -91,3 +91,31 @@ def test_vocab_padding_mismatch_is_a_one_line_user_error(tmp_path):
         check_vocab(tmp_path, saved, {"tensor_size": 2, "padded_vocab_size": 50432}, 50257)
     message = str(err.value)
     assert "\n" not in message and "model.vocab_size=50257" in message and "multiple of 256" in message
+
+
+def test_overlap_and_recompute_modules_reach_the_transformer_config():
+    """parallel.overlap_moe_expert_parallel_comm, parallel.moe_shared_expert_overlap and training.recompute_modules
+    reach Megatron-core's TransformerConfig, which accepts them (its own __post_init__ checks pass)."""
+    from hpc_tools.recipe.rules import check_recipe
+    from hpc_tools.train.megatron.config import transformer_config
+
+    r = recipe("parallel.overlap_moe_expert_parallel_comm=true", "training.recompute_granularity=selective",
+               "training.recompute_modules=[core_attn,layernorm,moe]", name="gpt_moe.yaml")
+    assert check_recipe(r) == []
+    c = transformer_config(r, ParallelLayout.from_recipe(r), "cpu")  # local layers: explicit attention, kept
+    assert c.overlap_moe_expert_parallel_comm and not c.moe_shared_expert_overlap
+    assert (c.recompute_granularity, c.recompute_modules) == ("selective", ["core_attn", "layernorm", "moe"])
+    assert c.recompute_method is None and c.recompute_num_layers is None
+
+    r = recipe("model.moe_shared_expert_intermediate_size=14336", "parallel.moe_shared_expert_overlap=true",
+               "training.recompute_granularity=selective", "training.recompute_modules=[mlp]",
+               "model.moe_layer_freq=2", name="gpt_moe.yaml")
+    assert check_recipe(r) == []
+    c = transformer_config(r, ParallelLayout.from_recipe(r), "cpu")
+    assert c.moe_shared_expert_overlap and not c.overlap_moe_expert_parallel_comm
+    assert c.recompute_modules == ["mlp"]
+
+    r = recipe(name="gpt_moe.yaml")  # the defaults: neither overlap, no recomputation
+    c = transformer_config(r, ParallelLayout.from_recipe(r), "cpu")
+    assert not c.overlap_moe_expert_parallel_comm and not c.moe_shared_expert_overlap
+    assert c.recompute_granularity is None

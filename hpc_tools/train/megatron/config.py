@@ -77,12 +77,23 @@ def p2p_options(layout: "ParallelLayout", device_type: str) -> dict[str, bool]:
     return {"batch_p2p_comm": not (interleaved and layout.pipeline_size == 2), "overlap_p2p_comm": False}
 
 
+def recompute_modules(recipe: "Recipe", plan) -> list[str]:
+    """The modules selective recomputation recomputes (``training.recompute_modules``, null = [core_attn]), less
+    ``core_attn`` where TE's flash/fused attention runs (``plan.flash_style``): it stores no s^2 tensor, so its
+    recomputation would only repeat the kernel (Megatron-core warns the same). [] unless selective."""
+    from hpc_tools.recipe.training import recompute_modules as chosen
+
+    t = recipe.training
+    return [x for x in chosen(t.recompute_granularity, t.recompute_modules)
+            if not (x == "core_attn" and plan.flash_style)]
+
+
 def recompute_granularity(recipe: "Recipe", plan) -> str | None:
-    """``training.recompute_granularity``, except that selective recompute (which recomputes the attention core to
-    drop its s^2 tensors) is dropped where TE's flash/fused attention runs (``plan.flash_style``), which stores
-    none. Kept under TE's unfused attention (fp32, or ``use_flash_attention: false``)."""
+    """``training.recompute_granularity``, except that selective recompute is dropped when nothing is left to
+    recompute (``recompute_modules``: by default the attention core, which flash/fused attention does not need).
+    Kept under TE's unfused attention (fp32, or ``use_flash_attention: false``)."""
     g = recipe.training.recompute_granularity
-    if g == "none" or (g == "selective" and plan.flash_style):
+    if g == "none" or (g == "selective" and not recompute_modules(recipe, plan)):
         return None
     return g
 
@@ -123,6 +134,9 @@ def transformer_config(recipe: "Recipe", layout: "ParallelLayout", device_type: 
         recompute_granularity=recompute,
         recompute_method=t.recompute_method if recompute == "full" else None,
         recompute_num_layers=t.recompute_num_layers if recompute == "full" else None,
+        recompute_modules=recompute_modules(recipe, plan) if recompute == "selective" else None,
+        overlap_moe_expert_parallel_comm=recipe.parallel.overlap_moe_expert_parallel_comm,
+        moe_shared_expert_overlap=recipe.parallel.moe_shared_expert_overlap,
         use_cpu_initialization=device_type != "cuda",
         **fusions(recipe, device_type, plan), **p2p_options(layout, device_type),
         deallocate_pipeline_outputs=True, **extra,
