@@ -218,6 +218,23 @@ def is_local_image(image: str) -> bool:
     return image.startswith(("/", "./", "../", "~")) or image.endswith(LOCAL_IMAGE_SUFFIXES)
 
 
+def _nodes_violation(recipe: Recipe, asked: int, limit: int, what: str) -> Violation:
+    """The job asks ``asked`` nodes (the layout's plus the spares), over ``limit``: named by the value the recipe
+    wrote (cluster.nodes, or cluster.spare_nodes when the spares make the difference), with a fix that is not already
+    true."""
+    c = recipe.cluster
+    if c.spare_nodes and asked - c.spare_nodes <= limit:
+        return Violation("cluster.spare_nodes", c.spare_nodes, f"with cluster.nodes={c.nodes} asks for {asked} "
+                         f"nodes, beyond {what}", f"use at most {limit - (asked - c.spare_nodes)} spare nodes, "
+                         "or another partition" if limit > asked - c.spare_nodes else
+                         "use spare_nodes: 0 (no in-job node replacement), fewer nodes, or another partition")
+    room = limit - c.spare_nodes
+    with_spares = f"with cluster.spare_nodes={c.spare_nodes} ({asked} nodes in all) " if c.spare_nodes else ""
+    return Violation("cluster.nodes", c.nodes, f"{with_spares}exceeds {what}",
+                     f"use at most {room} nodes, or another partition" if room >= 1 else
+                     f"use spare_nodes: 0 and at most {limit} nodes, or another partition")
+
+
 def slurm_violations(recipe: Recipe, view: SlurmView) -> list[Violation]:
     """What the live cluster would refuse or never start: a missing partition, too few nodes, GPUs or CPUs per node,
     a time limit above the partition's."""
@@ -234,12 +251,11 @@ def slurm_violations(recipe: Recipe, view: SlurmView) -> list[Violation]:
                           f"set one of: {names}")]
     where = f"partition {part.name}"
     found = []
-    if part.max_nodes is not None and spec.nodes > part.max_nodes:
-        found.append(Violation("cluster.nodes", spec.nodes, f"exceeds the {part.max_nodes}-node job limit of {where}",
-                               f"use at most {part.max_nodes}, or another partition"))
-    elif spec.nodes > part.nodes:
-        found.append(Violation("cluster.nodes", spec.nodes, f"exceeds the {part.nodes} nodes of {where}",
-                               f"use at most {part.nodes}, or another partition"))
+    limit = part.max_nodes if part.max_nodes is not None and spec.nodes > part.max_nodes else \
+        part.nodes if spec.nodes > part.nodes else None
+    if limit is not None:
+        found.append(_nodes_violation(recipe, spec.nodes, limit, f"the {part.max_nodes}-node job limit of {where}"
+                                      if limit == part.max_nodes else f"the {part.nodes} nodes of {where}"))
     if spec.gpus_per_node and spec.gpus_per_node > part.gpus_per_node:
         have = f"{part.gpus_per_node} GPUs per node" if part.gpus_per_node else "no GPUs (gres: none)"
         found.append(Violation("cluster.gpus_per_node", spec.gpus_per_node, f"exceeds {where}: it has {have}",

@@ -37,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hpc_tools.recipe.load import load_recipe
+    from hpc_tools.recipe.rules import recipe_notes
     from hpc_tools.recipe.site import site_note
     from hpc_tools.render.sbatch import job_script_path, render_sbatch
     from profiling.files import atomic_write  # the owner (registry re-exports it): no run-state imports here
@@ -50,15 +51,18 @@ def run(args: argparse.Namespace) -> int:
     for path in paths:  # render all first: nothing is written if any recipe is invalid
         recipe = load_recipe(path, args.overrides, args.profile)
         out = Path(args.output) if args.output and args.output != "-" else job_script_path(path, args.jobs_dir)
-        rendered.append((path, out, render_sbatch(recipe, path.as_posix())))
+        rendered.append((path, out, render_sbatch(recipe, path.as_posix()), recipe_notes(recipe)))
     note = site_note()  # the site file's defaults went into every script: say which file
     if note and not args.json:
         say(note)
+    if not args.json:
+        for line in dict.fromkeys(n for _, _, _, notes in rendered for n in notes):
+            say(line)  # valid but unusual choices (recipe/rules.py NOTES)
     if not args.check and args.output != "-":
-        for _, out, _ in rendered:
+        for _, out, _, _ in rendered:
             _check_output(out)
     drift = []
-    for path, out, text in rendered:
+    for path, out, text, _ in rendered:
         if args.output == "-":
             sys.stdout.write(text)
         elif args.check:
@@ -71,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
             atomic_write(out, text)
             say(f"wrote {printable(str(out))}")
     if args.json:
-        emit_json({"ok": not drift, "scripts": [str(o) for _, o, _ in rendered], "drift": drift})
+        emit_json({"ok": not drift, "scripts": [str(o) for _, o, _, _ in rendered], "drift": drift})
     if drift:
         say(f"{len(drift)} script(s) drifted from their recipes; regenerate with: python -m hpc_tools render --all")
         return 1

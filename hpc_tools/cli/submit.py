@@ -64,6 +64,11 @@ def run(args: argparse.Namespace) -> int:
                            auto=args.auto and not extra, dry_run=args.dry_run)
     if plan.note and not args.json:
         say(plan.note)
+    if not args.json:
+        from hpc_tools.recipe.rules import recipe_notes
+
+        for line in recipe_notes(plan.recipe):  # valid but unusual choices, one line each
+            say(line)
     if args.dry_run:
         from hpc_tools.render.sbatch import render_sbatch
 

@@ -15,7 +15,8 @@ Three forms:
       expand the recipe's sweep: grid, drop cells that break a rule, do not fit in memory, name missing files or
       do not fit the live partition (listed with the reason, as `submit` would refuse them), create
       <runs root>/sweeps/<name>-<stamp>/ with sweep.json and one run folder per cell x repeat, and submit them
-      (cells with equal Slurm resources as one job array; without Slurm, locally one after another).
+      (cells with equal Slurm resources as one job array, but a cell with cluster.restarts as its own job: an
+      array task never restarts; without Slurm, locally one after another).
   python -m hpc_tools sweep status SWEEP [--json]
       classify every cell, with a one-line reason: pending, running, completed, failed, out_of_memory, timeout,
       hang, node_failure, preempted, cancelled (from sacct, the run manifest, HANG markers and logs).

@@ -50,9 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "all) or a rule (heads_shape) and exit (no recipe needed)")
 
 
-def check(path: str, overrides: list[str], profile: str | None, fit: bool, world: bool = False) -> list[dict]:
+def check(path: str, overrides: list[str], profile: str | None, fit: bool, world: bool = False,
+          notes: list[str] | None = None) -> list[dict]:
     """Violations (as dicts) of one recipe under one profile. With ``world``, a recipe that passes its own rules
-    and the fit is checked against the files it names and the live Slurm cluster (``hpc_tools/world.py``)."""
+    and the fit is checked against the files it names and the live Slurm cluster (``hpc_tools/world.py``). The notes
+    of a valid recipe (``recipe.rules.NOTES``: valid but unusual choices) are added to ``notes``."""
     from hpc_tools.planner import fit_violations  # the planner's fit, without submit's machinery (jinja2, runs)
     from hpc_tools.recipe.load import read_yaml, resolve
 
@@ -66,6 +68,10 @@ def check(path: str, overrides: list[str], profile: str | None, fit: bool, world
         from hpc_tools.world import world_violations
 
         violations = world_violations(recipe)
+    if not violations and notes is not None:
+        from hpc_tools.recipe.rules import recipe_notes
+
+        notes += [n for n in recipe_notes(recipe) if n not in notes]
     return [v.as_dict() for v in violations]
 
 
@@ -79,17 +85,18 @@ def run(args: argparse.Namespace) -> int:
                         "or --explain NAME / --rules")
     from hpc_tools.recipe.load import read_yaml
 
-    results = []
+    results, notes = [], []
     for path in args.recipe:
         profiles = [args.profile] if args.profile else \
             [None] + (["local"] if _has_local(read_yaml(path), args.overrides) else [])
         for profile in profiles:
             results.append({"recipe": path, "profile": profile,
-                            "errors": check(path, args.overrides, profile, not args.no_fit, not args.offline)})
+                            "errors": check(path, args.overrides, profile, not args.no_fit, not args.offline,
+                                            notes)})
     ok = all(not r["errors"] for r in results)
     slurm = _slurm_note(args.offline)
     if args.json:
-        emit_json({"ok": ok, "results": results, "slurm": slurm})
+        emit_json({"ok": ok, "results": results, "slurm": slurm, "notes": notes})
     else:
         for r in results:
             where = printable(r["recipe"]) + (f" (profile {r['profile']})" if r["profile"] else "")
@@ -98,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
                     say(f"error: {where}: {printable(e['message'])}")
             else:
                 print(f"ok: {where}")
+        for line in notes:  # valid but unusual choices: one line each, on stderr, exit 0
+            say(line)
         if args.verbose or slurm["unreachable"]:  # Slurm installed but silent: worth one line; absent: normal
             say(f"note: {slurm['summary']}")
     if not ok:

@@ -59,6 +59,17 @@ class Plan:
             out.update(time_notes(self.knobs, self.hardware, self.efficiency, self.efficiency_source, self.convention))
         return out
 
+    def held(self, stage_params: int) -> float:
+        """The parameters one GPU holds of its stage's ``stage_params`` (those of its TP/PP/EP shard): divided by
+        the shard group under FSDP full_shard/hybrid_shard and by the data-parallel size under ZeRO-3, which keep
+        1/S of them on each rank (gathered for use: the memory terms' own lines)."""
+        k = self.knobs
+        if k.fsdp:
+            return stage_params / k.shard_group
+        if k.zero and k.zero_stage == 3:
+            return stage_params / k.layout.data_size
+        return stage_params
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready summary (bytes, seconds, FLOPs as plain numbers; GB = 1e9 bytes)."""
         mem = self.memory.peak
@@ -67,13 +78,13 @@ class Plan:
             "recipe": self.name, "config": self.knobs.describe(), "layout": self.knobs.layout.describe(),
             "parameters": self.parameters, "parameters_active": self.parameters_active,
             "parameters_active_without_input_embedding": self.parameters_active_without_input_embedding,
-            "parameters_active_counts": ACTIVE_NOTE, "parameters_per_gpu": mem.params,
+            "parameters_active_counts": ACTIVE_NOTE, "parameters_per_gpu": self.held(mem.params),
             "gpu_type": self.hardware.gpu_type, "gpu_mem_bytes": self.hardware.mem_bytes,
             "hardware_sources": self.hardware.sources, "fits": self.fits,
             "headroom_bytes": self.headroom_bytes, "headroom": self.headroom_note, "usable_bytes": self.usable_bytes,
             "memory": {"peak_stage": mem.stage, "total_bytes": mem.total,
                        "terms": [{"name": k, "bytes": v, "assumes": notes.get(k, "")} for k, v in mem.terms.items()],
-                       "stages": [{"stage": s.stage, "parameters": s.params, "total_bytes": s.total}
+                       "stages": [{"stage": s.stage, "parameters": self.held(s.params), "total_bytes": s.total}
                                   for s in self.memory.stages]},
             "step_time": None,
         }

@@ -75,13 +75,20 @@ def submit_cells(folder: SweepFolder, cell_ids: list[str], executor: str, say: S
         _run_local(folder, cells, runs, recipes, say)
 
 
+def slurm_groups(cells: list[dict], recipes: dict[str, Recipe]) -> dict[str, list[str]]:
+    """The cells' ids by Slurm submission: cells with equal resources share a job array, except cells with in-job
+    restarts (``cluster.restarts``), each its own job: an array task never restarts."""
+    groups: dict[str, list[str]] = {}
+    for c in cells:
+        recipe = recipes[c["id"]]
+        groups.setdefault(c["id"] if recipe.cluster.restarts else resource_key(recipe), []).append(c["id"])
+    return groups
+
+
 def _submit_slurm(folder, cells, runs, recipes, say: Say, exclude: str | None = None) -> None:
     from hpc_tools.executors.slurm import submit_array, submit_run
 
-    groups: dict[str, list[str]] = {}
-    for c in cells:
-        groups.setdefault(resource_key(recipes[c["id"]]), []).append(c["id"])
-    for ids in groups.values():
+    for ids in slurm_groups(cells, recipes).values():
         group_runs = [runs[i] for i in ids]
         recipe = recipes[ids[0]]
         jobs = (submit_array(group_runs, recipe, exclude=exclude) if len(ids) > 1

@@ -77,19 +77,36 @@ def test_partition_checks_against_injected_partitions():
                      "default), big)"]
     over = messages(slurm_violations(recipe("cluster.time_limit=02:00:00", "cluster.nodes=3",
                                             "cluster.cpus_per_task=16"), view))
-    assert over[0] == "cluster.nodes=3 exceeds the 2 nodes of partition short (use at most 2, or another partition)"
+    assert over[0] == ("cluster.nodes=3 exceeds the 2 nodes of partition short (use at most 2 nodes, or another "
+                       "partition)")
     assert over[1].startswith("cluster.cpus_per_task=16 x 2 ranks per node = 32 CPUs exceeds the 16 CPUs per node")
     assert over[2] == ("cluster.time_limit=02:00:00 exceeds the time limit of partition short (00:30:00) (use at "
                        "most 00:30:00, or another partition)")
     gpus = messages(slurm_violations(recipe("cluster.gpu_type=H100-SXM", "cluster.gpus_per_node=8",
                                             "cluster.partition=big", "cluster.nodes=65"), view))
-    assert gpus == ["cluster.nodes=65 exceeds the 64-node job limit of partition big (use at most 64, or another "
-                    "partition)"]
+    assert gpus == ["cluster.nodes=65 exceeds the 64-node job limit of partition big (use at most 64 nodes, or "
+                    "another partition)"]
     no_gpus = SlurmView((part(gpus=0, gres="none"),))
     [line] = messages(slurm_violations(recipe("cluster.gpu_type=H100-SXM"), no_gpus))
     assert line.startswith("cluster.gpus_per_node=2 exceeds partition short: it has no GPUs")
     assert messages(slurm_violations(recipe(), SlurmView((part(default=False),)))) == [
         "cluster.partition is unset and this Slurm cluster has no default partition (set one of: short)"]
+
+
+def test_spare_nodes_over_the_partition_name_the_value_written_and_a_fix_not_already_true():
+    view = SlurmView((part(nodes=4),))
+    restarts = ("cluster.restarts=1",)
+    # the spare makes the difference: named, and the fix is not "at most 2 nodes" (already true)
+    assert messages(slurm_violations(recipe(*restarts, "cluster.nodes=4", "cluster.spare_nodes=1"), view)) == [
+        "cluster.spare_nodes=1 with cluster.nodes=4 asks for 5 nodes, beyond the 4 nodes of partition short (use "
+        "spare_nodes: 0 (no in-job node replacement), fewer nodes, or another partition)"]
+    assert messages(slurm_violations(recipe(*restarts, "cluster.nodes=2", "cluster.spare_nodes=3"), view)) == [
+        "cluster.spare_nodes=3 with cluster.nodes=2 asks for 5 nodes, beyond the 4 nodes of partition short (use at "
+        "most 2 spare nodes, or another partition)"]
+    # the nodes alone are over: cluster.nodes as written, the room left for them beside the spares
+    assert messages(slurm_violations(recipe(*restarts, "cluster.nodes=5", "cluster.spare_nodes=1"), view)) == [
+        "cluster.nodes=5 with cluster.spare_nodes=1 (6 nodes in all) exceeds the 4 nodes of partition short (use at "
+        "most 3 nodes, or another partition)"]
 
 
 def test_no_slurm_means_not_checked():
