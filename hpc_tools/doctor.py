@@ -290,7 +290,7 @@ def slurm_check(view=None) -> Check:
     view = view or slurm_view()
     if view.checked:
         return Check("slurm", "pass", view.summary().replace("checked against Slurm partitions", "answers; partitions"))
-    if "not installed" in view.why:
+    if view.absent:
         return Check("slurm", "skip", f"{view.why}: submit runs jobs locally")
     conf = os.environ.get("SLURM_CONF")
     if conf and not Path(conf).is_file():

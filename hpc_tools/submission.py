@@ -41,6 +41,7 @@ def choose_executor(requested: str, dry_run: bool = False) -> tuple[str, str]:
     login node during a controller restart must not quietly become the job's machine). A ``dry_run`` submits
     nothing, so it never asks a controller: `--executor slurm --dry-run` works on a laptop or during an outage."""
     from hpc_tools.executors.slurm import slurm_available, slurm_installed
+    from hpc_tools.slurm_client import absent_reason, off_reason
 
     if requested not in EXECUTORS:
         raise UserError(f"--executor {requested} is unknown (use one of {', '.join(EXECUTORS)})")
@@ -49,16 +50,20 @@ def choose_executor(requested: str, dry_run: bool = False) -> tuple[str, str]:
     if dry_run and (requested == "slurm" or slurm_installed()):
         return "slurm", ""
     if requested == "auto" and not slurm_installed():
-        return "local", ("no Slurm here (sbatch is not on PATH): running locally on this machine with the recipe's "
-                         "local profile; use --executor slurm to require Slurm")
+        return "local", (f"no Slurm here ({absent_reason('sbatch')}): running locally on this machine with the "
+                         "recipe's local profile; use --executor slurm to require Slurm")
     ok, why = slurm_available()
     if ok:
         return "slurm", ""
+    if requested == "slurm" and off_reason():
+        raise UserError(f"--executor slurm asks for Slurm, which {off_reason()} turns off here (unset it, or use "
+                        "--executor local)")
     if requested == "slurm" and not slurm_installed():
         raise UserError(f"Slurm does not answer: {why} (start a cluster, e.g. `bash environment/slurm-dev/up.sh`, "
                         "or use --executor local)")
     raise UserError(f"Slurm is installed but its controller does not answer ({why}); retry when it is back "
-                    "(`scontrol ping` says UP), or run here with --executor local")
+                    "(`scontrol ping` says UP), or run here with --executor local (HPC_TOOLS_SLURM=off: always, on a "
+                    "machine whose Slurm client has no cluster)")
 
 
 def checked_runs_root(root: str | Path | None = None) -> Path:

@@ -14,13 +14,13 @@ from __future__ import annotations
 import functools
 import os
 import re
-import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc_tools.errors import Violation
+from hpc_tools.slurm_client import absent_reason
 
 if TYPE_CHECKING:
     from hpc_tools.recipe.schema import Recipe
@@ -52,6 +52,7 @@ class SlurmView:
 
     partitions: tuple[Partition, ...] | None
     why: str = ""  # "not checked" reason: Slurm not installed, not answering, unreadable output
+    absent: bool = False  # no Slurm here (sinfo not on PATH, or HPC_TOOLS_SLURM=off): normal, nothing to note
 
     @property
     def checked(self) -> bool:
@@ -74,8 +75,9 @@ class SlurmView:
 
 def run_sinfo(timeout_s: float = SLURM_TIMEOUT_S) -> subprocess.CompletedProcess | str:
     """``sinfo`` one line per node and partition, or the reason it did not answer (a string)."""
-    if not shutil.which("sinfo"):
-        return "Slurm is not installed (sinfo is not on PATH)"
+    absent = absent_reason("sinfo")
+    if absent:
+        return f"no Slurm here ({absent})"
     try:
         out = subprocess.run(["sinfo", "--noheader", "--Node", f"--format={SINFO_FORMAT}"], capture_output=True,
                              text=True, timeout=timeout_s)
@@ -92,6 +94,9 @@ def run_sinfo(timeout_s: float = SLURM_TIMEOUT_S) -> subprocess.CompletedProcess
 @functools.lru_cache(maxsize=1)
 def slurm_view(timeout_s: float = SLURM_TIMEOUT_S) -> SlurmView:
     """The live cluster's partitions (asked once per process), or why they could not be read."""
+    absent = absent_reason("sinfo")
+    if absent:
+        return SlurmView(None, f"no Slurm here ({absent})", absent=True)
     out = run_sinfo(timeout_s)
     if isinstance(out, str):
         return SlurmView(None, out)

@@ -51,6 +51,24 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: "main_command" in item.fixturenames and item.get_closest_marker("slurm") is not None)
 
 
+SLURM_FIXTURES = {"slurm", "slurm_multinode", "slurm_cluster"}
+
+
+@pytest.fixture(autouse=True)
+def _no_slurm_unless_asked(request, monkeypatch) -> None:
+    """Hermetic about this machine's Slurm: a test that asks for no Slurm cluster (its fixtures or markers ``slurm``,
+    ``multinode``) nor puts its own Slurm stand-ins on PATH (marker ``slurm_client``) runs with HPC_TOOLS_SLURM=off, so
+    that its commands see "no Slurm here" whether this machine has no Slurm client, a client and no controller, or
+    the test cluster up (hpc_tools/slurm_client.py); the others run with it unset, as Slurm's users do."""
+    callspec = getattr(request.node, "callspec", None)
+    fixtures = set(request.fixturenames) - set(callspec.params if callspec else ())
+    if SLURM_FIXTURES & fixtures or any(request.node.get_closest_marker(m) for m in ("slurm", "multinode",
+                                                                                      "slurm_client")):
+        monkeypatch.delenv("HPC_TOOLS_SLURM", raising=False)
+    else:
+        monkeypatch.setenv("HPC_TOOLS_SLURM", "off")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _own_calibration_file(tmp_path_factory) -> None:
     """One planner calibration file per test process (per xdist worker): a measured search stores what it fitted

@@ -108,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
         for line in notes:  # valid but unusual choices: one line each, on stderr, exit 0
             say(line)
         if args.verbose or slurm["unreachable"]:  # Slurm installed but silent: worth one line; absent: normal
-            say(f"note: {slurm['summary']}")
+            say(f"note: {slurm['summary']}" + ("; --offline, or HPC_TOOLS_SLURM=off where this Slurm client has no "
+                                                "cluster, skips the check" if slurm["unreachable"] else ""))
     if not ok:
         return UserError.exit_code
     return 0
@@ -121,7 +122,7 @@ def _slurm_note(offline: bool) -> dict:
     from hpc_tools.world import slurm_view
 
     view = slurm_view()
-    return {"checked": view.checked, "unreachable": not view.checked and "not installed" not in view.why,
+    return {"checked": view.checked, "unreachable": not view.checked and not view.absent,
             "summary": view.summary(),
             "partitions": [p.name for p in view.partitions] if view.checked else None}
 

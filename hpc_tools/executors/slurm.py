@@ -1,7 +1,8 @@
 """The Slurm executor: submitit submits one task per GPU, and each task runs the rank program on the run folder.
 
 Resources come from ``SlurmSpec`` (the same flags the rendered sbatch script carries), the environment set-up from
-``render.envsetup``. Slurm is "available" when ``sbatch`` is on PATH and ``scontrol ping`` reports a controller UP.
+``render.envsetup``. Slurm is "available" when ``sbatch`` is on PATH (and ``HPC_TOOLS_SLURM`` is not ``off``:
+``hpc_tools.slurm_client``) and ``scontrol ping`` reports a controller UP.
 Job states (sacct) are read by ``hpc_tools.runstate``, not here.
 """
 
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -17,19 +17,22 @@ from hpc_tools.recipe.schema import Recipe
 from hpc_tools.registry import RunFolder, now_iso
 from hpc_tools.render.envsetup import checked_setup_lines, launch_prefix, rank_srun_args, srun_args
 from hpc_tools.render.slurm_params import SlurmSpec
+from hpc_tools.slurm_client import absent_reason
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout (or site-packages) that holds hpc_tools
 
 
 def slurm_installed() -> bool:
-    """Slurm's client commands are on PATH (whether or not a controller answers)."""
-    return shutil.which("sbatch") is not None
+    """Slurm's client commands are on PATH and not turned off (``HPC_TOOLS_SLURM=off``), whether or not a controller
+    answers."""
+    return absent_reason("sbatch") is None
 
 
 def slurm_available(timeout_s: float = 5.0) -> tuple[bool, str]:
     """(True, "") when a Slurm controller answers; else (False, why)."""
-    if not slurm_installed():
-        return False, "sbatch is not on PATH"
+    absent = absent_reason("sbatch")
+    if absent:
+        return False, absent
     try:
         out = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as exc:

@@ -111,6 +111,7 @@ def fake_slurm(tmp_path, scontrol_body: str):
     return {"PATH": f"{bin_dir}:{os.path.dirname(shutil.which('bash'))}", "PYTHONPATH": str(REPO)}
 
 
+@pytest.mark.slurm_client
 @pytest.mark.parametrize("scontrol", [
     'echo "Slurmctld(primary) at ctl is DOWN"; exit 1',  # a controller restart
     "exit 1",  # no answer at all
@@ -127,6 +128,7 @@ def test_slurm_installed_but_not_answering_is_an_error_never_a_local_run(tmp_pat
     assert not (tmp_path / "runs").exists(), "a run folder was made"
 
 
+@pytest.mark.slurm_client
 def test_no_slurm_installed_means_local_said_in_one_line(tmp_path, monkeypatch):
     from hpc_tools.submission import choose_executor
 
@@ -139,6 +141,7 @@ def test_no_slurm_installed_means_local_said_in_one_line(tmp_path, monkeypatch):
         choose_executor("slurm")
 
 
+@pytest.mark.slurm_client
 def test_slurm_answering_means_slurm(tmp_path, monkeypatch):
     from hpc_tools.submission import choose_executor
 
