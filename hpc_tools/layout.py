@@ -191,7 +191,8 @@ def pipeline_chunks(num_layers: int, pipeline: int, virtual: int = 1, first: int
     the middle stages an equal share of the rest; chunk j of every stage comes from round j of ``num_layers /
     virtual`` layers. None when the split is not one Megatron-core builds: a count not divisible by ``virtual``, or
     not divisible over the middle stages, or a stage left with no layers (Megatron-core 0.16 itself accepts a
-    negative middle count and a count on PP1; the recipe's rules refuse both)."""
+    negative middle count and a count on PP1; the recipe's rules refuse both), or interleaving with both ends set
+    and no middle stage (PP2: Megatron-core 0.16's layer offset then divides by zero)."""
     v = virtual
     if pipeline < 1 or v < 1 or num_layers < 1:
         return None
@@ -204,6 +205,8 @@ def pipeline_chunks(num_layers: int, pipeline: int, virtual: int = 1, first: int
             return None
         middle, stages = middle_stage_layers(num_layers, pipeline, first, last)
         if middle < 0 or (stages == 0) != (middle == 0) or (stages and (middle % stages or middle // stages % v)):
+            return None
+        if stages == 0 and v > 1:  # Megatron-core 0.16's interleaved layer offset divides by the middle stages
             return None
         share = middle // stages if stages else 0
         counts = [share] * pipeline

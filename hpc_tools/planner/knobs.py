@@ -27,6 +27,7 @@ _FSDP = frozenset(b.kind for b in backends.BACKENDS.values() if b.sharding == "f
 _ONLY_FULL_RECOMPUTE = frozenset({"recompute_method", "recompute_num_layers"})
 _ONLY_EXPERTS = frozenset({"expert_size", "expert_tensor_size"})
 
+
 @dataclass(frozen=True, slots=True)
 class Knobs:
     backend: str  # a backend.kind that trains a model; its traits are its row of the backend table (``row``)
@@ -134,7 +135,12 @@ class Knobs:
         """Short label naming every dimension the search turns, each always (also at its default), e.g.
         ``TP2 PP4 VPP2 CP1 DP8 SP EP8xETP1 mb2 rc=selective distopt`` (EPxETP for models with experts)."""
         lay = self.layout
-        parts = [f"TP{lay.tensor_size}", f"PP{lay.pipeline_size}", f"VPP{self.virtual}", f"CP{lay.context_size}",
+        pp = f"PP{lay.pipeline_size}"
+        if lay.uneven:  # PP16[2|..|3]: the first and/or last stage's own layer count, the others split the rest
+            first, last = lay.first_stage_layers, lay.last_stage_layers
+            pp += "[" + "|".join([*([str(first)] if first is not None else []), "..",
+                                  *([str(last)] if last is not None else [])]) + "]"
+        parts = [f"TP{lay.tensor_size}", pp, f"VPP{self.virtual}", f"CP{lay.context_size}",
                  f"DP{lay.data_size}", "SP" if lay.sequence_parallel else "no-SP"]
         if self.moe:
             parts.append(f"EP{lay.expert_size}xETP{lay.expert_tensor_size}")
@@ -184,7 +190,9 @@ class Knobs:
                          "virtual_pipeline_size": lay.virtual_pipeline_size if lay.interleaved else None,
                          "data_size": -1, "sequence_parallel": lay.sequence_parallel,
                          "context_size": lay.context_size, "expert_size": lay.expert_size,
-                         "expert_tensor_size": lay.expert_tensor_size if self.moe else None},
+                         "expert_tensor_size": lay.expert_tensor_size if self.moe else None,
+                         "num_layers_in_first_pipeline_stage": lay.first_stage_layers,
+                         "num_layers_in_last_pipeline_stage": lay.last_stage_layers},
             "training": {"micro_batch_size": lay.micro_batch_size, "global_batch_size": lay.global_batch_size,
                          "recompute_granularity": self.recompute, "recompute_method": self.recompute_method,
                          "recompute_num_layers": self.recompute_num_layers},

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from hpc_tools import backends
 from hpc_tools.errors import UserError, Violation
-from hpc_tools.layout import ParallelLayout
+from hpc_tools.layout import ParallelLayout, uneven_splits
 from hpc_tools.planner.arch import arch_for
 from hpc_tools.planner.efficiency import resolve_efficiency
 from hpc_tools.planner.hardware import GB, Hardware, hardware_for, headroom_bytes, headroom_note
@@ -147,7 +147,7 @@ def enumerate_knobs(recipe: "Recipe", base: Knobs) -> Iterator[Knobs]:
         # Sequence parallelism is on whenever it can be: same TP traffic, smaller activations and p2p messages, so
         # the model never ranks "off" ahead of "on" (Korthikanti et al.).
         sps = (True,) if t > 1 and row.sequence_parallel and m.seq_length % t == 0 else (False,)
-        for p in _divisors(m.num_layers) if row.pipeline_parallel else [1]:
+        for p, splits in _pipelines(m.num_layers, world // t, row):
             experts = _expert_sizes(recipe, base, t, p)
             for cp in contexts:
                 if world % (t * p * cp) or m.seq_length % (2 * cp * t) and cp > 1:
@@ -161,19 +161,47 @@ def enumerate_knobs(recipe: "Recipe", base: Knobs) -> Iterator[Knobs]:
                     micro = per_replica // b
                     vs = [1]
                     if row.interleaved_pipeline and p > 1 and micro % p == 0:
-                        vs += [v for v in _divisors(m.num_layers // p) if v > 1]
+                        vs += [v for v in _divisors(-(-m.num_layers // p)) if v > 1 and splits[v]]
                     for v in vs:
-                        for sp in sps:
-                            for ep, etp in experts:
-                                layout = ParallelLayout(nodes=c.nodes, ranks_per_node=c.gpus_per_node,
-                                                        tensor_size=t, pipeline_size=p, data_size=d,
-                                                        virtual_pipeline_size=v if v > 1 else None,
-                                                        sequence_parallel=sp, micro_batch_size=b,
-                                                        global_batch_size=batch, context_size=cp, expert_size=ep,
-                                                        expert_tensor_size=etp)
-                                for rc in recomputes:
-                                    for opt in opts:
-                                        yield _knobs(base, layout, rc, opt)
+                        for (first, last), sp, (ep, etp) in ((s, sp, e) for s in splits[v] for sp in sps
+                                                             for e in experts):
+                            layout = ParallelLayout(nodes=c.nodes, ranks_per_node=c.gpus_per_node,
+                                                    tensor_size=t, pipeline_size=p, data_size=d,
+                                                    virtual_pipeline_size=v if v > 1 else None,
+                                                    sequence_parallel=sp, micro_batch_size=b,
+                                                    global_batch_size=batch, context_size=cp, expert_size=ep,
+                                                    expert_tensor_size=etp, first_stage_layers=first,
+                                                    last_stage_layers=last)
+                            for rc in recomputes:
+                                for opt in opts:
+                                    yield _knobs(base, layout, rc, opt)
+
+
+class _Splits(dict):
+    """VPP size -> the (first, last) stage layer counts to try with it (uneven: one split, the first stage the
+    shorter end, since it holds the most microbatches in flight); computed when first asked for."""
+
+    def __init__(self, layers: int, pipeline: int):
+        super().__init__()
+        self.layers, self.pipeline = layers, pipeline
+
+    def __missing__(self, v: int) -> list[tuple[int | None, int | None]]:
+        even = self.layers % (self.pipeline * v) == 0
+        self[v] = [(None, None)] if even else uneven_splits(self.layers, self.pipeline, v)[:1]
+        return self[v]
+
+
+def _pipelines(layers: int, ranks: int, row) -> list[tuple[int, _Splits]]:
+    """The pipeline sizes to try with their stage splits: those dividing the layers (even stages), and where the
+    backend has uneven stages, the other divisors of the ranks a tensor-parallel group leaves that Megatron-core
+    can split the layers over with a shorter first and last stage (``layout.uneven_splits``: DeepSeek-V3's 61 layers
+    on PP16, Llama-3 405B's 126)."""
+    if not row.pipeline_parallel:
+        return [(1, _Splits(layers, 1))]
+    sizes = set(_divisors(layers))
+    if row.uneven_pipeline:
+        sizes |= {p for p in _divisors(ranks) if 1 < p <= layers and uneven_splits(layers, p)}
+    return [(p, _Splits(layers, p)) for p in sorted(sizes)]
 
 
 def _knobs(base: Knobs, layout: ParallelLayout, recompute: str, opt: dict) -> Knobs:

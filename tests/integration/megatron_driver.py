@@ -61,13 +61,19 @@ CASES: dict[str, tuple[dict, list[str]]] = {
     "TP2xPP2 plain optimizer": ({}, ["parallel.tensor_size=2", "parallel.pipeline_size=2",
                                      "backend.megatron.distributed_optimizer=false"]),
     "TP2xPP2 bf16": ({}, ["parallel.tensor_size=2", "parallel.pipeline_size=2", "training.precision=bf16"]),
+    # uneven pipeline stages (Megatron-core's num_layers_in_first/last_pipeline_stage): 1 + 3 and 3 + 1 layers
+    "PP2xDP2 uneven (first 1)": ({}, ["parallel.pipeline_size=2", "parallel.num_layers_in_first_pipeline_stage=1"]),
+    "TP2xPP2 uneven (last 1)": ({}, ["parallel.tensor_size=2", "parallel.pipeline_size=2",
+                                     "parallel.num_layers_in_last_pipeline_stage=1"]),
     "llama TP1xPP1 (DP4)": (LLAMA, []),
     "llama TP2xPP2 +SP": (LLAMA, ["parallel.tensor_size=2", "parallel.pipeline_size=2",
                                   "parallel.sequence_parallel=true"]),
 }
-# name -> (first layout, layout after the restart); both must reproduce the uninterrupted case named first.
+# name -> (first layout, layout after the restart); both must reproduce the uninterrupted case named first (bit for
+# bit when the layout is the same).
 RESUMES: dict[str, tuple[str, str]] = {
     "resume TP2xPP2 -> TP2xPP2": ("TP2xPP2", "TP2xPP2"),
+    "resume PP2xDP2 uneven (first 1) -> same": ("PP2xDP2 uneven (first 1)", "PP2xDP2 uneven (first 1)"),
     "resume TP2xPP2 plain -> TP1xPP4 plain": ("TP2xPP2 plain optimizer", "TP1xPP4 plain"),
     "resume TP2xPP2 plain -> TP2xDP2 plain": ("TP2xPP2 plain optimizer", "TP2xDP2 plain"),
 }
@@ -103,6 +109,18 @@ def run_steps(engine, recipe, layout, first: int, last: int) -> tuple[list[float
         dist.all_gather_object(gathered, result.loss)
         losses.append(next(x for x in gathered if x is not None))
     return losses, times
+
+
+def layer_numbers(engine) -> list[list[int]]:
+    """Every rank's transformer layers (1-based global numbers, Megatron-core's layer_number), by rank."""
+    import torch.distributed as dist
+
+    from hpc_tools.train.megatron.model import unwrap
+
+    mine = [layer.layer_number for chunk in engine.chunks for layer in unwrap(chunk).decoder.layers]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
 
 
 def build(case: str):
@@ -144,9 +162,10 @@ def rank_main(out: Path, only: list[str]) -> None:
         checkpoint.load(engine, init_dirs[family_of(case)].final_path(0))
         t2 = time.perf_counter()
         losses, times = run_steps(engine, recipe, layout, 1, STEPS)
+        layers = layer_numbers(engine)
         engine.close()
         results[case] = {"losses": losses, "step_s": times, "build_s": t1 - t0, "load_s": t2 - t1,
-                         "layout": layout.describe()}
+                         "layout": layout.describe(), "layers": layers}
 
     for name, (before, after) in RESUMES.items():
         if not selected(name):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from hpc_tools.layout import ParallelLayout
 from tests.conftest import run_driver
 
 HERE = Path(__file__).resolve().parent
@@ -63,13 +64,30 @@ def test_loss_falls(results, family):
     assert losses[-1] < losses[0] - 0.1, losses
 
 
-def test_resume_same_layout_is_bit_identical(results):
-    r = results["resume TP2xPP2 -> TP2xPP2"]
+SAME = [n for n, (before, after) in driver.RESUMES.items() if before == after]
+
+
+@pytest.mark.parametrize("name", SAME)
+def test_resume_same_layout_is_bit_identical(results, name):
+    r = results[name]
     assert r["resumed_at"] == driver.RESUME_AT
     assert r["losses"] == results[r["reference"]]["losses"]
 
 
-@pytest.mark.parametrize("name", [n for n in driver.RESUMES if n != "resume TP2xPP2 -> TP2xPP2"])
+@pytest.mark.parametrize("case, stages", [("PP2xDP2 uneven (first 1)", [[1], [2, 3, 4]]),
+                                          ("TP2xPP2 uneven (last 1)", [[1, 2, 3], [4]])])
+def test_uneven_stages_hold_the_layers_they_were_given(results, case, stages):
+    """The ranks of each stage built the layers the split gives them (Megatron-core's layer numbers), which are
+    also the planner's (layout.pipeline_chunks): an even split under another name would give [1, 2] and [3, 4]."""
+    family, sets = driver.CASES[case]
+    layout = ParallelLayout.from_recipe(driver.make_recipe(family, sets))
+    planned = [[i + 1 for chunk in stage for i in chunk] for stage in layout.stage_chunks(4)]
+    assert planned == stages
+    built = {tuple(layers) for layers in results[case]["layers"]}
+    assert built == {tuple(s) for s in stages}, results[case]["layers"]
+
+
+@pytest.mark.parametrize("name", [n for n in driver.RESUMES if n not in SAME])
 def test_resume_into_another_layout(results, name):
     r = results[name]
     want = results[r["reference"]]["losses"]

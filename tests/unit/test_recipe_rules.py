@@ -29,6 +29,9 @@ CASES = {
     "layers_divisible_by_stages": (["model.num_layers=6", "parallel.virtual_pipeline_size=2"],
                                    "model.num_layers=6 must be divisible by parallel.pipeline_size x "
                                    "virtual_pipeline_size=4", "use a multiple of 4 layers"),
+    "uneven_pipeline_stages": (["parallel.num_layers_in_first_pipeline_stage=8"],
+                               "parallel.num_layers_in_first_pipeline_stage=8 leaves no layer of model.num_layers=8 "
+                               "for the 1 middle stage(s)", "leave both null: the stages divide evenly"),
     "interleaving_needs_pipeline": (["parallel.pipeline_size=1", "parallel.virtual_pipeline_size=2"],
                                     "parallel.virtual_pipeline_size=2 needs parallel.pipeline_size > 1",
                                     "set pipeline_size >= 2"),
@@ -63,9 +66,7 @@ CASES = {
     "data_sources": (["data.source=files"], "data.paths=[] is empty but data.source=files", "list local files"),
     "checkpoint_local_tier": (["checkpoint.local_interval_iters=5"],
                               "checkpoint.local_interval_iters=5 needs checkpoint.local_dir",
-                              "set checkpoint.local_dir (e.g. /tmp/$SLURM_JOB_ID/ckpt) or local_interval_iters: 0"),
-    "settings_take_effect": (["training.fp8_recipe=tensorwise"], "training.fp8_recipe=tensorwise is read only with "
-                             "training.fp8", "set training.fp8: e4m3 or hybrid, or remove fp8_recipe"),
+                              "set checkpoint.local_dir (e.g. $SLURM_TMPDIR/ckpt) or local_interval_iters: 0"),
     "signal_before_limit": (["cluster.time_limit=2", "cluster.signal_delay_s=120"],
                             "cluster.signal_delay_s=120 must be shorter than cluster.time_limit=2 (120 s)",
                             "lower it or raise the time limit"),
@@ -104,6 +105,14 @@ CASES = {
     "multi_latent_attention_shape": (["model.multi_latent_attention=true"],
                                      "model.position_embedding=learned_absolute must be rope with "
                                      "model.multi_latent_attention", "set position_embedding: rope"),
+    "recompute_modules_apply": (["training.recompute_modules=[mlp]"],
+                                "training.recompute_modules=[mlp] is read only with "
+                                "training.recompute_granularity=selective, not none",
+                                "set recompute_granularity: selective"),
+    "moe_comm_overlap": (["model.num_experts=4", "parallel.tensor_size=1", "parallel.expert_size=2",
+                          "parallel.overlap_moe_expert_parallel_comm=true"],
+                         "parallel.overlap_moe_expert_parallel_comm=true needs parallel.virtual_pipeline_size > 1 "
+                         "with pipeline_size=2", "set virtual_pipeline_size"),
     "backend_features": (["backend.kind=deepspeed", "checkpoint.init_from_hf=hf"],
                               "checkpoint.init_from_hf=hf is read by backend.kind=megatron or fsdp only",
                               "set backend.deepspeed.pretrained_path"),

@@ -40,13 +40,15 @@ def layout_meta(engine: "Engine") -> dict[str, Any]:
             "virtual_pipeline_size": lay.virtual_pipeline_size if lay.interleaved else None,
             "data_size": lay.data_size, "distributed_optimizer": mg.distributed_optimizer,
             "context_size": lay.context_size, "expert_size": lay.expert_size,
-            "expert_tensor_size": lay.expert_tensor_size,
+            "expert_tensor_size": lay.expert_tensor_size, "first_stage_layers": lay.first_stage_layers,
+            "last_stage_layers": lay.last_stage_layers,
             "precision": engine.recipe.training.precision,
             "padded_vocab_size": engine.recipe.model.padded_vocab_size(lay.tensor_size), "layers": engine.plan.layers}
 
 
-DEFAULT_SIZES = {"context_size": 1, "expert_size": 1, "expert_tensor_size": 1}
-"""The sizes a checkpoint written before they were recorded was saved under."""
+DEFAULT_SIZES = {"context_size": 1, "expert_size": 1, "expert_tensor_size": 1, "first_stage_layers": None,
+                 "last_stage_layers": None}
+"""The sizes a checkpoint written before they were recorded was saved under (uneven stages: None, equal ones)."""
 
 
 def inner_optimizers(optimizer) -> list:

@@ -128,6 +128,8 @@ def transformer_config(recipe: "Recipe", layout: "ParallelLayout", device_type: 
         gated_linear_unit=m.activation == "swiglu", activation_func=F.silu if m.activation == "swiglu" else F.gelu,
         tensor_model_parallel_size=layout.tensor_size, pipeline_model_parallel_size=layout.pipeline_size,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_size if interleaved else None,
+        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
         sequence_parallel=layout.sequence_parallel,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=t.precision == "bf16", fp16=t.precision == "fp16",
         attention_softmax_in_fp32=True, attention_backend=AttnBackend[plan.attention],
