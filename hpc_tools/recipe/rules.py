@@ -89,6 +89,21 @@ def merged(violations: list[Violation]) -> list[Violation]:
     return out
 
 
+NOTES: list[Rule] = []
+"""Checks of choices that are valid but unusual: each finding is one line on stderr (``note: ...``), exit 0."""
+
+
+def note(fn: RuleFn) -> RuleFn:
+    NOTES.append(Rule(fn.__name__, (fn.__doc__ or "").strip(), fn))
+    return fn
+
+
+def recipe_notes(recipe: Recipe) -> list[str]:
+    """The notes of a recipe that passed its rules, as the lines the commands print (``note: FIELD=VALUE ...``)."""
+    layout = ParallelLayout.from_recipe(recipe)
+    return [f"note: {v}" for n in NOTES for v in n.fn(recipe, layout)]
+
+
 def divisors(n: int) -> list[int]:
     """The divisors of ``n`` in ascending order, in O(sqrt n) (n can be any bounded recipe value)."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
@@ -791,14 +806,64 @@ def data_sources(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
 
 @rule
 def checkpoint_local_tier(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
-    """The node-local checkpoint tier has both its folder and its interval."""
-    ck = r.checkpoint
+    """The node-local checkpoint tier has both its folder and its interval, an absolute folder (a relative one would
+    be under the folder the job starts in, on the shared file system) and an interval that some save falls on
+    (below train_iters, not a multiple of the shared tier's interval, whose saves take the steps due on both)."""
+    ck, iters = r.checkpoint, r.training.train_iters
     if ck.local_interval_iters and not ck.local_dir:
         yield Violation("checkpoint.local_interval_iters", ck.local_interval_iters, "needs checkpoint.local_dir",
-                        "set checkpoint.local_dir (e.g. $SLURM_TMPDIR/ckpt) or local_interval_iters: 0")
+                        f"set checkpoint.local_dir (e.g. {LOCAL_DIR_EXAMPLE}) or local_interval_iters: 0")
     if ck.local_dir and not ck.local_interval_iters:
         yield Violation("checkpoint.local_dir", ck.local_dir, "is never written: checkpoint.local_interval_iters is 0",
                         "set checkpoint.local_interval_iters (e.g. 10) or remove local_dir")
+    if ck.local_dir and not ck.local_dir.startswith(("/", "~", "$")):
+        yield Violation("checkpoint.local_dir", ck.local_dir, "is a relative path: it would be under the folder the "
+                        "job starts in, on the shared file system, not on a node-local disk",
+                        f"give an absolute node-local path, e.g. {LOCAL_DIR_EXAMPLE}")
+    if ck.local_dir and ck.local_interval_iters >= iters:
+        yield Violation("checkpoint.local_interval_iters", ck.local_interval_iters, f"is never reached: "
+                        f"training.train_iters={iters} ends first (the last save goes to checkpoint.dir)",
+                        f"use fewer than {iters} steps, or local_interval_iters: 0")
+    elif ck.local_dir and ck.local_interval_iters and ck.interval_iters and \
+            ck.local_interval_iters % ck.interval_iters == 0:
+        yield Violation("checkpoint.local_interval_iters", ck.local_interval_iters, "falls only on steps that "
+                        f"checkpoint.interval_iters={ck.interval_iters} saves to checkpoint.dir (a step due on both "
+                        "tiers saves there): the local tier is never written",
+                        f"use a value below {ck.interval_iters}" if ck.interval_iters > 1 else
+                        "raise checkpoint.interval_iters, or remove the local tier")
+
+
+# A node-local folder named by a variable Slurm itself sets in every job ($SLURM_TMPDIR is a site convention).
+LOCAL_DIR_EXAMPLE = "/tmp/$SLURM_JOB_ID/ckpt"
+
+
+def _written(section, name: str) -> bool:
+    """Whether the recipe (file, site file, profile or --set) wrote the field, rather than leaving its default."""
+    return name in section.model_fields_set
+
+
+@rule
+def settings_take_effect(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """A value written for a feature the recipe does not turn on does nothing, and is refused: fp8_recipe without
+    fp8, the router's moe_* options without num_experts, a moe_layer_freq list with no MoE layer. A feature turned
+    off on purpose (fp8: null, num_experts: null written, as a profile does) leaves its options alone."""
+    t, m = r.training, r.model
+    if t.fp8 is None and _written(t, "fp8_recipe") and not _written(t, "fp8"):
+        yield Violation("training.fp8_recipe", t.fp8_recipe, "is read only with training.fp8 (null: no FP8; "
+                        "fp8_recipe does not turn it on)", "set training.fp8: e4m3 or hybrid, or remove fp8_recipe")
+    if m.num_experts is None and not _written(m, "num_experts"):
+        router = [f for f in ("moe_router_topk", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+                              "moe_router_score_function", "moe_router_enable_expert_bias",
+                              "moe_token_dispatcher_type", "moe_expert_capacity_factor", "moe_grouped_gemm",
+                              "moe_layer_freq") if _written(m, f)]
+        if router:
+            yield Violation(f"model.{router[0]}", getattr(m, router[0]), "is read only with model.num_experts (a "
+                            "dense model has no experts)", f"set model.num_experts, or remove {router[0]}")
+    if m.num_experts is not None and isinstance(m.moe_layer_freq, list) and m.moe_layer_freq and \
+            not any(m.moe_layer_freq):
+        yield Violation("model.moe_layer_freq", m.moe_layer_freq, f"has no 1: no layer is MoE, and the "
+                        f"model.num_experts={m.num_experts} experts are never built (a dense model)",
+                        "put a 1 at each MoE layer, or set num_experts: null")
 
 
 @rule
@@ -818,6 +883,16 @@ def spares_need_restarts(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     if c.spare_nodes and not c.restarts:
         yield Violation("cluster.spare_nodes", c.spare_nodes, "are only used by in-job restarts, and "
                         "cluster.restarts is 0", "set cluster.restarts (e.g. 2) or spare_nodes: 0")
+
+
+@note
+def spares_beyond_nodes(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """More spare nodes than nodes: valid, but the job holds more idle nodes than training ones."""
+    c = r.cluster
+    if c.restarts and c.spare_nodes > c.nodes:
+        yield Violation("cluster.spare_nodes", c.spare_nodes, f"exceeds cluster.nodes={c.nodes}: the job holds "
+                        f"{c.nodes + c.spare_nodes} nodes, {c.spare_nodes} of them idle until a node fails",
+                        f"fine if failures are that likely; else spare_nodes <= {c.nodes}")
 
 
 @rule

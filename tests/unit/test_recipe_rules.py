@@ -66,7 +66,9 @@ CASES = {
     "data_sources": (["data.source=files"], "data.paths=[] is empty but data.source=files", "list local files"),
     "checkpoint_local_tier": (["checkpoint.local_interval_iters=5"],
                               "checkpoint.local_interval_iters=5 needs checkpoint.local_dir",
-                              "set checkpoint.local_dir (e.g. $SLURM_TMPDIR/ckpt) or local_interval_iters: 0"),
+                              "set checkpoint.local_dir (e.g. /tmp/$SLURM_JOB_ID/ckpt) or local_interval_iters: 0"),
+    "settings_take_effect": (["training.fp8_recipe=tensorwise"], "training.fp8_recipe=tensorwise is read only with "
+                             "training.fp8", "set training.fp8: e4m3 or hybrid, or remove fp8_recipe"),
     "signal_before_limit": (["cluster.time_limit=2", "cluster.signal_delay_s=120"],
                             "cluster.signal_delay_s=120 must be shorter than cluster.time_limit=2 (120 s)",
                             "lower it or raise the time limit"),
@@ -105,14 +107,6 @@ CASES = {
     "multi_latent_attention_shape": (["model.multi_latent_attention=true"],
                                      "model.position_embedding=learned_absolute must be rope with "
                                      "model.multi_latent_attention", "set position_embedding: rope"),
-    "recompute_modules_apply": (["training.recompute_modules=[mlp]"],
-                                "training.recompute_modules=[mlp] is read only with "
-                                "training.recompute_granularity=selective, not none",
-                                "set recompute_granularity: selective"),
-    "moe_comm_overlap": (["model.num_experts=4", "parallel.tensor_size=1", "parallel.expert_size=2",
-                          "parallel.overlap_moe_expert_parallel_comm=true"],
-                         "parallel.overlap_moe_expert_parallel_comm=true needs parallel.virtual_pipeline_size > 1 "
-                         "with pipeline_size=2", "set virtual_pipeline_size"),
     "backend_features": (["backend.kind=deepspeed", "checkpoint.init_from_hf=hf"],
                               "checkpoint.init_from_hf=hf is read by backend.kind=megatron or fsdp only",
                               "set backend.deepspeed.pretrained_path"),
