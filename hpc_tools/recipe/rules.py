@@ -845,12 +845,25 @@ def _written(section, name: str) -> bool:
 @rule
 def settings_take_effect(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """A value written for a feature the recipe does not turn on does nothing, and is refused: fp8_recipe without
-    fp8, the router's moe_* options without num_experts, a moe_layer_freq list with no MoE layer. A feature turned
-    off on purpose (fp8: null, num_experts: null written, as a profile does) leaves its options alone."""
-    t, m = r.training, r.model
+    fp8, the router's moe_* options without num_experts, a moe_layer_freq list with no MoE layer, recompute_method
+    or recompute_num_layers without full recomputation, local_replicate without a local tier. A feature turned off
+    on purpose (fp8: null, num_experts: null, recompute_granularity, local_dir: null written, as a profile does)
+    leaves its options alone."""
+    t, m, ck = r.training, r.model, r.checkpoint
     if t.fp8 is None and _written(t, "fp8_recipe") and not _written(t, "fp8"):
         yield Violation("training.fp8_recipe", t.fp8_recipe, "is read only with training.fp8 (null: no FP8; "
                         "fp8_recipe does not turn it on)", "set training.fp8: e4m3 or hybrid, or remove fp8_recipe")
+    if t.recompute_granularity != "full" and not _written(t, "recompute_granularity"):
+        for name in ("recompute_method", "recompute_num_layers"):
+            if _written(t, name):
+                yield Violation(f"training.{name}", getattr(t, name), "is read only with "
+                                "training.recompute_granularity=full (it does not turn recomputation on)",
+                                f"set recompute_granularity: full, or remove {name}")
+                break
+    if ck.local_dir is None and _written(ck, "local_replicate") and not _written(ck, "local_dir"):
+        yield Violation("checkpoint.local_replicate", ck.local_replicate, "is read only with checkpoint.local_dir "
+                        "(the node-local tier it copies)", f"set checkpoint.local_dir (e.g. {LOCAL_DIR_EXAMPLE}) and "
+                        "local_interval_iters, or remove local_replicate")
     if m.num_experts is None and not _written(m, "num_experts"):
         router = [f for f in ("moe_router_topk", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
                               "moe_router_score_function", "moe_router_enable_expert_bias",

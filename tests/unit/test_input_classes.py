@@ -229,6 +229,10 @@ def test_one_root_cause_is_one_line(capsys, tmp_path, overrides, start, fix, abs
     (["model.moe_aux_loss_coeff=0.01"], "model.moe_aux_loss_coeff=0.01 is read only with model.num_experts"),
     (["model.num_experts=4", "model.moe_layer_freq=[0, 0, 0, 0]"],
      "model.moe_layer_freq=[0, 0, 0, 0] has no 1: no layer is MoE"),
+    (["training.recompute_num_layers=2"], "training.recompute_num_layers=2 is read only with "
+     "training.recompute_granularity=full"),
+    (["training.recompute_method=block"], "training.recompute_method=block is read only with"),
+    (["checkpoint.local_replicate=false"], "checkpoint.local_replicate=false is read only with checkpoint.local_dir"),
 ])
 @pytest.mark.parametrize("command", ["validate", "render", "submit"])
 def test_a_setting_that_would_do_nothing_is_refused(capsys, tmp_path, command, overrides, needle):
@@ -239,7 +243,9 @@ def test_a_setting_that_would_do_nothing_is_refused(capsys, tmp_path, command, o
 def test_a_feature_turned_off_on_purpose_leaves_its_options_alone(capsys, tmp_path):
     # a profile that turns FP8 or the experts off keeps the recipe's fp8_recipe / router options: no error
     for extra in (["training.fp8=null", "training.fp8_recipe=blockwise"],
-                  ["model.num_experts=null", "model.moe_router_topk=2"]):
+                  ["model.num_experts=null", "model.moe_router_topk=2"],
+                  ["training.recompute_granularity=none", "training.recompute_num_layers=2"],
+                  ["checkpoint.local_dir=null", "checkpoint.local_replicate=false"]):
         code, out, err = run(capsys, argv_for("validate", write_recipe(tmp_path), tmp_path,
                                               *[x for o in extra for x in ("--set", o)]))
         assert code == 0, out + err
