@@ -349,6 +349,10 @@ def recompute_modules_apply(r: Recipe, lay: ParallelLayout) -> Iterator[Violatio
     elif "moe_act" in mods and grouped_off:
         yield Violation(field, mods, "names moe_act, which Megatron-core recomputes only in grouped-GEMM experts "
                         "(Transformer Engine on GPUs, model.moe_grouped_gemm not false)", "remove moe_act")
+    elif "layernorm" in mods and (not r.cluster.uses_gpus or r.backend.megatron.transformer_impl == "local"):
+        yield Violation(field, mods, "names layernorm, which Megatron-core 0.16 recomputes through Transformer "
+                        "Engine (CheckpointWithoutOutput), absent on CPU ranks and with transformer_impl: local",
+                        "remove layernorm")
     elif "shared_experts" in mods and r.parallel.moe_shared_expert_overlap:
         yield Violation(field, mods, "names shared_experts, which cannot be combined with "
                         "parallel.moe_shared_expert_overlap (Megatron-core refuses it)",

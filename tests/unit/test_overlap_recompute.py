@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from inline_recipes import inline_recipe
 
+from hpc_tools.errors import UserError
 from hpc_tools.planner import make_plan
 from hpc_tools.planner.steptime import COMPUTE, EP_COMM, a2a_passes, unpaired_microbatches
 from hpc_tools.recipe.load import load_recipe, resolve
@@ -113,6 +114,8 @@ def module_cases():
     yield ["moe_act"], ["training.fp8_recipe=delayed"], True
     yield ["layernorm"], ["training.fp8_recipe=delayed"], True
     yield ["layernorm"], ["training.fp8=null", "training.fp8_recipe=delayed"], False
+    yield ["layernorm"], ["cluster.gpu_type=cpu", "training.fp8=null", "training.precision=fp32"], True
+    yield ["layernorm"], ["backend.megatron.transformer_impl=local", "training.fp8=null"], True
     yield ["shared_experts"], ["parallel.moe_shared_expert_overlap=true"], True
     yield ["mlp"], ["model.moe_layer_freq=1"], True  # every layer MoE: no dense MLP to recompute
     yield ["mlp", "mlp"], [], True
@@ -244,10 +247,15 @@ def test_the_trainer_drops_core_attn_where_flash_attention_keeps_no_scores():
 
     from hpc_tools.train.megatron.config import recompute_granularity, recompute_modules
 
-    flash, explicit = SimpleNamespace(flash_style=True), SimpleNamespace(flash_style=False)
+    flash = SimpleNamespace(flash_style=True, transformer_engine=True, layers="transformer_engine")
+    explicit = SimpleNamespace(flash_style=False, transformer_engine=True, layers="transformer_engine")
     default = deepseek("training.recompute_modules=null")
     assert recompute_modules(default, explicit) == ["core_attn"] and recompute_granularity(default, flash) is None
     both = deepseek("training.recompute_modules=[core_attn,mla_up_proj]")
     assert recompute_modules(both, flash) == ["mla_up_proj"] and recompute_granularity(both, flash) == "selective"
     assert recompute_modules(deepseek("training.recompute_granularity=full", "training.recompute_modules=null"),
                              flash) == []
+    local = SimpleNamespace(flash_style=False, transformer_engine=False, layers="local")
+    with pytest.raises(UserError, match="layernorm, which Megatron-core 0.16 recomputes through Transformer Engine"):
+        recompute_modules(both.model_copy(update={"training": both.training.model_copy(
+            update={"recompute_modules": ["layernorm"]})}), local)

@@ -107,6 +107,14 @@ CASES = {
     "multi_latent_attention_shape": (["model.multi_latent_attention=true"],
                                      "model.position_embedding=learned_absolute must be rope with "
                                      "model.multi_latent_attention", "set position_embedding: rope"),
+    "recompute_modules_apply": (["training.recompute_modules=[mlp]"],
+                                "training.recompute_modules=[mlp] is read only with "
+                                "training.recompute_granularity=selective, not none",
+                                "set recompute_granularity: selective"),
+    "moe_comm_overlap": (["model.num_experts=4", "parallel.tensor_size=1", "parallel.expert_size=2",
+                          "parallel.overlap_moe_expert_parallel_comm=true"],
+                         "parallel.overlap_moe_expert_parallel_comm=true needs parallel.virtual_pipeline_size > 1 "
+                         "with pipeline_size=2", "set virtual_pipeline_size"),
     "backend_features": (["backend.kind=deepspeed", "checkpoint.init_from_hf=hf"],
                               "checkpoint.init_from_hf=hf is read by backend.kind=megatron or fsdp only",
                               "set backend.deepspeed.pretrained_path"),

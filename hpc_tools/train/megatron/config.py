@@ -81,11 +81,17 @@ def recompute_modules(recipe: "Recipe", plan) -> list[str]:
     """The modules selective recomputation recomputes (``training.recompute_modules``, null = [core_attn]), less
     ``core_attn`` where TE's flash/fused attention runs (``plan.flash_style``): it stores no s^2 tensor, so its
     recomputation would only repeat the kernel (Megatron-core warns the same). [] unless selective."""
+    from hpc_tools.errors import UserError
     from hpc_tools.recipe.training import recompute_modules as chosen
 
     t = recipe.training
-    return [x for x in chosen(t.recompute_granularity, t.recompute_modules)
+    mods = [x for x in chosen(t.recompute_granularity, t.recompute_modules)
             if not (x == "core_attn" and plan.flash_style)]
+    te_only = [x for x in mods if x in ("layernorm", "moe_act")]
+    if te_only and not plan.transformer_engine:  # their checkpoint reads Transformer Engine's FP8 state
+        raise UserError(f"training.recompute_modules={mods} names {te_only[0]}, which Megatron-core 0.16 recomputes "
+                        f"through Transformer Engine, but this rank builds {plan.layers} layers (remove it)")
+    return mods
 
 
 def recompute_granularity(recipe: "Recipe", plan) -> str | None:
