@@ -82,7 +82,7 @@ def explain_section(path: str) -> dict[str, Any]:
         fields.append({"name": key, "type": "section" if is_section else type_name(info.annotation),
                        "default": default_text(info), "doc": field_doc(parts + [key])})
     return {"kind": "section", "name": path, "doc": field_doc(parts) if parts else (model.__doc__ or "").strip(),
-            "fields": fields}
+            "fields": fields, "known_as": [_alias_dict(a) for a in aliases.known_names(path)]}
 
 
 def explain_rule(r: Rule) -> dict[str, Any]:
@@ -106,7 +106,9 @@ def _format(info: dict[str, Any]) -> str:
     if info["kind"] == "rule":
         return "\n".join([f"rule {info['name']}", f"  {info['doc']}", f"  reads: {', '.join(info['reads'])}"])
     if info["kind"] == "section":
-        lines = [f"section {info['name']}" + (f": {info['doc']}" if info["doc"] else "")]
+        known = "; ".join(" / ".join(a["known_as"]) for a in info["known_as"])
+        lines = [f"section {info['name']}" + (f": {info['doc']}" if info["doc"] else "")
+                 + (f" (known elsewhere as {known})" if known else "")]
         prefix = "" if info["name"] == ROOT else info["name"] + "."
         for f in info["fields"]:
             default = "" if f["type"] == "section" else \

@@ -164,3 +164,9 @@ def test_explain_of_a_field_lists_its_names_in_the_other_libraries():
     assert names == {a.name for a in aliases.TABLE if a.target == "parallel.tensor_size"}
     out = run_cli("validate", "--explain", "training.fp8")
     assert "  known elsewhere as:" in out.stdout and "Megatron-LM's --fp8-format" in out.stdout
+
+
+def test_explain_of_a_section_names_the_tables_it_is_elsewhere():
+    assert {a["name"] for a in explain("parallel")["known_as"]} == {"parallelism"}
+    out = run_cli("validate", "--explain", "backend.deepspeed")
+    assert out.returncode == 0 and "known elsewhere as DeepSpeed's zero_optimization" in out.stdout.splitlines()[0]
