@@ -37,10 +37,10 @@ class CheckpointConfig(Section):
     scratch; environment variables and `~` expanded on the rank at run time): saves every `local_interval_iters`
     steps go there, cheap and often; the saves every `interval_iters` (and the last and stop saves) still go to `dir`,
     the durable shared tier. A resume takes the newest complete, verified checkpoint of either tier. A local disk that
-    is full (or unwritable) makes that save go to `dir` instead, told in one log line. On several nodes each node keeps its own ranks' files (and,
-    with `local_replicate`, the previous node's); a resume from this tier first copies to every node the files it
-    lacks (a spare or wiped node: all of them). A folder that several nodes see as one (a shared file system) turns
-    the tier off, told in one log line."""
+    is full (or unwritable) makes that save go to `dir` instead, told in one log line. On several nodes each node
+    keeps its own ranks' files (and, with `local_replicate`, the previous node's); a resume from this tier first
+    copies to every node the files it lacks (a spare or wiped node: all of them). A folder that several nodes see as
+    one (a shared file system) turns the tier off, told in one log line."""
     local_replicate: bool = True
     """Copy each node's files of a local-tier save to the next node (node i to i+1, over the network) before the save
     is complete, so that a node whose disk is lost (or a spare that replaces it) loses nothing."""

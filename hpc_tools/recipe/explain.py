@@ -2,8 +2,9 @@
 
 A field shows its path, type, default, constraints, docstring, its names in Megatron-LM, Megatron-core, torchtitan and
 DeepSpeed (``hpc_tools.recipe.aliases``) and the rules that read it; a section lists its fields; a rule shows its
-docstring and the fields it reads; one of those libraries' names explains the field it is here. Everything comes from the section models
-(``hpc_tools/recipe/<section>.py``) and ``hpc_tools.recipe.rules``; nothing here restates a field.
+docstring and the fields it reads; one of those libraries' names explains the field it is here. Everything comes
+from the section models (``hpc_tools/recipe/<section>.py``), ``hpc_tools.recipe.rules`` and the alias table; nothing
+here restates a field.
 """
 
 from __future__ import annotations
