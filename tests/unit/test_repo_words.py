@@ -54,3 +54,15 @@ def test_the_check_sees_a_citation():
     assert FORBIDDEN["a citation of private notes"].search("# " + "FA" + "CTS: slurmd needs cgroups")
     assert FORBIDDEN["a machine path"].search("see /" + "work/shared/notes.md")
     assert not any(p.search("the facts in docs/formulas.md") for p in FORBIDDEN.values())
+
+
+def test_examples_use_variables_slurm_itself_sets():
+    """``$SLURM_TMPDIR`` is a site convention (set by some sites' prolog, not by Slurm): examples name what Slurm
+    sets in every job (``$SLURM_JOB_ID``, ``$SLURMD_NODENAME``) or a plain path; a line may name it only as the site
+    convention it is."""
+    name = "SLURM_" + "TMPDIR"  # assembled, so that this file does not match itself
+    found = [f"{path}:{n}: {line.strip()[:100]}" for path in text_files()
+             if not (REPO / path).read_bytes().count(b"\0")
+             for n, line in enumerate((REPO / path).read_text(errors="replace").splitlines(), 1)
+             if name in line and "site convention" not in line]
+    assert not found, "\n".join(found)
