@@ -21,7 +21,8 @@ DESCRIPTION = HELP + """
 
 Exit status: 0 when the plan fits (or there is no GPU memory to check), 1 when it does not, 2 for bad input.
 GB = 1e9 bytes. The efficiency factor comes from --efficiency, else the stored calibration for the recipe's
-cluster (gpu_type@partition), else the default 0.6."""
+cluster (gpu_type@partition) and backend kind, else the default of the layers the backend runs (0.6 Megatron-core;
+0.30 Hugging Face eager layers, 0.35 compiled: docs/formulas.md, "Efficiency")."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--losers", type=int, default=5, metavar="N",
                    help="runners-up to explain after the top K with --search (default 5)")
     p.add_argument("--calibrate", nargs="+", metavar="RUN", default=None,
-                   help="run folders to compare with their predictions; fits and stores the efficiency per cluster")
+                   help="run folders to compare with their predictions; fits and stores the efficiency per cluster "
+                        "and backend kind")
     p.add_argument("--calibration", type=Path, default=None, metavar="PATH",
                    help="calibration file (default $HPC_TOOLS_CALIBRATION or ~/.config/hpc_tools/calibration.json)")
     p.add_argument("--no-calibration", action="store_true", help="ignore the stored calibration")

@@ -6,8 +6,9 @@ communication and bubble model and solves for the compute efficiency e in
 
     measured step time = A / e + R,   A = hardware FLOPs per GPU x (1 + bubble fraction) / peak,  R = communication
 
-by least squares over all runs of one cluster (x = 1/e: x = sum A (t - R) / sum A^2). The factor is stored per
-cluster (GPU type and partition) in a JSON file that later plans read (``planner/efficiency.py``).
+by least squares over all runs of one cluster and backend kind (x = 1/e: x = sum A (t - R) / sum A^2). The factor is
+stored per cluster (GPU type and partition) and backend kind in a JSON file that later plans of that cluster and kind
+read (``planner/efficiency.py``): Megatron-core's layers and Hugging Face's reach different shares of the peak.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_tools.errors import UserError
-from hpc_tools.planner.efficiency import CALIBRATION_VERSION, cluster_key, default_path, load_store
+from hpc_tools.planner.efficiency import (
+    CALIBRATION_VERSION,
+    calibration_key,
+    default_efficiency,
+    default_path,
+    load_store,
+)
 from hpc_tools.planner.memory import CONTEXT, NCCL_BUFFER_BYTES
 from hpc_tools.planner.steptime import BUBBLE, COMPUTE
 
@@ -95,7 +102,7 @@ def compare(measured: Measured, efficiency: float) -> Comparison:
         terms = plan.time.terms
         a = (terms[COMPUTE] + terms[BUBBLE]) * efficiency  # seconds at 100 % of peak
         r = plan.time.total_s - terms[COMPUTE] - terms[BUBBLE]
-    return Comparison(measured, cluster_key(measured.recipe.cluster),
+    return Comparison(measured, calibration_key(measured.recipe.cluster, measured.recipe.backend.kind),
                       plan.time.total_s if plan.time else None, allocated, a, r)
 
 
@@ -124,13 +131,16 @@ def calibrate_runs(runs: list[Measured], store: Path | None = None, save: bool =
     from hpc_tools.planner.steptime import DEFAULT_EFFICIENCY
 
     base = DEFAULT_EFFICIENCY if efficiency is None else efficiency
-    comparisons = [compare(m, base) for m in runs]
+    # each run compared at its own backend's default (or the explicit efficiency); the fit does not depend on it
+    comparisons = [compare(m, default_efficiency(m.recipe)[0] if efficiency is None else efficiency) for m in runs]
     fitted: dict[str, dict[str, Any]] = {}
     for key in sorted({c.key for c in comparisons}):
         group = [c for c in comparisons if c.key == key]
         eff = fit_efficiency(group)
         if eff is not None:
             fitted[key] = {"efficiency": eff, "runs": [c.measured.run for c in group],
+                           "default_efficiency": (default_efficiency(group[0].measured.recipe)[0] if efficiency is None
+                                                  else efficiency),
                            "fitted": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     rows = []
     for c in comparisons:

@@ -1,6 +1,30 @@
-"""The stored efficiency factors: one per cluster (GPU type and partition) in a JSON file
-($HPC_TOOLS_CALIBRATION, else ~/.config/hpc_tools/calibration.json) that ``calibrate.calibrate`` writes and every
-plan and search reads (``resolve_efficiency``).
+"""The compute efficiency a plan assumes (the fraction of the dense 16-bit peak its GEMM-bound compute reaches): a
+stored calibration per cluster (GPU type and partition) and backend kind, in a JSON file ($HPC_TOOLS_CALIBRATION,
+else ~/.config/hpc_tools/calibration.json) that ``calibrate.calibrate`` writes and every plan and search reads
+(``resolve_efficiency``), else the default of the layers the backend runs (``default_efficiency``).
+
+A calibration is keyed by the backend kind as well as the cluster: Megatron-core's fused Transformer Engine layers and
+Hugging Face's eager PyTorch layers reach different shares of the peak on the same GPUs, so a factor fitted on FSDP
+runs never prices Megatron, nor the reverse. Files of version 1 (keyed by the cluster alone) do not say which backend
+their runs used; their factors are not read (``plan --calibrate`` the runs again).
+
+The uncalibrated defaults, each from a published measurement (``tests/unit/test_efficiency_defaults.py`` re-plans
+torchtitan's measured configuration with the Hugging Face ones):
+
+- Megatron-core layers (Transformer Engine, fused kernels): 0.6. Narayanan et al., "Efficient Large-Scale Language
+  Model Training on GPU Clusters Using Megatron-LM" (SC'21, arXiv 2104.04473): 44-52 % of the A100 peak end to end
+  from 1.7 B to 1 T parameters, with the pipeline bubble and communication included; NVIDIA's Megatron-LM README
+  (https://github.com/NVIDIA/Megatron-LM, "Training speed and scalability") 41-48 % MFU on H100 from 2 B to 462 B.
+  The planner adds its bubble and exposed communication to compute at 0.6 of the peak, which lands in that range.
+- Hugging Face eager layers (FSDP2 and DeepSpeed run the same ``transformers`` modules): 0.30; with
+  ``backend.fsdp.compile`` (torch.compile per block): 0.35. torchtitan (Liang et al., "TorchTitan: One-stop PyTorch
+  native solution for production ready LLM pre-training", arXiv 2410.06511; numbers of
+  https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md, Table 1): Llama 3.1
+  8B under FSDP2 on 8 H100, local batch 2, sequence 8192, bf16: 5,762 tokens/s per GPU eager, 6,667 with
+  torch.compile, which torchtitan reports as 33 % and 39 % MFU against the H100 SXM peak (989 TFLOP/s). The factors
+  are what makes this planner predict those two throughputs for that configuration (compute at the factor, its
+  exposed FSDP communication added). torchtitan's GPUs ran at 500 W with HBM2e, below the SXM part's peak, so the
+  factors are conservative for H100 SXM at 700 W; calibrate to replace them.
 """
 
 from __future__ import annotations
@@ -10,6 +34,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpc_tools import backends
 from hpc_tools.errors import UserError
 
 if TYPE_CHECKING:
@@ -17,7 +42,21 @@ if TYPE_CHECKING:
     from hpc_tools.recipe.schema import Recipe
 
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2  # 2: keys name the backend kind ("H100-SXM@gpu/fsdp"); 1: the cluster alone (not read)
+
+MEGATRON_EFFICIENCY = 0.6  # Megatron-core layers (Narayanan et al. 2021; Megatron-LM README): see the module doc
+HF_EAGER_EFFICIENCY = 0.30  # Hugging Face eager layers (torchtitan's FSDP2 Llama 3.1 8B, eager): see the module doc
+HF_COMPILED_EFFICIENCY = 0.35  # the same with torch.compile per block (backend.fsdp.compile)
+
+
+def default_efficiency(recipe: "Recipe") -> tuple[float, str]:
+    """(efficiency, its source) for a recipe without a calibration: the default of the layers its backend runs."""
+    row = backends.of(recipe)
+    if row.layers == "megatron":
+        return MEGATRON_EFFICIENCY, "default for Megatron-core layers (Narayanan et al. 2021)"
+    if row.sharding == "fsdp" and recipe.backend.fsdp.compile:
+        return HF_COMPILED_EFFICIENCY, "default for compiled PyTorch layers (torchtitan FSDP2 + torch.compile)"
+    return HF_EAGER_EFFICIENCY, "default for Hugging Face eager layers (torchtitan FSDP2, eager)"
 
 
 def default_path() -> Path:
@@ -43,23 +82,29 @@ def load_store(path: Path | None = None) -> dict[str, Any]:
     return data
 
 
-def efficiency_for(cluster: "ClusterConfig", path: Path | None = None) -> tuple[float, str] | None:
-    """(efficiency, source) stored for this cluster (exact key, else the GPU type alone), or None."""
+def calibration_key(cluster: "ClusterConfig", kind: str) -> str:
+    """``H100-SXM@partition/fsdp``: what one stored efficiency factor is valid for (cluster and backend kind)."""
+    return f"{cluster_key(cluster)}/{kind}"
+
+
+def efficiency_for(cluster: "ClusterConfig", kind: str, path: Path | None = None) -> tuple[float, str] | None:
+    """(efficiency, source) stored for this cluster and backend kind (exact key, else the GPU type alone with that
+    kind), or None. Keys without a kind (files of version 1) are not read: their backend is unknown."""
     clusters = load_store(path)["clusters"]
-    for key in (cluster_key(cluster), cluster.gpu_type):
+    for key in (calibration_key(cluster, kind), f"{cluster.gpu_type}/{kind}"):
         if key in clusters:
             return float(clusters[key]["efficiency"]), f"calibrated {key}, {len(clusters[key].get('runs', []))} run(s)"
     return None
 
 
 def resolve_efficiency(recipe: "Recipe", efficiency: float | None = None,
-                       calibration: Path | None = None, use_calibration: bool = True) -> tuple[float | None, str]:
-    """(efficiency, where it came from): an explicit value, else the stored calibration for the recipe's cluster,
-    else (None, "default") for the planner's default."""
+                       calibration: Path | None = None, use_calibration: bool = True) -> tuple[float, str]:
+    """(efficiency, where it came from): an explicit value, else the stored calibration for the recipe's cluster and
+    backend kind, else the default of the layers the recipe's backend runs (``default_efficiency``)."""
     if efficiency is not None:
         return efficiency, "--efficiency"
     if use_calibration:
-        found = efficiency_for(recipe.cluster, calibration)
+        found = efficiency_for(recipe.cluster, recipe.backend.kind, calibration)
         if found:
             return found
-    return None, "default"
+    return default_efficiency(recipe)

@@ -119,6 +119,14 @@ def set_args(overrides: list[str]) -> str:
     return " ".join(f"--set {shlex.quote(o)}" for o in overrides)
 
 
+def mfu_peak(result: SearchResult) -> str:
+    """The peak the search's MFU column divides by, e.g. ``989 TFLOP/s bf16 dense`` ('' when nothing was timed)."""
+    best = result.best
+    if best is None or best.time is None:
+        return ""
+    return f"{best.time.peak_flops / 1e12:.0f} TFLOP/s {best.knobs.precision} dense"
+
+
 def search_dict(result: SearchResult) -> dict[str, Any]:
     def cand(c) -> dict[str, Any]:
         out = {"config": result.label(c), "memory_bytes": c.memory_bytes, "peak_stage": c.peak_stage,
@@ -135,6 +143,7 @@ def search_dict(result: SearchResult) -> dict[str, Any]:
         "broke_rules": [{"config": result.label(c), "violation": str(v)} for c, v in result.broke_rules],
         "elapsed_s": result.elapsed_s, "gpu_mem_bytes": result.mem_bytes,
         "headroom_bytes": result.headroom_bytes, "headroom": result.headroom_note, "usable_bytes": result.usable_bytes,
+        "mfu_peak": mfu_peak(result) or None,
         "top": [cand(c) for c in result.ranked[:result.top]],
         "next": [{**cand(c), "why": why_slower(c, best)} for c in result.ranked[result.top:]],
         "smallest_too_big": cand(result.smallest_too_big) if result.smallest_too_big else None,
@@ -161,7 +170,7 @@ def print_search(result: SearchResult, recipe_name: str) -> None:
             con.print(line, highlight=False)
     best = result.best
     table = _table(f"Top {min(result.top, len(result.ranked))} by predicted step time (global batch fixed)",
-                   "#", "step s", "tokens/s", "MFU", "GB", "configuration")
+                   "#", "step s", "tokens/s", f"MFU vs {mfu_peak(result)}" if best else "MFU", "GB", "configuration")
     for i, c in enumerate(result.ranked[:result.top], 1):
         table.add_row(str(i), f"{c.step_s:.3f}", f"{c.time.tokens_per_s:,.0f}", f"{c.time.mfu:.1%}",
                       f"{c.memory_bytes / GB:.1f}", _esc(result.label(c)))
@@ -210,7 +219,8 @@ def print_calibration(report: dict[str, Any]) -> None:
                   "cluster.gpu_peak_tflops) and measured step times longer than the modelled communication.",
                   highlight=False)
     for key, entry in report["fitted"].items():
-        con.print(f"{key}: efficiency {entry['efficiency']:.3f} (default {report['default_efficiency']:.2f}) from "
+        default = entry.get("default_efficiency", report["default_efficiency"])
+        con.print(f"{key}: efficiency {entry['efficiency']:.3f} (default {default:.2f}) from "
                   f"{len(entry['runs'])} run(s)", highlight=False)
     if report["store"]:
         con.print(f"stored in {report['store']}", highlight=False)

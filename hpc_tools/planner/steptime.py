@@ -25,13 +25,16 @@ from hpc_tools.planner.arch import (
     stage_layers,
     stage_split,
 )
+from hpc_tools.planner.efficiency import MEGATRON_EFFICIENCY
 from hpc_tools.planner.hardware import Hardware
 from hpc_tools.planner.knobs import Knobs
 
 if TYPE_CHECKING:
     from hpc_tools.recipe.model import ModelConfig
 
-DEFAULT_EFFICIENCY = 0.6  # fraction of dense peak the GEMM-bound compute reaches (calibrate to replace it)
+# fraction of dense peak the GEMM-bound compute reaches with Megatron-core's layers; other layers and calibrations:
+# planner/efficiency.py (resolve_efficiency)
+DEFAULT_EFFICIENCY = MEGATRON_EFFICIENCY
 # FP8 GEMMs reach a smaller fraction of the (twice as high) FP8 peak than 16-bit GEMMs of theirs: scaling, casts and
 # amax reductions. 0.75 x the 16-bit efficiency makes FP8 GEMMs 1.5x faster, and a dense model's whole step
 # ~1.3-1.4x, inside the published 1.2-1.5x (Megatron-Bridge's guide; torchtitan measured 1.28x).

@@ -119,10 +119,11 @@ def test_calibration_is_fed_relative_to_the_planning_peak(measured):
     report, truth, store = measured
     feed_calibration(report, store, save=True)
     fitted = report.calibration["fitted"]
-    assert list(fitted) == ["cpu"] and len(fitted["cpu"]["runs"]) == 3
-    eff = fitted["cpu"]["efficiency"]
+    assert list(fitted) == ["cpu/megatron"] and len(fitted["cpu/megatron"]["runs"]) == 3
+    eff = fitted["cpu/megatron"]["efficiency"]
     assert 0 < eff < report.efficiency  # a CPU is far slower than the planning figures
-    assert efficiency_for(tiny().cluster, store)[0] == pytest.approx(eff)
+    assert efficiency_for(tiny().cluster, "megatron", store)[0] == pytest.approx(eff)
+    assert efficiency_for(tiny().cluster, "fsdp", store) is None  # a Megatron calibration never prices FSDP
     for o in report.measured:  # the fit's predictions bracket the measured times
         assert o.predicted_step_s_after_fit is not None
         assert o.predicted_step_s_after_fit / o.predicted_step_s == pytest.approx(
@@ -144,7 +145,7 @@ def test_report_table_and_json(measured, capsys):
     assert f"{truth[2]:.4f}" in rows[0] and f"{truth[0]:.4f}" in rows[2]
     assert "out_of_memory: predicted #4" in out and "OutOfMemoryError" in out
     assert "Kendall tau -1.00" in out and "did not win" in out
-    assert "calibration cpu: efficiency 0.5 (default) ->" in out and "not stored" in out
+    assert "calibration cpu/megatron: efficiency 0.5 (default) ->" in out and "not stored" in out
     assert "Apply it: --set parallel.tensor_size=" in out
     data = json.loads(json.dumps(report.as_dict(), default=str))
     assert data["measured"] == 3 and data["failed"] == 1

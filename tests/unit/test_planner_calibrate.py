@@ -70,27 +70,34 @@ def test_read_run_takes_median_of_slowest_rank_after_warmup(runs):
 def test_fit_recovers_the_efficiency_per_cluster_and_stores_it(runs):
     dirs, truth, store = runs
     report = calibrate(dirs, store=store)
-    assert set(report["fitted"]) == {"H100-SXM@gpu", "A100-80GB@gpu"}
-    assert report["fitted"]["H100-SXM@gpu"]["efficiency"] == pytest.approx(truth["H100-SXM"], rel=1e-9)
-    assert report["fitted"]["A100-80GB@gpu"]["efficiency"] == pytest.approx(truth["A100-80GB"], rel=1e-9)
+    assert set(report["fitted"]) == {"H100-SXM@gpu/megatron", "A100-80GB@gpu/deepspeed"}
+    assert report["fitted"]["H100-SXM@gpu/megatron"]["efficiency"] == pytest.approx(truth["H100-SXM"], rel=1e-9)
+    assert report["fitted"]["A100-80GB@gpu/deepspeed"]["efficiency"] == pytest.approx(truth["A100-80GB"], rel=1e-9)
     for row in report["runs"]:
         assert row["predicted_step_s_after_fit"] == pytest.approx(row["measured_step_s"], rel=1e-9)
         assert row["predicted_mem_allocated_bytes"] > 0
     stored = json.loads(store.read_text())
-    assert stored["clusters"]["H100-SXM@gpu"]["runs"] == ["h100-a", "h100-b"]
-    # later plans for that cluster use it
+    assert stored["clusters"]["H100-SXM@gpu/megatron"]["runs"] == ["h100-a", "h100-b"]
+    # later plans for that cluster and backend kind use it
     r = load_recipe(REPO / "recipes/gpt_3d.yaml")
-    assert efficiency_for(r.cluster, store)[0] == pytest.approx(0.42)
+    assert efficiency_for(r.cluster, "megatron", store)[0] == pytest.approx(0.42)
     plan = plan_recipe(r, calibration=store)
     assert plan.efficiency == pytest.approx(0.42) and "calibrated" in plan.efficiency_source
-    assert plan_recipe(r, calibration=store, use_calibration=False).efficiency_source == "default"
+    assert plan_recipe(r, calibration=store, use_calibration=False).efficiency_source.startswith("default")
+    # ... and never those of another kind: FSDP on the same cluster starts from its own default
+    fsdp = load_recipe(REPO / "recipes/gpt_3d.yaml", ["backend.kind=fsdp", "parallel.tensor_size=1",
+                                                      "parallel.pipeline_size=1", "parallel.virtual_pipeline_size=null",
+                                                      "parallel.sequence_parallel=false"], check=False)
+    assert efficiency_for(fsdp.cluster, "fsdp", store) is None
+    other = plan_recipe(fsdp, calibration=store)
+    assert other.efficiency != pytest.approx(0.42) and other.efficiency_source.startswith("default")
 
 
 def test_cli_calibrate_then_plan(runs, capsys):
     dirs, truth, store = runs
     assert main(["plan", "--calibrate", *map(str, dirs), "--calibration", str(store), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["fitted"]["H100-SXM@gpu"]["efficiency"] == pytest.approx(truth["H100-SXM"])
+    assert report["fitted"]["H100-SXM@gpu/megatron"]["efficiency"] == pytest.approx(truth["H100-SXM"])
     assert main(["plan", str(REPO / "recipes/gpt_3d.yaml"), "--calibration", str(store), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["step_time"]["efficiency"] == pytest.approx(truth["H100-SXM"])

@@ -35,7 +35,7 @@ def test_json_plan(capsys):
     r = load_recipe(GPT3D)
     tokens = ParallelLayout.from_recipe(r).global_batch_size * r.model.seq_length
     assert st["tokens_per_s"] == pytest.approx(tokens / st["total_s"])
-    assert 0 < st["mfu"] < 1 and st["efficiency_source"] == "default"
+    assert 0 < st["mfu"] < 1 and st["efficiency_source"].startswith("default")
 
 
 def test_does_not_fit_exits_1_with_the_violation(capsys):

@@ -35,7 +35,9 @@ def recipe(*overrides: str, check: bool = False):
 
 @pytest.fixture(scope="module")
 def across():
-    return search_across(recipe(), ALL, top=5, losers=40, use_calibration=False)
+    # one efficiency for every kind, so that the three interleave in the ranking checked here (uncalibrated, each kind
+    # starts from its own layers' default: tests/unit/test_efficiency_defaults.py)
+    return search_across(recipe(), ALL, top=5, losers=40, efficiency=0.6)
 
 
 def test_all_means_the_rows_that_train_a_model():
@@ -60,7 +62,7 @@ def test_the_8b_recipe_gets_every_kind_ranked_together(across):
 
 @pytest.mark.parametrize("kind", ALL)
 def test_each_kinds_best_is_what_a_search_of_that_kind_alone_returns(across, kind):
-    alone = search(recipe(f"backend.kind={kind}"), top=5, losers=40, use_calibration=False)
+    alone = search(recipe(f"backend.kind={kind}"), top=5, losers=40, efficiency=0.6)
     best = next(k.best for k in across.kinds if k.kind == kind)
     assert alone.kinds == [] and best.knobs == alone.best.knobs and best.step_s == alone.best.step_s
     assert next(k.enumerated for k in across.kinds if k.kind == kind) == alone.enumerated
