@@ -143,15 +143,19 @@ def test_every_field_a_rule_reads_at_run_time_is_one_explain_names():
     from hpc_tools.recipe.load import read_yaml
 
     leaves, checked = set(leaf_paths()), 0
+    recipes = []
     for path in sorted((REPO / "recipes").glob("*.yaml")):
         raw = read_yaml(path, site=False)
-        for profile in (None, "local") if raw.get("local") else (None,):
-            recipe = resolve(raw, (), profile, check=False)
-            layout = ParallelLayout.from_recipe(recipe)
-            for r in RULES:
-                log: set[str] = set()
-                list(r.fn(_Traced(recipe, "", log), layout))
-                missed = (log & leaves) - r.reads
-                assert not missed, (path.name, profile, r.name, sorted(missed))
-                checked += len(log)
-    assert checked > 100
+        recipes += [(f"{path.name} {profile}", resolve(raw, (), profile, check=False))
+                    for profile in ((None, "local") if raw.get("local") else (None,))]
+    # and every rule's own violating case (tests/unit/test_recipe_rules.py), which takes the branches that refuse
+    recipes += [(name, resolve(BASE, case[0], check=False)) for name, case in CASES.items()]
+    for where, recipe in recipes:
+        layout = ParallelLayout.from_recipe(recipe)
+        for r in RULES:
+            log: set[str] = set()
+            list(r.fn(_Traced(recipe, "", log), layout))
+            missed = (log & leaves) - r.reads
+            assert not missed, (where, r.name, sorted(missed))
+            checked += len(log)
+    assert checked > 1000
