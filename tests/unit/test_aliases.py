@@ -78,6 +78,10 @@ FOREIGN = [
                                                  "`parallel.context_size` here"),
     (("profiling",), "log_freq", 10, "`training.log_interval` here"),
     (("tracking",), "wandb_project", "p", "`tracking.wandb.project` here"),
+    (("tracking", "wandb"), "log_freq", 10, "`training.log_interval` here"),
+    (("cluster", "setup"), "num_layers", 4, "`model.num_layers` here"),
+    (("profiling", "torch_profiler"), "train_iters", 4, "`training.train_iters` here"),
+    (("sweep",), "seq_length", 4, "`model.seq_length` here"),
     ((), "parallelism", {"tensor_parallel_degree": 2}, "section `parallel` here"),
     ((), "activation_checkpoint", {"mode": "full"}, "activation_checkpoint.mode is `training.recompute_granularity`"),
     (("training",), "--Expert-Model-Parallel-Size", 8, "`parallel.expert_size` here"),
@@ -170,3 +174,14 @@ def test_explain_of_a_section_names_the_tables_it_is_elsewhere():
     assert {a["name"] for a in explain("parallel")["known_as"]} == {"parallelism"}
     out = run_cli("validate", "--explain", "backend.deepspeed")
     assert out.returncode == 0 and "known elsewhere as DeepSpeed's zero_optimization" in out.stdout.splitlines()[0]
+
+
+def test_a_foreign_name_in_the_local_profile_gets_its_field_too(tmp_path):
+    raw = yaml.safe_load(yaml.safe_dump(BASE))
+    raw["local"] = {"parallel": {"expert_model_parallel_size": 2}}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    out = run_cli("validate", str(path), "--offline")
+    [line] = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and "(profile local): parallel.expert_model_parallel_size=2 is not a known key" in line
+    assert "`parallel.expert_size` here" in line, line
