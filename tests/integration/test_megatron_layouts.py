@@ -39,7 +39,7 @@ def results(tmp_path_factory) -> dict:
 
 
 def _reference(case: str) -> str:
-    return "llama TP1xPP1 (DP4)" if case.startswith("llama") else "TP1xPP1 (DP4)"
+    return driver.FAMILIES[driver.family_of(case)]
 
 
 def _print_table(data: dict, wall_s: float) -> None:
@@ -58,7 +58,7 @@ def test_layout_matches_tp1_pp1(results, case):
     assert max(diffs) <= (BF16_ATOL if "bf16" in case else LOSS_ATOL), f"{case}: {got} vs {want}"
 
 
-@pytest.mark.parametrize("family", ["TP1xPP1 (DP4)", "llama TP1xPP1 (DP4)"])
+@pytest.mark.parametrize("family", list(driver.FAMILIES.values()))
 def test_loss_falls(results, family):
     losses = results[family]["losses"]
     assert losses[-1] < losses[0] - 0.1, losses
@@ -75,13 +75,15 @@ def test_resume_same_layout_is_bit_identical(results, name):
 
 
 @pytest.mark.parametrize("case, stages", [("PP2xDP2 uneven (first 1)", [[1], [2, 3, 4]]),
-                                          ("TP2xPP2 uneven (last 1)", [[1, 2, 3], [4]])])
+                                          ("TP2xPP2 uneven (last 1)", [[1, 2, 3], [4]]),
+                                          ("gpt6 PP2xVPP2xDP2 uneven (first 2)", [[1, 4], [2, 3, 5, 6]])])
 def test_uneven_stages_hold_the_layers_they_were_given(results, case, stages):
     """The ranks of each stage built the layers the split gives them (Megatron-core's layer numbers), which are
     also the planner's (layout.pipeline_chunks): an even split under another name would give [1, 2] and [3, 4]."""
     family, sets = driver.CASES[case]
-    layout = ParallelLayout.from_recipe(driver.make_recipe(family, sets))
-    planned = [[i + 1 for chunk in stage for i in chunk] for stage in layout.stage_chunks(4)]
+    recipe = driver.make_recipe(family, sets)
+    layout = ParallelLayout.from_recipe(recipe)
+    planned = [[i + 1 for chunk in stage for i in chunk] for stage in layout.stage_chunks(recipe.model.num_layers)]
     assert planned == stages
     built = {tuple(layers) for layers in results[case]["layers"]}
     assert built == {tuple(s) for s in stages}, results[case]["layers"]
