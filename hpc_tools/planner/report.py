@@ -83,7 +83,7 @@ def print_plan(plan: Plan) -> None:
     peak = plan.memory.peak
     where = f", pipeline stage {peak.stage} (the peak)" if plan.knobs.layout.pipeline_size > 1 else ""
     div, unit = _unit(peak.total)
-    mem = _table(f"Memory per GPU{where}; {count(peak.params)} parameters on it", "term", unit, "assumes")
+    mem = _table(f"Memory per GPU{where}; {count(plan.held(peak.params))} parameters on it", "term", unit, "assumes")
     for name, value in peak.terms.items():
         mem.add_row(name, f"{value / div:.2f}", _esc(notes.get(name, "")))
     mem.add_row("total", f"{peak.total / div:.2f}", _esc(verdict(plan)), style="bold")

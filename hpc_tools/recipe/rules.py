@@ -54,11 +54,19 @@ def check_recipe(recipe: Recipe) -> list[Violation]:
     refused: set[str] = set()
     for r in RULES:
         for v in r.fn(recipe, layout):
-            if v.path not in refused and r.reads & refused and _names_any(v, refused):
+            if v.path not in refused and _reads(r) & refused and _names_any(v, refused):
                 continue
             kept.append(v)
             refused |= {v.path} | DERIVED.get(r.name, frozenset())
     return merged(kept)
+
+
+def _reads(r: Rule) -> frozenset[str]:
+    """The fields the rule reads (``Rule.reads``, from its source); none when its source cannot be read."""
+    try:
+        return r.reads
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
 
 
 def _names_any(v: Violation, fields: set[str]) -> bool:

@@ -294,3 +294,15 @@ def test_parameters_per_gpu_are_those_one_gpu_holds(capsys, recipe, overrides, s
     params_term = next(t["bytes"] for t in plan["memory"]["terms"] if t["name"] == "parameters")
     assert params_term == pytest.approx(bytes_per_param * per_gpu, rel=1e-6)  # what the memory terms hold
     assert plan["memory"]["stages"][0]["parameters"] == pytest.approx(per_gpu)
+
+
+def test_the_plan_table_names_the_parameters_one_gpu_holds(capsys):
+    from hpc_tools.planner.report import count
+
+    argv = ["plan", str(REPO / "recipes/llama_fsdp.yaml"), "--calibration", "/nonexistent/calibration.json",
+            "--set", "backend.fsdp.strategy=full_shard"]
+    code, out, _ = run(capsys, [*argv, "--json"])
+    per_gpu = json.loads(out)["parameters_per_gpu"]
+    code, out, _ = run(capsys, argv)
+    assert code in (0, 1) and f"; {count(per_gpu)} parameters on it" in out, out[:2000]
+    assert per_gpu < json.loads(run(capsys, [*argv, "--json"])[1])["parameters"] / 8
