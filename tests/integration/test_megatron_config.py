@@ -100,12 +100,23 @@ def test_overlap_and_recompute_modules_reach_the_transformer_config():
     from hpc_tools.train.megatron.config import transformer_config
 
     r = recipe("parallel.overlap_moe_expert_parallel_comm=true", "training.recompute_granularity=selective",
-               "training.recompute_modules=[core_attn,layernorm,moe]", name="gpt_moe.yaml")
+               "training.recompute_modules=[core_attn,moe]", name="gpt_moe.yaml")
     assert check_recipe(r) == []
     c = transformer_config(r, ParallelLayout.from_recipe(r), "cpu")  # local layers: explicit attention, kept
     assert c.overlap_moe_expert_parallel_comm and not c.moe_shared_expert_overlap
-    assert (c.recompute_granularity, c.recompute_modules) == ("selective", ["core_attn", "layernorm", "moe"])
+    assert (c.recompute_granularity, c.recompute_modules) == ("selective", ["core_attn", "moe"])
     assert c.recompute_method is None and c.recompute_num_layers is None
+
+    # the GPU config (Transformer Engine layers, built without CUDA): core_attn left out under fused attention
+    from hpc_tools.train.megatron.layers import layer_plan
+
+    r = recipe("training.recompute_granularity=selective", "training.recompute_modules=[core_attn,layernorm,moe_act]",
+               "model.position_embedding=learned_absolute", name="gpt_moe.yaml")  # (no TE RoPE fusion on CPU)
+    assert check_recipe(r) == []
+    plan = layer_plan(r, "cuda", te_available=True)
+    c = transformer_config(r, ParallelLayout.from_recipe(r), "cuda", plan)
+    assert plan.flash_style and c.moe_grouped_gemm
+    assert (c.recompute_granularity, c.recompute_modules) == ("selective", ["layernorm", "moe_act"])
 
     r = recipe("model.moe_shared_expert_intermediate_size=14336", "parallel.moe_shared_expert_overlap=true",
                "training.recompute_granularity=selective", "training.recompute_modules=[mlp]",
