@@ -93,11 +93,18 @@ def test_every_row_across_backends_replans_to_itself(capsys, name):
     assert len(data["top"]) >= 1 and all(r["overrides"][0].startswith("backend.kind=") for r in rows)
     for row in rows:
         assert_row_round_trips(capsys, recipe, row)
-    # the text table's apply line is the JSON top row's overrides, and re-plans to the same
+
+
+def test_the_text_table_across_backends_is_the_json_one(capsys):
+    """The text table's rows are the JSON rows' labels and its apply line the JSON top row's overrides (one small
+    recipe: the text and JSON come from the same search, and each search of the bigger recipes takes seconds)."""
+    recipe = str(REPO / "recipes/gpt_3d.yaml")
+    data = search_json(capsys, recipe, "--backends", "all")
     code, text = cli(capsys, "plan", recipe, "--search", "--backends", "all", "--top", TOP, "--losers", LOSERS,
                      *NO_CAL)
     assert code == 0 and apply_line(text) == data["top"][0]["overrides"]
-    for row in data["top"]:  # the text rows are the JSON rows' labels
+    assert apply_line(text)[0].startswith("backend.kind=")
+    for row in data["top"]:
         assert row["config"] in text
 
 
@@ -129,7 +136,7 @@ def test_the_8_node_moe_search_rows_keep_their_expert_sizes(capsys):
         ep = next(o for o in row["overrides"] if o.startswith("parallel.expert_size=")).split("=")[1]
         assert f" EP{ep}x" in plan["config"]
     code, text = cli(capsys, "plan", recipe, "--search", *nodes, *NO_CAL)
-    assert code == 0 and apply_line(text) == search_json(capsys, recipe, *nodes)["top"][0]["overrides"]
+    assert code == 0 and apply_line(text) == data["top"][0]["overrides"]
 
 
 def test_measure_builds_its_runs_from_the_rows_overrides(capsys):
@@ -143,9 +150,9 @@ def test_measure_builds_its_runs_from_the_rows_overrides(capsys):
 
     path = REPO / "recipes/gpt_moe.yaml"
     nodes = ["cluster.nodes=8"]
-    data = search_json(capsys, str(path), "--set", nodes[0], "--top", "10", "--losers", "0")
+    data = search_json(capsys, str(path), "--set", nodes[0], "--top", "6", "--losers", "0")
     recipe = resolve(read_yaml(path), nodes, None, str(path), check=False)
-    cands = search(recipe, top=10, losers=0, use_calibration=False).ranked
+    cands = search(recipe, top=6, losers=0, use_calibration=False).ranked
     cells = _candidate_cells(read_yaml(path), str(path), None, nodes, measure_overrides(recipe, 3), cands)
     assert [c.overrides for c in cells] == [r["overrides"] for r in data["top"]]
     assert any(c.recipe.parallel.expert_size != recipe.parallel.expert_size for c in cells)
