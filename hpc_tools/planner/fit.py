@@ -66,8 +66,12 @@ def fitting_changes(recipe: "Recipe", arch: Arch, k: Knobs, mem_bytes: float) ->
 
     out = []
     for change, alt in _single_changes(recipe, k):
+        # The rules first: the memory model needs a layout they accept (a deeper pipeline that leaves a virtual
+        # chunk no layer divided by zero layers per recompute group).
+        if check_recipe(apply_knobs(recipe, alt)):
+            continue
         total = estimate_memory(arch, alt).total
-        if total <= mem_bytes and not check_recipe(apply_knobs(recipe, alt)):
+        if total <= mem_bytes:
             out.append((change, total))
     return out
 
