@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Iterator
 
 from hpc_tools import backends
@@ -103,8 +104,23 @@ class KindOutcome:
     enumerated: int = 0
 
 
-def _divisors(n: int) -> list[int]:
-    return [x for x in range(1, n + 1) if n % x == 0]
+@lru_cache(maxsize=4096)
+def _divisors(n: int) -> tuple[int, ...]:
+    """The divisors of ``n``, ascending, from its prime factors: O(sqrt n) at worst (a prime), not O(n): a global
+    batch of 2^40 sequences or a world of 2^32 ranks must not hang the search."""
+    primes: dict[int, int] = {}
+    rest, f = n, 2
+    while f * f <= rest:
+        while rest % f == 0:
+            primes[f] = primes.get(f, 0) + 1
+            rest //= f
+        f += 1 if f == 2 else 2
+    if rest > 1:
+        primes[rest] = primes.get(rest, 0) + 1
+    out = [1]
+    for prime, power in primes.items():
+        out = [d * prime ** e for d in out for e in range(power + 1)]
+    return tuple(sorted(out))
 
 
 def _context_sizes(recipe: "Recipe", base: Knobs) -> list[int]:
