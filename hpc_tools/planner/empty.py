@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 HEADS, LAYERS, SEQUENCE, BATCH, MEMORY, RULES = ("attention heads", "layers", "sequence", "global batch", "memory",
                                                   "rules")
 NODE_FACTORS = (2, 4, 8)  # more nodes tried when memory emptied the search
+MORE_NODES_BUDGET = 100_000  # configurations scored by those searches before the next is left out
 
 
 @dataclass
@@ -217,11 +218,15 @@ def _more_nodes(recipe: "Recipe") -> str:
     """The smallest of 2x, 4x, 8x the nodes with which the same search ranks a configuration."""
     from hpc_tools.planner.search import search
 
-    nodes = recipe.cluster.nodes
+    nodes, scored, tried = recipe.cluster.nodes, 0, []
     for factor in NODE_FACTORS:
+        if scored > MORE_NODES_BUDGET:  # the searches so far were large: the next, larger still, is not tried
+            break
         more = recipe.model_copy(update={"cluster": recipe.cluster.model_copy(update={"nodes": nodes * factor})})
         found = search(more, top=1, losers=0, use_calibration=False)
+        scored += found.enumerated
+        tried.append(str(nodes * factor))
         if found.best is not None:
             return (f"cluster.nodes={nodes * factor} ({factor}x): {found.fitting:,} configurations fit, the fastest "
                     f"{found.best.knobs.describe()}")
-    return f"not more nodes alone: {', '.join(str(nodes * f) for f in NODE_FACTORS)} nodes fit nothing either"
+    return f"not more nodes alone: {', '.join(tried)} nodes fit nothing either"
