@@ -390,10 +390,14 @@ def expert_layout_fits(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     ep, etp = lay.expert_size, lay.expert_tensor_size
     if dense and dense % (ep * etp):
         fits = [x for x in divisors(dense) if dense % (x * etp) == 0]
-        yield Violation("parallel.expert_size", ep,
-                        f"x parallel.expert_tensor_size={etp} must divide tensor x context x data = world / "
-                        f"pipeline = {dense} (world = PP x ETP x EP x EDP)",
-                        _fix(f"with expert_tensor_size {etp} {_try(fits)} for expert_size", fits))
+        where = f"must divide tensor x context x data = world / pipeline = {dense} (world = PP x ETP x EP x EDP)"
+        if fits:
+            yield Violation("parallel.expert_size", ep, f"x parallel.expert_tensor_size={etp} {where}",
+                            _fix(f"with expert_tensor_size {etp} {_try(fits)} for expert_size", fits))
+        else:  # no expert_size fits this expert_tensor_size: the value to change is that one
+            yield Violation("parallel.expert_tensor_size", etp, f"x parallel.expert_size={ep} {where}",
+                            _fix(f"no expert_size fits it: {_try(divisors(dense))} for expert_tensor_size",
+                                 divisors(dense)))
     if r.model.add_bias_linear and r.model.moe_shared_expert_intermediate_size is not None:
         yield Violation("model.moe_shared_expert_intermediate_size", r.model.moe_shared_expert_intermediate_size,
                         "cannot be combined with model.add_bias_linear (Megatron-core's shared experts have no "
@@ -401,7 +405,7 @@ def expert_layout_fits(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     if r.model.add_bias_linear and etp > 1:
         yield Violation("parallel.expert_tensor_size", etp, "must be 1 when the experts have biases "
                         "(model.add_bias_linear; Megatron-core has no expert bias under ETP > 1)",
-                        "set expert_tensor_size: 1 (or null), or add_bias_linear: false")
+                        _fix("set expert_tensor_size: 1 (or null), or add_bias_linear: false", [1]))
 
 
 @rule

@@ -201,6 +201,13 @@ MOE = {**BASE, "model": {**BASE["model"], "num_experts": 4},
     # EP bound by num_experts and by the world: one line, the intersection (8 experts, 4 ranks: 1, 2, 4)
     (["parallel.expert_size=3", "model.num_experts=8"], "parallel.expert_size=3 must divide model.num_experts=8 "
      "and x parallel.expert_tensor_size=1 must divide tensor x context x data", "(try 1, 2, 4)", "try 1, 2, 4, 8"),
+    # no expert_size fits the expert_tensor_size written: that is the value named, with the values that can fit
+    (["parallel.expert_tensor_size=3", "model.add_bias_linear=false"], "parallel.expert_tensor_size=3 x "
+     "parallel.expert_size=1 must divide tensor x context x data = world / pipeline = 4",
+     "(no expert_size fits it: try 1, 2, 4 for expert_tensor_size)", "parallel.expert_size=1 x"),
+    # ... and with expert biases (GPT), which need ETP 1: one line, whose fix is what both admit
+    (["parallel.expert_tensor_size=3"], "parallel.expert_tensor_size=3 x parallel.expert_size=1 must divide",
+     "and must be 1 when the experts have biases", "try 1, 2"),
     # a union field: what it accepts in words, no pydantic member tags
     (["model.moe_layer_freq=[1, 2, 1, 1]"], "model.moe_layer_freq=[1, 2, 1, 1] is not a value this field takes",
      "integer", "literal"),
