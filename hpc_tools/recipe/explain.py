@@ -189,7 +189,7 @@ def all_names() -> list[str]:
 
 
 def _nearest(name: str) -> str:
-    names = all_names()
+    names = all_names() + list(aliases.ALIASES)  # another library's name, misspelt, is explained too
     near = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     if not near:  # a bare or misspelt last part: `tensor_size` -> `parallel.tensor_size`
         by_tail = {n.rsplit(".", 1)[-1]: n for n in reversed(names)}

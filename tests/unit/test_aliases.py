@@ -157,6 +157,8 @@ def test_explain_of_an_alias_explains_the_field_it_is_here():
     assert data["name"] == "parallel.expert_size" and data["alias"]["name"] == "expert_model_parallel_size"
     # torchtitan's dotted name and a name derived here
     assert explain("checkpoint.interval")["name"] == "checkpoint.interval_iters"
+    misspelt = run_cli("validate", "--explain", "expert_model_paralel_size")
+    assert misspelt.returncode == 2 and "did you mean expert_model_parallel_size?" in misspelt.stderr
     derived = explain("gradient_accumulation_steps")
     assert derived["kind"] == "alias" and derived["target"] is None and "global_batch_size" in derived["note"]
 
