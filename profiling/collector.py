@@ -24,7 +24,8 @@ What it measures (each optional part switched by ``profiling.*``):
   time (``bubble_fraction``), next to the theory ``(p-1)/(v m)`` in the summaries.
 * host time (every step, two ``getrusage`` calls): CPU time of the rank process over the step (``cpu_time_s``,
   every thread: torch's intra-op threads count) and its involuntary context switches (``involuntary_switches``);
-  with the communication tracer, the host time held in collectives every step (``collective_wait_s``, CPU ranks).
+  with the communication tracer, the host time held in collectives every step (``collective_wait_s``, CPU ranks);
+  and the time the host kept the process from running at all (``host_stall_s``: stopped or descheduled, ``stall.py``).
   What they tell (a rank the host stalled from one slow in its own code): ``stragglers.py``.
 * GPU telemetry (``telemetry.py``), a torch.profiler window (``trace.py``), summaries (``summary.py``, whose figures
   ``figures.py`` defines for the summary, ``analyze`` and the calibration alike).
@@ -54,6 +55,7 @@ from profiling import comm as comm_mod
 from profiling.clock import Clock
 from profiling.records import RecordWriter, comm_path, events_path
 from profiling.schema import FIELD_NAMES, SCHEMA_VERSION
+from profiling.stall import StallClock
 from profiling.summary import RankSummary, format_job_line, format_line, merge, write_rank
 
 SUMMARY_MERGE_WAIT_S = 10.0
@@ -170,6 +172,8 @@ class StepCollector:
         self._events_file = None
         self._pending: dict[str, Any] | None = None
         self.writer = self.tracer = self.telemetry = self.trace = None
+        self._stall = None
+        self._stall0 = 0.0
         self.summary = RankSummary(self.cfg.warmup_steps, {
             "run_id": run_id, "rank": rank, **coords, "world_size": world_size, "job_id": job_id, "restart": restart,
             "flops_convention": flops_convention, "peak_tflops_per_gpu": peak_tflops,
@@ -180,6 +184,7 @@ class StepCollector:
             return
         self.writer = RecordWriter(self.records_dir, rank)
         self.event("start", process_start=process_start_time(), node=self.node)
+        self._stall = StallClock()
         measure_bubble = self._measure_bubble = self.cfg.pipeline_bubble and pipeline_size > 1
         if self.cfg.communication or measure_bubble:
             self.tracer = comm_mod.CommTracer(self.clock, p2p_every_step=measure_bubble,
@@ -251,6 +256,7 @@ class StepCollector:
         if self.telemetry is not None:
             self.telemetry.step = step
         self._ru0 = resource.getrusage(resource.RUSAGE_SELF) if self.enabled else None
+        self._stall0 = self._stall.stalled_s if self._stall is not None else 0.0
         self._t0 = self.clock.mark()
 
     def add_data_time(self, seconds: float) -> None:
@@ -299,6 +305,8 @@ class StepCollector:
         if ru1 is not None:
             record["cpu_time_s"] = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
             record["involuntary_switches"] = ru1.ru_nivcsw - ru0.ru_nivcsw
+        if self._stall is not None:
+            record["host_stall_s"] = self._stall.stalled_s - self._stall0
         if self.cuda and self.cfg.memory:
             import torch
 
@@ -398,6 +406,8 @@ class StepCollector:
             self._events_file = None
         if self._rss is not None:
             self._rss.close()
+        if self._stall is not None:
+            self._stall.close()
         self._commit()
         self.writer.close()
         self.writer = None

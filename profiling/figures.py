@@ -24,7 +24,7 @@ from profiling.schema import fields
 COLUMNS = fields("step", "restart", "pp_rank", "step_time_s", "tokens", "data_time_s", "comm_time_s", "pp_wait_s",
                  "loss", "model_flops", "hardware_flops", "tflops_per_gpu", "mfu", "mem_allocated_max_bytes",
                  "mem_reserved_max_bytes", "rss_bytes", "val_loss", "cpu_time_s", "involuntary_switches",
-                 "collective_wait_s", "moe_load_imbalance", "moe_aux_loss")
+                 "collective_wait_s", "host_stall_s", "moe_load_imbalance", "moe_aux_loss")
 REQUIRED = fields("step", "step_time_s")
 STRAGGLER_THRESHOLD = straggler_rules.THRESHOLD  # excess busy time (share of the step) that makes a straggler
 GB = 1e9
@@ -68,12 +68,15 @@ DEFINITIONS: dict[str, str] = {
                "to give p <= 0.01 (7+ steps). Cause: data or compute, whichever excess is larger; communication "
                "when, with no late peer, its own waiting exceeds its peers' by the same rule. Host stalled: over every "
                "measured step (CPU ranks), a rank's lateness is its time in the step outside collectives "
-               "(step_time_s - collective_wait_s) minus its peers' median: how much longer they waited for it at the "
+               "(step_time_s - collective_wait_s) minus its peers' mean: how much longer they waited for it at the "
                "step's collectives; less its extra cpu_time_s and data time it is unexplained (off its CPU outside "
                "collectives). A rank is host stalled when its mean lateness and its mean unexplained lateness exceed "
                "5 % of the stage's mean step time (the latter also half its lateness), a one-sided test of its "
                "per-step lateness against mean 0 gives p <= 0.01 and it was the latest by over 5 % of the median "
-               "step on 2+ steps; this overrides its busy-time verdict. Of stalled-looking ranks of several pipeline "
+               "step on 2+ steps, or when it was kept from running (host_stall_s: stopped or descheduled, its own "
+               "evidence, which a stall inside a collective does not hide) by more than 5 % of the mean step over its "
+               "peers' mean, with p <= 0.01 by the same test; either overrides its busy-time verdict, unless its "
+               "extra cpu_time_s exceeds 5 % of the step. Of stalled-looking ranks of several pipeline "
                "stages, those late by their extra pipeline wait are the stalled one's victims. The verdict names "
                "rank, node (its records' `node`), cause, excess, steps and "
                "p (profiling.stragglers).",
@@ -236,6 +239,7 @@ class RankFigures:
     late_unexplained_s: float | None = None
     cpu_excess_s: float | None = None
     switches_excess: float | None = None
+    stall_excess_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         # Every field is a scalar: a shallow dict equals asdict(), without its per-field deep copies (a thousand ranks)
@@ -348,8 +352,9 @@ def mark_stragglers(ranks: list[RankFigures], sample: straggler_rules.StragglerS
                                                                            v.p_value, v.z)
         r.late_s, r.late_share, r.late_unexplained_s, r.cpu_excess_s, r.switches_excess = (
             v.late_s, v.late_share, v.late_unexplained_s, v.cpu_excess_s, v.switches_excess)
+        r.stall_excess_s = v.stall_excess_s
         if v.cause == straggler_rules.HOST_STALLED:  # how sure: the host rule's steps and p
-            r.steps_compared, r.steps_slower, r.straggler_p = v.host_steps, v.steps_latest, v.late_p
+            r.steps_compared, r.steps_slower, r.straggler_p = v.host_steps, v.steps_latest, v.host_p
     named = [v for v in verdicts if v.straggler]
     return {"rank_skew": float((medians.max() - medians.min()) / centre) if centre > 0 else None,
             "slowest_rank": ranks[int(np.argmax(medians))].rank,

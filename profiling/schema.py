@@ -3,8 +3,9 @@
 Versioned: a change that renames or retypes a field bumps SCHEMA_VERSION, and so does a new field a reader may look
 for (version 2 added ``val_loss`` and ``eval_time_s``; version 3 ``cpu_time_s``, ``involuntary_switches`` and
 ``collective_wait_s``, what tells a rank the host stalled from one slow in its own code; version 4 the router figures
-of mixture-of-experts runs, ``moe_aux_loss``, ``moe_load_imbalance`` and ``moe_tokens_per_expert``); readers accept
-every version up to SCHEMA_VERSION: an older file simply lacks the newer columns (``profiling.records`` reads them as
+of mixture-of-experts runs, ``moe_aux_loss``, ``moe_load_imbalance`` and ``moe_tokens_per_expert``; version 5
+``host_stall_s``, a rank's own evidence that the host stopped or descheduled it); readers accept every version up to
+SCHEMA_VERSION: an older file simply lacks the newer columns (``profiling.records`` reads them as
 absent).
 Records are appended as JSON lines to ``records/rank<RANK>.jsonl`` during the run (a requeued job appends to the same
 file) and compacted into ``records/rank<RANK>.parquet`` at the end (``profiling.records`` owns the file names and the
@@ -17,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 READABLE_VERSIONS = (1, 2, 3, 4)
 """Record versions every reader accepts."""
 
@@ -87,6 +88,9 @@ STEP_FIELDS: tuple[Field, ...] = (
     Field("moe_tokens_per_expert", "str", False, "mixture of experts: tokens routed to each expert in the step "
                                                  "(a token counts once per top-k expert), summed over the MoE layers, "
                                                  "as a JSON list (schema version 4)"),
+    Field("host_stall_s", "float", False, "seconds the host kept the rank process from running during the step "
+                                          "(stopped or descheduled: its wake-ups more than 20 ms late, "
+                                          "profiling/stall.py); schema version 5"),
 )
 
 FIELD_NAMES = tuple(f.name for f in STEP_FIELDS)

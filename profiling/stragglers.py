@@ -34,12 +34,12 @@ it, are held as long as it is. What does tell, on every measured step (not the s
 figures (``cpu_time_s``, ``involuntary_switches``, ``collective_wait_s``: CPU ranks):
 
     outside = step_time_s - collective_wait_s      (its time in the step outside collectives)
-    late    = outside - peers' median outside       (how much longer the others waited for it in the step)
+    late    = outside - peers' mean outside         (how much longer the others waited for it in the step)
 
 A rank that arrives last at a collective waits least in it, so ``late`` adds up, over the step's collectives, how
 long its peers waited for it to arrive, less how much later than them it started the step (the loop's work between
 steps, such as rank 0's progress line, is not lateness); a stall inside a collective holds every member alike and
-adds nothing. Of that lateness, its extra CPU time (``cpu_time_s`` over its peers' median: more work) and extra data
+adds nothing. Of that lateness, its extra CPU time (``cpu_time_s`` over its peers' mean: more work) and extra data
 time explain what its own code did; the rest it spent off its CPU outside collectives: stalled. A rank is a
 straggler with the cause "host stalled" when, over all measured steps its stage's ranks recorded (``MAX_HOST_STEPS``
 at most, evenly spaced),
@@ -52,12 +52,20 @@ at most, evenly spaced),
   normal tail) gives p <= P_MAX, and it was the latest of its stage, by more than ``THRESHOLD`` of the median step,
   on two steps or more (the verdict also says on how many of the steps where a rank was that late).
 
+Its own evidence, which a stall inside a collective does not hide: ``host_stall_s`` (``stall.py``), how long the
+host kept the process from running at all in the step (stopped or descheduled: a thread of it woke late). A rank is
+also "host stalled" when its mean ``host_stall_s`` over its peers' mean is more than ``THRESHOLD`` of the stage's
+mean step time, with p <= P_MAX by the same test of its per-step excess against mean 0 (the steps' spread is the
+noise it is measured against: a busy machine that stalls every rank alike names none), and its extra CPU time is not
+above ``THRESHOLD`` either. Lateness alone misses such a rank where its stalls land inside the collectives (its peers
+wait there for it as long as it is stopped) and its peers are descheduled outside them (then they look late).
+
 The verdict overrides a busy-time verdict of the same rank (a stall in its compute also makes it busier). A rank late
 by its extra CPU time or data keeps its busy-time verdict (compute or data), and an injected sleep is, from outside,
 a stall. A stall travels down the pipeline (the stalled rank sends late; its neighbour in the next stage waits in
 its recv and arrives late at its own stage's collectives): of stalled-looking ranks of several stages, those whose
 lateness is mostly their extra pipeline wait (``pp_wait_s`` over their peers') are the stalled one's victims, not
-named. Involuntary context switches (over its peers' median per step) are reported, not judged: many say the CPU
+named. Involuntary context switches (over its peers' mean per step) are reported, not judged: many say the CPU
 was taken from it (contention), few with a large lateness say it was stopped. GPU ranks record no
 ``collective_wait_s`` (their collectives return before they ran): there this rule does not apply.
 
@@ -106,15 +114,18 @@ class RankVerdict:
     node: str | None = None
     # the host-stall rule, over every measured step with host figures (means over steps, seconds per step)
     host_steps: int | None = None  # steps compared
-    late_s: float | None = None  # mean of (peers' median collective wait - its own)
+    late_s: float | None = None  # mean of (its time outside collectives - its peers' mean of it)
     late_share: float | None = None  # late_s / the stage's mean step time
     late_unexplained_s: float | None = None  # late_s - cpu_excess_s - its mean data excess
-    p2p_excess_s: float | None = None  # mean of (its pp_wait_s - its peers' median): late for a pipeline neighbour
-    cpu_excess_s: float | None = None  # mean of (its cpu_time_s - its peers' median)
-    switches_excess: float | None = None  # mean of (its involuntary_switches - its peers' median)
+    p2p_excess_s: float | None = None  # mean of (its pp_wait_s - its peers' mean): late for a pipeline neighbour
+    cpu_excess_s: float | None = None  # mean of (its cpu_time_s - its peers' mean)
+    switches_excess: float | None = None  # mean of (its involuntary_switches - its peers' mean)
     steps_latest: int | None = None  # steps on which it was the latest of its stage by more than THRESHOLD
     steps_late: int | None = None  # steps on which some rank of its stage was late by more than THRESHOLD
     late_p: float | None = None  # one-sided p of its mean lateness being chance (``mean_above_zero_p``)
+    stall_excess_s: float | None = None  # mean of (its host_stall_s - its peers' mean): kept from running
+    stall_p: float | None = None  # one-sided p of its mean stall excess being chance
+    host_p: float | None = None  # the p of the host-stall rule that named it (stall_p when kept from running)
     busy_cause: str | None = None  # the busy-time verdict a host-stall verdict replaced
 
     def as_dict(self) -> dict[str, Any]:
@@ -176,6 +187,14 @@ def others_median(x: np.ndarray) -> np.ndarray:
     return (kth_of_others(ks[0]) + kth_of_others(ks[1])) / 2
 
 
+def others_mean(x: np.ndarray) -> np.ndarray:
+    """For a ranks x steps matrix, each rank's peers' mean per step: the mean of the other rows."""
+    n = x.shape[0]
+    if n < 2:
+        return np.full_like(x, np.nan)
+    return (x.sum(axis=0, keepdims=True) - x) / (n - 1)
+
+
 def _others_median_by_order(x: np.ndarray) -> np.ndarray:
     """``others_median`` by each value's position in its step's stable sort (where a step holds a NaN)."""
     n = x.shape[0]
@@ -206,7 +225,8 @@ def mean_above_zero_p(x: np.ndarray) -> float:
     return 0.5 * math.erfc(mean / (sd / math.sqrt(n)) / math.sqrt(2))
 
 
-HOST_COLUMNS = ("collective_wait_s", "cpu_time_s", "data_time_s", "pp_wait_s", "step_time_s", "involuntary_switches")
+HOST_COLUMNS = ("collective_wait_s", "cpu_time_s", "data_time_s", "pp_wait_s", "step_time_s", "involuntary_switches",
+                "host_stall_s")
 
 
 class StragglerSample:
@@ -423,11 +443,16 @@ def _judge_host(sample: StragglerSample, out: list[RankVerdict]) -> None:
     # Its time in the step outside collectives over its peers': how much longer they waited for it at the step's
     # collectives than it started the step after them (work between steps, e.g. rank 0's progress line, is not late).
     outside = m["step_time_s"] - m["collective_wait_s"]
-    late = outside - others_median(outside)
-    cpu_x = m["cpu_time_s"] - others_median(m["cpu_time_s"])
-    data_x = m["data_time_s"] - others_median(m["data_time_s"])
-    p2p_x = m["pp_wait_s"] - others_median(m["pp_wait_s"])
-    sw_x = m["involuntary_switches"] - others_median(m["involuntary_switches"])
+    # Over its peers' mean, not their median: these figures are skewed on a busy machine (mostly small, now and then
+    # a long descheduling), and a median below the mean would make every rank's mean excess positive.
+    late = outside - others_mean(outside)
+    cpu_x = m["cpu_time_s"] - others_mean(m["cpu_time_s"])
+    data_x = m["data_time_s"] - others_mean(m["data_time_s"])
+    p2p_x = m["pp_wait_s"] - others_mean(m["pp_wait_s"])
+    sw_x = m["involuntary_switches"] - others_mean(m["involuntary_switches"])
+    stall_x = None  # recorded by schema version 5 on
+    if all(sample.host[v.rank][2]["host_stall_s"] is not None for v in out):
+        stall_x = m["host_stall_s"] - others_mean(m["host_stall_s"])
     # Steps on which some rank was late by more than THRESHOLD of the median step, and which rank was the latest.
     worst = late.max(axis=0)
     big = worst > THRESHOLD * step_median
@@ -443,10 +468,16 @@ def _judge_host(sample: StragglerSample, out: list[RankVerdict]) -> None:
         v.steps_late = steps_late
         v.steps_latest = int(np.count_nonzero(big & (latest == i)))
         v.late_p = mean_above_zero_p(late[i])
-        if (n >= MIN_STEPS and v.steps_latest >= 2 and v.late_share > THRESHOLD and v.late_p <= P_MAX
-                and v.late_unexplained_s > max(0.5 * v.late_s, THRESHOLD * step_mean)
+        if stall_x is not None:
+            v.stall_excess_s = float(stall_x[i].mean())
+            v.stall_p = mean_above_zero_p(stall_x[i])
+        arrived_late = (v.steps_latest >= 2 and v.late_share > THRESHOLD and v.late_p <= P_MAX
+                and v.late_unexplained_s > max(0.5 * v.late_s, THRESHOLD * step_mean))
+        stopped = stall_x is not None and v.stall_excess_s > THRESHOLD * step_mean and v.stall_p <= P_MAX
+        if (n >= MIN_STEPS and (arrived_late or stopped)
                 and v.cpu_excess_s <= THRESHOLD * step_mean):  # more CPU work than that: slow in its own code
             v.straggler, v.cause, v.busy_cause = True, HOST_STALLED, v.cause
+            v.host_p = v.stall_p if stopped else v.late_p
 
 
 def _own_stall_s(v: RankVerdict) -> float:
@@ -476,8 +507,10 @@ def describe(v: RankVerdict, step_median_s: float) -> str:
     rank was late (p 2e-22)``."""
     if v.cause == HOST_STALLED:
         node = f" (node {v.node})" if v.node else ""
-        return (f"rank {v.rank}{node}: {HOST_STALLED}, late at collectives +{v.late_s:.3g} s/step over its peers "
-                f"(+{100 * v.late_share:.0f} % of the step), {v.cpu_excess_s:+.3g} s/step of it on its CPU, "
+        kept = ("" if v.stall_excess_s is None else
+                f"kept from running {v.stall_excess_s:+.3g} s/step over its peers (p {v.stall_p:.2g}), ")
+        return (f"rank {v.rank}{node}: {HOST_STALLED}, {kept}late at collectives {v.late_s:+.3g} s/step over its "
+                f"peers ({100 * v.late_share:+.0f} % of the step), {v.cpu_excess_s:+.3g} s/step of it on its CPU, "
                 f"{v.switches_excess:+.3g} involuntary switches/step, the latest on {v.steps_latest} of "
                 f"{v.steps_late} steps where a rank was late, over {v.host_steps} steps (p {v.late_p:.2g})")
     excess = (v.comm_excess_s if v.cause == "communication" else v.excess_s) or 0.0

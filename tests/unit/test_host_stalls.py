@@ -17,22 +17,31 @@ WARMUP = 2
 SAMPLE_EVERY = 20  # collectives timed on 10 steps: the busy-time rule alone would compare 9 of them
 
 
-def job(ranks: int, rng, *, stalled: int | None = None, slow_compute: int | None = None, pp_rank=None):
+def job(ranks: int, rng, *, stalled: int | None = None, slow_compute: int | None = None, pp_rank=None,
+        outside_share: float = 0.5, descheduled: float = 0.0, host_stall: bool = False):
     """ranks x steps records of a synchronous job whose step is compute, then one collective of the stage's ranks.
 
     ``stalled``: that rank is stopped (SIGSTOP) for 0.15 s on half of the steps, half of the time before it reaches
     the collective (it arrives late, off its CPU) and half of the time inside it (every rank is held alike).
     ``slow_compute``: that rank computes 0.05 s more per step (on its CPU). ``pp_rank``: two stages, stage 1's rank
-    i receives its input from stage 0's rank i (a pipeline recv before its compute)."""
+    i receives its input from stage 0's rank i (a pipeline recv before its compute). ``outside_share``: the share of
+    the stalls that land before the collective. ``descheduled``: every rank is descheduled outside the collective on
+    half of the steps, for up to that long (a busy machine). ``host_stall``: the records have ``host_stall_s`` (how
+    long the host kept each rank from running: its stops and its descheduling)."""
     compute = 0.10 + 0.005 * rng.random((ranks, STEPS))
     data = 0.001 + 0.0005 * rng.random((ranks, STEPS))
     outside = np.zeros((ranks, STEPS))
     inside = np.zeros(STEPS)
+    kept = np.zeros((ranks, STEPS))
+    if descheduled:
+        outside += descheduled * rng.random((ranks, STEPS)) * (rng.random((ranks, STEPS)) < 0.5)
+        kept += outside
     if stalled is not None:
         hit = rng.random(STEPS) < 0.5
-        where = rng.random(STEPS) < 0.5
-        outside[stalled, hit & where] = 0.15
+        where = rng.random(STEPS) < outside_share
+        outside[stalled, hit & where] += 0.15
         inside[hit & ~where] = 0.15
+        kept[stalled, hit] += 0.15
     if slow_compute is not None:
         compute[slow_compute] += 0.05
     cpu = compute + 0.002 * rng.random((ranks, STEPS))  # what its own code used; a stop uses none
@@ -54,6 +63,8 @@ def job(ranks: int, rng, *, stalled: int | None = None, slow_compute: int | None
     comm[:, ~sampled] = np.nan
     columns = {"data_time_s": data, "cpu_time_s": cpu, "collective_wait_s": wait, "comm_time_s": comm,
                "involuntary_switches": rng.integers(0, 5, (ranks, STEPS))}
+    if host_stall:
+        columns["host_stall_s"] = kept
     if pp_rank is not None:
         columns["pp_rank"] = np.repeat(stage[:, None], STEPS, axis=1)
         columns["pp_wait_s"] = p2p
@@ -116,6 +127,30 @@ def test_a_stall_down_the_pipeline_names_the_stalled_rank_not_its_neighbour(tmp_
     flags = result.ranks.set_index("rank")
     assert row["stragglers"] == "1", row["straggler_verdict"]
     assert flags.loc[3, "late_s"] > 0.02 and not flags.loc[3, "straggler"]
+
+
+def test_a_rank_stopped_inside_the_collectives_on_a_busy_machine_is_named_by_its_own_stall_time(tmp_path):
+    """Its stalls land inside the collectives (its peer waits there as long as it is stopped) and the machine
+    deschedules both ranks outside them: lateness cannot tell (the failure of a loaded machine), host_stall_s can."""
+    kw = {"outside_share": 0.1, "descheduled": 0.1}
+    late_only = analysed(tmp_path / "a", 2, stalled=1, **kw)
+    assert late_only.runs.iloc[0]["stragglers"] == "", late_only.runs.iloc[0]["straggler_verdict"]
+    result = analysed(tmp_path / "b", 2, stalled=1, host_stall=True, **kw)
+    row = result.runs.iloc[0]
+    flags = result.ranks.set_index("rank")
+    assert row["stragglers"] == "1" and flags.loc[1, "straggler_cause"] == "host stalled", row["straggler_verdict"]
+    assert flags.loc[1, "stall_excess_s"] == pytest.approx(0.15 / 2, rel=0.3)
+    assert flags.loc[1, "late_share"] < stragglers.THRESHOLD  # lateness alone was below the threshold
+    assert row["straggler_verdict"].startswith("rank 1 (node node000): host stalled, kept from running +0.0")
+    assert flags.loc[1, "straggler_p"] <= 1e-6
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_busy_machine_that_deschedules_every_rank_alike_names_nobody(tmp_path, seed):
+    result = analysed(tmp_path, 4, seed=seed, descheduled=0.1, host_stall=True)
+    row = result.runs.iloc[0]
+    assert row["stragglers"] == "", row["straggler_verdict"]
+    assert result.ranks["stall_excess_s"].abs().max() < 0.02
 
 
 def test_mean_above_zero_p():

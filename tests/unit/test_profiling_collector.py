@@ -229,4 +229,5 @@ def test_host_figures_every_step_cpu_switches_and_collective_wait(world1, tmp_pa
     assert rec["collective_wait_s"] == pytest.approx(seen[-1])
     assert rec["step_time_s"] > 0.3 and 0 < rec["cpu_time_s"] < rec["step_time_s"] - 0.19  # the sleep is off-CPU
     assert isinstance(rec["involuntary_switches"], int) and rec["involuntary_switches"] >= 0
+    assert 0 <= rec["host_stall_s"] < rec["step_time_s"]  # never stopped: only what the machine's load took (stall.py)
     validate_record(rec)
