@@ -60,9 +60,9 @@ def _no_slurm_unless_asked(request, monkeypatch) -> None:
     ``multinode``) nor puts its own Slurm stand-ins on PATH (marker ``slurm_client``) runs with HPC_TOOLS_SLURM=off, so
     that its commands see "no Slurm here" whether this machine has no Slurm client, a client and no controller, or
     the test cluster up (hpc_tools/slurm_client.py); the others run with it unset, as Slurm's users do."""
-    callspec = getattr(request.node, "callspec", None)
-    fixtures = set(request.fixturenames) - set(callspec.params if callspec else ())
-    if SLURM_FIXTURES & fixtures or any(request.node.get_closest_marker(m) for m in ("slurm", "multinode",
+    callspec = getattr(request.node, "callspec", None)  # a parameter named "slurm" is no cluster; slurm_cluster's
+    fixtures = set(request.fixturenames) - set(callspec.params if callspec else ())  # own params: its markers
+    if SLURM_FIXTURES & fixtures or any(request.node.get_closest_marker(m) for m in ("slurm", "multinode", "fake_slurm",
                                                                                       "slurm_client")):
         monkeypatch.delenv("HPC_TOOLS_SLURM", raising=False)
     else:

@@ -47,7 +47,7 @@ def test_a_test_with_its_own_slurm_stand_ins_runs_with_it_unset():
 
 @pytest.mark.slurm_client
 def test_a_client_without_controller_is_one_note_on_stderr(tmp_path):
-    out = run_cli("validate", "recipes/comm_check.yaml", env=client_without_controller(tmp_path), timeout=120)
+    out = run_cli("validate", "recipes/comm_check.yaml", env=client_without_controller(tmp_path))
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["ok: recipes/comm_check.yaml", "ok: recipes/comm_check.yaml (profile local)"]
     [note] = out.stderr.splitlines()
@@ -60,11 +60,11 @@ def test_a_client_without_controller_is_one_note_on_stderr(tmp_path):
 @pytest.mark.slurm_client
 def test_slurm_off_asks_no_slurm_command_and_says_nothing(tmp_path):
     env = {**client_without_controller(tmp_path), "HPC_TOOLS_SLURM": "off"}
-    out = run_cli("validate", "recipes/comm_check.yaml", env=env, timeout=120)
+    out = run_cli("validate", "recipes/comm_check.yaml", env=env)
     assert (out.returncode, out.stderr) == (0, "")
-    verbose = run_cli("validate", "recipes/comm_check.yaml", "--verbose", env=env, timeout=120)
+    verbose = run_cli("validate", "recipes/comm_check.yaml", "--verbose", env=env)
     assert verbose.stderr.splitlines() == ["note: not checked against Slurm: no Slurm here (HPC_TOOLS_SLURM=off)"]
-    doctor = run_cli("doctor", "--json", env=env, timeout=120)
+    doctor = run_cli("doctor", "--json", env=env)
     import json
 
     [row] = [r for r in json.loads(doctor.stdout)["checks"] if r["name"] == "slurm"]
@@ -91,7 +91,7 @@ def test_slurm_off_submits_locally_and_refuses_executor_slurm(tmp_path, monkeypa
 @pytest.mark.slurm_client
 def test_an_unknown_slurm_setting_is_one_line(tmp_path):
     env = {**client_without_controller(tmp_path), "HPC_TOOLS_SLURM": "maybe"}
-    out = run_cli("validate", "recipes/comm_check.yaml", env=env, timeout=120)
+    out = run_cli("validate", "recipes/comm_check.yaml", env=env)
     assert out.returncode == 2 and out.stderr.splitlines() == [
         "error: HPC_TOOLS_SLURM='maybe' is not one of auto, off (off: no Slurm on this machine; auto, or unset: Slurm "
         "where its commands are on PATH)"], out.stderr
