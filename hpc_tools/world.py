@@ -86,8 +86,9 @@ def run_sinfo(timeout_s: float = SLURM_TIMEOUT_S) -> subprocess.CompletedProcess
     except OSError as exc:
         return f"Slurm unreachable (sinfo: {exc.strerror or exc})"
     if out.returncode != 0:
-        said = [ln for ln in (out.stderr or out.stdout).splitlines() if ln.strip()]
-        return f"Slurm unreachable (sinfo: {said[-1].strip() if said else f'exit {out.returncode}'})"
+        said = [ln.strip() for ln in (out.stderr or out.stdout).splitlines() if ln.strip()]
+        last = said[-1].removeprefix("sinfo:").strip() if said else f"exit {out.returncode}"  # Slurm names itself
+        return f"Slurm unreachable (sinfo: {last})"
     return out
 
 

@@ -14,8 +14,8 @@ import pytest
 from hpc_tools.errors import UserError
 from tests.conftest import REPO, run_cli
 
-NO_CONTROLLER = ('echo "error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host" >&2; '
-                 'echo "fatal: Could not establish a configuration source" >&2; exit 1')  # Slurm 22.05's client
+NO_CONTROLLER = ('echo "{name}: error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host" >&2; '
+                 'echo "{name}: fatal: Could not establish a configuration source" >&2; exit 1')  # Slurm 22.05's
 
 
 def client_without_controller(tmp_path) -> dict[str, str]:
@@ -26,7 +26,7 @@ def client_without_controller(tmp_path) -> dict[str, str]:
     (bin_dir / "python3").symlink_to(sys.executable)
     for name in ("sinfo", "sbatch", "scontrol", "squeue", "sacct", "scancel", "srun"):
         path = bin_dir / name
-        path.write_text(f"#!/bin/bash\necho {name} >> {tmp_path / 'calls'}\n{NO_CONTROLLER}\n")
+        path.write_text(f"#!/bin/bash\necho {name} >> {tmp_path / 'calls'}\n{NO_CONTROLLER.format(name=name)}\n")
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
     return {"PATH": f"{bin_dir}:{os.path.dirname(shutil.which('bash'))}", "PYTHONPATH": str(REPO)}
 
