@@ -155,12 +155,13 @@ def test_manifest_records_the_git_tree(tmp_path):
     assert manifest["git_dirty"] in (True, False, None)
 
 
+@pytest.mark.slurm_client
 def test_dry_run_for_slurm_needs_no_controller(tmp_path):
-    """A controller that does not answer (a slurm.conf naming a dead one): the dry run still prints the script; a
-    real submission is refused in one line, nothing written."""
-    conf = tmp_path / "slurm.conf"
-    conf.write_text("ClusterName=gone\nSlurmctldHost=localhost\nSlurmctldPort=9\n")
-    env = {"SLURM_CONF": str(conf)}
+    """A controller that does not answer (Slurm's client on PATH, as stand-ins that answer as it does without a
+    cluster): the dry run still prints the script; a real submission is refused in one line, nothing written."""
+    from tests.unit.test_slurm_hermetic import client_without_controller
+
+    env = client_without_controller(tmp_path)
     runs = tmp_path / "runs"
     for executor in ("slurm", "auto"):
         dry = run_cli("submit", COMM, "--executor", executor, "--dry-run", "--runs-dir", str(runs), env=env)
