@@ -160,8 +160,8 @@ def test_every_drawn_recipe_is_answered_by_every_command_many(capsys, case):
 
 def test_search_of_a_huge_global_batch_ends(capsys):
     # Found checking the search's speed for the property above: training.global_batch_size=2^40 (in bounds) made the
-    # search count every
-    # integer up to 2^40 for the micro-batch divisors (COMMAND_LIMIT_S would stop it); it ends now, in CPU seconds.
+    # search count every integer up to 2^40 for the micro-batch divisors (COMMAND_LIMIT_S would stop it); it ends
+    # now, in CPU seconds.
     from hpc_tools.planner.search import _divisors
 
     assert all(list(_divisors(n)) == [x for x in range(1, n + 1) if n % x == 0] for n in range(1, 500))
