@@ -12,6 +12,7 @@ from hpc_tools.planner.hardware import Hardware, hardware_for, headroom_bytes, h
 from hpc_tools.planner.knobs import Knobs
 from hpc_tools.planner.memory import MemoryPlan, estimate_memory, memory_notes
 from hpc_tools.planner.steptime import DEFAULT_EFFICIENCY, StepTime, estimate_step_time, step_flops, time_notes
+from hpc_tools.planner.unmodelled import memory_not_modelled
 from profiling.flops import active_parameters
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ class Plan:
             "gpu_type": self.hardware.gpu_type, "gpu_mem_bytes": self.hardware.mem_bytes,
             "hardware_sources": self.hardware.sources, "fits": self.fits,
             "headroom_bytes": self.headroom_bytes, "headroom": self.headroom_note, "usable_bytes": self.usable_bytes,
+            "memory_not_modelled": memory_not_modelled(self.knobs),
             "memory": {"peak_stage": mem.stage, "total_bytes": mem.total,
                        "terms": [{"name": k, "bytes": v, "assumes": notes.get(k, "")} for k, v in mem.terms.items()],
                        "stages": [{"stage": s.stage, "parameters": self.held(s.params), "total_bytes": s.total}

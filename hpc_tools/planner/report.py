@@ -7,6 +7,7 @@ from typing import Any
 from hpc_tools.planner.estimate import Plan
 from hpc_tools.planner.hardware import GB
 from hpc_tools.planner.search import SearchResult, why_slower
+from hpc_tools.planner.unmodelled import memory_not_modelled
 
 
 def _console():
@@ -88,6 +89,11 @@ def print_plan(plan: Plan) -> None:
         mem.add_row(name, f"{value / div:.2f}", _esc(notes.get(name, "")))
     mem.add_row("total", f"{peak.total / div:.2f}", _esc(verdict(plan)), style="bold")
     con.print(mem)
+    if plan.fits is False:
+        saved = memory_not_modelled(plan.knobs)
+        if saved:
+            con.print("Not modelled (published savings that would lower this memory): " + "; ".join(saved),
+                      highlight=False)
     if len(plan.memory.stages) > 1:
         first, last = plan.memory.stages[0], plan.memory.stages[-1]
         busiest = "MoE layers" if plan.knobs.moe else "layers"
