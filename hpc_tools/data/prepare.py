@@ -188,8 +188,17 @@ def _write_one(item: Input, prefix: Path, tmp: Path, dtype, tok, spec: str, pool
 
 
 def worker_pool(workers: int):
-    """``workers`` forked processes (forked before torch loads), each with the default SIGTERM (see _worker_start)."""
-    return multiprocessing.get_context("fork").Pool(workers, _worker_start)
+    """``workers`` forked processes (forked before torch loads), each with the default SIGTERM (see _worker_start).
+
+    SIGTERM is blocked while the workers are forked, and each worker unblocks it only once its default handler is in
+    place: a worker that ``Pool.terminate`` reached before its initializer ran kept the parent's handler (submitit's,
+    which bypasses it) and then waited on the task queue forever, and so did the pool's join (seen on a loaded
+    machine). A SIGTERM sent to the parent meanwhile stays pending and reaches its own handler right after."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return multiprocessing.get_context("fork").Pool(workers, _worker_start)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _worker_start() -> None:
@@ -198,6 +207,7 @@ def _worker_start() -> None:
     the job never ended. A worker dies on SIGTERM, and leaves Ctrl-C to its parent."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked since the fork (worker_pool)
 
 
 def _bounded_imap(pool, batches, ahead: int):

@@ -283,3 +283,24 @@ def test_pool_workers_die_on_sigterm_whatever_the_parent_does():
     finally:
         pool.terminate()
         pool.join()
+
+
+def test_a_worker_terminated_before_its_initializer_ran_still_ends(tmp_path):
+    """The race behind the hang, made certain: the workers are slow to start (their initializer sleeps first) and
+    the pool is terminated at once, while each still holds the parent's bypassing SIGTERM handler. The terminate must
+    still end them (SIGTERM stays blocked until the default handler is in place), so the join returns."""
+    import subprocess
+    import sys
+
+    script = ("import signal, time\n"
+              "import hpc_tools.data.prepare as prep\n"
+              "start = prep._worker_start\n"
+              "prep._worker_start = lambda: (time.sleep(1.0), start())\n"
+              "signal.signal(signal.SIGTERM, lambda *a: None)  # as submitit does\n"
+              "pool = prep.worker_pool(2)\n"
+              "pool.terminate()\n"
+              "pool.join()\n"
+              "print('joined')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0 and out.stdout.split() == ["joined"], out.stderr
