@@ -70,9 +70,12 @@ def _reads(r: Rule) -> frozenset[str]:
 
 
 def _names_any(v: Violation, fields: set[str]) -> bool:
-    """Whether the line's rule or fix names one of ``fields`` (by its key: ``tensor_size``, ``data_size``)."""
+    """Whether the line's rule or fix names one of ``fields``: by its path, or by its bare key (``tensor_size``,
+    ``data_size``); a key inside another path (``tracking.mlflow.enabled`` for ``tracking.wandb.enabled``) is another
+    field."""
     text = f"{v.rule} ({v.fix})"
-    return any(re.search(rf"(?<![\w]){re.escape(f.rsplit('.', 1)[-1])}(?![\w])", text) for f in fields)
+    return any(re.search(rf"(?<![\w.]){re.escape(f)}(?![\w])", text) or
+               re.search(rf"(?<![\w.]){re.escape(f.rsplit('.', 1)[-1])}(?![\w])", text) for f in fields)
 
 
 def merged(violations: list[Violation]) -> list[Violation]:
