@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from hpc_tools.recipe.fields import unwrap_model
 from hpc_tools.recipe.schema import PROFILE_SECTIONS, Recipe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,23 +48,12 @@ class Leaf:
     is_section: bool
 
 
-def _section_of(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        for arg in typing.get_args(annotation):
-            found = _section_of(arg)
-            if found is not None:
-                return found
-    return None
-
-
 def schema_leaves(model: type[BaseModel] = Recipe, prefix: tuple[str, ...] = ()) -> list[Leaf]:
     """Every field of the schema (sections too, as their own entries), depth first."""
     out = []
     for name, info in model.model_fields.items():
         path = prefix + (name,)
-        sub = _section_of(info.annotation)
+        sub = unwrap_model(info.annotation)
         out.append(Leaf(path, info.annotation, info, sub is not None))
         if sub is not None:
             out.extend(schema_leaves(sub, path))
@@ -154,16 +144,9 @@ def values_for(annotation: Any, metadata: list[Any], current: Any) -> dict[str, 
         return {"valid": st.none()}
     if annotation is bool:
         return {"valid": st.booleans(), "wrong": wrong}
-    if annotation is int:
-        valid, boundary, outside = _int_values(*_bounds(metadata), current)
-        kinds = {"valid": valid, "wrong": wrong}
-        if boundary:
-            kinds["boundary"] = st.sampled_from(boundary)
-        if outside:
-            kinds["outside"] = st.sampled_from(outside)
-        return kinds
-    if annotation is float:
-        valid, boundary, outside = _float_values(*_bounds(metadata), current)
+    if annotation in (int, float):
+        values = _int_values if annotation is int else _float_values
+        valid, boundary, outside = values(*_bounds(metadata), current)
         kinds = {"valid": valid, "wrong": wrong}
         if boundary:
             kinds["boundary"] = st.sampled_from(boundary)
