@@ -19,7 +19,8 @@ Exit 0 when valid, 2 otherwise. An unknown key that Megatron-LM, Megatron-core, 
 uses (tensor_model_parallel_size, parallelism.tensor_parallel_degree, zero_optimization.stage, ...) is named
 with the field that holds it here.
 A recipe with a `local:` profile is checked as written and with the profile applied
-(--set local.SECTION.KEY=VALUE sets a value of that profile).
+(--set local.SECTION.KEY=VALUE sets a value of that profile); a field and value refused both ways is
+one line, marked "(and its local profile)".
 
 A recipe that passes its own rules is then checked against the world (skip with --offline):
   files here     data.paths, data.blend prefixes (.bin/.idx), data.tokenizer, checkpoint.load_path,
@@ -98,11 +99,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"ok": ok, "results": results, "slurm": slurm, "notes": notes})
     else:
-        for r in results:
+        for r, errors in _one_line_per_field(results):
             where = printable(r["recipe"]) + (f" (profile {r['profile']})" if r["profile"] else "")
             if r["errors"]:
-                for e in r["errors"]:
-                    say(f"error: {where}: {printable(e['message'])}")
+                for e, also_local in errors:
+                    say(f"error: {where}{' (and its local profile)' if also_local else ''}: "
+                        f"{printable(e['message'])}")
             else:
                 print(f"ok: {where}")
         for line in notes:  # valid but unusual choices: one line each, on stderr, exit 0
@@ -113,6 +115,22 @@ def run(args: argparse.Namespace) -> int:
     if not ok:
         return UserError.exit_code
     return 0
+
+
+def _one_line_per_field(results: list[dict]) -> list[tuple[dict, list[tuple[dict, bool]]]]:
+    """Each result with the error lines to print, each with whether the local profile fails on it too: a field and
+    value refused both as written and with the profile (a --set value both take, a rule the profile does not
+    change) is one line, not two (the profile's figures can differ: the cause is the same value)."""
+    written = {(r["recipe"], e["path"], e["value"]) for r in results if r["profile"] is None for e in r["errors"]}
+    local = {(r["recipe"], e["path"], e["value"]) for r in results if r["profile"] == "local" for e in r["errors"]}
+    out = []
+    for r in results:
+        if r["profile"] is None:
+            out.append((r, [(e, (r["recipe"], e["path"], e["value"]) in local) for e in r["errors"]]))
+        else:
+            out.append((r, [(e, False) for e in r["errors"] if r["profile"] != "local" or
+                            (r["recipe"], e["path"], e["value"]) not in written]))
+    return out
 
 
 def _slurm_note(offline: bool) -> dict:

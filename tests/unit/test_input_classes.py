@@ -313,3 +313,15 @@ def test_the_plan_table_names_the_parameters_one_gpu_holds(capsys):
     code, out, _ = run(capsys, argv)
     assert code in (0, 1) and f"; {count(per_gpu)} parameters on it" in out, out[:2000]
     assert per_gpu < json.loads(run(capsys, [*argv, "--json"])[1])["parameters"] / 8
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "recipes").glob("*.yaml")
+                                          if "local" in yaml.safe_load(p.read_text())))
+@pytest.mark.parametrize("field", ["training.train_iters", "cluster.nodes", "training.global_batch_size"])
+def test_a_value_both_profiles_refuse_is_one_line(capsys, recipe, field):
+    """A --set value that the recipe as written and its local profile both refuse is one cause: one line, saying
+    that it holds for both (validate checks a recipe with a local profile both ways)."""
+    code, out, err = run(capsys, ["validate", "--offline", str(REPO / "recipes" / recipe), "--set", f"{field}=yes"])
+    lines = err.splitlines()
+    assert code == 2 and out == "" and len(lines) == 1, err
+    assert "(and its local profile)" in lines[0] and f"{field}=yes" in lines[0], lines[0]
