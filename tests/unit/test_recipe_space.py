@@ -83,11 +83,11 @@ def raw_paths(raw: Any, prefix: str = "") -> set[str]:
 
 def names_a_field(line: str, recipe: str, written: set[str]) -> bool:
     """The error line's message starts with a field: a dotted path of the schema or a key path written in the
-    recipe (after ``error: RECIPE[ (profile local)]: ``)."""
+    recipe (after ``error: RECIPE[ (profile local)| (and its local profile)]: ``)."""
     message = line[len("error:"):].strip()
     if message.startswith(recipe):
         message = message[len(recipe):]
-        message = re.sub(r"^ \(profile [a-z]+\)", "", message).lstrip(":").strip()
+        message = re.sub(r"^ \((profile [a-z]+|and its local profile)\)", "", message).lstrip(":").strip()
     found = PATH_RE.match(message)
     if not found:
         return False
