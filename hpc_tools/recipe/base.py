@@ -108,9 +108,9 @@ class Section(BaseModel):
         # Before type coercion: a 400-digit integer is refused before pydantic turns it into a float, and nested
         # sections (mappings of their own fields) are left to their own guard so errors keep their full path.
         if isinstance(data, dict):
-            kinds, scalars = _field_kinds(cls), _field_scalars(cls)
-            data = {name: _as_bool(value, scalars[name]) if name in scalars else value for name, value in data.items()}
-            _refuse([(name, value, check_value(value, multiline=kinds[name][1]) or check_scalar(value, scalars[name]))
+            kinds = _field_kinds(cls)
+            data = {name: _as_bool(value, kinds[name][2]) if name in kinds else value for name, value in data.items()}
+            _refuse([(name, value, check_value(value, multiline=kinds[name][1]) or check_scalar(value, kinds[name][2]))
                      for name, value in data.items()
                      if name in kinds and not (isinstance(value, BaseModel) or
                                                (isinstance(value, dict) and kinds[name][0]))])
@@ -131,11 +131,13 @@ def _refuse(checked: list[tuple[str, Any, str | None]]) -> None:
         raise PydanticCustomError(BOUNDED, "{why}", {"why": problems[0][2], "problems": problems})
 
 
-def _field_kinds(cls: type[BaseModel]) -> dict[str, tuple[bool, bool]]:
-    """{field: (holds a section, is free text)} of a section class, worked out once per class."""
+def _field_kinds(cls: type[BaseModel]) -> dict[str, tuple[bool, bool, tuple[frozenset[str], frozenset[str]]]]:
+    """{field: (holds a section, is free text, ``scalar_kinds`` of its annotation)} of a section class, worked out
+    once per class."""
     kinds = cls.__dict__.get("_hpc_field_kinds")
     if kinds is None:
-        kinds = {name: (_holds_section(f), MULTILINE in f.metadata) for name, f in cls.model_fields.items()}
+        kinds = {name: (_holds_section(f), MULTILINE in f.metadata, scalar_kinds(f.annotation))
+                 for name, f in cls.model_fields.items()}
         type.__setattr__(cls, "_hpc_field_kinds", kinds)
     return kinds
 
@@ -232,15 +234,6 @@ def _words_as_bools(value: Any) -> Any:
     if isinstance(value, str) and value.lower() in BOOL_WORDS:
         return BOOL_WORDS[value.lower()]
     return value
-
-
-def _field_scalars(cls: type[BaseModel]) -> dict[str, tuple[frozenset[str], frozenset[str]]]:
-    """{field: scalar_kinds of its annotation} of a section class, worked out once per class."""
-    found = cls.__dict__.get("_hpc_field_scalars")
-    if found is None:
-        found = {name: scalar_kinds(f.annotation) for name, f in cls.model_fields.items()}
-        type.__setattr__(cls, "_hpc_field_scalars", found)
-    return found
 
 
 def _holds_section(field) -> bool:
