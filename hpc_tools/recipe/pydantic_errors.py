@@ -6,6 +6,8 @@ nearest valid key). Used for recipes (``recipe/load.py``) and the site file (``r
 from __future__ import annotations
 
 import difflib
+import types
+import typing
 from typing import Any
 
 from hpc_tools.errors import Violation
@@ -51,9 +53,6 @@ def _union_fields(errors: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], d
 
 def _members(annotation: Any) -> list[Any]:
     """The members of a union annotation other than None ([] for a plain one)."""
-    import types
-    import typing
-
     if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
         return []
     return [a for a in typing.get_args(annotation) if a is not type(None)]
