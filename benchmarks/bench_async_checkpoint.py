@@ -40,13 +40,13 @@ def run(root: Path, steps: int, every: int, background: bool) -> tuple[list[dict
     from hpc_tools.layout import ParallelLayout
     from hpc_tools.planner.arch import arch_for, total_parameters
     from hpc_tools.recipe.load import load_recipe
-    from hpc_tools.submission import prepare_run
+    from hpc_tools.submission import new_run
 
     sets = [*MODEL, *LAYOUT, f"training.train_iters={steps}", f"checkpoint.interval_iters={every}",
             f"checkpoint.keep_last={steps}", f"checkpoint.async_save={str(background).lower()}",
             "training.log_interval=100"]
     recipe = load_recipe(REPO / "recipes" / "gpt_3d.yaml", sets, profile="local")
-    folder = prepare_run(recipe, root, "local", source="gpt_3d.yaml")
+    folder = new_run(recipe, root, "local", source="gpt_3d.yaml")
     t0 = time.perf_counter()
     rc = run_local(folder, ParallelLayout.from_recipe(recipe).world_size, extra_env={"PYTHONPATH": str(REPO)})
     wall = time.perf_counter() - t0

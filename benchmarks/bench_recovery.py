@@ -4,7 +4,7 @@ Two jobs of recipes/gpt_zero.yaml's local profile (a tiny LLaMA under ZeRO-2, 2 
 steps), submitted side by side through the rendered sbatch script so that both see the same load:
 
 - ``in-job``: ``cluster.restarts=2``; rank 1 is killed with SIGKILL after step 12 and the job starts a new srun step in
-  the same allocation (``hpc_tools.runtime.restarts``);
+  the same allocation (``hpc_tools.job.restarts``);
 - ``requeue``: ``cluster.restarts=0``; rank 1 is killed the same way and the job is requeued at once with
   ``scontrol requeue`` (what a recovery through the queue does: Slurm's own requeue after a node failure, or the
   restart tool's fallback when the allocation cannot hold the layout); the requeued life resumes from the same

@@ -124,7 +124,7 @@ def fit_violations(recipe: Recipe) -> list:
     return planner_fit(recipe)
 
 
-def prepare_run(recipe: Recipe, root: str | Path | None = None, executor: str = "local", source: str = "recipe",
+def new_run(recipe: Recipe, root: str | Path | None = None, executor: str = "local", source: str = "recipe",
                 extra_manifest: dict | None = None) -> RunFolder:
     """A new run folder holding the resolved recipe (round-trip checked), the rendered script and a manifest."""
     text = dump_resolved(recipe)
@@ -140,7 +140,7 @@ def prepare_run(recipe: Recipe, root: str | Path | None = None, executor: str = 
 
 def launch(plan: Plan, root: str | Path | None = None, echo=None) -> tuple[RunFolder, object]:
     """Make the run folder and start the job: (run, submitit job) on Slurm, (run, exit code) locally."""
-    run = prepare_run(plan.recipe, root, plan.executor, plan.source, {"profile": plan.profile})
+    run = new_run(plan.recipe, root, plan.executor, plan.source, {"profile": plan.profile})
     if plan.executor == "slurm":
         from hpc_tools.executors.slurm import submit_run
 

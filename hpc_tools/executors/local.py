@@ -60,9 +60,9 @@ def run_local(run: RunFolder, world_size: int, echo: IO[bytes] | None = None, ex
               poll_s: float = 0.2) -> int:
     """Run all ranks to completion; returns the first non-zero rank exit code, or 0. With ``cluster.restarts``, ranks
     that fail are started again from the newest complete checkpoint while the budget lasts
-    (``hpc_tools.runtime.restarts.local_restart``, recorded in the manifest's ``restarts``)."""
+    (``hpc_tools.job.restarts.local_restart``, recorded in the manifest's ``restarts``)."""
+    from hpc_tools.job.restarts import local_restart
     from hpc_tools.runtime.distenv import RESTART_BASE_ENV
-    from hpc_tools.runtime.restarts import local_restart
 
     extra_env = dict(extra_env or {})
     while True:
@@ -77,7 +77,7 @@ def run_local(run: RunFolder, world_size: int, echo: IO[bytes] | None = None, ex
     if code == 130:
         run.update(event="failed", state="CANCELLED", ended=now_iso(), exit_code=code, soft=True)
     else:  # the same record as the batch script's epilogue: state, exit code, failed ranks, reason
-        from hpc_tools.runtime.epilogue import failures_from_exit_codes, record_end
+        from hpc_tools.job.epilogue import failures_from_exit_codes, record_end
 
         record_end(run, _shell_status(code), failures_from_exit_codes(first_failed))
     return code

@@ -70,25 +70,25 @@ def make_executor(recipe: Recipe, folder: Path, exclude: str | None = None, env:
 
 
 def restart_setup_lines(python: str, run_dir: Path) -> list[str]:
-    """Before submitit's rank step: this start's number (``hpc_tools.runtime.restarts begin``); the ranks derive the
+    """Before submitit's rank step: this start's number (``hpc_tools.job.restarts begin``); the ranks derive the
     rendezvous from their step's nodes (submitit's srun names none of its own)."""
     run = shlex.quote(str(run_dir))
-    return [f'eval "$({shlex.quote(python)} -m hpc_tools.runtime.restarts begin --run-dir {run})" || true',
+    return [f'eval "$({shlex.quote(python)} -m hpc_tools.job.restarts begin --run-dir {run})" || true',
             "unset MASTER_ADDR MASTER_PORT",
-            f"{shlex.quote(python)} -m hpc_tools.runtime.restarts watch --run-dir {run} &",
+            f"{shlex.quote(python)} -m hpc_tools.job.restarts watch --run-dir {run} &",
             "HPC_TOOLS_WATCH=$!"]
 
 
 def restart_lines(rank_python: str, python: str, run_dir: Path, folder: Path, srun_args: list[str]) -> list[str]:
     """In-job restarts (``cluster.restarts``) in submitit's teardown, right after its srun line: while the rank step
-    failed and ``hpc_tools.runtime.restarts next`` decides on a new step, run submitit's task again in a new step of
+    failed and ``hpc_tools.job.restarts next`` decides on a new step, run submitit's task again in a new step of
     this job on the nodes it names (submitit's own command, so the task finds its pickled function and writes its
     result as the first step would); then the epilogue records the end."""
     step = shlex.join(["srun", "--unbuffered", "--open-mode=append", "--output", str(folder / "%j_%t_log.out"),
                        "--error", str(folder / "%j_%t_log.err"), *srun_args])
-    decide = (f"{shlex.quote(python)} -m hpc_tools.runtime.restarts next --run-dir {shlex.quote(str(run_dir))} "
+    decide = (f"{shlex.quote(python)} -m hpc_tools.job.restarts next --run-dir {shlex.quote(str(run_dir))} "
               '--exit-code "$HPC_TOOLS_SRUN_EXIT"')
-    watch = f"{shlex.quote(python)} -m hpc_tools.runtime.restarts watch --run-dir {shlex.quote(str(run_dir))} &"
+    watch = f"{shlex.quote(python)} -m hpc_tools.job.restarts watch --run-dir {shlex.quote(str(run_dir))} &"
     return ["HPC_TOOLS_SRUN_EXIT=$?",
             'kill "$HPC_TOOLS_WATCH" 2>/dev/null',
             f'while [ "$HPC_TOOLS_SRUN_EXIT" -ne 0 ] && HPC_TOOLS_STEP="$({decide})"; do',
@@ -105,9 +105,9 @@ def restart_lines(rank_python: str, python: str, run_dir: Path, folder: Path, sr
 
 def epilogue_lines(python: str, run_dir: Path) -> list[str]:
     """submitit's teardown: right after its srun line (only blank and comment lines between, so ``$?`` is srun's
-    status), record how the ranks ended (``hpc_tools.runtime.epilogue``), then end with srun's status."""
+    status), record how the ranks ended (``hpc_tools.job.epilogue``), then end with srun's status."""
     return ["HPC_TOOLS_SRUN_EXIT=$?",
-            f"{shlex.quote(python)} -m hpc_tools.runtime.epilogue --run-dir {shlex.quote(str(run_dir))} "
+            f"{shlex.quote(python)} -m hpc_tools.job.epilogue --run-dir {shlex.quote(str(run_dir))} "
             '--exit-code "$HPC_TOOLS_SRUN_EXIT" || true',
             'exit "$HPC_TOOLS_SRUN_EXIT"']
 

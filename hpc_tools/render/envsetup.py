@@ -3,7 +3,7 @@ arguments. Every user value is shell-quoted: nothing in a recipe can run as code
 
 Both launch paths (the rendered sbatch script and submitit's script) run ``checked_setup_lines``: a set-up line that
 fails ends the job at once, naming the line in the batch log and in the run's manifest
-(``hpc_tools.runtime.setup_failed``), instead of running the job in the wrong environment. Each line carries its own
+(``hpc_tools.job.setup_failed``), instead of running the job in the wrong environment. Each line carries its own
 check (``LINE || fail``) rather than relying on ``set -e``: submitit's script has no ``set -e``, and Lmod and conda
 read unset variables, so neither runs under ``set -u``.
 """
@@ -37,7 +37,7 @@ SETUP_FAILED = "hpc_tools_setup_failed"  # the shell function every checked set-
 def checked_setup_lines(cluster: ClusterConfig, run_dir: str) -> list[str]:
     """``setup_lines`` for a batch script, each one fatal and told when it fails: a shell function that prints
     ``hpc_tools: environment set-up failed (exit N): LINE`` to the batch log, records it in the run's manifest
-    (``python -m hpc_tools.runtime.setup_failed``) and exits 1, then every line as ``LINE || <function> $? 'LINE'``
+    (``python -m hpc_tools.job.setup_failed``) and exits 1, then every line as ``LINE || <function> $? 'LINE'``
     (``export`` lines cannot fail and stay as they are). ``run_dir`` is a shell word naming the run folder
     (``"$RUN_DIR"`` or a quoted path)."""
     plain = setup_lines(cluster)
@@ -46,7 +46,7 @@ def checked_setup_lines(cluster: ClusterConfig, run_dir: str) -> list[str]:
     python = shlex.quote(cluster.python)
     lines = [f"{SETUP_FAILED}() {{  # $1: the exit status of the line that failed, $2: the line",
              '    echo "hpc_tools: environment set-up failed (exit $1): $2" >&2',
-             f'    {python} -m hpc_tools.runtime.setup_failed --run-dir {run_dir} --exit-code "$1" --line "$2" '
+             f'    {python} -m hpc_tools.job.setup_failed --run-dir {run_dir} --exit-code "$1" --line "$2" '
              '--script "$0" \\',
              '        || echo "hpc_tools: could not record the set-up failure in the run folder" >&2',
              "    exit 1",
@@ -101,7 +101,7 @@ def pyxis_script_lines(cluster: ClusterConfig) -> list[str]:
     working folder and mounted with the runs folder (made first: pyxis refuses a mount source that does not exist):
     ``HPC_TOOLS_CONTAINER`` for the rank step, which spans every node, and ``HPC_TOOLS_BATCH_CONTAINER`` for the
     steps that run on the batch host (``script_python``), which also mounts the script itself (``$0``, read by the
-    prepare step): Slurm spools it on the batch host only, so the rank step must not mount it. Empty otherwise."""
+    open_run step): Slurm spools it on the batch host only, so the rank step must not mount it. Empty otherwise."""
     if not is_pyxis(cluster):
         return []
     c = cluster.setup.container
@@ -129,7 +129,7 @@ def pyxis_cleanup_lines(cluster: ClusterConfig) -> list[str]:
 
 
 def script_python(cluster: ClusterConfig) -> str:
-    """The shell words that run the batch script's own hpc_tools steps (prepare, rendezvous, epilogue): the recipe's
+    """The shell words that run the batch script's own hpc_tools steps (open_run, rendezvous, epilogue): the recipe's
     interpreter, inside the pyxis container when there is one (one task on the batch host, where the script is), so a
     host without hpc_tools or its packages can run the job."""
     python = shlex.quote(cluster.python)

@@ -40,7 +40,7 @@ def render_sbatch(recipe: Recipe, source: str = "a recipe") -> str:
     delimiter = "HPC_TOOLS_RECIPE_" + hashlib.sha256(recipe_yaml.encode()).hexdigest()[:12]
     # --label: every line of the one batch log starts with its rank ("3: ..."), which `logs --rank` filters on.
     launch = shlex.join(rank_srun_args(recipe.cluster))
-    if recipe.cluster.restarts:  # each step's nodes, decided by hpc_tools.runtime.restarts
+    if recipe.cluster.restarts:  # each step's nodes, decided by hpc_tools.job.restarts
         launch += ' --overlap ${HPC_TOOLS_NODELIST:+"--nodelist=$HPC_TOOLS_NODELIST"}'
     launch += " --label"
     if is_pyxis(recipe.cluster):

@@ -161,7 +161,7 @@ class RankContext:
             first = self.watchdog.started_step is None
             self.watchdog.beat(step)
             if first and self.is_rank0 and self.dist.restart_count and self.recipe.cluster.restarts:
-                from hpc_tools.runtime.restarts import first_step
+                from hpc_tools.runtime.recovery import first_step
 
                 first_step(self.run, self.dist.restart_count, step)  # the restart's record: from, time to this step
 

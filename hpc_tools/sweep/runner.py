@@ -36,7 +36,7 @@ def resource_key(recipe: Recipe) -> str:
 
 def create_sweep(plan: SweepPlan, source: str, executor: str, root: str | Path | None) -> SweepFolder:
     """The sweep folder with one run folder per valid cell x repeat, all in state CREATED."""
-    from hpc_tools.submission import prepare_run
+    from hpc_tools.submission import new_run
 
     data = {"name": plan.name, "source": source, "profile": plan.profile, "base_overrides": plan.base_overrides,
             "executor": executor, "grid": plan.config.grid, "repeats": plan.config.repeats,
@@ -47,7 +47,7 @@ def create_sweep(plan: SweepPlan, source: str, executor: str, root: str | Path |
     entries = []
     for cell in plan.valid:
         for repeat in range(plan.config.repeats):
-            run = prepare_run(cell.recipe, folder.path, executor, source,
+            run = new_run(cell.recipe, folder.path, executor, source,
                               {"profile": plan.profile, "sweep": folder.sweep_id, "cell": cell.index, "repeat": repeat,
                                "overrides": plan.base_overrides + cell.overrides})
             entries.append({"id": f"c{cell.index:03d}-r{repeat}", "cell": cell.index, "repeat": repeat,
@@ -149,7 +149,7 @@ def rerun(folder: SweepFolder, statuses: tuple[str, ...], executor: str, say: Sa
           exclude: str | None = None) -> list[str]:
     """New run folders for the cells in ``statuses`` (default: every failure kind), then submit them (off the
     ``exclude`` nodes: e.g. a straggler's node that ``analyze`` named)."""
-    from hpc_tools.submission import prepare_run
+    from hpc_tools.submission import new_run
 
     data = refresh(folder)
     chosen = [c for c in data["cells"] if c["status"] in (statuses or FAILURE_STATUSES)]
@@ -162,7 +162,7 @@ def rerun(folder: SweepFolder, statuses: tuple[str, ...], executor: str, say: Sa
             old = RunFolder(folder.path / entry["run_dir"])
             recipe = _recipe_of(old)
             manifest = old.manifest()
-            new = prepare_run(recipe, folder.path, executor, data.get("source", "sweep"),
+            new = new_run(recipe, folder.path, executor, data.get("source", "sweep"),
                               {k: manifest.get(k) for k in ("profile", "sweep", "cell", "repeat", "overrides")}
                               | {"rerun_of": old.run_id} | ({"exclude": exclude} if exclude else {}))
             entry["attempts"].append({"run_id": entry["run_id"], "job_id": entry.get("job_id"),

@@ -42,10 +42,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.megatron]
 
 
 def prepare(root: Path, *extra: str):
-    from hpc_tools.submission import prepare_run
+    from hpc_tools.submission import new_run
 
     recipe = load_recipe(REPO / "recipes" / "gpt_3d.yaml", [*SETS, *extra], profile="local")
-    return recipe, prepare_run(recipe, root, "local", source="gpt_3d.yaml")
+    return recipe, new_run(recipe, root, "local", source="gpt_3d.yaml")
 
 
 def launch(recipe, run, **env: str) -> int:

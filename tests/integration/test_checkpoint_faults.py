@@ -44,11 +44,11 @@ pytestmark = [pytest.mark.slow]
 
 
 def prepare(root: Path, backend: str, *extra: str):
-    from hpc_tools.submission import prepare_run
+    from hpc_tools.submission import new_run
 
     name, overrides = BACKENDS[backend]
     recipe = load_recipe(REPO / "recipes" / name, [*STEPS, *overrides, *extra], profile="local")
-    return recipe, prepare_run(recipe, root, "local", source=name)
+    return recipe, new_run(recipe, root, "local", source=name)
 
 
 def launch(recipe, run, **env: str) -> int:

@@ -20,7 +20,7 @@ from hpc_tools.executors.slurm import slurm_available
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.registry import RunFolder, list_runs
 from hpc_tools.runstate import SacctReader
-from hpc_tools.submission import prepare_run
+from hpc_tools.submission import new_run
 from hpc_tools.world import slurm_view
 from tests.conftest import RECIPES, REPO, run_cli, step_records, wait_for
 
@@ -149,7 +149,7 @@ def test_logs_follow_returns_when_slurm_drops_the_job_at_its_deadline(slurm_clus
     # A job that cannot end before its --deadline never starts: Slurm ends it DEADLINE (no terminal state the ranks
     # could report). The rendered script runs in the run folder made for it, as `submit` would make it.
     recipe = load_recipe(REPO / COMM, profile="local")
-    run = prepare_run(recipe, runs_dir, "sbatch")
+    run = new_run(recipe, runs_dir, "sbatch")
     script = run.path / "job.sbatch"
     job_id, out = sbatch(script, run.path, "--time=10", "--deadline=now+1minute",
                          env={"HPC_TOOLS_RUN_DIR": str(run.path)})

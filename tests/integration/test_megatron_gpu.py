@@ -24,7 +24,7 @@ def test_bf16_nccl_on_local_gpus(tmp_path):
     from hpc_tools.executors.local import run_local
     from hpc_tools.layout import ParallelLayout
     from hpc_tools.recipe.load import load_recipe
-    from hpc_tools.submission import prepare_run
+    from hpc_tools.submission import new_run
 
     gpus = torch.cuda.device_count()
     world = 4 if gpus >= 4 else min(gpus, 2)
@@ -34,7 +34,7 @@ def test_bf16_nccl_on_local_gpus(tmp_path):
         f"parallel.tensor_size={tp}", f"parallel.pipeline_size={pp}",
         f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",
         "training.train_iters=20", "checkpoint.interval_iters=10", "model.hidden_size=256", "model.seq_length=256"])
-    run = prepare_run(recipe, tmp_path / "runs", "local", source="gpu-test")
+    run = new_run(recipe, tmp_path / "runs", "local", source="gpu-test")
     code = run_local(run, ParallelLayout.from_recipe(recipe).world_size)
     log0 = (run.logs_dir / "rank00000.out").read_text()
     assert code == 0, log0[-3000:]

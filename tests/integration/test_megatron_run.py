@@ -33,10 +33,10 @@ pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 
 def prepare(root: Path, *overrides: str):
-    from hpc_tools.submission import prepare_run
+    from hpc_tools.submission import new_run
 
     recipe = load_recipe(RECIPE, list(overrides), profile="local")
-    return recipe, prepare_run(recipe, root, "local", source=str(RECIPE))
+    return recipe, new_run(recipe, root, "local", source=str(RECIPE))
 
 
 def first_steps_of(uninterrupted, iters: int) -> list[str]:

@@ -23,7 +23,7 @@ from hpc_tools.analysis.analyze import analyse
 from hpc_tools.executors.local import run_local
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe
-from hpc_tools.submission import prepare_run
+from hpc_tools.submission import new_run
 from profiling.collector import SLOW_RANK_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def comm_check_run(root: Path, slow: str):
     recipe = load_recipe(COMM_CHECK, [f"training.train_iters={STEPS}", "cluster.gpus_per_node=3",
                                       "profiling.communication_sample_interval=1", "profiling.warmup_steps=2"],
                          profile="local")
-    run = prepare_run(recipe, root, "local", source=str(COMM_CHECK))
+    run = new_run(recipe, root, "local", source=str(COMM_CHECK))
     assert run_local(run, 3, extra_env={SLOW_RANK_ENV: slow}) == 0, (run.logs_dir / "rank00000.out").read_text()
     return run
 
@@ -73,7 +73,7 @@ def test_goodput_of_a_killed_and_relaunched_run(tmp_path):
     recipe = load_recipe(GPT, ["parallel.tensor_size=1", "parallel.pipeline_size=1",
                                "parallel.sequence_parallel=false", "cluster.gpus_per_node=2",
                                "training.train_iters=9", "checkpoint.interval_iters=4"], profile="local")
-    run = prepare_run(recipe, tmp_path, "local", source=str(GPT))
+    run = new_run(recipe, tmp_path, "local", source=str(GPT))
     world = ParallelLayout.from_recipe(recipe).world_size
     records0 = run.records_dir / "rank00000.jsonl"
     killed: list[int] = []
@@ -184,7 +184,7 @@ def test_a_rank_stopped_half_of_the_time_is_the_one_straggler_host_stalled(tmp_p
                                "parallel.sequence_parallel=false", "cluster.gpus_per_node=2",
                                f"training.train_iters={steps}", "training.eval_interval=null",
                                f"checkpoint.interval_iters={steps}"], profile="local")
-    run = prepare_run(recipe, tmp_path, "local", source=str(GPT))
+    run = new_run(recipe, tmp_path, "local", source=str(GPT))
     records = run.records_dir / f"rank{victim:05d}.jsonl"
     opened = run.records_dir / f"events_rank{victim:05d}.jsonl"  # its collector's start: the steps follow
     done, stops, live = threading.Event(), [], {}

@@ -13,10 +13,10 @@ import time
 import pytest
 
 from hpc_tools import registry
+from hpc_tools.job.epilogue import failures_from_exit_codes, record_end, srun_failures, this_life
 from hpc_tools.registry import RunFolder
 from hpc_tools.runstate import HANG_EXIT_CODE, classify, note_restart
 from hpc_tools.runtime import heartbeat
-from hpc_tools.runtime.epilogue import failures_from_exit_codes, record_end, srun_failures, this_life
 from hpc_tools.runtime.heartbeat import Beat, describe_frames
 from hpc_tools.runtime.watchdog import hang_verdict
 
@@ -240,7 +240,7 @@ def test_flight_recorder_variables_point_into_the_run_folder(tmp_path, monkeypat
 
 
 def test_an_array_tasks_epilogue_finds_its_run_by_job_id(tmp_path):
-    from hpc_tools.runtime.epilogue import find_own_run
+    from hpc_tools.job.epilogue import find_own_run
 
     RunFolder.create(tmp_path, "a", "x: 1\n", "", {"job_id": "123_3"})
     mine = RunFolder.create(tmp_path, "b", "x: 1\n", "", {"job_id": "123_4"})

@@ -11,13 +11,13 @@ import pytest
 from hpc_tools.errors import UserError
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.registry import RunFolder, find_run, list_runs
-from hpc_tools.submission import prepare_run
+from hpc_tools.submission import new_run
 from tests.conftest import REPO
 
 
 def _make_and_update(root: str) -> str:
     recipe = load_recipe(REPO / "recipes/comm_check.yaml", profile="local")
-    run = prepare_run(recipe, root, "local")
+    run = new_run(recipe, root, "local")
     for i in range(5):
         run.update(event=f"tick {i}", counter=i)
     return str(run.path)

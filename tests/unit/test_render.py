@@ -228,7 +228,7 @@ def test_a_failing_setup_line_fails_the_job_naming_the_line(tmp_path, path, kind
     """Both launch paths stop at the failing line, before any rank starts, and say which line in the batch log and
     in the manifest (a plain sbatch job's run folder is made from the recipe its script carries)."""
     from hpc_tools.registry import RunFolder
-    from hpc_tools.submission import prepare_run
+    from hpc_tools.submission import new_run
 
     cluster, line = SETUPS[kind]
     recipe = resolve(small_recipe(**cluster))
@@ -236,7 +236,7 @@ def test_a_failing_setup_line_fails_the_job_naming_the_line(tmp_path, path, kind
     if path == "sbatch":
         script, run_dir = render_sbatch(recipe, "setup.yaml"), tmp_path / "runs" / "setup-j4242"
     else:
-        run_dir = prepare_run(recipe, tmp_path / "runs", "slurm", "setup.yaml").path
+        run_dir = new_run(recipe, tmp_path / "runs", "slurm", "setup.yaml").path
         script = submitit_script(recipe, run_dir)
     (tmp_path / "job.sbatch").write_text(script)
     out = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env, cwd=tmp_path, capture_output=True,
@@ -253,11 +253,11 @@ def test_a_failing_setup_line_fails_the_job_naming_the_line(tmp_path, path, kind
 def test_submitit_script_runs_hostile_values_literally(tmp_path):
     """The submitit path: its batch script, with every string the schema lets through made hostile, runs no payload
     (stand-ins for srun/module/conda/apptainer record their arguments)."""
-    from hpc_tools.submission import prepare_run
+    from hpc_tools.submission import new_run
 
     mark = tmp_path / "pwned"
     recipe = resolve(hostile_recipe(mark, sys.executable))
-    run_dir = prepare_run(recipe, tmp_path / "runs", "slurm", "hostile.yaml").path
+    run_dir = new_run(recipe, tmp_path / "runs", "slurm", "hostile.yaml").path
     (tmp_path / "job.sbatch").write_text(submitit_script(recipe, run_dir))
     env, calls = stub_env(tmp_path)
     for name in ("conda", "apptainer"):

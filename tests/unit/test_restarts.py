@@ -10,13 +10,15 @@ import subprocess
 
 import pytest
 
+from hpc_tools.job import restarts
 from hpc_tools.recipe.load import dump_resolved, load_recipe
 from hpc_tools.registry import RunFolder
 from hpc_tools.render.envsetup import rank_srun_args
 from hpc_tools.render.sbatch import render_sbatch
 from hpc_tools.render.slurm_params import SlurmSpec
-from hpc_tools.runtime import heartbeat, restarts
+from hpc_tools.runtime import heartbeat
 from hpc_tools.runtime.heartbeat import Beat
+from hpc_tools.runtime.recovery import first_step
 from tests.conftest import REPO
 
 RECIPE = REPO / "recipes" / "gpt_zero.yaml"
@@ -81,7 +83,7 @@ def test_a_killed_rank_gets_a_new_step_on_the_same_nodes_and_is_recorded(tmp_pat
     assert entry["reason"] == "rank 1 on n2 was killed by signal 9 (Killed) after step 12"
     assert entry["from_iteration"] is None and entry["time_to_first_step_s"] is None
     # rank 0 of the new start fills in where it resumed and how long the fault took to the first step
-    restarts.first_step(run, 1, 11)
+    first_step(run, 1, 11)
     [entry] = run.manifest()["restarts"]
     assert entry["from_iteration"] == 10 and 0 <= entry["time_to_first_step_s"] < 60
     events = [json.loads(x) for x in (run.records_dir / "events_rank00000.jsonl").read_text().splitlines()]
@@ -162,11 +164,11 @@ def test_slurm_flags_and_the_rendered_loop():
     assert rank_srun_args(recipe("cluster.restarts=2", "cluster.spare_nodes=1").cluster)[-2:] == ["--nodes=2",
                                                                                                    "--ntasks=2"]
     plain = render_sbatch(recipe())
-    assert "runtime.restarts" not in plain and "--no-kill" not in plain and "#SBATCH --nodes=2" in plain
+    assert "job.restarts" not in plain and "--no-kill" not in plain and "#SBATCH --nodes=2" in plain
     script = render_sbatch(recipe("cluster.restarts=2"))
-    assert "while :; do" in script and "hpc_tools.runtime.restarts next" in script
+    assert "while :; do" in script and "hpc_tools.job.restarts next" in script
     assert '--overlap ${HPC_TOOLS_NODELIST:+"--nodelist=$HPC_TOOLS_NODELIST"}' in script
-    assert "hpc_tools.runtime.restarts watch" in script
+    assert "hpc_tools.job.restarts watch" in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 
@@ -192,7 +194,7 @@ def test_status_lists_the_restarts(tmp_path, cluster, cli):
     run = run_folder(tmp_path, "cluster.restarts=2")
     kill_report(run)
     decide(run, cluster)
-    restarts.first_step(run, 1, 11)
+    first_step(run, 1, 11)
     (run.path / "HANG.txt").write_text("rank 1 (n2) stopped responding\n")  # status reads hang markers after them
     out = cli("status", str(run.path))
     assert out.returncode == 0, out.stderr

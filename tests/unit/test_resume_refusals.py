@@ -19,7 +19,7 @@ from hpc_tools.registry import RunFolder
 from hpc_tools.resume import launch, plan_resume
 from hpc_tools.runstate import SacctReader
 from hpc_tools.runtime.distenv import RESTART_BASE_ENV, DistEnv
-from hpc_tools.submission import prepare_run
+from hpc_tools.submission import new_run
 from tests.conftest import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ def quiet_slurm(monkeypatch):
 def make_run(root: Path, state: str = "FAILED", executor: str = "local", checkpoint: int | None = 6,
              steps: int = 8, **manifest) -> RunFolder:
     recipe = load_recipe(REPO / "recipes" / "gpt_3d.yaml", [f"training.train_iters={ITERS}"], profile="local")
-    run = prepare_run(recipe, root, executor, source="recipes/gpt_3d.yaml")
+    run = new_run(recipe, root, executor, source="recipes/gpt_3d.yaml")
     run.update(event="test", state=state, **manifest)
     with open(run.records_dir / "rank00000.jsonl", "w") as f:
         for step in range(1, steps + 1):
@@ -207,7 +207,7 @@ def test_refuses_when_the_files_the_job_reads_are_gone(tmp_path):
     recipe = load_recipe(REPO / "recipes" / "gpt_3d.yaml", [f"training.train_iters={ITERS}", "data.source=files",
                                                             f"data.paths=[{corpus}]"], profile="local")
     recipe.checkpoint.init_from_hf = str(hf)  # as if the first start had loaded these weights
-    run = prepare_run(recipe, tmp_path / "runs", "local", source="recipes/gpt_3d.yaml")
+    run = new_run(recipe, tmp_path / "runs", "local", source="recipes/gpt_3d.yaml")
     run.update(event="test", state="FAILED")
     dirs = CheckpointDirs(run.checkpoints_dir)
     (dirs.begin(6) / "model.bin").write_bytes(b"x" * 100)

@@ -20,9 +20,9 @@ def test_rendered_on_both_paths(tmp_path):
     recipe = resolve(small_recipe(sbatch_extra=EXTRA))
     script = render_sbatch(recipe, "extra.yaml").splitlines()
     assert [ln for ln in script if ln.startswith("#SBATCH")][-len(EXTRA):] == [f"#SBATCH {x}" for x in EXTRA]
-    from hpc_tools.submission import prepare_run
+    from hpc_tools.submission import new_run
 
-    run_dir = prepare_run(recipe, tmp_path / "runs", "slurm", "extra.yaml").path
+    run_dir = new_run(recipe, tmp_path / "runs", "slurm", "extra.yaml").path
     submitit = submitit_script(recipe, run_dir).splitlines()
     for x in EXTRA:
         assert f"#SBATCH {x}" in submitit, x

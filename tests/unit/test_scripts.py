@@ -18,7 +18,7 @@ from hpc_tools.cli.logs import copy_new, label_filter
 from hpc_tools.recipe.load import resolve
 from hpc_tools.registry import atomic_write, git_tree
 from hpc_tools.render.sbatch import render_sbatch
-from hpc_tools.submission import prepare_run
+from hpc_tools.submission import new_run
 from tests.conftest import REPO, run_cli
 from tests.unit.test_render import recorded, small_recipe, stub_env, submitit_script
 
@@ -79,8 +79,8 @@ def test_pyxis_runs_every_step_in_one_named_container_with_workdir_and_mounts(tm
              "-m", "hpc_tools.runtime.rank"]
     assert len(steps) == 5 and steps[2][:len(ranks)] == ranks
     assert not any(str(script) in word for word in steps[2]), "the rank step must not mount the spooled script"
-    assert [steps[i][:len(one_task) + 1] for i in (0, 1, 3)] == [one_task + [f"hpc_tools.runtime.{m}"]
-                                                                 for m in ("prepare", "distenv", "epilogue")]
+    assert [steps[i][:len(one_task) + 1] for i in (0, 1, 3)] == [
+        one_task + [f"hpc_tools.{m}"] for m in ("job.open_run", "runtime.distenv", "job.epilogue")]
     assert steps[2][-2:] == ["--run-dir", str(run_dir)]
     assert steps[4] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "enroot", "remove", "--force",
                         "pyxis_hpc_tools_4242"]
@@ -89,7 +89,7 @@ def test_pyxis_runs_every_step_in_one_named_container_with_workdir_and_mounts(tm
 
 def test_submitit_path_gets_cpus_and_pyxis_mounts(tmp_path):
     recipe = resolve(small_recipe(cpus_per_task=3, setup={"container": {"kind": "pyxis", "image": "nvcr.io#img"}}))
-    run_dir = prepare_run(recipe, tmp_path / "runs", "slurm", "pyxis.yaml").path
+    run_dir = new_run(recipe, tmp_path / "runs", "slurm", "pyxis.yaml").path
     srun = [ln for ln in submitit_script(recipe, run_dir).splitlines() if ln.startswith("srun ")]
     assert len(srun) == 1
     words = shlex.split(srun[0])
@@ -112,7 +112,7 @@ def test_run_folder_modes(tmp_path, mode, umask, expected):
     old = os.umask(umask)
     try:
         recipe = resolve(small_recipe(run_dir_mode=mode))
-        run = prepare_run(recipe, tmp_path / "runs", "local", "modes.yaml")
+        run = new_run(recipe, tmp_path / "runs", "local", "modes.yaml")
         assert _modes(run.path) == expected
         run.update(event="again", state="RUNNING")  # a rewrite keeps the mode
         assert _modes(run.path) == expected
@@ -149,7 +149,7 @@ def test_git_tree_dirty_flag_and_diff_hash(tmp_path):
 
 
 def test_manifest_records_the_git_tree(tmp_path):
-    run = prepare_run(resolve(small_recipe()), tmp_path / "runs", "local", "git.yaml")
+    run = new_run(resolve(small_recipe()), tmp_path / "runs", "local", "git.yaml")
     manifest = run.manifest()
     assert {"git_sha", "git_dirty", "git_diff_sha256"} <= set(manifest)
     assert manifest["git_dirty"] in (True, False, None)
@@ -173,7 +173,7 @@ def test_dry_run_for_slurm_needs_no_controller(tmp_path):
 
 
 def test_logs_rank_picks_a_file_or_the_labelled_lines(tmp_path):
-    run = prepare_run(resolve(small_recipe()), tmp_path / "runs", "local", "logs.yaml")  # 2 ranks
+    run = new_run(resolve(small_recipe()), tmp_path / "runs", "local", "logs.yaml")  # 2 ranks
     (run.logs_dir / "rank00000.out").write_text("zero\n")
     (run.logs_dir / "rank00001.out").write_text("one\n")
     out = io.BytesIO()

@@ -95,10 +95,10 @@ def test_which_site_file(tmp_path, monkeypatch):
 
 
 def test_manifest_names_the_site_file(site, tmp_path):
-    from hpc_tools.submission import plan_submission, prepare_run
+    from hpc_tools.submission import new_run, plan_submission
 
     plan = plan_submission(REPO / COMM, profile="local", executor="local", check_fit=False)
-    run = prepare_run(plan.recipe, tmp_path / "runs", "local", COMM)
+    run = new_run(plan.recipe, tmp_path / "runs", "local", COMM)
     manifest = run.manifest()
     assert manifest["site_file"] == str(site)
     saved = yaml.safe_load(run.recipe_path.read_text())

@@ -1,4 +1,4 @@
-"""``python -m hpc_tools.runtime.epilogue --run-dir RUN --exit-code N``: the batch script's last step, after srun.
+"""``python -m hpc_tools.job.epilogue --run-dir RUN --exit-code N``: the batch script's last step, after srun.
 
 The batch script outlives its ranks, so it is where a run's end is recorded whatever killed them (a rank, rank 0,
 a whole node, a full disk), within seconds and without anyone running ``status``. Both launch paths run it: the
@@ -39,8 +39,8 @@ from hpc_tools.runtime.heartbeat import Beat, ranks_text
 SRUN_TASK = re.compile(r"^srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.+?)\s*$", re.M)
 SRUN_NODE_FAIL = re.compile(r"^srun: error: Node failure on (?P<node>\S+)", re.M)
 EXITED = re.compile(r"Exited with exit code (\d+)")
-# Lines that begin one life of the job in its batch log: the rendered script's prepare step, submitit's task start, an
-# in-job restart's new step (``hpc_tools.runtime.restarts``).
+# Lines that begin one life of the job in its batch log: the rendered script's open_run step, submitit's task start, an
+# in-job restart's new step (``hpc_tools.job.restarts``).
 LIFE_START = re.compile(r"^hpc_tools: run folder |submitit INFO .*Starting with JobEnvironment|^hpc_tools: restart ",
                         re.M)
 LOG_TAIL_BYTES = 256 * 1024
@@ -234,7 +234,7 @@ def find_own_run(path: Path, env: dict[str, str]) -> RunFolder | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpc_tools.runtime.epilogue", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hpc_tools.job.epilogue", description=__doc__.split("\n")[0])
     parser.add_argument("--run-dir", required=True, type=Path, help="the run folder")
     parser.add_argument("--exit-code", required=True, type=int, help="srun's exit status ($?)")
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""``python -m hpc_tools.runtime.prepare --run-dir DIR`` (recipe on stdin): the batch shell's first step.
+"""``python -m hpc_tools.job.open_run --run-dir DIR`` (recipe on stdin): the batch shell's first step.
 
 Creates the run folder for a job started with plain ``sbatch jobs/<recipe>.sbatch``, or, when the folder already
 exists (``hpc_tools submit`` made it, Slurm requeued the job, or ``hpc_tools resume`` resubmitted the script with
@@ -31,7 +31,7 @@ def batch_log_path(job_id: str | None) -> str | None:
     return fields.get("StdOut")
 
 
-def prepare(run_dir: Path, recipe_text: str, script: Path | None) -> RunFolder:
+def open_run(run_dir: Path, recipe_text: str, script: Path | None) -> RunFolder:
     run = RunFolder(run_dir)
     job_id = os.environ.get("SLURM_JOB_ID")
     job = {"job_id": job_id, "restart_count": restart_count(dict(os.environ)),
@@ -50,11 +50,11 @@ def prepare(run_dir: Path, recipe_text: str, script: Path | None) -> RunFolder:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpc_tools.runtime.prepare", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m hpc_tools.job.open_run", description=__doc__)
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--script", type=Path, default=None, help="the batch script, copied into the run folder")
     args = parser.parse_args(argv)
-    run = prepare(args.run_dir, sys.stdin.read(), args.script)
+    run = open_run(args.run_dir, sys.stdin.read(), args.script)
     print(f"hpc_tools: run folder {run.path}", flush=True)
     return 0
 

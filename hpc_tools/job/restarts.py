@@ -1,6 +1,6 @@
 """Recovery inside the allocation (``cluster.restarts``, ``cluster.spare_nodes``): a new srun step in the same job.
 
-``python -m hpc_tools.runtime.restarts begin --run-dir RUN`` runs in the batch shell before the first rank step and
+``python -m hpc_tools.job.restarts begin --run-dir RUN`` runs in the batch shell before the first rank step and
 prints shell exports for it; ``... next --run-dir RUN --exit-code N`` runs after a rank step that failed and either
 prints the exports of a new step (exit 0: the batch script starts it) or exits 1 (the script goes on to its epilogue,
 which records the end as before). Both launch paths use it: the rendered sbatch script's loop around its ``srun`` line
@@ -122,7 +122,7 @@ def _recipe(run: RunFolder):
 def culprit(run: RunFolder, exit_code: int, start: int, failures: list | None = None) -> dict:
     """The ended step's culprit: {cause, rank, node, reason} from the launcher's ``failures`` (the local executor's
     exit codes) or srun's reports, the heartbeats and a hang verdict."""
-    from hpc_tools.runtime.epilogue import decide, from_heartbeats, read_srun_reports
+    from hpc_tools.job.epilogue import decide, from_heartbeats, read_srun_reports
 
     manifest = run.manifest()
     beats = heartbeat.read_all(run.path, start)
@@ -132,7 +132,7 @@ def culprit(run: RunFolder, exit_code: int, start: int, failures: list | None = 
             all(r in beats and beats[r].exit for r in failures[0].ranks):
         # the ranks srun names first exited with an error (their peer's connection closed) while another rank left
         # no exit record: that one died first, with its node or by a signal (a peer's death makes the others raise)
-        from hpc_tools.runtime.epilogue import TaskFailure
+        from hpc_tools.job.epilogue import TaskFailure
 
         failures = [TaskFailure(ranks=silent, node=beats[silent[0]].node, text="ended without an exit record")]
     ending = decide(exit_code, failures, beats, {**manifest, "state": "RUNNING"})
@@ -263,43 +263,6 @@ def _say(line: str, restart: bool = False) -> None:
     print((RESTART_LINE if restart else "hpc_tools: ") + line, file=sys.stderr, flush=True)
 
 
-def first_step(run: RunFolder, start: int, step: int) -> None:
-    """Rank 0 of start ``start`` completed its first step ``step``: fill in the restart's ``from_iteration`` and
-    ``time_to_first_step_s`` (seconds from the fault's record to now)."""
-    from datetime import datetime, timezone
-
-    manifest = run.manifest()
-    restarts = manifest.get("restarts") or []
-    entry = restarts[-1] if restarts else None  # the newest restart or requeue, filled by the first start after it
-    if entry is None or entry.get("time_to_first_step_s") is not None or int(entry.get("restart") or 0) > start:
-        return
-    try:
-        at = datetime.fromisoformat(entry["at"])
-        entry["time_to_first_step_s"] = round((datetime.now(timezone.utc) - at).total_seconds(), 1)
-    except (KeyError, TypeError, ValueError):
-        pass
-    entry["from_iteration"] = step - 1
-    run.update(restarts=restarts, soft=True)
-    if entry.get("time_to_first_step_s") is not None:
-        recovery_event(run, start, step, entry["time_to_first_step_s"])
-
-
-def recovery_event(run: RunFolder, start: int, step: int, seconds: float) -> None:
-    """The goodput's ``recovery`` bucket (``profiling.goodput``): an event ``recovery`` in rank 0's events file, tagged
-    with the new start, taking the seconds from the fault to its first step. Appended as one line (the collector
-    appends its own events to the same file, line by line)."""
-    import contextlib
-    import json
-
-    from profiling.records import events_path
-
-    row = {"event": "recovery", "time": time.time(), "seconds": seconds, "step": step, "rank": 0, "restart": start}
-    with contextlib.suppress(OSError):
-        run.records_dir.mkdir(parents=True, exist_ok=True)
-        with open(events_path(run.records_dir, 0), "a") as f:
-            f.write(json.dumps(row, separators=(",", ":")) + "\n")
-
-
 def rank_steps(job_id: str) -> list[str]:
     """The job's running rank steps (``JOB.N``; not its batch or extern step)."""
     out = subprocess.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], capture_output=True, text=True, timeout=30)
@@ -337,7 +300,7 @@ def watch(run_dir: Path, env: dict[str, str], grace_s: float = STUCK_STEP_S, pol
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpc_tools.runtime.restarts", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hpc_tools.job.restarts", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     b = sub.add_parser("begin", help="exports of this life's first rank step")
     b.add_argument("--run-dir", required=True, type=Path)
@@ -375,7 +338,7 @@ def local_restart(run: RunFolder, exit_codes: dict[int, int], start: int) -> int
     the budget ``cluster.restarts`` is spent, or the ranks completed or were stopped)."""
     from datetime import datetime, timezone
 
-    from hpc_tools.runtime.epilogue import failures_from_exit_codes
+    from hpc_tools.job.epilogue import failures_from_exit_codes
 
     at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
     manifest = run.manifest()
