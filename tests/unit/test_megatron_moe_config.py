@@ -68,6 +68,34 @@ def test_grouped_gemm_only_with_transformer_engine():
     assert not config(recipe("model.moe_grouped_gemm=false")).moe_grouped_gemm
 
 
+def test_moe_fusions_on_with_transformer_engine_only(monkeypatch):
+    """TE's fused token permutation and fused routing: on with TE layers (TE 2.11 here, without importing it), off
+    on the local layers (CPU, or a GPU without TE) and where the TE is older than megatron-core binds them for."""
+    import dataclasses
+
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from hpc_tools.train.megatron import config as mc
+
+    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    assert {"moe_permute_fusion", "moe_router_fusion"} <= names
+    monkeypatch.setattr(mc, "te_version", lambda: "2.11.0")
+    # megatron-core checks at build that TE's permutation kernels are bound (they are not without TE): stand-ins
+    for name in ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                 "fused_sort_chunks_by_index_with_probs", "fused_unpermute"):
+        monkeypatch.setattr(moe_utils, name, object(), raising=False)
+    c = config(recipe())
+    assert c.moe_permute_fusion and c.moe_router_fusion
+    assert not config(recipe(cpu=True), "cpu").moe_permute_fusion
+    local = config(recipe("backend.megatron.use_flash_attention=false"), "cuda", te=False)
+    assert not local.moe_permute_fusion and not local.moe_router_fusion
+    te_plan = mc.layer_plan(recipe(), "cuda", te_available=True)
+    assert mc.moe_fusions(te_plan, "2.6.0") == {"moe_permute_fusion": True, "moe_router_fusion": False}
+    assert mc.moe_fusions(te_plan, "2.0.1") == {"moe_permute_fusion": False, "moe_router_fusion": False}
+    assert mc.moe_fusions(te_plan, "2.7.0.dev0+5b3092a") == {"moe_permute_fusion": True, "moe_router_fusion": True}
+
+
 def test_a_dense_recipe_gets_no_moe_fields():
     from hpc_tools.train.megatron.config import moe_options
 

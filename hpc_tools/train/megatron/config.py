@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hpc_tools.train.megatron.layers import layer_plan, module_available
+from hpc_tools.train.megatron.layers import layer_plan, module_available, te_version, version_at_least
 
 if TYPE_CHECKING:
     from hpc_tools.layout import ParallelLayout
@@ -175,7 +175,8 @@ def moe_options(recipe: "Recipe", layout: "ParallelLayout", plan) -> dict:
 
     Dropless (``moe_expert_capacity_factor: null``) unless a capacity factor is set; with one, tokens over capacity
     are dropped (no padding to capacity). The router runs in fp32 (``moe_router_dtype``) whatever the precision, as
-    Megatron-LM recommends for stable routing. The expert sizes go into the config as well as into parallel_state."""
+    Megatron-LM recommends for stable routing; TE's fused permutation and routing with TE layers (``moe_fusions``). The
+    expert sizes go into the config as well as into parallel_state."""
     m = recipe.model
     if not m.num_experts:
         return {}
@@ -190,9 +191,27 @@ def moe_options(recipe: "Recipe", layout: "ParallelLayout", plan) -> dict:
         moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
         moe_token_dispatcher_type=m.moe_token_dispatcher_type,
         moe_expert_capacity_factor=m.moe_expert_capacity_factor, moe_grouped_gemm=grouped_gemm(recipe, plan),
-        moe_router_dtype="fp32",
+        moe_router_dtype="fp32", **moe_fusions(plan),
         expert_model_parallel_size=layout.expert_size, expert_tensor_parallel_size=layout.expert_tensor_size,
     )
+
+
+MOE_FUSION_TE = {"moe_permute_fusion": (2, 1), "moe_router_fusion": (2, 7)}
+"""The least Transformer Engine of each MoE fusion, as megatron-core 0.16.1 binds its kernels
+(``extensions/transformer_engine.py``: TE's ``permutation`` module, TE >= 2.1; ``router``'s fused top-k and aux-loss
+scores, bound from TE 2.7.0.dev). Asked for without them, the config raises at build (permutation) or the router at the
+first forward (``fused_topk_with_score_function is not available``)."""
+
+
+def moe_fusions(plan, version: str | None = None) -> dict[str, bool]:
+    """TE's fused token permutation (``moe_permute_fusion``: the dispatcher's permute/unpermute and chunk sort in one
+    kernel each) and fused routing (``moe_router_fusion``: top-k with the score function, and the aux-loss scores),
+    on with Transformer Engine layers where the installed TE has them (``version``: TE's, read from its package
+    metadata when not given); off with the local layers (the kernels are TE's)."""
+    if not plan.transformer_engine:
+        return dict.fromkeys(MOE_FUSION_TE, False)
+    version = te_version() if version is None else version
+    return {name: version_at_least(version, least) for name, least in MOE_FUSION_TE.items()}
 
 
 def mla_options(recipe: "Recipe") -> dict:

@@ -45,6 +45,30 @@ def module_available(name: str) -> bool:
         return False
 
 
+def te_version() -> str | None:
+    """The installed Transformer Engine's version (its package metadata; TE is not imported), None where it has
+    none."""
+    from importlib import metadata
+
+    for dist in ("transformer_engine", "transformer_engine_torch"):  # (names are matched normalised: - or _)
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def version_at_least(version: str | None, least: tuple[int, ...]) -> bool:
+    """Whether ``version`` (``2.11.0``, ``2.7.0.dev0+abc``, ``2.9.0a0``) is at least ``least``; False for None or a
+    version without a leading number."""
+    import re
+
+    if version is None:
+        return False
+    parts = [int(x) for x in re.findall(r"\d+", version.split("+")[0])[:len(least)]]
+    return len(parts) == len(least) and tuple(parts) >= least
+
+
 FP32_NOTE = "fp32: Transformer Engine's flash and fused attention take bf16/fp16 only, TE runs its unfused O(s^2) one"
 
 
