@@ -15,7 +15,13 @@ from pathlib import Path
 
 from hpc_tools.recipe.schema import Recipe
 from hpc_tools.registry import RunFolder, now_iso
-from hpc_tools.render.envsetup import checked_setup_lines, launch_prefix, rank_srun_args, srun_args
+from hpc_tools.render.envsetup import (
+    checked_setup_lines,
+    launch_prefix,
+    rank_srun_args,
+    restart_policy_args,
+    srun_args,
+)
 from hpc_tools.render.slurm_params import SlurmSpec
 from hpc_tools.slurm_client import absent_reason
 
@@ -63,23 +69,27 @@ def make_executor(recipe: Recipe, folder: Path, exclude: str | None = None, env:
     srun = [*rank_srun_args(recipe.cluster), *container]
     teardown = epilogue_lines(recipe.cluster.python, run_dir) if run_dir else None
     if recipe.cluster.restarts and run_dir and RunFolder(run_dir).exists():  # one run (an array's runs: no restarts)
-        setup += restart_setup_lines(recipe.cluster.python, run_dir)
-        teardown = restart_lines(python, recipe.cluster.python, run_dir, Path(folder).absolute(), srun) + teardown
+        policy = restart_policy_args(recipe.cluster)
+        setup += restart_setup_lines(recipe.cluster.python, run_dir, policy)
+        teardown = restart_lines(python, recipe.cluster.python, run_dir, Path(folder).absolute(), srun,
+                                 policy) + teardown
     executor.update_parameters(**params, setup=setup, srun_args=srun, **({"teardown": teardown} if teardown else {}))
     return executor
 
 
-def restart_setup_lines(python: str, run_dir: Path) -> list[str]:
+def restart_setup_lines(python: str, run_dir: Path, policy: str) -> list[str]:
     """Before submitit's rank step: this start's number (``hpc_tools.job.restarts begin``); the ranks derive the
-    rendezvous from their step's nodes (submitit's srun names none of its own)."""
+    rendezvous from their step's nodes (submitit's srun names none of its own). ``policy``: the controller's options
+    (``restart_policy_args``)."""
     run = shlex.quote(str(run_dir))
-    return [f'eval "$({shlex.quote(python)} -m hpc_tools.job.restarts begin --run-dir {run})" || true',
+    return [f'eval "$({shlex.quote(python)} -m hpc_tools.job.restarts begin --run-dir {run} {policy})" || true',
             "unset MASTER_ADDR MASTER_PORT",
             f"{shlex.quote(python)} -m hpc_tools.job.restarts watch --run-dir {run} &",
             "HPC_TOOLS_WATCH=$!"]
 
 
-def restart_lines(rank_python: str, python: str, run_dir: Path, folder: Path, srun_args: list[str]) -> list[str]:
+def restart_lines(rank_python: str, python: str, run_dir: Path, folder: Path, srun_args: list[str],
+                  policy: str) -> list[str]:
     """In-job restarts (``cluster.restarts``) in submitit's teardown, right after its srun line: while the rank step
     failed and ``hpc_tools.job.restarts next`` decides on a new step, run submitit's task again in a new step of
     this job on the nodes it names (submitit's own command, so the task finds its pickled function and writes its
@@ -87,7 +97,7 @@ def restart_lines(rank_python: str, python: str, run_dir: Path, folder: Path, sr
     step = shlex.join(["srun", "--unbuffered", "--open-mode=append", "--output", str(folder / "%j_%t_log.out"),
                        "--error", str(folder / "%j_%t_log.err"), *srun_args])
     decide = (f"{shlex.quote(python)} -m hpc_tools.job.restarts next --run-dir {shlex.quote(str(run_dir))} "
-              '--exit-code "$HPC_TOOLS_SRUN_EXIT"')
+              f'--exit-code "$HPC_TOOLS_SRUN_EXIT" {policy}')
     watch = f"{shlex.quote(python)} -m hpc_tools.job.restarts watch --run-dir {shlex.quote(str(run_dir))} &"
     return ["HPC_TOOLS_SRUN_EXIT=$?",
             'kill "$HPC_TOOLS_WATCH" 2>/dev/null',

@@ -9,33 +9,26 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+from hpc_tools.job.batch_log import batch_log_path
 from hpc_tools.recipe.load import dump_resolved, resolve
 from hpc_tools.recipe.yamlfile import parse_yaml
 from hpc_tools.registry import RunFolder, now_iso
 from hpc_tools.runtime.distenv import restart_count
 
-
-def batch_log_path(job_id: str | None) -> str | None:
-    """Where Slurm writes this batch job's output (StdOut of `scontrol show job`)."""
-    if not job_id:
-        return None
-    try:
-        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    fields = dict(item.split("=", 1) for item in out.stdout.split() if "=" in item)
-    return fields.get("StdOut")
+_ASK = object()  # no batch log given: ask Slurm here
 
 
-def open_run(run_dir: Path, recipe_text: str, script: Path | None) -> RunFolder:
+def open_run(run_dir: Path, recipe_text: str, script: Path | None, batch_log=_ASK) -> RunFolder:
+    """``batch_log``: the batch log's path as the batch host found it (``hpc_tools.job.batch_log``; None or "":
+    unknown); not given, it is asked of Slurm here."""
     run = RunFolder(run_dir)
     job_id = os.environ.get("SLURM_JOB_ID")
     job = {"job_id": job_id, "restart_count": restart_count(dict(os.environ)),
-           "nodelist": os.environ.get("SLURM_JOB_NODELIST"), "batch_log": batch_log_path(job_id)}
+           "nodelist": os.environ.get("SLURM_JOB_NODELIST"),
+           "batch_log": batch_log_path(job_id) if batch_log is _ASK else (batch_log or None)}
     if run.exists():
         run.update(event="batch started", state="STARTING", batch_started=now_iso(), **job)
         return run
@@ -53,8 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpc_tools.job.open_run", description=__doc__)
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--script", type=Path, default=None, help="the batch script, copied into the run folder")
+    parser.add_argument("--batch-log", default=_ASK, help="the batch log's path, found on the batch host "
+                        "(python -m hpc_tools.job.batch_log; empty: unknown); without it Slurm is asked here")
     args = parser.parse_args(argv)
-    run = open_run(args.run_dir, sys.stdin.read(), args.script)
+    run = open_run(args.run_dir, sys.stdin.read(), args.script, args.batch_log)
     print(f"hpc_tools: run folder {run.path}", flush=True)
     return 0
 

@@ -4,7 +4,8 @@
 prints shell exports for it; ``... next --run-dir RUN --exit-code N`` runs after a rank step that failed and either
 prints the exports of a new step (exit 0: the batch script starts it) or exits 1 (the script goes on to its epilogue,
 which records the end as before). Both launch paths use it: the rendered sbatch script's loop around its ``srun`` line
-and submitit's teardown (``hpc_tools.executors.slurm``).
+and submitit's teardown (``hpc_tools.executors.slurm``), on the batch host (never inside a pyxis container, which has
+no Slurm client), with the recipe's cluster facts as options (``Policy``), so it needs the standard library only.
 
 What ``next`` does, in order:
 
@@ -37,6 +38,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_tools.registry import RunFolder
@@ -98,13 +100,31 @@ def exports(values: dict[str, str | int]) -> str:
     return "export " + " ".join(f"{k}={shlex.quote(str(v))}" for k, v in values.items())
 
 
-def begin(run_dir: Path, env: dict[str, str]) -> str:
+@dataclass(frozen=True)
+class Policy:
+    """What a restart decision reads of the recipe's cluster section: the layout's node count (``cluster.nodes``),
+    the budget of in-job restarts (``cluster.restarts``) and whether a job too small for the layout is requeued
+    (``cluster.requeue``). A batch script passes them as options (``--nodes``, ``--budget``, ``--requeue``;
+    ``hpc_tools.render.envsetup.restart_policy_args``), so the controller runs with the standard library only, on a
+    batch host outside the job's container; without them they are read from the run's recipe."""
+
+    nodes: int
+    budget: int
+    requeue: bool
+
+    @classmethod
+    def of_run(cls, run: RunFolder) -> "Policy":
+        cluster = _recipe(run).cluster
+        return cls(nodes=cluster.nodes, budget=cluster.restarts, requeue=cluster.requeue)
+
+
+def begin(run_dir: Path, env: dict[str, str], policy: Policy | None = None) -> str:
     """Exports of the first rank step of this life: its start number, nodes and rendezvous."""
     run = RunFolder(run_dir)
-    recipe = _recipe(run)
+    policy = policy or Policy.of_run(run)
     job_id = env.get("SLURM_JOB_ID")
     n = life_number(run.manifest(), env)
-    nodes = allocation_nodes(job_id, env)[:recipe.cluster.nodes]
+    nodes = allocation_nodes(job_id, env)[:policy.nodes]
     values: dict[str, str | int] = {RESTART_BASE_ENV: n - int(env.get("SLURM_RESTART_COUNT", "0") or 0),
                                     "HPC_TOOLS_NODELIST": ",".join(nodes), "HPC_TOOLS_EXCLUDED": ""}
     if nodes:
@@ -188,7 +208,7 @@ def choose_nodes(allocation: list[str], excluded: list[str], failed: str | None,
 
 
 def next_step(run_dir: Path, exit_code: int, env: dict[str, str], prober=probe, wait_s: float = PROBE_WAIT_S,
-              requeue=None) -> str | None:
+              requeue=None, policy: Policy | None = None) -> str | None:
     """The exports of a new rank step after one that ended with ``exit_code``, or None (no restart: the caller
     records the end). Records the restart (or the requeue) in the manifest."""
     from datetime import datetime, timezone
@@ -197,8 +217,8 @@ def next_step(run_dir: Path, exit_code: int, env: dict[str, str], prober=probe, 
     say = _say
     run = RunFolder(run_dir)
     manifest = run.manifest()
-    recipe = _recipe(run)
-    budget = recipe.cluster.restarts
+    policy = policy or Policy.of_run(run)
+    budget = policy.budget
     state = manifest.get("state")
     if exit_code == 0 or state in ("COMPLETED", "REQUEUED", "PREEMPTED", "CANCELLED") or \
             manifest.get("cancel_requested"):
@@ -212,7 +232,7 @@ def next_step(run_dir: Path, exit_code: int, env: dict[str, str], prober=probe, 
     job_id = env.get("SLURM_JOB_ID")
     excluded = [n for n in env.get("HPC_TOOLS_EXCLUDED", "").split(",") if n]
     allocation = allocation_nodes(job_id, env)
-    need = recipe.cluster.nodes
+    need = policy.nodes
     silent: set[str] = set()
     nodes, excluded = choose_nodes(allocation, excluded, found["node"], need, wait_s=wait_s, prober=prober, say=say,
                                    unanswered=silent)
@@ -223,7 +243,7 @@ def next_step(run_dir: Path, exit_code: int, env: dict[str, str], prober=probe, 
     entry = {"at": at, **found, "job_id": job_id, "restart": n, "from_iteration": None,
              "time_to_first_step_s": None}
     if len(nodes) < need:
-        if recipe.cluster.requeue and (requeue or requeue_job)(job_id):
+        if policy.requeue and (requeue or requeue_job)(job_id):
             entry.update(kind="requeue", nodes=None)
             run.update(event="requeued", state="REQUEUED", restarts=[*manifest.get("restarts", []), entry],
                        requeued_after=found["reason"])
@@ -307,18 +327,24 @@ def main(argv: list[str] | None = None) -> int:
     n = sub.add_parser("next", help="after a failed rank step: exports of a new step (exit 0) or none (exit 1)")
     n.add_argument("--run-dir", required=True, type=Path)
     n.add_argument("--exit-code", required=True, type=int)
+    for p in (b, n):  # the recipe's cluster facts, given by the batch script (else read from the run's recipe)
+        p.add_argument("--nodes", type=int, default=None, help="cluster.nodes")
+        p.add_argument("--budget", type=int, default=None, help="cluster.restarts")
+        p.add_argument("--requeue", action=argparse.BooleanOptionalAction, default=None, help="cluster.requeue")
     w = sub.add_parser("watch", help="beside a rank step: cancel it when it outlives a failed rank (a lost node)")
     w.add_argument("--run-dir", required=True, type=Path)
     args = parser.parse_args(argv)
     env = dict(os.environ)
+    given = [getattr(args, k, None) for k in ("nodes", "budget", "requeue")]
+    policy = Policy(*given) if None not in given else None
     try:
         if args.what == "begin":
-            print(begin(args.run_dir, env))
+            print(begin(args.run_dir, env, policy))
             return 0
         if args.what == "watch":
             watch(args.run_dir, env)
             return 0
-        line = next_step(args.run_dir, args.exit_code, env)
+        line = next_step(args.run_dir, args.exit_code, env, policy=policy)
     except Exception as exc:  # the batch script must reach its epilogue whatever happens here
         print(f"hpc_tools restarts: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -138,6 +138,27 @@ def script_python(cluster: ClusterConfig) -> str:
     return python
 
 
+HOST_PYTHON_ENV = "HPC_TOOLS_HOST_PYTHON"  # the batch host's interpreter for the steps that need Slurm's client
+
+
+def host_python(cluster: ClusterConfig) -> str | None:
+    """The shell words that run a batch script's steps that call Slurm's client (the restart controller, the batch
+    log's lookup) on the batch host itself, for a job with a pyxis container: an image has no ``scontrol``, ``srun``,
+    ``squeue`` or ``scancel`` (no Slurm client, configuration or munge socket), so these steps cannot run inside it.
+    The host's ``python3`` (``$HPC_TOOLS_HOST_PYTHON`` names another) with the repository on ``PYTHONPATH``: these
+    steps import the standard library and ``hpc_tools``' job side only (tests/unit/test_restarts_pyxis.py checks it).
+    None without a pyxis container: the recipe's interpreter runs on the host already."""
+    if not is_pyxis(cluster):
+        return None
+    return f'PYTHONPATH="$HPC_TOOLS_REPO${{PYTHONPATH:+:$PYTHONPATH}}" "${{{HOST_PYTHON_ENV}:-python3}}"'
+
+
+def restart_policy_args(cluster: ClusterConfig) -> str:
+    """The restart controller's options (``hpc_tools.job.restarts``' ``Policy``): the recipe's ``cluster.nodes``,
+    ``cluster.restarts`` and ``cluster.requeue``, so it reads no recipe (no pydantic or yaml on a batch host)."""
+    return f"--nodes {cluster.nodes} --budget {cluster.restarts} {'--requeue' if cluster.requeue else '--no-requeue'}"
+
+
 def launch_prefix(cluster: ClusterConfig) -> list[str]:
     """Words placed before the Python interpreter: apptainer wraps the rank process."""
     c = cluster.setup.container

@@ -14,11 +14,13 @@ from hpc_tools.recipe.load import dump_resolved
 from hpc_tools.recipe.schema import Recipe
 from hpc_tools.render.envsetup import (
     checked_setup_lines,
+    host_python,
     is_pyxis,
     pyxis_cleanup_lines,
     pyxis_script_lines,
     rank_argv,
     rank_srun_args,
+    restart_policy_args,
     script_python,
 )
 from hpc_tools.render.slurm_params import STOP_SIGNAL, SlurmSpec
@@ -51,7 +53,9 @@ def render_sbatch(recipe: Recipe, source: str = "a recipe") -> str:
         sbatch_lines=SlurmSpec.from_recipe(recipe).sbatch_lines(),
         setup=checked_setup_lines(recipe.cluster, '"$RUN_DIR"'), container=pyxis_script_lines(recipe.cluster),
         container_cleanup=pyxis_cleanup_lines(recipe.cluster),
-        python=script_python(recipe.cluster), recipe_yaml=recipe_yaml, delimiter=delimiter,
+        python=script_python(recipe.cluster), host_python=host_python(recipe.cluster),
+        controller=host_python(recipe.cluster) or script_python(recipe.cluster),
+        policy=restart_policy_args(recipe.cluster), recipe_yaml=recipe_yaml, delimiter=delimiter,
         signal_delay_s=recipe.cluster.signal_delay_s, stop_signal=STOP_SIGNAL, launch=launch,
         restarts=recipe.cluster.restarts)
 
