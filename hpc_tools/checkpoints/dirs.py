@@ -1,4 +1,4 @@
-"""Checkpoint folder conventions shared by the Megatron and DeepSpeed trainers.
+"""Checkpoint folder conventions shared by every backend.
 
 Layout of a checkpoint root (``ctx.checkpoint_dir``)::
 
@@ -12,21 +12,15 @@ Layout of a checkpoint root (``ctx.checkpoint_dir``)::
     latest                    the name of the newest complete folder, one line (DeepSpeed reads the same file format)
     verified                  the name of the newest folder a resume verified and loaded: never pruned
 
-Protocol of one save, the same on every backend (``rank0`` = global rank 0; the others wait on barriers)::
-
-    path = dirs.begin(step)              # rank 0: clear a stale partial folder, create it, return it
-    barrier()
-    ...every rank writes into path...    # e.g. dist_checkpointing.save(..., path), engine.save_checkpoint(...)
-    barrier()
-    files = checkpoint_agree.gather_records(path, checksum=...)   # every rank: sizes and checksums of its share
-    dirs.commit(step, meta={...}, files=files)   # rank 0: meta file, fsync, rename to iter_N, write `latest`, prune
-    barrier()
+A save goes through ``begin`` (the partial folder), the ranks' writes and ``commit`` (meta file, fsync, rename to
+``iter_N``, ``latest``, prune): the one sequence, the same for every backend, is the saver's
+(``hpc_tools.train.checkpointing.saver``: begin, barrier, write, barrier, gather every rank's file list, commit).
 
 So a kill at any moment leaves either the previous checkpoints untouched or the new one complete. A folder is
 complete only when its meta file holds every rank's file list. Resuming reads ``dirs.newest()``: the ``latest``
 pointer when it names a complete folder, else the highest complete ``iter_N``; ``resume_source`` decides which
 checkpoint a run starts from (its own newest, else ``checkpoint.load_path``), skipping the ones a failed
-verification excluded; the loop (``hpc_tools.train.loop.resume``) verifies, loads and falls back.
+verification excluded; ``hpc_tools.train.checkpointing.resume`` verifies, loads and falls back.
 """
 
 from __future__ import annotations
@@ -185,8 +179,8 @@ class CheckpointDirs:
     def commit(self, step: int, meta: dict[str, Any] | None = None, files: dict[str, Any] | None = None) -> Path:
         """Make the partial folder of ``step`` the complete ``iter_N``, point ``latest`` at it, prune old ones.
 
-        ``files`` is every rank's file list (``checkpoint_agree.gather_records``); without it (one process, e.g. a
-        test) this process records every file of the folder as rank 0 of 1."""
+        ``files`` is every rank's file list (``hpc_tools.train.checkpointing.agree.gather_records``); without it (one
+        process, e.g. a test) this process records every file of the folder as rank 0 of 1."""
         partial, final = self.partial_path(step), self.final_path(step)
         if not partial.is_dir():
             raise FileNotFoundError(f"no save in progress at {partial} (call begin({step}) first)")

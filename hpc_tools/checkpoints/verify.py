@@ -7,7 +7,7 @@ Rank 0 gathers the lists into the meta file (``files``); a checkpoint is complet
 there (``checkpoints.dirs.CheckpointDirs.is_complete``).
 
 At load every rank verifies a share of the recorded files (sizes always, checksums unless ``checkpoint.verify:
-size``), and the ranks agree on the result (``hpc_tools.train.checkpoint_agree``), so that every rank falls back to
+size``), and the ranks agree on the result (``hpc_tools.train.checkpointing.agree``), so that every rank falls back to
 the same checkpoint. This module is the files' part, torch-free: ``export`` and the control plane verify with it too.
 
 Why xxh3-64: ~5 GB/s per core here, against ~3.8 GB/s for crc32c and ~0.7 GB/s for zlib.crc32

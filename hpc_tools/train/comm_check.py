@@ -20,7 +20,7 @@ def run(ctx: RankContext) -> None:
 
 
 class CommCheck:
-    """``loop.Engine`` without a model: a step is one all-reduce of the next size of ``SIZES_BYTES``."""
+    """``engine.Engine`` without a model: a step is one all-reduce of the next size of ``SIZES_BYTES``."""
 
     checkpoints = False
 
@@ -67,7 +67,14 @@ class CommCheck:
         busbw = size / dt * 2 * (n - 1) / n / 1e9 if n > 1 else 0.0
         return loop.StepResult(note=f"all_reduce {size:8d} bytes: {dt * 1e3:.3f} ms, busbw {busbw:.3f} GB/s")
 
-    def save(self, step: int) -> Path:
+    def evaluate(self, batches: list) -> None:
+        """No model: nothing to evaluate (the validation loss stays None)."""
+        return None
+
+    def write_checkpoint(self, folder: Path, step: int, background: bool) -> None:
+        raise NotImplementedError("comm_check keeps no checkpoints")
+
+    def checkpoint_meta(self, step: int) -> dict:
         raise NotImplementedError("comm_check keeps no checkpoints")
 
     def close(self) -> None:

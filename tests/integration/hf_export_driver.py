@@ -125,6 +125,7 @@ def rank_main(work: Path) -> None:
     from hpc_tools.registry import RunFolder
     from hpc_tools.runtime.context import RankContext
     from hpc_tools.runtime.distenv import DistEnv
+    from hpc_tools.train.checkpointing.saver import save_once
     from hpc_tools.train.megatron.hf_import import init_unless_resuming
     from hpc_tools.train.megatron.trainer import MegatronJob, _quiet_megatron
 
@@ -143,10 +144,10 @@ def rank_main(work: Path) -> None:
         # The Megatron trainer's own constructor: it builds the engine and applies checkpoint.init_from_hf.
         job = MegatronJob(RankContext(recipe=recipe, layout=layout, dist=DistEnv.from_environ(), run=run))
         engine, dirs = job.engine, job.dirs
-        job.save(0)  # before any optimizer step: the model only
+        save_once(job, dirs, 0)  # before any optimizer step: the model only
         logits = {0: megatron_logits(engine, tokens)}
         losses = [job.step(step, job.batch(step)).loss for step in range(1, STEPS + 1)]
-        job.save(STEPS)
+        save_once(job, dirs, STEPS)
         logits[STEPS] = megatron_logits(engine, tokens)
         declined = not init_unless_resuming(engine, recipe, dirs)
         c = engine.coords

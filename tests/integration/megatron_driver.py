@@ -142,6 +142,7 @@ def rank_main(out: Path, only: list[str]) -> None:
     import torch.distributed as dist
 
     from hpc_tools.checkpoints.dirs import CheckpointDirs
+    from hpc_tools.train.checkpointing.saver import save_once
     from hpc_tools.train.megatron import checkpoint
     from hpc_tools.train.megatron.trainer import _quiet_megatron
 
@@ -152,7 +153,7 @@ def rank_main(out: Path, only: list[str]) -> None:
     init_dirs = {fam: CheckpointDirs(work / f"init_{fam}") for fam in FAMILIES}
     for fam, case in FAMILIES.items():
         engine, _, _ = build(case)
-        checkpoint.save(engine, init_dirs[fam], 0, model_only=True)
+        save_once(checkpoint.Shards(engine), init_dirs[fam], 0)
         engine.close()
 
     def selected(name: str) -> bool:
@@ -179,7 +180,7 @@ def rank_main(out: Path, only: list[str]) -> None:
         engine, recipe, layout = build(before)
         checkpoint.load(engine, init_dirs["gpt"].final_path(0))
         first_losses, _ = run_steps(engine, recipe, layout, 1, RESUME_AT)
-        checkpoint.save(engine, dirs, RESUME_AT)
+        save_once(checkpoint.Shards(engine), dirs, RESUME_AT)
         engine.close()
         engine, recipe, layout = build(after)
         step = checkpoint.load(engine, dirs.newest())

@@ -89,6 +89,7 @@ def resume_case(sets: list[str], work: Path) -> dict:
     """Uninterrupted vs saved-and-resumed losses, with the layer plan and the attention Transformer Engine chose
     (None without TE)."""
     from hpc_tools.checkpoints.dirs import CheckpointDirs
+    from hpc_tools.train.checkpointing.saver import save_once
     from hpc_tools.train.megatron import checkpoint
     from hpc_tools.train.megatron.layers import te_attention_choice
 
@@ -96,7 +97,7 @@ def resume_case(sets: list[str], work: Path) -> dict:
     engine.close()
     dirs = CheckpointDirs(work)
     first, engine = train(sets, 1, RESUME_AT)
-    checkpoint.save(engine, dirs, RESUME_AT)
+    save_once(checkpoint.Shards(engine), dirs, RESUME_AT)
     engine.close()
     engine, _, _ = build(sets)
     saved_layers = CheckpointDirs.read_meta(dirs.newest())["layout"]["layers"]
@@ -116,6 +117,7 @@ def overlap_case(work: Path) -> dict:
     from megatron.core import dist_checkpointing
 
     from hpc_tools.checkpoints.dirs import CheckpointDirs
+    from hpc_tools.train.checkpointing.saver import save_once
     from hpc_tools.train.megatron import checkpoint
     from hpc_tools.train.megatron.model import unwrap
 
@@ -124,7 +126,7 @@ def overlap_case(work: Path) -> dict:
     engine.close()
     dirs = CheckpointDirs(work)
     first, engine = train(OVERLAP, 1, RESUME_AT)
-    checkpoint.save(engine, dirs, RESUME_AT)
+    save_once(checkpoint.Shards(engine), dirs, RESUME_AT)
     live_after_save = weights(engine)  # the hooks are back and the live weights untouched by the save
     rest, engine = train(OVERLAP, RESUME_AT + 1, STEPS, engine)  # training goes on after the save
     engine.close()

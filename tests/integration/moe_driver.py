@@ -155,6 +155,7 @@ def gpu_main(out: Path) -> None:
     import torch.distributed as dist
 
     from hpc_tools.checkpoints.dirs import CheckpointDirs
+    from hpc_tools.train.checkpointing.saver import save_once
     from hpc_tools.train.megatron import checkpoint
 
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -167,7 +168,7 @@ def gpu_main(out: Path) -> None:
         engine, recipe, layout = build(case)
         if family not in inits:  # the reference comes first: its fresh model is the family's start
             inits[family] = CheckpointDirs(work / f"init_{family}")
-            checkpoint.save(engine, inits[family], 0, model_only=True)
+            save_once(checkpoint.Shards(engine), inits[family], 0)
         checkpoint.load(engine, inits[family].final_path(0))
         results[case] = {**run_steps(engine, recipe, layout, 1, STEPS), "layout": layout.describe(),
                          "plan": engine.plan.describe(), "config_fp8": engine.config.fp8,
@@ -184,6 +185,7 @@ def rank_main(out: Path, only: list[str]) -> None:
     import torch.distributed as dist
 
     from hpc_tools.checkpoints.dirs import CheckpointDirs
+    from hpc_tools.train.checkpointing.saver import save_once
     from hpc_tools.train.megatron import checkpoint
     from hpc_tools.train.megatron.trainer import _quiet_megatron
 
@@ -193,7 +195,7 @@ def rank_main(out: Path, only: list[str]) -> None:
     results: dict[str, dict] = {}
     init = CheckpointDirs(work / "init")
     engine, _, _ = build("EP1 (DP4)")
-    checkpoint.save(engine, init, 0, model_only=True)
+    save_once(checkpoint.Shards(engine), init, 0)
     engine.close()
 
     for case in CASES:
@@ -211,7 +213,7 @@ def rank_main(out: Path, only: list[str]) -> None:
         engine, recipe, layout = build(before)
         checkpoint.load(engine, init.final_path(0))
         first = run_steps(engine, recipe, layout, 1, RESUME_AT)
-        checkpoint.save(engine, dirs, RESUME_AT)
+        save_once(checkpoint.Shards(engine), dirs, RESUME_AT)
         engine.close()
         engine, recipe, layout = build(after)
         step = checkpoint.load(engine, dirs.newest())

@@ -6,9 +6,9 @@ Without RANK in the environment it starts 4 copies of itself (``hpc_tools.testin
 takes node ``rank // 2`` (NODE_RANK, LOCAL_RANK, LOCAL_WORLD_SIZE as a launcher on 2 nodes sets them) and its own
 "node-local disk" ``<work>/node<N>``: ``checkpoint.local_dir: $NODE_DIR/ckpt`` is expanded per rank, so the two
 nodes' folders are two different folders of the same path string, as on a cluster. Through the real ``Saver`` and the
-loop's real ``resume``, with an engine that writes what torch_dist writes (a shard per rank, ``__<rank>_0.distcp``,
-and rank 0's ``.metadata``) and, at load, reads every rank's shard (as a replicated tensor is read from the rank
-that saved it):
+real ``checkpointing.resume``, with an engine that writes what torch_dist writes (a shard per rank,
+``__<rank>_0.distcp``, and rank 0's ``.metadata``) and, at load, reads every rank's shard (as a replicated tensor is
+read from the rank that saved it):
 
 1. ``replicated``: shared save at step 3, local saves at 2 and 4 (step 4 in the background); what each node holds;
 2. ``wiped``: node 1's disk emptied (a lost node, or a spare in its place); the resume takes step 4 (local, newer than
@@ -104,8 +104,9 @@ def rank_main(out: Path) -> None:
 
     from hpc_tools.recipe.checkpoint import CheckpointConfig
     from hpc_tools.runtime.distenv import DistEnv
-    from hpc_tools.train import loop, node_tier
-    from hpc_tools.train.saving import LOCAL, SHARED, Saver
+    from hpc_tools.train.checkpointing import node_tier
+    from hpc_tools.train.checkpointing.resume import resume
+    from hpc_tools.train.checkpointing.saver import LOCAL, SHARED, Saver
 
     node_tier.CHUNK = 4096
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -133,21 +134,22 @@ def rank_main(out: Path) -> None:
     # 1. replicated saves
     ctx = ctx_for()
     saver = Saver(ctx, engine)
-    recs = saver.save(2, LOCAL, final=True) + saver.save(3, SHARED, final=True) + saver.save(4, LOCAL, final=False)
+    recs = saver.save_to(2, LOCAL, final=True) + saver.save_to(3, SHARED, final=True)
+    recs += saver.save_to(4, LOCAL, final=False)
     recs += saver.drain()
     results["replicated"] = {"records": [r.as_dict() for r in recs], "nodes": nodes_hold(),
                              "nodes_count": saver.nodes.count, "leaders": saver.nodes.leaders}
     # 2. node 1 wiped: step 4 from node 0's replica
     wipe(1)
-    results["wiped"] = {"resumed": loop.resume(ctx, engine), "nodes": nodes_hold()}
+    results["wiped"] = {"resumed": resume(ctx, engine), "nodes": nodes_hold()}
     # 3. no replication: step 6 lost with node 1's disk
     ctx6 = ctx_for(local_replicate=False)
     saver = Saver(ctx6, engine)
-    recs = saver.save(6, LOCAL, final=True)
+    recs = saver.save_to(6, LOCAL, final=True)
     before = nodes_hold()
     wipe(1)
     results["unreplicated"] = {"records": [r.as_dict() for r in recs], "nodes_before": before,
-                               "resumed": loop.resume(ctx6, engine), "nodes": nodes_hold()}
+                               "resumed": resume(ctx6, engine), "nodes": nodes_hold()}
     # 4. node 1's copy of step 4 corrupted
     if node == 1 and rank % PER_NODE == 0:
         victim = mine / "iter_0000004" / "__0_0.distcp"
@@ -156,7 +158,7 @@ def rank_main(out: Path) -> None:
         victim.write_bytes(bytes(data))
     dist.barrier()
     infos.clear()
-    results["corrupt"] = {"resumed": loop.resume(ctx, engine), "nodes": nodes_hold(), "log": list(infos)}
+    results["corrupt"] = {"resumed": resume(ctx, engine), "nodes": nodes_hold(), "log": list(infos)}
     # 5. one folder for both nodes
     saver = Saver(ctx_for(local_dir=str(work / "one" / "ckpt")), engine)
     results["one_folder"] = {"local": saver.local is not None, "due_at_2": saver.tier_due(2, 10, False),

@@ -26,7 +26,7 @@ from hpc_tools.checkpoints.dirs import CheckpointDirs, dir_name
 from hpc_tools.executors.local import run_local
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe
-from hpc_tools.train.saving import INJECT_KILL_WRITER_ENV, INJECT_LOCAL_FREE_ENV
+from hpc_tools.train.checkpointing.saver import INJECT_KILL_WRITER_ENV, INJECT_LOCAL_FREE_ENV
 from profiling.records import read_events
 from tests.conftest import loss_curve, run_cli
 

@@ -192,7 +192,7 @@ def test_export_matches_the_runs_validation_loss(four, name, tmp_path):
     from hpc_tools.layout import ParallelLayout
     from hpc_tools.registry import RunFolder
     from hpc_tools.train.data import microbatches_for_step, validation_samples
-    from hpc_tools.train.fsdp.model import causal_lm_loss
+    from hpc_tools.train.hf_causal_lm import causal_lm_loss
 
     run_dir = four[name]["run_dir"]
     summary = export_run(run_dir, tmp_path / "hf")

@@ -51,6 +51,7 @@ def rank_main(data: Path, out: Path) -> None:
 
     from hpc_tools.checkpoints.dirs import CheckpointDirs
     from hpc_tools.layout import ParallelLayout
+    from hpc_tools.train.checkpointing.saver import save_once
     from hpc_tools.train.data import validation_samples
     from hpc_tools.train.megatron import checkpoint
     from hpc_tools.train.megatron.engine import Engine
@@ -63,7 +64,7 @@ def rank_main(data: Path, out: Path) -> None:
     dirs = CheckpointDirs(out.parent / "ckpt")
     engine = Engine(recipe, layout, "cpu")
     first, _ = driver.run_steps(engine, recipe, layout, 1, RESUME_AT)
-    checkpoint.save(engine, dirs, RESUME_AT)
+    save_once(checkpoint.Shards(engine), dirs, RESUME_AT)
     rest, _ = driver.run_steps(engine, recipe, layout, RESUME_AT + 1, STEPS)
     engine.close()
     engine = Engine(recipe, layout, "cpu")

@@ -1,5 +1,5 @@
-"""The node-local checkpoint tier of a multi-node run (``hpc_tools.train.node_tier``), through the real ``Saver`` and
-the loop's real ``resume`` on 4 gloo ranks seen as 2 nodes x 2 ranks, each node with its own folder
+"""The node-local checkpoint tier of a multi-node run (``hpc_tools.train.checkpointing.node_tier``), through the real
+``Saver`` and the real ``checkpointing.resume`` on 4 gloo ranks seen as 2 nodes x 2 ranks, each node with its own folder
 (tests/integration/node_tier_driver.py: one launch for every case). The same tier on the real 2-node Slurm cluster,
 with real training, is tests/integration/test_restarts_slurm.py's crash job."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_driver
+from tests.helpers import run_driver
 
 HERE = Path(__file__).resolve().parent
 ALL = [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "hpc_tools_meta.json"]

@@ -1,7 +1,7 @@
-"""The shared save mechanism (``hpc_tools.train.saving``) in one process, with an engine that writes plain files:
-``latest`` moves only once a background write is done and committed, a failed background write is never committed,
-a local tier that is full falls back to the shared one (told), a resume takes the newest checkpoint of either tier,
-and ``checkpoint.local_dir`` is expanded at run time. The real backends are checked in
+"""The shared save mechanism (``hpc_tools.train.checkpointing.saver``) in one process, with an engine that writes
+plain files: ``latest`` moves only once a background write is done and committed, a failed background write is never
+committed, a local tier that is full falls back to the shared one (told), a resume takes the newest checkpoint of
+either tier, and ``checkpoint.local_dir`` is expanded at run time. The real backends are checked in
 tests/integration/test_checkpoint_async.py."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from hpc_tools.checkpoints.dirs import LATEST, CheckpointDirs, newest_across, resume_source
 from hpc_tools.recipe.checkpoint import CheckpointConfig
-from hpc_tools.train.saving import LOCAL, SHARED, Saver, expand_dir
+from hpc_tools.train.checkpointing.saver import LOCAL, SHARED, Saver, expand_dir
 
 
 class FakeWrite:
@@ -73,9 +73,9 @@ def test_latest_moves_only_when_the_background_write_is_done(tmp_path):
     ctx, engine = make_ctx(tmp_path, async_save=True), FakeEngine()
     saver = Saver(ctx, engine)
     shared = CheckpointDirs(tmp_path / "shared")
-    [rec] = saver.save(1, SHARED, final=True)  # synchronous
+    [rec] = saver.save_to(1, SHARED, final=True)  # synchronous
     assert rec.verified and not rec.async_ and shared.newest().name == "iter_0000001"
-    assert saver.save(2, SHARED, final=False) == []  # staged; written in the background
+    assert saver.save_to(2, SHARED, final=False) == []  # staged; written in the background
     assert (shared.root / LATEST).read_text().strip() == "iter_0000001" and shared.newest_step() == 1
     assert saver.poll() == [] and shared.newest_step() == 1  # not done yet
     engine.writes[-1].finished = True
@@ -89,7 +89,7 @@ def test_latest_moves_only_when_the_background_write_is_done(tmp_path):
 def test_the_last_save_waits_for_the_pending_write_and_commits_it_first(tmp_path):
     ctx, engine = make_ctx(tmp_path, async_save=True), FakeEngine()
     saver = Saver(ctx, engine)
-    saver.save(2, SHARED, final=False)
+    saver.save_to(2, SHARED, final=False)
     write, calls = engine.writes[-1], []
 
     def done():  # the write ends while the final save waits for it
@@ -97,7 +97,7 @@ def test_the_last_save_waits_for_the_pending_write_and_commits_it_first(tmp_path
         return len(calls) >= 3
 
     write.done = done
-    records = saver.save(4, SHARED, final=True)  # the last step or a stop: synchronous, after the pending one
+    records = saver.save_to(4, SHARED, final=True)  # the last step or a stop: synchronous, after the pending one
     assert [(r.iteration, r.async_, r.verified) for r in records] == [(2, True, True), (4, False, True)]
     assert len(calls) >= 3 and records[0].blocked_s > 0 and saver.pending is None
     shared = CheckpointDirs(tmp_path / "shared")
@@ -107,8 +107,8 @@ def test_the_last_save_waits_for_the_pending_write_and_commits_it_first(tmp_path
 def test_a_failed_background_write_is_never_committed(tmp_path, caplog):
     ctx, engine = make_ctx(tmp_path, async_save=True), FakeEngine()
     saver = Saver(ctx, engine)
-    saver.save(1, SHARED, final=True)
-    saver.save(2, SHARED, final=False)
+    saver.save_to(1, SHARED, final=True)
+    saver.save_to(2, SHARED, final=False)
     engine.writes[-1].finished, engine.writes[-1].fail = True, RuntimeError("writer killed")
     with caplog.at_level(logging.ERROR, logger="hpc_tools"):
         [rec] = saver.drain()
@@ -125,11 +125,11 @@ def test_a_full_local_tier_falls_back_to_the_shared_one_and_says_so(tmp_path, ca
     saver = Saver(ctx, engine)
     assert [saver.tier_due(s, 8, False) for s in (1, 4, 8)] == [LOCAL, SHARED, SHARED]
     assert saver.tier_due(3, 8, True) == SHARED  # a stop saves to the durable tier
-    [rec] = saver.save(1, LOCAL, final=False)
+    [rec] = saver.save_to(1, LOCAL, final=False)
     assert rec.tier == LOCAL and CheckpointDirs(tmp_path / "local" / "run").newest_step() == 1
     engine.full.add(tmp_path / "local" / "run")
     with caplog.at_level(logging.WARNING, logger="hpc_tools"):
-        [rec] = saver.save(2, LOCAL, final=False)
+        [rec] = saver.save_to(2, LOCAL, final=False)
     assert rec.tier == SHARED and rec.verified
     assert CheckpointDirs(tmp_path / "shared").newest_step() == 2
     assert not CheckpointDirs(tmp_path / "local" / "run").partial_path(2).exists()  # the half-written folder is gone

@@ -14,6 +14,8 @@ import pytest
 from hpc_tools.checkpoints import verify as cv
 from hpc_tools.checkpoints.dirs import LATEST, META, SET_ASIDE_NOTE, CheckpointDirs, resume_source
 from hpc_tools.train import loop
+from hpc_tools.train.checkpointing.resume import CheckpointError
+from hpc_tools.train.engine import NullCollector
 
 
 def save(dirs: CheckpointDirs, step: int, files: dict[str, bytes] | None = None) -> Path:
@@ -158,8 +160,8 @@ class Ctx:
         self.recipe = SimpleNamespace(
             training=SimpleNamespace(train_iters=iters, log_interval=1, max_nonfinite_steps=limit),
             checkpoint=SimpleNamespace(interval_iters=interval, keep_last=5, resume=True, load_path=load_path,
-                                       verify=verify, local_dir=None,
-                                       local_interval_iters=None))
+                                       verify=verify, local_dir=None, local_interval_iters=None,
+                                       async_save=False, local_replicate=True))
         self.is_rank0, self.rank, self.logged = True, 0, []
 
     def heartbeat(self, step):
@@ -175,27 +177,16 @@ class Ctx:
         self.logged.append(msg % args)
 
 
-class Collector:
+class Collector(NullCollector):
     def __init__(self):
         self.rows = []
-
-    def start_step(self, step):
-        pass
-
-    def data_timer(self):
-        import contextlib
-
-        return contextlib.nullcontext()
 
     def end_step(self, step, **fields):
         self.rows.append((step, fields["nonfinite"], fields["skipped"]))
 
-    def close(self):
-        pass
-
 
 class Engine:
-    """Saves real checkpoints through CheckpointDirs; ``fail_load`` names checkpoints whose load raises;
+    """Writes real checkpoints (the saver commits them); ``fail_load`` names checkpoints whose load raises;
     ``nonfinite`` the steps that report a non-finite loss."""
 
     checkpoints = True
@@ -223,9 +214,13 @@ class Engine:
         bad = step in self.nonfinite
         return loop.StepResult(loss=float("nan") if bad else 1.0, skipped=bad or None, nonfinite=bad)
 
-    def save(self, step):
+    def write_checkpoint(self, folder: Path, step: int, background: bool):
         self.saved.append(step)
-        return save(self.dirs, step)
+        (folder / "model.pt").write_bytes(os.urandom(3000))
+        (folder / "optim.pt").write_bytes(os.urandom(5000))
+
+    def checkpoint_meta(self, step: int) -> dict:
+        return {"format": "test"}
 
     def close(self):
         pass
@@ -271,7 +266,7 @@ def test_none_left_fails_naming_the_file(tmp_path):
     train(ctx, Engine(ctx))
     dirs = CheckpointDirs(ctx.checkpoint_dir)
     corrupt(dirs.final_path(2) / "model.pt", "truncate")
-    with pytest.raises(loop.CheckpointError, match=r"iter_0000002/model.pt: \d+ bytes, 3000 at save"):
+    with pytest.raises(CheckpointError, match=r"iter_0000002/model.pt: \d+ bytes, 3000 at save"):
         train(Ctx(tmp_path, iters=4), Engine(ctx))
     assert [p.name for p in dirs.set_aside_folders()] == ["iter_0000002.bad-size"]
 

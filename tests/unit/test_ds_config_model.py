@@ -7,7 +7,7 @@ import pytest
 from hpc_tools.errors import UserError
 from hpc_tools.hf.config import hf_config
 from hpc_tools.recipe.load import resolve
-from hpc_tools.train.deepspeed.model import initial_value
+from hpc_tools.train.hf_causal_lm import initial_value
 
 
 def recipe(model=None, training=None):

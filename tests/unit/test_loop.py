@@ -12,6 +12,8 @@ import pytest
 from hpc_tools.checkpoints.dirs import CheckpointDirs
 from hpc_tools.errors import UserError
 from hpc_tools.train import loop
+from hpc_tools.train.checkpointing.saver import Saver
+from hpc_tools.train.engine import NullCollector
 
 
 class FakeContext:
@@ -24,8 +26,8 @@ class FakeContext:
         self.recipe = SimpleNamespace(
             training=SimpleNamespace(train_iters=iters, log_interval=2, max_nonfinite_steps=3),
             checkpoint=SimpleNamespace(interval_iters=interval, keep_last=2, resume=resume, load_path=load_path,
-                                       verify="checksum", local_dir=None,
-                                       local_interval_iters=None))
+                                       verify="checksum", local_dir=None, local_interval_iters=None,
+                                       async_save=False, local_replicate=True))
         self.is_rank0 = True
         self.logged: list[str] = []
 
@@ -43,17 +45,12 @@ class FakeContext:
         self.logged.append(msg % args)
 
 
-class FakeCollector:
+class FakeCollector(NullCollector):
     def __init__(self, events: list, coords: dict):
         self.events, self.coords = events, coords
 
     def start_step(self, step: int) -> None:
         self.events.append(("start_step", step))
-
-    def data_timer(self):
-        import contextlib
-
-        return contextlib.nullcontext()
 
     def end_step(self, step: int, **fields) -> None:
         self.events.append(("end_step", step, fields["loss"]))
@@ -87,9 +84,11 @@ class FakeEngine:
         self.events.append(("step", step, batch))
         return loop.StepResult(loss=1.0 / step, note=f"note {step}")
 
-    def save(self, step: int) -> Path:
+    def write_checkpoint(self, folder: Path, step: int, background: bool) -> None:
         self.events.append(("save", step))
-        return Path(f"iter_{step}")
+
+    def checkpoint_meta(self, step: int) -> dict:
+        return {"format": "fake"}
 
     def close(self) -> None:
         self.events.append(("engine.close",))
@@ -185,6 +184,16 @@ def test_bad_load_path_is_a_user_error_and_the_engine_is_closed(tmp_path):
     assert events == [("engine.close",)]
 
 
-def test_save_due():
-    assert [s for s in range(1, 11) if loop.save_due(s, 10, 4, stop=False)] == [4, 8, 10]
-    assert loop.save_due(3, 10, None, stop=True) and not loop.save_due(3, 10, None, stop=False)
+def test_the_saver_decides_which_steps_save(tmp_path):
+    every4 = Saver(FakeContext(tmp_path, [], interval=4), FakeEngine([]))
+    assert [s for s in range(1, 11) if every4.tier_due(s, 10, stop=False)] == [4, 8, 10]
+    never = Saver(FakeContext(tmp_path, []), FakeEngine([]))
+    assert never.tier_due(3, 10, stop=True) == "shared" and never.tier_due(3, 10, stop=False) is None
+
+
+def test_a_non_finite_step_is_never_saved(tmp_path):
+    events: list = []
+    saver = Saver(FakeContext(tmp_path, events, interval=2), FakeEngine(events))
+    assert saver.save(2, 10, nonfinite=True) == [] and only(events, "save") == []
+    [rec] = saver.save(4, 10)
+    assert rec.iteration == 4 and rec.verified and only(events, "save") == [("save", 4)]

@@ -15,6 +15,7 @@ from typing import Any
 from hpc_tools.checkpoints.dirs import CheckpointDirs
 from hpc_tools.errors import UserError
 from hpc_tools.registry import RunFolder
+from hpc_tools.train.hf_causal_lm import load_into
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
@@ -82,15 +83,3 @@ def pipeline_state(model, ckpt: Path) -> dict:
             raise UserError(f"pipeline checkpoint {ckpt} lacks the file of layer {idx} (was the save complete?)")
         states[idx] = {k: v.float() for k, v in torch.load(files[0], map_location="cpu", weights_only=True).items()}
     return hf_state_dict(prefixes, states)
-
-
-def load_into(model, state: dict, ckpt: Path) -> None:
-    """Load weights; only a tied output projection may be absent from the checkpoint."""
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    missing = [k for k in missing if k not in tied]
-    if missing or unexpected:
-        raise UserError(f"checkpoint {ckpt} does not match the run's model (missing {missing[:4]}, unexpected "
-                        f"{unexpected[:4]}); was the recipe's model section changed after training?")
-    if tied:
-        model.tie_weights()

@@ -9,12 +9,12 @@ parameters as they are created (zero.Init) and still run Hugging Face's weight i
 
 from __future__ import annotations
 
-import math
 import os
 from typing import TYPE_CHECKING, Any
 
 from hpc_tools.errors import UserError
 from hpc_tools.hf.config import ATTENTION, check_expressible, hf_config
+from hpc_tools.train.hf_causal_lm import initial_values
 
 if TYPE_CHECKING:
     from hpc_tools.recipe.schema import Recipe
@@ -80,39 +80,17 @@ def _model_class(cfg):
     return AutoModelForCausalLM._model_mapping[type(cfg)]
 
 
-def initial_value(name: str, shape, std: float, kind: str, seed: int, num_layers: int):
-    """The initial value of one parameter, a pure function of (seed, name): the same for every ZeRO stage and layout.
-
-    The rules are Hugging Face's own ``_init_weights`` for GPT-2 and LLaMA: norms 1, biases 0, other weights
-    N(0, std), GPT-2's residual projections (``c_proj``) N(0, std / sqrt(2 L)).
-    """
-    import zlib
-
-    import torch
-
-    if kind == "norm" and name.endswith("weight"):
-        return torch.ones(shape)
-    if name.endswith("bias"):
-        return torch.zeros(shape)
-    if name.endswith("c_proj.weight"):
-        std = std / math.sqrt(2 * num_layers)
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-    return torch.randn(shape, generator=gen) * std
-
-
 def initialize_weights(model, recipe: "Recipe") -> None:
-    """Overwrite every parameter with ``initial_value``: under ZeRO-3 zero.Init consumes the random stream in another
-    order than a plain build, so HF's own initialisation would give each stage different starting weights."""
+    """Overwrite every parameter with its ``hf_causal_lm.initial_value``: under ZeRO-3 zero.Init consumes the random
+    stream in another order than a plain build, so HF's own initialisation would give each stage different starting
+    weights."""
     import torch
 
-    norms = {f"{mod_name}.{p}" if mod_name else p for mod_name, mod in model.named_modules()
-             if "Norm" in type(mod).__name__ for p, _ in mod.named_parameters(recurse=False)}
-    m = recipe.model
+    value_of = initial_values(model, recipe)
     with torch.no_grad():
         for name, param in model.named_parameters():
             shape = tuple(param.ds_shape) if hasattr(param, "ds_shape") else tuple(param.shape)
-            value = initial_value(name, shape, m.init_method_std, "norm" if name in norms else "weight",
-                                  recipe.training.seed, m.num_layers)
+            value = value_of(name, shape)
             if hasattr(param, "ds_id"):  # ZeRO-3 partitioned: gather, let rank 0 write, re-partition
                 import deepspeed
 

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpc_tools.train.hf_causal_lm import causal_lm_loss
+
 if TYPE_CHECKING:
     from hpc_tools.recipe.schema import Recipe
 
@@ -93,11 +95,6 @@ class Named(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.module(hidden)
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy (labels are already shifted by the data pipeline), computed in fp32."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def pipeline_layers(hf_model: nn.Module, recompute: bool = False) -> list:

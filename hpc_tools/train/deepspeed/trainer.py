@@ -2,9 +2,9 @@
 
 One step = ``layout.num_microbatches`` forward/backward passes (gradient accumulation inside the engine) and one
 optimizer step; the pipeline engine (``parallel.pipeline_size > 1``) does the same through ``train_batch``.
-``DeepSpeedJob`` is the engine of ``hpc_tools.train.loop`` (which owns resume, records, the stop agreement and the
-saves). Data comes from ``hpc_tools.train.data`` (the step is the data position), checkpoints go through
-``CheckpointDirs`` (a save is visible only once complete).
+``DeepSpeedJob`` is the engine of ``hpc_tools.train.loop`` (which owns records, the stop agreement and evaluations;
+resume and saves are ``hpc_tools.train.checkpointing``'s: a save is visible only once complete). Data comes from
+``hpc_tools.train.data`` (the step is the data position).
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpc_tools.checkpoints.dirs import META, CheckpointDirs
 from hpc_tools.runtime.context import RankContext
-from hpc_tools.train import checkpoint_agree, loop, rng
+from hpc_tools.train import loop, rng
 from hpc_tools.train.data import build_samples, microbatches_for_step
 from hpc_tools.train.deepspeed.device import check_accelerator, environment_for, to_device
 from hpc_tools.train.deepspeed.ds_config import build_ds_config, write_ds_config
@@ -49,7 +48,7 @@ def _plain_cpu_collectives() -> None:
 
 
 class DeepSpeedJob:
-    """``loop.Engine`` for DeepSpeed: the engine, the data and the checkpoints of one run on one rank."""
+    """``engine.Engine`` for DeepSpeed: the engine, the data and the checkpoints of one run on one rank."""
 
     checkpoints = True
 
@@ -58,7 +57,6 @@ class DeepSpeedJob:
         self.recipe = ctx.recipe
         self.layout = ctx.layout
         self.pipeline = ctx.layout.pipeline_size > 1
-        self.dirs = CheckpointDirs(ctx.checkpoint_dir, keep_last=self.recipe.checkpoint.keep_last)
         self.config = build_ds_config(self.recipe, self.layout)
         self.engine = None
         self._keepalive = None
@@ -183,7 +181,7 @@ class DeepSpeedJob:
         import torch
         import torch.distributed as dist
 
-        from hpc_tools.train.deepspeed.pipeline import causal_lm_loss
+        from hpc_tools.train.hf_causal_lm import causal_lm_loss
 
         device = self.engine.device
         total = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, ranks with non-finite grads]
@@ -241,7 +239,7 @@ class DeepSpeedJob:
         import torch
         import torch.distributed as dist
 
-        from hpc_tools.train.deepspeed.pipeline import causal_lm_loss
+        from hpc_tools.train.hf_causal_lm import causal_lm_loss
 
         if self.pipeline:
             losses = [float(self.engine.eval_batch(data_iter=iter([(mb["tokens"], mb["labels"]) for mb in mbs])))
@@ -264,31 +262,9 @@ class DeepSpeedJob:
         return total.item() / count / self.layout.data_size
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
-    def save(self, step: int) -> Path:
-        """Save through the engine into a partial folder; it becomes ``iter_N`` only once every rank is done."""
-        import torch
-        import torch.distributed as dist
-
-        if self.ctx.is_rank0:
-            partial = self.dirs.begin(step)
-        else:
-            partial = self.dirs.partial_path(step)
-        dist.barrier()
-        state = {"step": step, "data_step": step, "seed": self.recipe.training.seed}
-        self.engine.save_checkpoint(str(self.dirs.root), tag=partial.name, client_state=state, save_latest=False)
-        torch.save(rng.capture(), partial / RNG_FILE.format(rank=self.ctx.rank))
-        dist.barrier()
-        files = checkpoint_agree.gather_records(partial, exclude=[META],
-                                                 checksum=self.recipe.checkpoint.verify == "checksum")
-        final = self.dirs.final_path(step)
-        if self.ctx.is_rank0:
-            final = self.dirs.commit(step, meta=self.meta(), files=files)
-        dist.barrier()
-        return final
-
     def write_checkpoint(self, folder: Path, step: int, background: bool):
-        """``saving.Saver``'s write: the engine's files and this rank's RNG into ``folder`` (synchronous:
-        checkpoint.async_save is refused for deepspeed, see the backend table)."""
+        """The saver's write (``engine.Checkpointable``): the engine's files and this rank's RNG into ``folder``
+        (synchronous: checkpoint.async_save is refused for deepspeed, see the backend table)."""
         import torch
 
         state = {"step": step, "data_step": step, "seed": self.recipe.training.seed}

@@ -8,9 +8,9 @@ the Hugging Face ones whatever the strategy, so a checkpoint loads at another ra
 on load: saved at 4 ranks, resumed at 2; full_shard -> ddp) and ``export`` reads it without ranks.
 
 ``checkpoint.async_save``: ``start_async_save`` stages the state into host memory and writes it in a background
-thread over a process group of its own (gloo), so its collectives never interleave with training's; the loop's
-``hpc_tools.train.saving.Saver`` (the mechanism every backend shares) commits the folder once every rank's write is
-done (``FutureWrite``).
+thread over a process group of its own (gloo), so its collectives never interleave with training's; the
+``hpc_tools.train.checkpointing.saver.Saver`` (the mechanism every backend shares) commits the folder once every
+rank's write is done (``FutureWrite``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def start_async_save(folder: Path, model, optimizer, rank: int, group, stager):
 
 
 class FutureWrite:
-    """DCP's background write of one checkpoint as ``saving.Write``."""
+    """DCP's background write of one checkpoint as ``hpc_tools.train.engine.Write``."""
 
     def __init__(self, future):
         self.future, self.ended = future, None

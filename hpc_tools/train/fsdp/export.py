@@ -24,8 +24,8 @@ def export_checkpoint(run: RunFolder, recipe, ckpt: Path, out_dir: str | Path, o
 
     from hpc_tools.hf.config import ATTENTION, hf_config
     from hpc_tools.hf.export import write_model_folder
-    from hpc_tools.train.deepspeed.export import load_into
     from hpc_tools.train.fsdp.checkpoint import full_model_state
+    from hpc_tools.train.hf_causal_lm import load_into
 
     meta = CheckpointDirs.read_meta(ckpt)
     model = AutoModelForCausalLM.from_config(hf_config(recipe), attn_implementation=ATTENTION, dtype=torch.float32)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable
 
 from hpc_tools.errors import UserError
 from hpc_tools.hf.config import ATTENTION, hf_config
+from hpc_tools.train.hf_causal_lm import initial_values
 
 if TYPE_CHECKING:
     import torch
@@ -47,17 +48,12 @@ def build_empty(recipe: "Recipe"):
 
 def full_values(recipe: "Recipe", model) -> Callable[[str, tuple], "torch.Tensor"]:
     """``(name, shape) -> the full fp32 value`` of each parameter of ``model``: the init_from_hf folder's tensor, else
-    ``initial_value`` (norm weights 1, biases 0, the rest seeded by name: the DeepSpeed backend's weights)."""
-    from hpc_tools.train.deepspeed.model import initial_value
-
+    ``hf_causal_lm.initial_value`` (norm weights 1, biases 0, the rest seeded by name: the DeepSpeed backend's
+    weights)."""
     folder = recipe.checkpoint.init_from_hf
     if folder:
         return _folder_tensors(folder)
-    norms = {f"{mod_name}.{p}" if mod_name else p for mod_name, mod in model.named_modules()
-             if "Norm" in type(mod).__name__ for p, _ in mod.named_parameters(recurse=False)}
-    m, seed = recipe.model, recipe.training.seed
-    return lambda name, shape: initial_value(name, shape, m.init_method_std, "norm" if name in norms else "weight",
-                                             seed, m.num_layers)
+    return initial_values(model, recipe)
 
 
 def _folder_tensors(folder: str) -> Callable[[str, tuple], "torch.Tensor"]:
@@ -115,11 +111,3 @@ def blocks(model) -> list:
     becomes its own FSDP unit."""
     body = getattr(model, "model", None) or getattr(model, "transformer")
     return list(getattr(body, "layers", None) or getattr(body, "h"))
-
-
-def causal_lm_loss(logits, labels):
-    """Mean next-token cross entropy in fp32 (labels are already shifted by the data pipeline); the same definition
-    as the other backends."""
-    import torch.nn.functional as F
-
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))

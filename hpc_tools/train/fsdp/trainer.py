@@ -2,12 +2,11 @@
 
 One step = ``layout.num_microbatches`` forward/backward passes, the global gradient norm (clipped to
 ``training.clip_grad``), one torch AdamW step at ``lr_at(step)`` (weight decay on matrices only, as Megatron-core).
-``FSDPJob`` is the engine of ``hpc_tools.train.loop`` (which owns resume, records, evaluation, the stop agreement and
-the saves). Data comes from
-``hpc_tools.train.data`` (the step is the data position; the ranks of one tensor-parallel group, consecutive, read the
-same microbatches: data-parallel rank = rank // tensor_size); checkpoints are torch
-Distributed Checkpoint folders (``checkpoint.py``) committed through ``CheckpointDirs`` and verified like every
-backend's (``checkpoint_agree``).
+``FSDPJob`` is the engine of ``hpc_tools.train.loop`` (which owns records, evaluation and the stop agreement; resume
+and saves are ``hpc_tools.train.checkpointing``'s). Data comes from ``hpc_tools.train.data`` (the step is the data
+position; the ranks of one tensor-parallel group, consecutive, read the same microbatches: data-parallel rank = rank //
+tensor_size); checkpoints are torch Distributed Checkpoint folders (``checkpoint.py``) committed and verified like
+every backend's (``hpc_tools.train.checkpointing``).
 """
 
 from __future__ import annotations
@@ -17,12 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpc_tools.checkpoints.dirs import META, CheckpointDirs
+from hpc_tools.checkpoints.dirs import CheckpointDirs
 from hpc_tools.runtime.context import RankContext
-from hpc_tools.train import checkpoint_agree, loop
+from hpc_tools.train import loop
 from hpc_tools.train.data import build_samples, microbatches_for_step
 from hpc_tools.train.fsdp import checkpoint, parallel
-from hpc_tools.train.fsdp.model import build_empty, causal_lm_loss, full_values
+from hpc_tools.train.fsdp.model import build_empty, full_values
+from hpc_tools.train.hf_causal_lm import causal_lm_loss
 from hpc_tools.train.prefetch import BatchPrefetcher
 from hpc_tools.train.schedule import lr_at
 
@@ -49,7 +49,7 @@ def param_groups(model, weight_decay: float) -> list[dict[str, Any]]:
 
 
 class FSDPJob:
-    """``loop.Engine`` for FSDP2 / DDP: the model, optimizer, data and checkpoints of one run on one rank."""
+    """``engine.Engine`` for FSDP2 / DDP: the model, optimizer, data and checkpoints of one run on one rank."""
 
     checkpoints = True
 
@@ -60,7 +60,6 @@ class FSDPJob:
         self.device = ctx.device
         self.world = ctx.dist.world_size
         self.dp_rank = ctx.rank // self.layout.tensor_size  # TP innermost, as ParallelLayout orders ranks
-        self.dirs = CheckpointDirs(ctx.checkpoint_dir, keep_last=self.recipe.checkpoint.keep_last)
         self.mesh = parallel.mesh_shape(self.recipe, self.world)
         t0 = time.perf_counter()
         model = build_empty(self.recipe)
@@ -75,12 +74,7 @@ class FSDPJob:
         self.samples = build_samples(self.recipe)
         on_gpu = self.device.type == "cuda"
         self.prefetch = BatchPrefetcher(self._build_batch, t.train_iters, background=on_gpu, pin=on_gpu)
-        self._async = None
-        if self.recipe.checkpoint.async_save:
-            import torch.distributed as dist
-
-            # its own group: the background write's collectives never meet training's
-            self._async = (dist.new_group(backend="gloo"), checkpoint.async_stager(pin_memory=on_gpu))
+        self._async = None  # (process group, stager) of the background writes, made at the first one
 
     def describe(self) -> str:
         fs = self.recipe.backend.fsdp
@@ -156,10 +150,15 @@ class FSDPJob:
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
     def write_checkpoint(self, folder: Path, step: int, background: bool):
-        """``saving.Saver``'s write: DCP save of the model and optimizer shards and this rank's RNG into ``folder``;
-        ``background`` (checkpoint.async_save): staged now, written in a background thread, returns its
-        ``FutureWrite``."""
-        if background and self._async is not None:
+        """The saver's write (``engine.Checkpointable``): DCP save of the model and optimizer shards and this rank's
+        RNG into ``folder``; ``background``: staged now, written in a background thread (over a gloo group of its
+        own, made at the first such save: its collectives never meet training's), returns its ``FutureWrite``."""
+        if background and self._async is None:
+            import torch.distributed as dist
+
+            self._async = (dist.new_group(backend="gloo"),
+                           checkpoint.async_stager(pin_memory=self.device.type == "cuda"))
+        if background:
             future = checkpoint.start_async_save(folder, self.model, self.optimizer, self.ctx.rank, *self._async)
             return checkpoint.FutureWrite(future)
         checkpoint.save(folder, self.model, self.optimizer, self.ctx.rank)
@@ -167,23 +166,6 @@ class FSDPJob:
 
     def checkpoint_meta(self, step: int) -> dict[str, Any]:
         return self.meta()
-
-    def save(self, step: int) -> Path:
-        """A synchronous save outside the loop's ``Saver``: a partial folder that becomes ``iter_N`` only once
-        every rank is done and recorded."""
-        import torch.distributed as dist
-
-        partial = self.dirs.begin(step) if self.ctx.is_rank0 else self.dirs.partial_path(step)
-        dist.barrier()
-        checkpoint.save(partial, self.model, self.optimizer, self.ctx.rank)
-        dist.barrier()
-        files = checkpoint_agree.gather_records(partial, exclude=[META],
-                                                checksum=self.recipe.checkpoint.verify == "checksum")
-        final = self.dirs.final_path(step)
-        if self.ctx.is_rank0:
-            final = self.dirs.commit(step, meta=self.meta(), files=files)
-        dist.barrier()
-        return final
 
     def meta(self) -> dict[str, Any]:
         r = self.recipe

@@ -3,8 +3,8 @@
 What a checkpoint holds: the model (ShardedTensors with layout-independent keys, so any TP/PP/VPP can load it), the
 optimizer (the distributed optimizer in Megatron's `dp_reshardable` format, see below), every rank's RNG states, and
 in the meta file the step, the number of optimizer steps taken, the layout it was saved under and every rank's list
-of the files it saved with sizes and checksums (``checkpoint_agree``; the loop verifies them before ``load``). The
-data position is the step.
+of the files it saved with sizes and checksums (``hpc_tools.train.checkpointing``: the saver commits every save, the
+resume verifies them before ``load``). The data position is the step.
 
 Loading under another layout always restores the model; the optimizer state comes along when it can be resharded:
 always for the plain optimizer (its state is stored per parameter, like the model), for the distributed optimizer
@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_tools.checkpoints.dirs import META, CheckpointDirs
-from hpc_tools.train import checkpoint_agree, rng
+from hpc_tools.checkpoints.dirs import CheckpointDirs
+from hpc_tools.train import rng
 
 if TYPE_CHECKING:
     from hpc_tools.train.megatron.engine import Engine
@@ -87,41 +87,38 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 # -- save --------------------------------------------------------------------------------------------------------------
 
-def save(engine: "Engine", dirs: CheckpointDirs, step: int, *, model_only: bool = False) -> Path:
-    """Collective: every rank writes its shards into a partial folder; rank 0 commits it once all are done."""
-    import torch.distributed as dist
-
-    if dist.get_rank() == 0:
-        dirs.begin(step)
-    dist.barrier()
-    write(engine, dirs.partial_path(step), step, model_only=model_only)
-    dist.barrier()
-    files = checkpoint_agree.gather_records(dirs.partial_path(step), exclude=[META],
-                                             checksum=engine.recipe.checkpoint.verify == "checksum")
-    if dist.get_rank() == 0:
-        dirs.commit(step, meta=meta(engine, step, model_only=model_only), files=files)
-    dist.barrier()
-    return dirs.final_path(step)
-
-
-def meta(engine: "Engine", step: int, *, model_only: bool = False) -> dict[str, Any]:
+def meta(engine: "Engine", step: int) -> dict[str, Any]:
     """What the meta file of a checkpoint of ``step`` records besides its files."""
-    return {"format": FORMAT, "model_only": model_only or step - engine.skipped_steps <= 0,
+    return {"format": FORMAT, "model_only": step - engine.skipped_steps <= 0,
             "optimizer_steps": step - engine.skipped_steps, "layout": layout_meta(engine)}
 
 
-def write(engine: "Engine", folder: Path, step: int, *, model_only: bool = False, background=None):
+class Shards:
+    """The bare ``Engine``'s side of a save (``hpc_tools.train.engine.Checkpointable``), synchronous: what a test
+    driver hands ``checkpointing.saver.save_once`` (``MegatronJob`` is the trainer's, with background writes)."""
+
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+
+    def write_checkpoint(self, folder: Path, step: int, background: bool = False) -> None:
+        return write(self.engine, folder, step)
+
+    def checkpoint_meta(self, step: int) -> dict[str, Any]:
+        return meta(self.engine, step)
+
+
+def write(engine: "Engine", folder: Path, step: int, *, background=None):
     """Collective: every rank writes its torch_dist shards of step ``step`` into ``folder`` (which exists).
 
-    ``background`` (a ``BackgroundWriter``, checkpoint.async_save): through dist_checkpointing's async path: the
-    shards are staged into a host copy now and written by the writer's process; returns the ``saving.Write`` to
+    ``background`` (a ``BackgroundWriter``): through dist_checkpointing's async path: the
+    shards are staged into a host copy now and written by the writer's process; returns the ``engine.Write`` to
     poll. Otherwise synchronous; returns None."""
     from megatron.core import dist_checkpointing
 
-    if background is None and not engine.recipe.checkpoint.async_save:
-        _in_process_results_queue()  # an async run's writer needs the library's cross-process queue instead
+    if background is None:
+        _in_process_results_queue()  # unless a BackgroundWriter already set up the library's cross-process queue
     # Before the first step the optimizer has no state to save (the distributed optimizer refuses): model only.
-    model_only = model_only or step - engine.skipped_steps <= 0
+    model_only = step - engine.skipped_steps <= 0
     t0 = time.perf_counter()
     with params_gathered(engine):
         state = model_state(engine)
@@ -143,11 +140,12 @@ def write(engine: "Engine", folder: Path, step: int, *, model_only: bool = False
 
 
 class BackgroundWriter:
-    """dist_checkpointing's async machinery for one run (checkpoint.async_save): an ``AsyncCallsQueue`` with the
-    persistent writer process on a GPU (one process for the run's life; Megatron-LM's choice) and a writer forked per
-    save on CPU (the persistent one calls ``torch.cuda.set_device``: it dies on a CPU node and the trainer then hangs
-    in finalize). The writer's results come back through the library's multiprocessing Manager queue, started in a
-    thread at construction so that its 2-3 s start is not spent in the first save.
+    """dist_checkpointing's async machinery for one run (built at its first background save): an
+    ``AsyncCallsQueue`` with the persistent writer process on a GPU (one process for the run's life; Megatron-LM's
+    choice) and a writer forked per save on CPU (the persistent one calls ``torch.cuda.set_device``: it dies on a CPU
+    node and the trainer then hangs in finalize). The writer's results come back through the library's
+    multiprocessing Manager queue, started in a thread at construction (before the state dict is built: its 2-3 s
+    start overlaps that much of the first save).
 
     Staging: the async path copies every tensor to the host (``preload_fn``). For CPU tensors that copy is a no-op,
     so a writer that shares the trainer's memory (a thread, the persistent worker) would write the live parameters
@@ -191,7 +189,7 @@ class BackgroundWriter:
 
 
 class MegatronWrite:
-    """One scheduled save on the ``BackgroundWriter``'s queue (``saving.Write``)."""
+    """One scheduled save on the ``BackgroundWriter``'s queue (``hpc_tools.train.engine.Write``)."""
 
     def __init__(self, queue):
         self.queue = queue
@@ -275,8 +273,12 @@ def _cloning(preload_fn):
 
 
 def _start_results_queue() -> None:
+    import queue
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    if isinstance(filesystem_async._results_queue, queue.Queue):  # a synchronous save's (_in_process_results_queue)
+        filesystem_async._results_queue = None
     filesystem_async._get_write_results_queue()
 
 
@@ -309,9 +311,9 @@ def params_gathered(engine: "Engine"):
 def _in_process_results_queue() -> None:
     """Give torch_dist's writer a plain in-process queue instead of a spawned multiprocessing Manager.
 
-    The Manager only matters for asynchronous saves (results travel from a background process); our saves are
-    synchronous, so the writer's results are put and read in this process. Skipping it saves seconds per rank at the
-    first save and the spawn's re-import of __main__.
+    The Manager only matters for asynchronous saves (results travel from a background process); a synchronous save's
+    results are put and read in this process. Skipping it saves seconds per rank at the first save and the spawn's
+    re-import of __main__. Once a ``BackgroundWriter`` has started the Manager queue, synchronous saves use it too.
     """
     import queue
 

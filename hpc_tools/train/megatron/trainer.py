@@ -1,8 +1,9 @@
 """backend.kind: megatron — what every rank runs: ``run(ctx)`` (called by hpc_tools.runtime.rank).
 
-``MegatronJob`` is the engine of ``hpc_tools.train.loop`` (which owns resume, records, the stop agreement and the
-saves) around ``hpc_tools.train.megatron.engine.Engine`` (model chunks, optimizer, one step). The data of a step is a
-pure function of the step, so no data position is saved.
+``MegatronJob`` is the engine (``hpc_tools.train.engine.Engine``) of ``hpc_tools.train.loop`` (which owns records,
+the stop agreement and evaluations; resume and saves are ``hpc_tools.train.checkpointing``'s) around
+``hpc_tools.train.megatron.engine.Engine`` (model chunks, optimizer, one step). The data of a step is a pure function
+of the step, so no data position is saved.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def run(ctx: RankContext) -> None:
 
 
 class MegatronJob:
-    """``loop.Engine`` for Megatron-core: the engine of this rank's layout, its data and its checkpoints."""
+    """``engine.Engine`` for Megatron-core: the engine of this rank's layout, its data and its checkpoints."""
 
     checkpoints = True
 
@@ -42,10 +43,6 @@ class MegatronJob:
         self.dirs = CheckpointDirs(ctx.checkpoint_dir, keep_last=ctx.recipe.checkpoint.keep_last)
         self._attention_told = False
         self._background = None  # checkpoint.BackgroundWriter, made at the first background save
-        if ctx.recipe.checkpoint.async_save:
-            from hpc_tools.train.megatron import checkpoint
-
-            self._background = checkpoint.BackgroundWriter(on_gpu=ctx.device.type == "cuda")
         for note in self.engine.notes:
             ctx.info("note: %s", note)
         if ctx.recipe.checkpoint.init_from_hf:  # step-0 weights from a Hugging Face folder unless resuming
@@ -91,14 +88,9 @@ class MegatronJob:
         """Validation loss over ``batches`` (``Engine.evaluate``: forward only, the same on every rank)."""
         return self.engine.evaluate(batches)
 
-    def save(self, step: int) -> Path:
-        from hpc_tools.train.megatron import checkpoint
-
-        return checkpoint.save(self.engine, self.dirs, step)
-
     def write_checkpoint(self, folder: Path, step: int, background: bool):
-        """``saving.Saver``'s write: this rank's shards into ``folder``; in the background (checkpoint.async_save)
-        through dist_checkpointing's async path, returning its ``Write``."""
+        """The saver's write (``engine.Checkpointable``): this rank's shards into ``folder``; in the background
+        through dist_checkpointing's async path (its writer made at the first such save), returning its ``Write``."""
         from hpc_tools.train.megatron import checkpoint
 
         if background and self._background is None:

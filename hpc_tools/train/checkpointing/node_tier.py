@@ -5,7 +5,7 @@ share of a save, the copy of a node's files to its peer, and the assembly of a c
 Each node has its own ``local_dir`` (node-local disk: the same path string, a different disk). A save to the tier::
 
     every rank writes into <local_dir>/iter_N.partial on its own node (the backend's own files)
-    gather_records   every rank records (size, checksum) a share of the files its node wrote (checkpoint_agree,
+    gather_records   every rank records (size, checksum) a share of the files its node wrote (agree,
                      share = the node's ranks); gathered: the meta
     replicate(...)   node leaders (the lowest rank of each node): node i's files are copied to node i+1 (mod nodes),
                      over a gloo group of the leaders, when checkpoint.local_replicate (the default)
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from hpc_tools.checkpoints.dirs import META, CheckpointDirs
 from hpc_tools.checkpoints.verify import listing, recorded
 from hpc_tools.train import groups
-from hpc_tools.train.checkpoint_agree import gather, live_dist
+from hpc_tools.train.checkpointing.agree import gather, live_dist
 
 if TYPE_CHECKING:
     from hpc_tools.runtime.context import RankContext

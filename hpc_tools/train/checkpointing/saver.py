@@ -1,37 +1,44 @@
-"""The saves of every backend: which tier a step goes to, background writes, the commit that makes a checkpoint
-complete, and the record of each save (``checkpoint.async_save``, ``checkpoint.local_dir``; docs/checkpoints.md).
+"""The saves of every backend: when a step saves and to which tier, background writes, the one commit that makes a
+checkpoint complete, and the record of each save (``checkpoint.interval_iters``, ``checkpoint.async_save``,
+``checkpoint.local_dir``; docs/checkpoints.md). This is the only reader of those settings on the ranks.
 
 An engine writes its files (``write_checkpoint(folder, step, background)``: everything its library writes, returning
 ``None`` when the files are on disk or a ``Write`` when they are still being written in the background) and says what
-its meta file holds (``checkpoint_meta(step)``); this module does the rest, the same for every backend::
+its meta file holds (``checkpoint_meta(step)``): ``hpc_tools.train.engine.Checkpointable``. This module does the rest,
+the same for every backend::
 
-    save(step, tier)      # the loop, at a step due on a tier: collective
-        drain()           # one background write at a time: the previous one is committed first
-        path = dirs.begin(step)  (rank 0, the tier's root), barrier, engine.write_checkpoint(path, ...)
-        sync: commit now; background: pending until every rank's write is done
-    poll()                # the loop, every step boundary while a write is pending: one flag all-reduce (MIN);
-                          # once every rank is done: commit
-    commit                # Write.finish() (the library's collective end, e.g. torch_dist's metadata), barrier,
-                          # every rank's sizes and checksums (checkpoint_agree.gather_records), rank 0 renames the
-                          # partial folder to iter_N and moves `latest` (CheckpointDirs.commit)
-    close(error)          # after an error: the background writer is stopped, its folder stays partial
+    save(step, last_step)  # the loop, at the end of every step: collective
+        poll()             # a background write that every rank finished is committed (one flag all-reduce, MIN)
+        tier_due(...)      # shared on a stop, at the last step, every interval_iters; else local every
+                           # local_interval_iters; nothing after a non-finite step
+        save_to(step, tier)
+            drain()        # one background write at a time: the previous one is committed first
+            begin          # rank 0 (the tier's root; each node's leader on the local tier): iter_N.partial
+            barrier
+            write          # engine.write_checkpoint(partial, ...): sync, or background: pending until every
+                           # rank's write is done (poll / drain)
+    commit                 # Write.finish() (the library's collective end, e.g. torch_dist's metadata),
+            barrier
+            gather         # every rank's sizes and checksums (agree.gather_records)
+            commit         # rank 0 renames the partial folder to iter_N and moves `latest` (CheckpointDirs.commit)
+    close()                # after an error: the background writer is stopped, its folder stays partial
 
 So ``latest`` moves only after the background write and its checksums are complete on every rank; a write that
 fails or is killed is never committed (its partial folder is removed, the previous checkpoint stays ``latest``); a
 process killed during the write leaves only a partial folder, which no resume reads. The last step's save and a stop's
 save are synchronous and come after the outstanding write is committed, so a run never ends or requeues with a write
-in flight.
+in flight. ``save_once`` is the same sequence for one synchronous save outside a run (test drivers).
 
 Tiers: ``shared`` (``checkpoint.dir``: every ``interval_iters``, the last step, a stop) and ``local``
 (``checkpoint.local_dir``/<run folder>, node-local disk: every ``local_interval_iters``; on several nodes each node's
 leader begins and commits its node's folder, and the commit records each node's own files and copies them to the next
 node first: ``node_tier``). A local save that finds no room (this node's part of the newest checkpoint does not fit in
 the free space, or the write fails with an ``OSError``) goes to the shared tier instead, told in one line. A resume
-takes the newest complete checkpoint of either tier (``loop.resume``; the local one as the nodes hold it together).
+takes the newest complete checkpoint of either tier (``resume.resume``; the local one as the nodes hold it together).
 
-Every save gives one ``SaveRecord`` {iteration, tier, async, blocked_s, write_s, verified}: the loop writes it as the
-collector's ``checkpoint_save`` event (seconds = blocked_s: the goodput's "checkpoint blocked" bucket) and ``status
---json`` lists them.
+Every save gives one ``SaveRecord`` {iteration, tier, async, blocked_s, write_s, verified}: the saver writes it as the
+collector's ``checkpoint_save`` event (seconds = blocked_s: the goodput's "checkpoint blocked" bucket), after the
+collector flushed the records of the steps before it, and ``status --json`` lists them.
 """
 
 from __future__ import annotations
@@ -43,10 +50,11 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
 from hpc_tools.checkpoints.dirs import META, CheckpointDirs
-from hpc_tools.train import node_tier
+from hpc_tools.train.checkpointing import agree, node_tier
+from hpc_tools.train.engine import Checkpointable, Collector, NullCollector, Write
 
 if TYPE_CHECKING:
     from hpc_tools.runtime.context import RankContext
@@ -62,25 +70,6 @@ INJECT_LOCAL_FREE_ENV = "HPC_TOOLS_INJECT_LOCAL_FREE_BYTES"
 as at most this many bytes."""
 ROOM_MARGIN = 1.10
 """A local save needs the newest checkpoint's size x this much free space (shards grow little between saves)."""
-
-
-class Write(Protocol):
-    """One rank's background write of a checkpoint (what ``write_checkpoint(..., background=True)`` returns)."""
-
-    ended: float | None
-    """``time.perf_counter()`` when this rank's write ended, when known (else the poll that found it done)."""
-
-    def done(self) -> bool:
-        """This rank's write has ended (well or not); local and cheap."""
-
-    def finish(self) -> None:
-        """Collective, once every rank's write is done: the library's end of the save; raises when it failed."""
-
-    def abort(self) -> None:
-        """Stop the write without committing it (after an error; its folder stays partial)."""
-
-    def kill(self) -> None:
-        """Kill the writer now (``INJECT_KILL_WRITER_ENV``, tests only)."""
 
 
 @dataclass
@@ -197,23 +186,74 @@ def _error_line(e: BaseException) -> str:
 
 
 class Saver:
-    """The saves of one run on one rank (every method is a collective except ``tier_due``)."""
+    """The saves of one run on one rank (every method is a collective except ``tier_due``).
 
-    def __init__(self, ctx: "RankContext", engine: Any):
+    ``collector``: the records of the run (``engine.Collector``): flushed before each save, given each save's
+    ``checkpoint_save`` event."""
+
+    def __init__(self, ctx: "RankContext", engine: Checkpointable, collector: Collector | None = None):
         ck = ctx.recipe.checkpoint
-        self.ctx, self.engine = ctx, engine
-        self.shared = CheckpointDirs(ctx.checkpoint_dir, keep_last=ck.keep_last)
-        self.local = local_tier(ctx)
-        self.nodes = node_tier.Nodes.of(ctx) if self.local is not None else None
+        local = local_tier(ctx)
+        self._setup(engine, CheckpointDirs(ctx.checkpoint_dir, keep_last=ck.keep_last), local=local,
+                    nodes=node_tier.Nodes.of(ctx) if local is not None else None, rank0=ctx.is_rank0, info=ctx.info,
+                    device=ctx.device if ck.async_save else None, collector=collector)
         self.replicate = bool(ck.local_replicate)
         self.background = bool(ck.async_save)
         self.checksum = ck.verify == "checksum"
         self.interval, self.local_interval = ck.interval_iters, ck.local_interval_iters
+
+    @classmethod
+    def outside_run(cls, engine: Checkpointable, dirs: CheckpointDirs, *, checksum: bool = True) -> "Saver":
+        """A saver of synchronous saves into ``dirs`` outside a training run (``save_once``): no local tier, no
+        background writes, no records; rank 0 of torch.distributed (when up) leads."""
+        rank0 = agree.rank_and_world()[0] == 0
+        saver = cls.__new__(cls)
+        saver._setup(engine, dirs, local=None, nodes=None, rank0=rank0,
+                     info=lambda msg, *args: log.info(msg, *args) if rank0 else None, device=None, collector=None)
+        saver.replicate = saver.background = False
+        saver.checksum = checksum
+        saver.interval = saver.local_interval = None
+        return saver
+
+    def _setup(self, engine: Checkpointable, shared: CheckpointDirs, *, local: CheckpointDirs | None,
+               nodes: "node_tier.Nodes | None", rank0: bool, info: Callable[..., None], device: Any,
+               collector: Collector | None) -> None:
+        self.engine, self.shared, self.local, self.nodes = engine, shared, local, nodes
+        self.is_rank0, self.info, self.device = rank0, info, device
+        self.collector = collector if collector is not None else NullCollector()
         self.pending: _Pending | None = None
         self.shared_next = False  # a background write to the local tier failed: the next save goes to the shared one
         self.kill_step = _kill_step()
 
     # -- when ----------------------------------------------------------------------------------------------------------
+    def save(self, step: int, last_step: int, *, stop: bool = False, nonfinite: bool = False) -> list[SaveRecord]:
+        """The loop's one call, at the end of every step (collective; every rank passes the same arguments): commit
+        a finished background write, then save step ``step`` when a tier is due (``tier_due``) unless the step was
+        not finite (a checkpoint never holds what a non-finite step left behind). Each save that ended is told:
+        rank 0's line and the collector's ``checkpoint_save`` event; returns their records."""
+        records = self.poll()
+        tier = self.tier_due(step, last_step, stop)
+        final = stop or step == last_step
+        if tier is not None and nonfinite:
+            self.info("checkpoint of step %d not saved: the step was not finite (the newest checkpoint stays the last "
+                      "good one)", step)
+            if final:
+                records += self.drain()
+        elif tier is not None:
+            self.collector.flush()  # the checkpoint's steps are on disk before it
+            records += self.save_to(step, tier, final=final)
+        for rec in records:
+            self._report(rec)
+        return records
+
+    def finish(self) -> list[SaveRecord]:
+        """At the end of a run: commit and tell a write still pending (none after the last step's save; kept for a
+        run that saved nothing)."""
+        records = self.drain()
+        for rec in records:
+            self._report(rec)
+        return records
+
     def tier_due(self, step: int, last: int, stop: bool) -> str | None:
         """The tier step ``step`` saves to, or None: shared on a stop, at the last step and every interval_iters;
         else local every local_interval_iters."""
@@ -224,7 +264,7 @@ class Saver:
         return None
 
     # -- saving --------------------------------------------------------------------------------------------------------
-    def save(self, step: int, tier: str, *, final: bool) -> list[SaveRecord]:
+    def save_to(self, step: int, tier: str, *, final: bool) -> list[SaveRecord]:
         """Save step ``step`` to ``tier`` (after committing an outstanding background write); in the background
         with checkpoint.async_save unless ``final`` (the last step, a stop). Returns the records of the saves that
         ended here (the previous background one, this one when synchronous)."""
@@ -256,16 +296,16 @@ class Saver:
                     write.abort()
                 self._discard(dirs, step)
                 self._tell_fallback(step, errors[0])
-                return records + self.save(step, SHARED, final=final)
-        if self.kill_step == step and write is not None and self.ctx.is_rank0:
+                return records + self.save_to(step, SHARED, final=final)
+        if self.kill_step == step and write is not None and self.is_rank0:
             write.kill()
         if write is None:
             records.append(self._commit(_Pending(step, tier, dirs, None, t0, 0.0)))
             return records
         self.pending = _Pending(step, tier, dirs, write, t0, time.perf_counter() - t0)
         parts = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.3f} s" for k, v in getattr(write, "parts", {}).items())
-        self.ctx.info("checkpoint of step %d staged in %.3f s (%s tier%s); written in the background, complete once "
-                      "every rank's write is done", step, self.pending.blocked_s, tier, f": {parts}" if parts else "")
+        self.info("checkpoint of step %d staged in %.3f s (%s tier%s); written in the background, complete once "
+                  "every rank's write is done", step, self.pending.blocked_s, tier, f": {parts}" if parts else "")
         return records
 
     def poll(self) -> list[SaveRecord]:
@@ -273,7 +313,7 @@ class Saver:
         pending; nothing otherwise)."""
         if self.pending is None:
             return []
-        if not _flag_all(self.pending.write.done(), self.ctx.device):
+        if not _flag_all(self.pending.write.done(), self.device):
             return []
         return [self._commit(self.pending)]
 
@@ -293,15 +333,37 @@ class Saver:
         if self.pending is not None:
             with contextlib.suppress(Exception):
                 self.pending.write.abort()
-            self.ctx.info("background checkpoint write of step %d not committed (the run ended with an error): its "
-                          "folder stays partial", self.pending.step)
+            self.info("background checkpoint write of step %d not committed (the run ended with an error): its "
+                      "folder stays partial", self.pending.step)
             self.pending = None
+
+    def _report(self, rec: SaveRecord) -> None:
+        """Rank 0's line for a save that ended, and the collector's ``checkpoint_save`` event with its record."""
+        if rec.verified and not rec.async_:
+            self.info("checkpoint saved: %s%s", rec.path, self._cost(Path(rec.path), rec.write_s))
+        elif rec.verified:
+            self.info("checkpoint of step %d: blocked training %.3f s of a %.2f s background write (%s tier)",
+                      rec.iteration, rec.blocked_s, rec.write_s, rec.tier)
+        fields = rec.as_dict()
+        fields.pop("iteration")
+        self.collector.event("checkpoint_save", rec.blocked_s, step=rec.iteration, **fields)
+
+    def _cost(self, path: Path, seconds: float) -> str:
+        """`` in S s (file lists R s = P%)`` for rank 0's save line, from the meta file the save committed."""
+        if not self.is_rank0:
+            return ""
+        try:
+            record_s = float(CheckpointDirs.read_meta(path)["files"]["seconds"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return ""
+        share = 100 * record_s / max(seconds, 1e-9)
+        return f" in {seconds:.2f} s (file lists and checksums {record_s:.2f} s = {share:.1f}%)"
 
     # -- the steps of one save -----------------------------------------------------------------------------------------
     def _leads(self, dirs: CheckpointDirs) -> bool:
         """Whether this rank changes ``dirs``' folders: global rank 0 on the shared tier, each node's leader on its
         node's local folder."""
-        return self.nodes.is_leader if dirs is self.local and self.nodes is not None else self.ctx.is_rank0
+        return self.nodes.is_leader if dirs is self.local and self.nodes is not None else self.is_rank0
 
     def _begin(self, dirs: CheckpointDirs, step: int) -> Path:
         error = None
@@ -333,7 +395,7 @@ class Saver:
             latest = p.dirs.newest()
             if p.tier == LOCAL:
                 self.shared_next = True
-            if self.ctx.is_rank0:
+            if self.is_rank0:
                 log.error("checkpoint of step %d (%s tier, written in the background) failed: %s; not committed, "
                           "%s stays the newest%s", p.step, p.tier, errors[0],
                           latest.name if latest is not None else "no checkpoint",
@@ -342,10 +404,8 @@ class Saver:
                               str(p.dirs.partial_path(p.step)), note=errors[0])
         partial = p.dirs.partial_path(p.step)
         _barrier()
-        from hpc_tools.train import checkpoint_agree
-
         local = p.tier == LOCAL  # each node its own folder: its own files recorded, then copied to the next node
-        files = checkpoint_agree.gather_records(partial, exclude=[META], checksum=self.checksum,
+        files = agree.gather_records(partial, exclude=[META], checksum=self.checksum,
                                                 share=self.nodes.share if local else None)
         if local:
             own = node_tier.own_files(partial, self.nodes)
@@ -358,9 +418,9 @@ class Saver:
             if p.tier == LOCAL:
                 meta["nodes"] = self.nodes.count
             final = p.dirs.commit(p.step, meta=meta, files=files)
-        if self.ctx.is_rank0 and p.write is not None:
-            self.ctx.info("checkpoint of step %d complete (written in the background, %s tier): %s", p.step, p.tier,
-                          final)
+        if self.is_rank0 and p.write is not None:
+            self.info("checkpoint of step %d complete (written in the background, %s tier): %s", p.step, p.tier,
+                      final)
         _barrier()
         now = time.perf_counter()
         if p.write is None:
@@ -397,18 +457,22 @@ class Saver:
         return next((w for w in _gather(why) if w), None)
 
     def _tell_fallback(self, step: int, why: str) -> None:
-        if self.ctx.is_rank0:
+        if self.is_rank0:
             log.warning("local checkpoint tier full or unusable (%s): step %d saved to the shared tier %s instead",
                         why, step, self.shared.root)
 
 
 def _gather(obj: Any) -> list[Any]:
-    from hpc_tools.train import checkpoint_agree
-
-    return checkpoint_agree.gather(obj)
+    return agree.gather(obj)
 
 
 def _kill_step() -> int | None:
     spec = os.environ.get(INJECT_KILL_WRITER_ENV, "").strip()
     return int(spec) if spec.isdigit() else None
 
+
+def save_once(engine: Checkpointable, dirs: CheckpointDirs, step: int, *, checksum: bool = True) -> Path:
+    """Collective: one synchronous save of step ``step`` into ``dirs`` outside a training run (test drivers, a
+    model-only initial checkpoint): the saver's own begin, write and commit; returns the complete folder."""
+    [record] = Saver.outside_run(engine, dirs, checksum=checksum).save_to(step, SHARED, final=True)
+    return Path(record.path)
