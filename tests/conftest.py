@@ -1,4 +1,5 @@
-"""Shared fixtures: the repository, a CLI runner, and the Slurm test cluster (environment/slurm-dev); and the tiers.
+"""Fixtures and hooks only (the shared helpers are tests/helpers.py): the repository, a CLI runner, the README's main
+command run once per session, and the Slurm test cluster (environment/slurm-dev); and the tiers.
 
 Tiers (``pytest_collection_modifyitems`` below): every test under tests/integration is marked ``integration`` and
 ``slow`` (they start ranks, clusters, browsers), but for the fake-Slurm side of a ``slurm_cluster`` test, and every
@@ -11,18 +12,14 @@ own, so its module-scoped launch runs once; a launch that tests of several modul
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-INTEGRATION = REPO / "tests" / "integration"
-RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+from tests.helpers import INTEGRATION, REPO, need_slurm, run_cli, shared_once, wait_for
+
 # Hermetic recipes: a developer's site file (~/.config/hpc_tools/site.yaml) must not change what the tests resolve;
 # tests of the site file set HPC_TOOLS_SITE themselves.
 os.environ["HPC_TOOLS_SITE"] = "none"
@@ -81,85 +78,9 @@ def repo() -> Path:
     return REPO
 
 
-DRIVERS = Path(__file__).resolve().parent / "integration"
-
-
-def run_driver(script: str, out: Path, *args: str, timeout: float) -> dict:
-    """Run ``tests/integration/<script>`` (a ``*_driver.py`` that launches its own ranks) with ``--out OUT ARGS``;
-    its JSON results, once it exited 0 (else the tail of its output). Prints how long it took (with -s)."""
-    import time
-
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(DRIVERS / script), "--out", str(out), *args], capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    print(f"\n{script}: {time.monotonic() - t0:.0f} s")
-    return json.loads(Path(out).read_text())
-
-
-def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600,
-            input: str | None = None) -> subprocess.CompletedProcess:
-    """`python -m hpc_tools ARGS` in a fresh process, as a user runs it."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "hpc_tools", *args], cwd=cwd or REPO, env=full_env, text=True,
-                          capture_output=True, timeout=timeout, input=input)
-
-
-def wait_for(predicate, timeout_s: float = 120, what: str = "", poll_s: float = 0.5):
-    """Poll ``predicate`` until it returns something truthy (returned), or fail after ``timeout_s``."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what or predicate}")
-
-
-def step_records(run_dir: Path) -> dict[int, list[dict]]:
-    """rank -> its step records (records/rank<R>.jsonl), read with the project's own reader."""
-    from profiling.records import read_jsonl
-
-    return {int(p.stem[4:]): list(read_jsonl(p)) for p in sorted((Path(run_dir) / "records").glob("rank*.jsonl"))}
-
-
-def loss_curve(run_dir: Path) -> dict[int, float]:
-    """step -> loss, from whichever ranks recorded one."""
-    return {r["step"]: r["loss"] for recs in step_records(run_dir).values() for r in recs if r["loss"] is not None}
-
-
 @pytest.fixture
 def cli():
     return run_cli
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    import fcntl
-
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def shared_once(tmp_path_factory, name: str, make) -> dict:
-    """``make(folder) -> dict`` (JSON) once per test session, for every pytest-xdist worker of it: the first caller
-    runs it under a file lock in the session's temporary folder, later ones (on any worker) wait and reuse it."""
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
-    root.mkdir(exist_ok=True)
-    with _locked(root / f"{name}.lock"):
-        done = root / f"{name}.json"
-        if not done.exists():
-            folder = root / name
-            folder.mkdir()
-            done.write_text(json.dumps(make(folder)))
-        return json.loads(done.read_text())
 
 
 @pytest.fixture(scope="session")
@@ -183,39 +104,15 @@ def main_command(tmp_path_factory):
     return run
 
 
-def _slurm_nodes() -> int:
-    from hpc_tools.executors.slurm import slurm_available
-
-    ok, _ = slurm_available()
-    if not ok:
-        return 0
-    out = subprocess.run(["sinfo", "-h", "-o", "%D"], capture_output=True, text=True, timeout=10)
-    try:
-        return sum(int(x) for x in out.stdout.split())
-    except ValueError:
-        return 0
-
-
-def _need_slurm(min_nodes: int) -> int:
-    nodes = _slurm_nodes()
-    if nodes >= min_nodes:
-        return nodes
-    why = (f"needs the Slurm test cluster with >= {min_nodes} node(s) (found {nodes}): "
-           f"bash environment/slurm-dev/up.sh{' --nodes 2' if min_nodes > 1 else ''}")
-    if os.environ.get("HPC_TOOLS_REQUIRE_SLURM") == "1":
-        pytest.fail(why)
-    pytest.skip(why)
-
-
 @pytest.fixture
 def slurm() -> int:
     """A live Slurm cluster (number of nodes). Skips without one, but fails under HPC_TOOLS_REQUIRE_SLURM=1 (CI)."""
-    return _need_slurm(1)
+    return need_slurm(1)
 
 
 @pytest.fixture
 def slurm_multinode() -> int:
-    return _need_slurm(2)
+    return need_slurm(2)
 
 
 class RealCluster:
@@ -256,7 +153,7 @@ def slurm_cluster(request, tmp_path_factory, monkeypatch):
     ever used beneath a real test of the same path. Job-state logic that only the fake side can hold fixed runs in
     milliseconds; what only Slurm can show (ranks, signals, its own verdicts) is asserted on the real side."""
     if request.param == "real":
-        yield RealCluster(_need_slurm(1))
+        yield RealCluster(need_slurm(1))
         return
     from hpc_tools.runstate import READER
     from hpc_tools.testing.fake_slurm import FakeSlurm

@@ -29,8 +29,8 @@ from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.train.loop import INJECT_NONFINITE_ENV
 from profiling.records import read_jsonl
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = ["training.train_iters=5", "training.lr_decay_iters=9", "checkpoint.interval_iters=1",
          "checkpoint.keep_last=10", "training.log_interval=1"]
 BACKENDS = {

@@ -22,7 +22,7 @@ from hpc_tools.registry import RunFolder, list_runs
 from hpc_tools.runstate import SacctReader
 from hpc_tools.submission import new_run
 from hpc_tools.world import slurm_view
-from tests.conftest import RECIPES, REPO, run_cli, step_records, wait_for
+from tests.helpers import RECIPES, REPO, run_cli, step_records, wait_for
 
 COMM = "recipes/comm_check.yaml"
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.conftest import REPO, run_cli, wait_for
+from tests.helpers import REPO, run_cli, wait_for
 
 pytestmark = [pytest.mark.slurm]
 RECIPE = str(REPO / "recipes" / "comm_check.yaml")

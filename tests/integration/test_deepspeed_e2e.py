@@ -7,15 +7,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "gpt_zero.yaml"
 
 

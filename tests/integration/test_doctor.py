@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from hpc_tools.doctor import PACKAGES, pins
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 
 def rows(out) -> dict[str, list[dict]]:

@@ -25,7 +25,7 @@ import pytest
 from hpc_tools.registry import RunFolder
 from hpc_tools.runstate import is_terminal
 from hpc_tools.runtime import heartbeat
-from tests.conftest import REPO, run_cli, wait_for
+from tests.helpers import REPO, run_cli, wait_for
 
 COMM = "recipes/comm_check.yaml"
 HANG_S = 15  # cluster.hang_timeout_min=0.25
@@ -89,9 +89,9 @@ def job_gone(job_id: str) -> bool:
 def outcomes(tmp_path_factory) -> dict[str, Outcome]:
     """Submit the three jobs at once; inject each fault as soon as its job is stepping (no job idles waiting for
     another's turn); watch manifest.json only (nobody runs `status`) until each is terminal with a reason."""
-    from tests.conftest import _need_slurm
+    from tests.helpers import need_slurm
 
-    _need_slurm(2)
+    need_slurm(2)
     tmp = tmp_path_factory.mktemp("failures")
     found: dict[str, Outcome] = {}
     try:

@@ -21,12 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_driver
+from tests.helpers import REPO, run_driver
 
 torch = pytest.importorskip("torch")
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 MFU_FLOOR = 0.35
 """Below this the fast path is not running (the goal is >= 0.50 on one H100; the planner predicts 0.60)."""
 GPU_LOSS_ATOL = 1e-3

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hpc_tools.registry import RunFolder
-from tests.conftest import REPO, run_cli
+from tests.helpers import REPO, run_cli
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multinode]
 COMM = "recipes/comm_check.yaml"

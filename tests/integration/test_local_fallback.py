@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from hpc_tools.registry import list_runs
-from tests.conftest import REPO, run_cli, step_records
+from tests.helpers import REPO, run_cli, step_records
 
 COMM = "recipes/comm_check.yaml"
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 
@@ -11,8 +10,7 @@ from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.train.megatron.checkpoint import optimizer_reshardable
 from hpc_tools.train.schedule import lr_at
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.megatron
 

@@ -8,13 +8,13 @@ loss falls and every rank writes its records.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import REPO
+
 torch = pytest.importorskip("torch")
 
-REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.gpu, pytest.mark.megatron,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hpc_tools.layout import ParallelLayout
-from tests.conftest import run_driver
+from tests.helpers import run_driver
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

@@ -23,8 +23,8 @@ from hpc_tools.executors.local import run_local
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.registry import RunFolder
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "gpt_3d.yaml"
 STOP_AFTER_STEP = 4
 RESUMED_ITERS = 12  # the stopped run trains the uninterrupted run's first 12 steps (of 30), a stop after step 4

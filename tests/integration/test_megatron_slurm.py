@@ -27,9 +27,8 @@ import pytest
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.registry import RunFolder
 from hpc_tools.runstate import READER
-from tests.conftest import wait_for
+from tests.helpers import REPO, wait_for
 
-REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "gpt_3d.yaml"
 # The uninterrupted run's first 12 steps (of 30): its learning-rate schedule kept, so each step's loss is the same.
 ITERS = 12

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_driver
+from tests.helpers import run_driver
 
 torch = pytest.importorskip("torch")
 

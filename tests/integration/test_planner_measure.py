@@ -19,7 +19,7 @@ import pytest
 from hpc_tools.planner.calibrate import read_run
 from hpc_tools.planner.knobs import Knobs
 from hpc_tools.recipe.load import load_recipe
-from tests.conftest import REPO, run_cli
+from tests.helpers import REPO, run_cli
 
 RECIPE = str(REPO / "recipes/gpt_3d.yaml")
 K = 2

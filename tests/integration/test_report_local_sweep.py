@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from tests.conftest import REPO, run_cli
+from tests.helpers import REPO, run_cli
 
 CHECK_JS = ("<script>window.addEventListener('load',()=>{const imgs=[...document.images];"
             "const ok=imgs.filter(i=>i.complete&&i.naturalWidth>0).length;console.log('IMAGES_OK '+ok+'/'+imgs.length);"

@@ -32,7 +32,7 @@ import pytest
 
 from hpc_tools.registry import RunFolder
 from hpc_tools.runtime import heartbeat
-from tests.conftest import loss_curve, run_cli, step_records
+from tests.helpers import loss_curve, run_cli, step_records
 
 RECIPE = "recipes/gpt_zero.yaml"
 ITERS, FAULT_AT = 40, 12
@@ -122,9 +122,9 @@ def signal_rank1(j: Job, start: int, what: str, sig: int) -> bool:
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> dict:
     from hpc_tools.testing.slurm_faults import crash_node, restart_slurmd
-    from tests.conftest import _need_slurm
+    from tests.helpers import need_slurm
 
-    _need_slurm(2)
+    need_slurm(2)
     tmp = tmp_path_factory.mktemp("restarts")
     box: dict = {}
     ref = threading.Thread(target=reference_run, args=(tmp, box), daemon=True)

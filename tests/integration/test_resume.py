@@ -22,9 +22,8 @@ import pytest
 
 from hpc_tools.registry import RunFolder
 from hpc_tools.runstate import READER
-from tests.conftest import loss_curve, run_cli, step_records, wait_for
+from tests.helpers import REPO, loss_curve, run_cli, step_records, wait_for
 
-REPO = Path(__file__).resolve().parents[2]
 RECIPE = str(REPO / "recipes" / "gpt_zero.yaml")
 ITERS, INTERVAL, KILL_AFTER = 15, 3, 4
 SETS = ["--set", f"training.train_iters={ITERS}", "--set", f"checkpoint.interval_iters={INTERVAL}",

@@ -15,7 +15,7 @@ import yaml
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.registry import RunFolder
 from hpc_tools.runstate import TERMINAL_STATES
-from tests.conftest import REPO, run_cli, step_records, wait_for
+from tests.helpers import REPO, run_cli, step_records, wait_for
 
 pytestmark = pytest.mark.slurm
 COMM = "recipes/comm_check.yaml"

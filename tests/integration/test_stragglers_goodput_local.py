@@ -25,8 +25,8 @@ from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.submission import new_run
 from profiling.collector import SLOW_RANK_ENV
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 COMM_CHECK = REPO / "recipes" / "comm_check.yaml"
 GPT = REPO / "recipes" / "gpt_3d.yaml"
 STEPS = 16
@@ -126,7 +126,7 @@ def test_an_injected_straggler_on_two_slurm_nodes_is_named_with_its_node(slurm_m
 
     from hpc_tools.registry import RunFolder
     from hpc_tools.runstate import TERMINAL_STATES
-    from tests.conftest import run_cli, wait_for
+    from tests.helpers import run_cli, wait_for
 
     out = run_cli("submit", str(COMM_CHECK), "--profile", "local", "--executor", "slurm", "--json",
                   "--set", "cluster.nodes=2", "--set", "cluster.gpus_per_node=2",
@@ -177,7 +177,7 @@ def test_a_rank_stopped_half_of_the_time_is_the_one_straggler_host_stalled(tmp_p
     lateness. ``analyze --json`` names it, and only it, with the cause "host stalled", from the time the host kept it
     from running (``host_stall_s``); so does ``status`` while the job runs."""
     from hpc_tools.analysis.live import stragglers_and_goodput
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
 
     steps, victim = 36, 1
     recipe = load_recipe(GPT, ["parallel.tensor_size=1", "parallel.pipeline_size=1",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, run_cli
+from tests.helpers import REPO, run_cli
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multinode]
 TERMINAL = {"completed", "failed", "out_of_memory", "timeout", "hang", "node_failure", "cancelled"}

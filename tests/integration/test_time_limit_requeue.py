@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hpc_tools.registry import RunFolder
-from tests.conftest import run_cli, wait_for
+from tests.helpers import run_cli, wait_for
 
 ENDLESS = ["--set", "training.train_iters=100000000", "--set", "training.log_interval=100000"]
 # slurmctld checks time limits every 30 s and sends the warning once the time left is within delay + 30 s: a 15 s
@@ -46,9 +46,9 @@ def submit(runs_dir: Path, *sets: str) -> tuple[dict, RunFolder, float]:
 @pytest.fixture(scope="module")
 def limited_jobs(tmp_path_factory):
     """Both real jobs, submitted together so that their minute-long limits run out side by side."""
-    from tests.conftest import _need_slurm
+    from tests.helpers import need_slurm
 
-    _need_slurm(1)
+    need_slurm(1)
     runs, jobs = tmp_path_factory.mktemp("time_limit"), {}
     try:
         jobs["requeue"] = submit(runs / "requeue", *REQUEUE)

@@ -11,7 +11,7 @@ import pytest
 
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.registry import RunFolder, list_runs
-from tests.conftest import REPO, loss_curve, run_cli, step_records
+from tests.helpers import REPO, loss_curve, run_cli, step_records
 
 pytestmark = pytest.mark.slow
 

@@ -12,11 +12,10 @@ import pytest
 
 from hpc_tools.registry import list_runs
 from profiling.schema import SCHEMA_VERSION
-from tests.conftest import run_cli, step_records
+from tests.helpers import REPO, run_cli, step_records
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 PROGRESS = re.compile(r"step (\d+)/6 loss \d+\.\d{4}( val (\d+\.\d{4}))? tok/s \S+ TFLOP/s \S+ MFU \S+ mem \S+ GB "
                       r"elapsed \d+:\d\d:\d\d eta (\d+:\d\d:\d\d|-)$")
 SETS = ["training.train_iters=6", "training.eval_interval=3", "training.eval_iters=2", "training.log_interval=2",

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.helpers import REPO, run_cli
 
-REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("hpc_tools", "profiling")
 BUILD_FILES = ("setup.cfg", "pyproject.toml", "README.md")  # what setup.cfg reads besides the packages
 

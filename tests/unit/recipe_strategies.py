@@ -19,7 +19,6 @@ import math
 import types
 import typing
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import annotated_types
@@ -30,8 +29,8 @@ from pydantic.fields import FieldInfo
 
 from hpc_tools.recipe.fields import unwrap_model
 from hpc_tools.recipe.schema import PROFILE_SECTIONS, Recipe
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 # Sections the rules and the planner read most: their fields are drawn more often than the others'.
 PLANNED = ("model", "parallel", "training", "backend", "cluster")
 SMALL_INTS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)

@@ -13,7 +13,7 @@ from hpc_tools.cli import main
 from hpc_tools.recipe import aliases
 from hpc_tools.recipe.explain import explain
 from hpc_tools.recipe.fields import iter_paths, leaf_paths
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 from tests.unit.test_recipe_rules import BASE
 
 SECTIONS = {path for path, is_section in iter_paths() if is_section}

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from hpc_tools.errors import UserError
-from tests.conftest import REPO, run_cli
+from tests.helpers import REPO, run_cli
 
 LIGHT = [["--help"], ["validate", "recipes/gpt_3d.yaml", "--no-fit"], ["render", "recipes/gpt_3d.yaml", "-o", "-"],
          ["submit", "--help"], ["validate", "--explain", "parallel.tensor_size"], ["validate", "--rules"]]

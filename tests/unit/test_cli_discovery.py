@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import hpc_tools.cli as cli
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 CLI_DIR = Path(cli.__file__).parent
 MODULES = sorted(p.stem for p in CLI_DIR.glob("*.py") if not p.name.startswith("_"))

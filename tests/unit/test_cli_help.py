@@ -50,7 +50,7 @@ def test_plan_search_help_names_every_dimension_the_search_turns():
     from hpc_tools.planner.knobs import Knobs
     from hpc_tools.planner.search import enumerate_knobs
     from hpc_tools.recipe.load import load_recipe
-    from tests.conftest import REPO
+    from tests.helpers import REPO
 
     text = _help("plan")
     for label, _ in DIMENSIONS:

@@ -5,7 +5,6 @@ throughput, and a search across backends ranks FSDP at that speed rather than at
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -19,8 +18,8 @@ from hpc_tools.planner.efficiency import (
 )
 from hpc_tools.planner.search import search_across
 from hpc_tools.recipe.load import load_recipe
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 LLAMA = REPO / "recipes/llama_fsdp.yaml"  # Llama 3 8B's shape, sequence 8192, bf16, H100 SXM
 # torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, Table 1: Llama 3.1 8B, FSDP2 on 8 H100, local batch 2,
 # global batch 16, sequence 8192, bf16: tokens/s per GPU eager and with torch.compile

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import yaml
 
-ENV = Path(__file__).resolve().parents[2] / "environment"
+from tests.helpers import REPO
+
+ENV = REPO / "environment"
 
 
 def _pins(path: Path) -> dict[str, str]:

@@ -16,7 +16,7 @@ from hpc_tools.recipe.load import load_recipe, resolve
 from hpc_tools.recipe.parallel import ParallelConfig
 from hpc_tools.recipe.pydantic_errors import violation_from_pydantic
 from hpc_tools.recipe.rules import RULES
-from tests.conftest import REPO, run_cli
+from tests.helpers import REPO, run_cli
 from tests.unit.test_recipe_rules import BASE, CASES, HIDDEN_PACKAGES
 
 HINT = re.compile(r"`(python -m hpc_tools [^`]+)`")

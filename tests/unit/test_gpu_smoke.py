@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO
+
 STEPS = ["env", "profiling", "deepspeed", "megatron_recipes", "megatron_save", "megatron_resume", "export",
          "hf_forward", "megatron_gpu", "gpu_mfu"]
 

@@ -24,7 +24,7 @@ import yaml
 
 from hpc_tools.cli import main
 from hpc_tools.recipe.fields import field_at, iter_paths
-from tests.conftest import REPO, run_cli
+from tests.helpers import REPO, run_cli
 
 LIMIT_S = 2.0  # CPU seconds per rejection: generous; the measured figures are milliseconds
 TIMINGS: dict[str, list[tuple[float, float]]] = defaultdict(list)  # class -> (cpu s, wall s) per case

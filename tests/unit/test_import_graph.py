@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO
+
 PROFILING_MAY_IMPORT = ("hpc_tools.recipe.profiling", "hpc_tools.backends")
 PROFILING_MAY_NAME_FOR_TYPES = ("hpc_tools.recipe",)
 

@@ -18,7 +18,7 @@ import yaml
 from hpc_tools.cli import main
 from hpc_tools.recipe.base import scalar_kinds
 from hpc_tools.recipe.fields import field_at, leaf_paths
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 BASE = {"name": "classes", "model": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
                                      "vocab_size": 512},

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe, resolve
 from hpc_tools.render.slurm_params import SlurmSpec
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 BASE = {"name": "t", "model": {"num_layers": 8, "hidden_size": 64, "num_attention_heads": 8, "seq_length": 32,
                                "vocab_size": 512}}

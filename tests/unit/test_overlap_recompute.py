@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from pathlib import Path
 
 import pytest
 from inline_recipes import inline_recipe
@@ -22,6 +21,7 @@ from hpc_tools.planner.steptime import COMPUTE, EP_COMM, a2a_passes, unpaired_mi
 from hpc_tools.recipe.load import load_recipe, resolve
 from hpc_tools.recipe.rules import check_recipe
 from hpc_tools.recipe.training import RECOMPUTE_MODULES
+from tests.helpers import REPO
 
 OVERLAP, SHARED, MODULES = ("parallel.overlap_moe_expert_parallel_comm", "parallel.moe_shared_expert_overlap",
                             "training.recompute_modules")
@@ -97,7 +97,6 @@ def test_overlap_fields_are_refused_by_backends_without_them():
 
 
 DSV3 = "deepseek_v3"
-REPO = Path(__file__).resolve().parents[2]
 
 
 def module_cases():

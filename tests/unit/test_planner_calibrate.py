@@ -20,8 +20,7 @@ from hpc_tools.planner.estimate import make_plan
 from hpc_tools.recipe.load import dump_resolved, load_recipe
 from profiling.records import RecordWriter
 from profiling.schema import SCHEMA_VERSION
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO
 
 
 def write_run(root: Path, name: str, recipe, step_time_s: float, mem_bytes: int, steps: int = 8) -> Path:

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from hpc_tools.cli import main
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 GPT3D = str(REPO / "recipes/gpt_3d.yaml")
 NO_CAL = ["--calibration", "/nonexistent/calibration.json"]
 

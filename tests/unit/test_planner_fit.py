@@ -9,7 +9,7 @@ import pytest
 from hpc_tools.planner import fit_violations, plan_recipe
 from hpc_tools.planner.hardware import GIB
 from hpc_tools.recipe.load import load_recipe
-from tests.conftest import RECIPES
+from tests.helpers import RECIPES
 from tests.unit.inline_recipes import inline_recipe
 
 BIG_GPT = ["model.num_layers=48", "model.hidden_size=8192", "model.num_attention_heads=64",

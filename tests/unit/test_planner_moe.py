@@ -24,7 +24,7 @@ from hpc_tools.planner.memory import (
 )
 from hpc_tools.planner.steptime import COMPUTE, CP_COMM, EP_COMM, FP8_EFFICIENCY_RATIO, estimate_step_time, step_flops
 from profiling.flops import active_parameters, hardware_flops_parts, hardware_flops_per_step, num_parameters
-from tests.conftest import REPO, run_cli
+from tests.helpers import REPO, run_cli
 from tests.unit.inline_recipes import inline_recipe
 
 

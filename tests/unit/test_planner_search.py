@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from hpc_tools.errors import UserError
@@ -12,9 +10,9 @@ from hpc_tools.planner.knobs import Knobs, apply_knobs
 from hpc_tools.planner.search import why_slower
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.recipe.rules import check_recipe
+from tests.helpers import REPO
 from tests.unit.inline_recipes import inline_recipe
 
-REPO = Path(__file__).resolve().parents[2]
 BIG = ["model.num_layers=48", "model.hidden_size=8192", "model.num_attention_heads=64",
        "parallel.virtual_pipeline_size=null", "cluster.nodes=4"]
 

@@ -6,7 +6,6 @@ The numbers below are those of the test's own recipes (tests/unit/inline_recipes
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -25,9 +24,8 @@ from hpc_tools.planner.steptime import (
 )
 from hpc_tools.recipe.load import load_recipe
 from profiling.flops import hardware_flops_per_step, model_flops_per_step
+from tests.helpers import REPO
 from tests.unit.inline_recipes import inline_recipe
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,13 @@ Llama 3 405B with their authors' recomputation choices)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from hpc_tools.cli import main
 from hpc_tools.planner.unmodelled import BF16_MOMENTS, EARLY_FREE, FP8_ACTIVATIONS
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 NO_CAL = ["--calibration", "/nonexistent/calibration.json"]
 DEEPSEEK_AS_PUBLISHED = ["--set", "training.recompute_granularity=selective",
                          "--set", "training.recompute_modules=[layernorm, mla_up_proj]"]

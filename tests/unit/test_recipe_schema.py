@@ -8,7 +8,7 @@ import yaml
 from hpc_tools.errors import RecipeError, UserError
 from hpc_tools.recipe.load import dump_resolved, load_recipe, parse_override, resolve
 from hpc_tools.recipe.yamlfile import parse_yaml
-from tests.conftest import RECIPES
+from tests.helpers import RECIPES
 
 MINIMAL = {"name": "t", "model": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
                                   "vocab_size": 512},

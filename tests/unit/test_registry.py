@@ -12,7 +12,7 @@ from hpc_tools.errors import UserError
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.registry import RunFolder, find_run, list_runs
 from hpc_tools.submission import new_run
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def _make_and_update(root: str) -> str:

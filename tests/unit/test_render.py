@@ -15,7 +15,7 @@ import yaml
 from hpc_tools.recipe.load import load_recipe, resolve
 from hpc_tools.render.envsetup import launch_prefix, setup_lines, srun_args
 from hpc_tools.render.sbatch import job_script_path, render_sbatch
-from tests.conftest import RECIPES, REPO
+from tests.helpers import RECIPES, REPO
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 # Assembled from pieces so that this file does not match itself.
 FORBIDDEN = {

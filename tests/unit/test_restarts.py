@@ -19,7 +19,7 @@ from hpc_tools.render.slurm_params import SlurmSpec
 from hpc_tools.runtime import heartbeat
 from hpc_tools.runtime.heartbeat import Beat
 from hpc_tools.runtime.recovery import first_step
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 RECIPE = REPO / "recipes" / "gpt_zero.yaml"
 TWO_NODES = ["cluster.nodes=2", "cluster.gpus_per_node=1"]

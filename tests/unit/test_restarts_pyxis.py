@@ -19,7 +19,7 @@ import pytest
 from hpc_tools.recipe.load import resolve
 from hpc_tools.registry import RunFolder
 from hpc_tools.render.sbatch import render_sbatch
-from tests.conftest import REPO
+from tests.helpers import REPO
 from tests.unit.test_render import small_recipe
 
 pytestmark = pytest.mark.slurm_client

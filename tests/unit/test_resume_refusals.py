@@ -20,9 +20,8 @@ from hpc_tools.resume import launch, plan_resume
 from hpc_tools.runstate import SacctReader
 from hpc_tools.runtime.distenv import RESTART_BASE_ENV, DistEnv
 from hpc_tools.submission import new_run
-from tests.conftest import run_cli
+from tests.helpers import REPO, run_cli
 
-REPO = Path(__file__).resolve().parents[2]
 ITERS = 12
 
 

@@ -19,7 +19,7 @@ from hpc_tools.recipe.load import resolve
 from hpc_tools.registry import atomic_write, git_tree
 from hpc_tools.render.sbatch import render_sbatch
 from hpc_tools.submission import new_run
-from tests.conftest import REPO, run_cli
+from tests.helpers import REPO, run_cli
 from tests.unit.test_render import recorded, small_recipe, stub_env, submitit_script
 
 COMM = "recipes/comm_check.yaml"

@@ -5,7 +5,6 @@ the default search (the recipe's own kind) keeps its labels and overrides."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -16,8 +15,8 @@ from hpc_tools.planner import search
 from hpc_tools.planner.knobs import Knobs
 from hpc_tools.planner.search import parse_kinds, search_across
 from hpc_tools.recipe.load import resolve
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 NO_CAL = ["--calibration", "/nonexistent/calibration.json"]
 LLAMA_8B = {"family": "llama", "num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
             "num_query_groups": 8, "ffn_hidden_size": 14336, "seq_length": 8192, "vocab_size": 128256}

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import json
 import shlex
-from pathlib import Path
 
 import pytest
 
 from hpc_tools import backends
 from hpc_tools.cli import main
 from hpc_tools.recipe.load import load_recipe
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 NO_CAL = ["--no-calibration"]
 TOP, LOSERS = "4", "4"  # 8 rows per search keeps the test within seconds per recipe
 TRAINING = [p.name for p in sorted((REPO / "recipes").glob("*.yaml"))

@@ -10,7 +10,7 @@ from hpc_tools.errors import UserError
 from hpc_tools.recipe.load import dump_resolved, load_recipe, resolve
 from hpc_tools.recipe.site import site_path
 from hpc_tools.recipe.yamlfile import parse_yaml
-from tests.conftest import REPO, run_cli
+from tests.helpers import REPO, run_cli
 
 COMM = "recipes/comm_check.yaml"
 SITE = {"cluster": {"account": "proj42", "partition": "site-part", "qos": "site-qos", "gpu_type": "A100-80GB",

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from hpc_tools.errors import UserError
-from tests.conftest import REPO, run_cli
+from tests.helpers import REPO, run_cli
 
 NO_CONTROLLER = ('echo "{name}: error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host" >&2; '
                  'echo "{name}: fatal: Could not establish a configuration source" >&2; exit 1')  # Slurm 22.05's

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 CHILD = """
 import sys, time

@@ -11,7 +11,7 @@ from hpc_tools.errors import RecipeError, UserError
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import read_yaml
 from hpc_tools.sweep.grid import check_world, expand
-from tests.conftest import REPO, run_cli
+from tests.helpers import REPO, run_cli
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from hpc_tools.tracking import TAGS, Trackers, events, open_trackers, write_from
 from hpc_tools.tracking.events import FILE_VERSION, PlainEventWriter, encode_event, event_files
 from hpc_tools.tracking.rebuild import rebuild
 from hpc_tools.tracking.trackers import Sink
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
                                         reason="tensorboard is in environment/requirements-*.txt")

@@ -20,7 +20,7 @@ from hpc_tools.world import (
     slurm_violations,
     world_violations,
 )
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 CPU = {"name": "world", "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
                                   "vocab_size": 512},

@@ -1,0 +1,120 @@
+"""The tests' shared helpers (imported by test modules: ``from tests.helpers import REPO, run_cli``): the repository's
+paths, the CLI runner, the integration drivers' runner, polling, a run's step records and loss curve, work shared
+once per session across pytest-xdist workers, and whether the Slurm test cluster is up. Fixtures and hooks stay in
+tests/conftest.py, which uses these.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+INTEGRATION = REPO / "tests" / "integration"
+DRIVERS = INTEGRATION
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+def run_driver(script: str, out: Path, *args: str, timeout: float) -> dict:
+    """Run ``tests/integration/<script>`` (a ``*_driver.py`` that launches its own ranks) with ``--out OUT ARGS``;
+    its JSON results, once it exited 0 (else the tail of its output). Prints how long it took (with -s)."""
+    import time
+
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(DRIVERS / script), "--out", str(out), *args], capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    print(f"\n{script}: {time.monotonic() - t0:.0f} s")
+    return json.loads(Path(out).read_text())
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600,
+            input: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m hpc_tools ARGS` in a fresh process, as a user runs it."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "hpc_tools", *args], cwd=cwd or REPO, env=full_env, text=True,
+                          capture_output=True, timeout=timeout, input=input)
+
+
+def wait_for(predicate, timeout_s: float = 120, what: str = "", poll_s: float = 0.5):
+    """Poll ``predicate`` until it returns something truthy (returned), or fail after ``timeout_s``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what or predicate}")
+
+
+def step_records(run_dir: Path) -> dict[int, list[dict]]:
+    """rank -> its step records (records/rank<R>.jsonl), read with the project's own reader."""
+    from profiling.records import read_jsonl
+
+    return {int(p.stem[4:]): list(read_jsonl(p)) for p in sorted((Path(run_dir) / "records").glob("rank*.jsonl"))}
+
+
+def loss_curve(run_dir: Path) -> dict[int, float]:
+    """step -> loss, from whichever ranks recorded one."""
+    return {r["step"]: r["loss"] for recs in step_records(run_dir).values() for r in recs if r["loss"] is not None}
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def shared_once(tmp_path_factory, name: str, make) -> dict:
+    """``make(folder) -> dict`` (JSON) once per test session, for every pytest-xdist worker of it: the first caller
+    runs it under a file lock in the session's temporary folder, later ones (on any worker) wait and reuse it."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    root.mkdir(exist_ok=True)
+    with _locked(root / f"{name}.lock"):
+        done = root / f"{name}.json"
+        if not done.exists():
+            folder = root / name
+            folder.mkdir()
+            done.write_text(json.dumps(make(folder)))
+        return json.loads(done.read_text())
+
+
+def _slurm_nodes() -> int:
+    from hpc_tools.executors.slurm import slurm_available
+
+    ok, _ = slurm_available()
+    if not ok:
+        return 0
+    out = subprocess.run(["sinfo", "-h", "-o", "%D"], capture_output=True, text=True, timeout=10)
+    try:
+        return sum(int(x) for x in out.stdout.split())
+    except ValueError:
+        return 0
+
+
+def need_slurm(min_nodes: int) -> int:
+    """The Slurm test cluster's node count when it has ``min_nodes`` or more; else the test skips (fails under
+    HPC_TOOLS_REQUIRE_SLURM=1, as in CI)."""
+    nodes = _slurm_nodes()
+    if nodes >= min_nodes:
+        return nodes
+    why = (f"needs the Slurm test cluster with >= {min_nodes} node(s) (found {nodes}): "
+           f"bash environment/slurm-dev/up.sh{' --nodes 2' if min_nodes > 1 else ''}")
+    if os.environ.get("HPC_TOOLS_REQUIRE_SLURM") == "1":
+        pytest.fail(why)
+    pytest.skip(why)
