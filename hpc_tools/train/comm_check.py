@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hpc_tools.runtime.context import RankContext
 from hpc_tools.train import loop
+from hpc_tools.train.engine import StepResult
 
 SIZES_BYTES = (1 << 10, 1 << 16, 1 << 20, 1 << 22)
 
@@ -53,7 +54,7 @@ class CommCheck:
         """The buffer of this step's size: the sizes take turns, smallest first."""
         return self.buffers[(step - 1) % len(SIZES_BYTES)]
 
-    def step(self, step: int, batch) -> loop.StepResult:
+    def step(self, step: int, batch) -> StepResult:
         """Time one all-reduce of ``batch``; the note carries its time and bus bandwidth."""
         import torch
         import torch.distributed as dist
@@ -65,7 +66,7 @@ class CommCheck:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         busbw = size / dt * 2 * (n - 1) / n / 1e9 if n > 1 else 0.0
-        return loop.StepResult(note=f"all_reduce {size:8d} bytes: {dt * 1e3:.3f} ms, busbw {busbw:.3f} GB/s")
+        return StepResult(note=f"all_reduce {size:8d} bytes: {dt * 1e3:.3f} ms, busbw {busbw:.3f} GB/s")
 
     def evaluate(self, batches: list) -> None:
         """No model: nothing to evaluate (the validation loss stays None)."""

@@ -21,6 +21,7 @@ from hpc_tools.train.data import build_samples, microbatches_for_step
 from hpc_tools.train.deepspeed.device import check_accelerator, environment_for, to_device
 from hpc_tools.train.deepspeed.ds_config import build_ds_config, write_ds_config
 from hpc_tools.train.deepspeed.model import build_model
+from hpc_tools.train.engine import StepResult
 from hpc_tools.train.prefetch import BatchPrefetcher
 from hpc_tools.train.schedule import lr_at
 
@@ -126,7 +127,7 @@ class DeepSpeedJob:
     def _build_batch(self, step: int) -> list[dict[str, Any]]:
         return microbatches_for_step(self.samples, step, self._coords["dp_rank"], self.layout)
 
-    def step(self, step: int, batch: list[dict[str, Any]]) -> loop.StepResult:
+    def step(self, step: int, batch: list[dict[str, Any]]) -> StepResult:
         """One optimizer step (pipelined or not) at the scheduler's lr, with the engine's grad norm and skip flag."""
         lr = self.engine.get_lr()[0]
         poison = loop.nonfinite_injected(step, self.ctx.rank)
@@ -143,7 +144,7 @@ class DeepSpeedJob:
         skipped = (not applied) if (fp16 or nonfinite) else None
         if nonfinite and applied and self._own_check:
             log.error("step %d was not finite but DeepSpeed applied its update (no check of its own here)", step)
-        return loop.StepResult(loss=loss, lr=lr, grad_norm=grad_norm, skipped=skipped, nonfinite=nonfinite)
+        return StepResult(loss=loss, lr=lr, grad_norm=grad_norm, skipped=skipped, nonfinite=nonfinite)
 
     @property
     def _own_check(self) -> bool:

@@ -20,6 +20,7 @@ from hpc_tools.checkpoints.dirs import CheckpointDirs
 from hpc_tools.runtime.context import RankContext
 from hpc_tools.train import loop
 from hpc_tools.train.data import build_samples, microbatches_for_step
+from hpc_tools.train.engine import StepResult
 from hpc_tools.train.fsdp import checkpoint, parallel
 from hpc_tools.train.fsdp.model import build_empty, full_values
 from hpc_tools.train.hf_causal_lm import causal_lm_loss
@@ -98,7 +99,7 @@ class FSDPJob:
             logits = self.model(input_ids=to_device(mb["tokens"], self.device)).logits
         return causal_lm_loss(logits, to_device(mb["labels"], self.device))
 
-    def step(self, step: int, batches: list[dict[str, Any]]) -> loop.StepResult:
+    def step(self, step: int, batches: list[dict[str, Any]]) -> StepResult:
         """Forward/backward every microbatch, clip, one AdamW step; a step whose loss or gradient norm is not finite
         (the same verdict on every rank: both are global) updates nothing."""
         import torch
@@ -125,7 +126,7 @@ class FSDPJob:
         if not nonfinite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loop.StepResult(loss=mean, lr=lr, grad_norm=norm, skipped=True if nonfinite else False,
+        return StepResult(loss=mean, lr=lr, grad_norm=norm, skipped=True if nonfinite else False,
                                nonfinite=nonfinite)
 
     def evaluate(self, batches: list[list[dict[str, Any]]]) -> float:

@@ -15,6 +15,7 @@ from typing import Any
 from hpc_tools.checkpoints.dirs import CheckpointDirs
 from hpc_tools.runtime.context import RankContext
 from hpc_tools.train import loop
+from hpc_tools.train.engine import StepResult
 from hpc_tools.train.prefetch import BatchPrefetcher
 
 log = logging.getLogger("hpc_tools.megatron")
@@ -74,7 +75,7 @@ class MegatronJob:
 
         return microbatches_for_step(self.samples, step, self.engine.coords.dp_rank, self.ctx.layout)
 
-    def step(self, step: int, batch: list[dict[str, Any]]) -> loop.StepResult:
+    def step(self, step: int, batch: list[dict[str, Any]]) -> StepResult:
         result = self.engine.train_step(step, batch)
         if not self._attention_told:  # TE chooses at the first forward (attention=auto): say what it chose, once
             self._attention_told = True
