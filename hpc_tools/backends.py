@@ -39,6 +39,15 @@ def _sdpa_flash(recipe: Any) -> bool:
     return recipe.cluster.uses_gpus
 
 
+def _not_compiled(recipe: Any) -> bool:
+    return False
+
+
+def _fsdp_compiled(recipe: Any) -> bool:
+    """``backend.fsdp.compile``: each block under torch.compile."""
+    return recipe.backend.fsdp.compile
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Backend:
     kind: str
@@ -94,18 +103,22 @@ class Backend:
     """``"module:function"``: (recipe, layout) -> environment variables to set before the first CUDA call."""
     layers: str = ""
     """Whose layer code the model runs, for the planner's activation model: ``megatron`` (Megatron-core modules) or
-    ``huggingface`` (transformers modules); "" without a model."""
+    ``huggingface`` (transformers modules); "" without a model. Each is one ``LayerCode`` class in
+    ``hpc_tools/planner/memory.py``."""
     sharding: str = ""
     """How model states are sharded across data-parallel ranks, for the planner's memory and communication model:
     ``distributed_optimizer`` (Megatron's: fp32 grads reduce-scattered, optimizer states sharded when on), ``zero``
     (ZeRO stages 0-3 with optional offload) or ``fsdp`` (PyTorch FSDP2: parameters, gradients and optimizer states
-    sharded over the shard group, replicated across HSDP's replica groups; or plain DDP); "" without a model."""
+    sharded over the shard group, replicated across HSDP's replica groups; or plain DDP); "" without a model. Each
+    scheme is one class in ``hpc_tools/planner/sharding.py``: a new backend names an existing one here."""
     packages: tuple[str, ...] = ()
     """The distributions a job of this kind imports beyond every job's set (``doctor``)."""
     flash_attention: Callable[[Any], bool] = _sdpa_flash
     """Whether the recipe's attention stores no s^2 activations (the planner's memory model)."""
     zero_config: Callable[[Any], dict] = _no_zero_config
     """The ``zero_optimization`` overrides the planner reads (bucket sizes); {} where there is no ZeRO config."""
+    compiled: Callable[[Any], bool] = _not_compiled
+    """Whether the recipe's layers run under torch.compile (the planner's default efficiency)."""
 
 
 BACKENDS: dict[str, Backend] = {b.kind: b for b in (
@@ -134,7 +147,7 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
             tensor_parallel=True,
             hf_model_classes=True, reads_init_from_hf=True, async_save=True,
             hf_export="hpc_tools.train.fsdp.export:export_checkpoint",
-            layers="huggingface", sharding="fsdp", packages=("transformers", "accelerate")),
+            layers="huggingface", sharding="fsdp", packages=("transformers", "accelerate"), compiled=_fsdp_compiled),
     Backend(kind="comm_check", summary="no model: every rank joins the process group and times all-reduces "
             "(a cluster smoke test)",
             trainer="hpc_tools.train.comm_check", trains_model=False),

@@ -3,10 +3,13 @@
 checks that the ``Knobs`` attributes it varies are exactly the ones named here, so a dimension added to the search and
 not here (or named here and not turned) fails the suite.
 
-Each entry: the label users read, and the ``Knobs`` attributes (``layout.X`` for the ParallelLayout's) it turns.
+Each entry: the label users read, and the ``Knobs`` attributes (``layout.X`` for the ParallelLayout's) it turns; a
+sharding scheme's entry is its own (``hpc_tools.planner.sharding``).
 """
 
 from __future__ import annotations
+
+from hpc_tools.planner import sharding
 
 DIMENSIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("TP", ("layout.tensor_size",)),
@@ -20,9 +23,8 @@ DIMENSIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sequence parallelism (on wherever TP > 1 allows it)", ("layout.sequence_parallel",)),
     ("micro batch", ("layout.micro_batch_size",)),
     ("recompute (none, selective, full)", ("recompute",)),
-    ("distributed optimizer (megatron)", ("distributed_optimizer",)),
-    ("ZeRO stage and offload (deepspeed)", ("zero_stage", "offload_optimizer", "offload_param", "ds_overlap_comm")),
-    ("FSDP strategy and reshard_after_forward (fsdp)", ("fsdp_strategy", "fsdp_reshard")),
+    # each sharding scheme's knobs, labelled with the backend kinds that use it: "distributed optimizer (megatron)"
+    *sharding.dimensions(),
 )
 
 

@@ -54,7 +54,7 @@ def default_efficiency(recipe: "Recipe") -> tuple[float, str]:
     row = backends.of(recipe)
     if row.layers == "megatron":
         return MEGATRON_EFFICIENCY, "default for Megatron-core layers (Narayanan et al. 2021)"
-    if row.sharding == "fsdp" and recipe.backend.fsdp.compile:
+    if row.compiled(recipe):
         return HF_COMPILED_EFFICIENCY, "default for compiled PyTorch layers (torchtitan FSDP2 + torch.compile)"
     return HF_EAGER_EFFICIENCY, "default for Hugging Face eager layers (torchtitan FSDP2, eager)"
 

@@ -64,19 +64,15 @@ class Plan:
         """The parameters one GPU holds of its stage's ``stage_params`` (those of its TP/PP/EP shard): divided by
         the shard group under FSDP full_shard/hybrid_shard and by the data-parallel size under ZeRO-3, which keep
         1/S of them on each rank (gathered for use: the memory terms' own lines)."""
-        k = self.knobs
-        if k.fsdp:
-            return stage_params / k.shard_group
-        if k.zero and k.zero_stage == 3:
-            return stage_params / k.layout.data_size
-        return stage_params
+        return self.knobs.scheme.held(self.knobs, stage_params)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready summary (bytes, seconds, FLOPs as plain numbers; GB = 1e9 bytes)."""
         mem = self.memory.peak
         notes = self.notes()
         out: dict[str, Any] = {
-            "recipe": self.name, "config": self.knobs.describe(), "layout": self.knobs.layout.describe(),
+            "recipe": self.name, "config": self.knobs.describe(), "scheme": self.knobs.scheme.name,
+            "layout": self.knobs.layout.describe(),
             "parameters": self.parameters, "parameters_active": self.parameters_active,
             "parameters_active_without_input_embedding": self.parameters_active_without_input_embedding,
             "parameters_active_counts": ACTIVE_NOTE, "parameters_per_gpu": self.held(mem.params),

@@ -90,11 +90,10 @@ def _single_changes(recipe: "Recipe", k: Knobs) -> Iterator[tuple[list[str], Kno
     def with_dp(sets: list[str], alt: Knobs) -> list[str]:
         return sets + [f"parallel.data_size={alt.layout.data_size}"] if explicit_dp else sets
 
-    row, options = k.row, f"backend.{k.row.options}"
+    row, options, scheme = k.row, f"backend.{k.row.options}", k.scheme
     if row.selective_recompute and k.recompute != "selective" and k.recompute != "full":
         yield ["training.recompute_granularity=selective"], replace(k, recompute="selective")
-    if k.distopt and not k.distributed_optimizer and lay.data_size > 1:
-        yield [f"{options}.distributed_optimizer=true"], replace(k, distributed_optimizer=True)
+    yield from scheme.cheap_changes(k, options)  # the distributed optimizer
     if row.tensor_parallel:
         sp = row.sequence_parallel
         if sp and lay.tensor_size > 1 and not lay.sequence_parallel:
@@ -113,18 +112,7 @@ def _single_changes(recipe: "Recipe", k: Knobs) -> Iterator[tuple[list[str], Kno
         alt = relayout(lay.tensor_size, lay.pipeline_size, context_size=cp)
         if alt and m.seq_length % (2 * cp * lay.tensor_size) == 0:
             yield with_dp([f"parallel.context_size={cp}"], alt), alt
-    if k.zero:
-        for stage in range(k.zero_stage + 1, 4):
-            if lay.pipeline_size == 1 or stage <= 1:
-                yield ([f"{options}.zero_stage={stage}"],
-                       replace(k, zero_stage=stage, ds_overlap_comm=stage == 3))
-        if k.zero_stage >= 1 and k.offload_optimizer == "none":
-            yield [f"{options}.offload_optimizer=cpu"], replace(k, offload_optimizer="cpu")
-    if k.fsdp and k.fsdp_strategy != "full_shard" and lay.data_size > 1:
-        yield ([f"{options}.strategy=full_shard", f"{options}.shard_size=null"],
-               replace(k, fsdp_strategy="full_shard", fsdp_shard_size=None))
-    if k.fsdp and k.fsdp_strategy != "ddp" and not k.fsdp_reshard:
-        yield [f"{options}.reshard_after_forward=true"], replace(k, fsdp_reshard=True)
+    yield from scheme.changes(k, options)  # a higher ZeRO stage, offload; FSDP full_shard, resharding
     for p in (lay.pipeline_size * 2, lay.pipeline_size * 4) if row.pipeline_parallel else ():
         alt = relayout(lay.tensor_size, p)
         if alt and m.num_layers % p == 0:

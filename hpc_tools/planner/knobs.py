@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_tools import backends
 from hpc_tools.layout import ParallelLayout
+from hpc_tools.planner import sharding
 from hpc_tools.recipe.training import recompute_modules
 
 if TYPE_CHECKING:
@@ -19,10 +20,6 @@ if TYPE_CHECKING:
 # DeepSpeed's default zero_optimization.reduce_bucket_size (elements); its ZeRO-1/2 gradient bucket.
 DS_DEFAULT_BUCKET_ELEMS = 500_000_000
 
-# The two traits the memory and step-time models branch on, as sets of kinds: they are asked per scored candidate.
-_MEGATRON_LAYERS = frozenset(b.kind for b in backends.BACKENDS.values() if b.layers == "megatron")
-_ZERO = frozenset(b.kind for b in backends.BACKENDS.values() if b.sharding == "zero")
-_FSDP = frozenset(b.kind for b in backends.BACKENDS.values() if b.sharding == "fsdp")
 # Fields of ``section_updates`` that ``overrides`` writes only where they mean something.
 _ONLY_FULL_RECOMPUTE = frozenset({"recompute_method", "recompute_num_layers"})
 _ONLY_EXPERTS = frozenset({"expert_size", "expert_tensor_size"})
@@ -89,24 +86,10 @@ class Knobs:
         return backends.backend(self.backend)
 
     @property
-    def megatron_layers(self) -> bool:
-        """The model runs Megatron-core's layers (else Hugging Face's): the activation model's choice."""
-        return self.backend in _MEGATRON_LAYERS
-
-    @property
-    def zero(self) -> bool:
-        """Model states sharded by ZeRO stages (else Megatron's distributed optimizer)."""
-        return self.backend in _ZERO
-
-    @property
-    def fsdp(self) -> bool:
-        """Model states held as PyTorch FSDP2 / HSDP shards or DDP replicas (``fsdp_strategy``)."""
-        return self.backend in _FSDP
-
-    @property
-    def distopt(self) -> bool:
-        """Model states as Megatron's (the distributed optimizer on or off)."""
-        return not (self.zero or self.fsdp)
+    def scheme(self) -> sharding.Scheme:
+        """How the backend shards the model states (its row's ``sharding``): the memory terms, data-parallel
+        traffic, notes and search knobs that depend on it."""
+        return sharding.of(self.backend)
 
     @property
     def shard_group(self) -> int:
@@ -153,15 +136,7 @@ class Knobs:
             parts.append("a2a-overlap" if self.ep_overlap else "shared-expert-overlap")
         if self.fp8:
             parts.append(f"fp8-{self.fp8}")
-        if self.fsdp:
-            s, d = self.shard_group, self.layout.data_size
-            parts.append({"ddp": "ddp", "full_shard": "fsdp"}.get(self.fsdp_strategy, f"hsdp{d // s}x{s}"))
-            if self.fsdp_strategy != "ddp":
-                parts.append("reshard" if self.fsdp_reshard else "no-reshard")
-        elif not self.zero:
-            parts.append("distopt" if self.distributed_optimizer else "no-distopt")
-        else:
-            parts += [f"zero{self.zero_stage}", f"opt->{self.offload_optimizer}", f"param->{self.offload_param}"]
+        parts += self.scheme.describe(self)
         return " ".join(parts)
 
     def overrides(self) -> list[str]:
@@ -200,18 +175,8 @@ class Knobs:
         if self.recompute_modules is not None:  # the recipe's list, kept where it is read (selective) only
             upd["training"]["recompute_modules"] = (list(self.recompute_modules) if self.recompute == "selective"
                                                     else None)
-        upd[self.row.options] = self._option_updates()
+        upd[self.row.options] = self.scheme.option_updates(self)  # the sharding knobs, in the backend's section
         return upd
-
-    def _option_updates(self) -> dict[str, Any]:
-        """The sharding knobs as fields of the backend's own options section."""
-        if self.fsdp:
-            return {"strategy": self.fsdp_strategy, "reshard_after_forward": self.fsdp_reshard,
-                    "shard_size": self.fsdp_shard_size if self.fsdp_strategy == "hybrid_shard" else None}
-        if self.zero:
-            return {"zero_stage": self.zero_stage, "offload_optimizer": self.offload_optimizer,
-                    "offload_param": self.offload_param}
-        return {"distributed_optimizer": self.distributed_optimizer}
 
 
 def _setting(value: Any) -> str:

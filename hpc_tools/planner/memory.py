@@ -5,6 +5,10 @@ stage 1/2/3 partitioning) and Megatron-LM's distributed-optimizer notes (18 byte
 Korthikanti et al. 2022, Table 2, generalised term by term to GQA, SwiGLU, no dropout and fused attention; pipeline
 in-flight microbatches from the 1F1B and interleaved schedules. Every term carries a note that says what it assumes
 (``memory_notes``). Bytes everywhere; GB = 1e9 bytes.
+
+The model states, their notes and the terms of a scheme's own (ZeRO-3's gathered parameters, FSDP's unsharded copies,
+DeepSpeed's reduce bucket) belong to the backend's sharding scheme (``hpc_tools.planner.sharding``); what a layer,
+the embedding and the head keep belongs to its layer code (``LayerCode`` below: Megatron-core's or Hugging Face's).
 """
 
 from __future__ import annotations
@@ -12,16 +16,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import ClassVar
 
-from hpc_tools.planner.arch import (
-    Arch,
-    busiest_moe_stage,
-    fsdp_parameters,
-    pieces,
-    stage_layer_counts,
-    stage_parameters,
-    stage_split,
-)
+from hpc_tools import backends
+from hpc_tools.planner.arch import Arch, busiest_moe_stage, stage_layer_counts
 from hpc_tools.planner.knobs import Knobs
 from hpc_tools.recipe.training import recompute_modules
 
@@ -31,67 +29,7 @@ NCCL_BUFFER_BYTES = 0.5e9  # NCCL channels/buffers per process (assumed; grows w
 
 PARAMETERS, GRADIENTS, OPTIMIZER = "parameters", "gradients", "optimizer states"
 ACTIVATIONS, EDGE_ACTIVATIONS, RECOMPUTE_WS = "activations", "embedding/logits activations", "recompute working set"
-GATHERED, BUCKETS, CONTEXT = "ZeRO-3 gathered parameters", "communication buffers", "CUDA context"
-UNSHARDED = "FSDP unsharded parameters and gradients"
-
-
-# --- model states ---------------------------------------------------------------------------------------------------
-
-def megatron_state_bytes(n_params: float, data: int, precision: str,
-                         distributed_optimizer: bool) -> tuple[float, float, float]:
-    """(parameters, gradients, optimizer) bytes on one GPU holding ``n_params`` parameters.
-
-    16-bit training: 2 (16-bit params) + 4 (fp32 main grads) + 12 (fp32 master params, Adam m and v) = 18 bytes/param;
-    the distributed optimizer shards the 12 across the data-parallel group: 6 + 12/d. fp32 training: 4 + 4 + 8
-    (no master copy) = 16, distributed 8 + 8/d.
-    """
-    p, g, o = (4, 4, 8) if precision == "fp32" else (2, 4, 12)
-    return p * n_params, g * n_params, o * n_params / (data if distributed_optimizer else 1)
-
-
-def zero_state_bytes(n_params: float, data: int, stage: int, precision: str = "bf16",
-                     offload_optimizer: str = "none", offload_param: str = "none") -> tuple[float, float, float]:
-    """(parameters, gradients, optimizer) bytes per GPU under DeepSpeed ZeRO (Rajbhandari et al. 2019).
-
-    Mixed precision: 2 + 2 + K with K = 12; stage 1 shards the optimizer (4Ψ + 12Ψ/N), stage 2 also the gradients
-    (2Ψ + 14Ψ/N), stage 3 also the parameters (16Ψ/N). fp32: 4 + 4 + 8. Offloaded states leave the GPU.
-    """
-    p, g, o = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
-    params = p * n_params / (data if stage >= 3 else 1)
-    grads = g * n_params / (data if stage >= 2 else 1)
-    optim = o * n_params / (data if stage >= 1 else 1)
-    if offload_optimizer != "none":
-        optim = 0.0
-    if offload_param != "none":
-        params = 0.0
-    return params, grads, optim
-
-
-def fsdp_state_bytes(n_params: float, shard: int) -> tuple[float, float, float]:
-    """(parameters, gradients, optimizer) bytes per GPU under PyTorch FSDP2 / HSDP / DDP with AdamW.
-
-    FSDP2 keeps the fp32 parameters (the master copy: ``MixedPrecisionPolicy`` casts only the gathered copy to
-    bf16), their fp32 gradients (reduced in fp32) and Adam's m and v sharded over the shard group S: 4 + 4 + 8 =
-    16 bytes/param / S, in fp32 and bf16 alike (full_shard: S = d; hybrid_shard: S = the shard group; DDP: S = 1,
-    gradients as bucket views, no second copy).
-    """
-    return 4 * n_params / shard, 4 * n_params / shard, 8 * n_params / shard
-
-
-def fsdp_unsharded_bytes(arch: Arch, k: Knobs) -> float:
-    """What FSDP2 gathers on top of the shards: the compute-dtype parameters of the block in use and the one
-    prefetched (reshard_after_forward; else every block's, kept from its forward to its backward), the root's
-    (embeddings, final norm, output layer: kept for the whole step), and one block's unsharded gradient before its
-    reduce-scatter (fp32, plus the compute-dtype copy autograd produced). DDP under bf16 autocast: the weights' bf16
-    copies autocast caches during the forward."""
-    pc, layer = pieces(arch, 1), pieces(arch, k.layout.tensor_size).layer  # FSDP x TP: a block's TP share
-    e = 4 if k.precision == "fp32" else 2
-    root = pc.word_embedding + pc.position_embedding + pc.final_norm + pc.output_layer
-    if k.fsdp_strategy == "ddp":
-        return 0.0 if k.precision == "fp32" else e * (arch.layers * pc.layer + root)
-    blocks = 2 if k.fsdp_reshard else arch.layers
-    grad = (4 + (e if e != 4 else 0)) * layer
-    return e * (min(blocks, arch.layers) * layer + root) + grad
+BUCKETS, CONTEXT = "communication buffers", "CUDA context"
 
 
 # --- activations (Korthikanti et al. 2022, Table 2, generalised) ----------------------------------------------------
@@ -246,31 +184,7 @@ def local_seq(arch: Arch, k: Knobs) -> int:
 
 
 def _layer_terms(arch: Arch, k: Knobs, recompute: str, moe: bool = False) -> dict[str, float]:
-    lay = k.layout
-    s = local_seq(arch, k)
-    if k.megatron_layers:
-        mods = recompute_modules(recompute, k.recompute_modules)
-        attention = "selective" if "core_attn" in mods else "none" if recompute == "selective" else recompute
-        terms = megatron_layer_terms(s, lay.micro_batch_size, arch.hidden, arch.heads, lay.tensor_size,
-                                     groups=arch.groups, head_dim=arch.head_dim, ffn=arch.ffn, gated=arch.gated,
-                                     sp=lay.sequence_parallel, recompute=attention, flash=k.flash,
-                                     hidden_dropout=arch.hidden_dropout, attention_dropout=arch.attention_dropout,
-                                     act_bytes=k.act_bytes, rope=not arch.learned_positions,
-                                     rmsnorm=arch.norm_params_per_h == 1, on_gpu=k.on_gpu)
-        if arch.mla:
-            terms.update(mla_attention_terms(arch, k, s))
-            if "RoPE cos/sin tables" in terms:  # MLA rotates only the qk_pos_emb_head_dim part
-                terms["RoPE cos/sin tables"] *= arch.pos_dim / arch.head_dim
-        if moe:
-            del terms["MLP"]
-            terms.update(moe_mlp_terms(arch, k, s))
-        return drop_recomputed(terms, arch, k, s, mods, moe)
-    # Hugging Face layers (SDPA, separate gate/up projections): the generalised Korthikanti table
-    return {"layer": layer_activation_bytes(s, lay.micro_batch_size, arch.hidden, arch.heads, lay.tensor_size,
-                                            groups=arch.groups, head_dim=arch.head_dim, ffn=arch.ffn,
-                                            gated=arch.gated, sp=lay.sequence_parallel, recompute=recompute,
-                                            flash=k.flash, hidden_dropout=arch.hidden_dropout,
-                                            attention_dropout=arch.attention_dropout, act_bytes=k.act_bytes)}
+    return layers_of(k).terms(arch, k, recompute, moe)
 
 
 MOE_ROUTER, MOE_DISPATCHED, MOE_EXPERTS, MOE_COMBINE, MOE_SHARED = (
@@ -377,52 +291,13 @@ def stage_activation_bytes(arch: Arch, k: Knobs, stage: int) -> tuple[float, flo
     full, ckpt = layer_bytes(arch, k, "none"), _checkpoint_bytes(arch, k)
     if n_moe:
         full = max(full, layer_bytes(arch, k, "none", moe=True))
-    if k.megatron_layers and not arch.learned_positions:
-        # the checkpoints also keep the chunk's RoPE frequencies (fp32, s x d_h, one tensor shared by all of them)
-        rope_freqs = 4 * local_seq(arch, k) * (arch.pos_dim if arch.mla else arch.head_dim)
-    else:
-        rope_freqs = 0.0
-    n = min(k.recompute_num_layers if k.megatron_layers else 1, chunk_layers)
-    if k.recompute_method == "block" and k.megatron_layers:
+    group, block, rope_freqs = layers_of(k).checkpoints(arch, k)
+    n = min(group, chunk_layers)
+    if block:
         per_chunk = n * ckpt + (chunk_layers - n) * full  # first n layers of each chunk checkpointed one by one
         return chunks * (per_chunk + (rope_freqs if n else 0)), full
     # uniform: one checkpoint per group of n layers
     return chunks * (math.ceil(chunk_layers / n) * ckpt + rope_freqs), n * full
-
-
-def embedding_bytes(arch: Arch, k: Knobs) -> float:
-    """What the first stage's embedding keeps per microbatch: the token ids (int64, for the embedding's backward; with
-    t > 1 the vocab-parallel out-of-range mask too), the position ids (learned positions: the engine's expanded
-    arange, s int64) and the dropout mask."""
-    lay = k.layout
-    tok = local_seq(arch, k) * lay.micro_batch_size
-    if not k.megatron_layers:  # Hugging Face embeddings: the dropout mask only
-        return tok * arch.hidden if arch.hidden_dropout else 0.0
-    # token ids (the vocab-parallel lookup with t > 1 keeps its shifted copy and its out-of-range mask, 1 byte each)
-    out = 8 * tok + (tok if lay.tensor_size > 1 else 0) + (8 * local_seq(arch, k) if arch.learned_positions else 0)
-    if arch.hidden_dropout:
-        rep = tok / lay.tensor_size if lay.sequence_parallel else tok
-        out += (1 if k.on_gpu else k.act_bytes) * rep * arch.hidden
-    return out
-
-
-def head_bytes(arch: Arch, k: Knobs) -> float:
-    """What the last stage keeps per microbatch after its layers: final norm, output-layer input, the loss."""
-    lay = k.layout
-    t, tok, e = lay.tensor_size, local_seq(arch, k) * lay.micro_batch_size, k.act_bytes
-    vocab = arch.padded_vocab(t)
-    if not k.megatron_layers:
-        # HF: returned 16-bit logits + fp32 upcast + fp32 log-softmax kept for backward = (2 + 4 + 4) s b V
-        return 2 * e * tok * arch.hidden + (e + 8) * tok * vocab
-    rep = tok / t if lay.sequence_parallel else tok
-    h = arch.hidden
-    if arch.norm_params_per_h == 1:
-        final_norm = (8 * rep * h + 4 * rep) if not k.on_gpu else (e * rep * h + 4 * rep)
-    else:
-        final_norm = e * rep * h + 2 * rep * (4 if k.on_gpu else e)
-    # Korthikanti sec. 4.3: final norm, output-layer input, fp32 logits in the vocab-parallel cross-entropy (4sbV/t);
-    # the cross-entropy also keeps its target mask (bool) and masked targets (int64) per token
-    return final_norm + e * rep * h + 4 * tok * vocab / t + 9 * tok
 
 
 def edge_activation_bytes(arch: Arch, k: Knobs, stage: int) -> float:
@@ -432,10 +307,179 @@ def edge_activation_bytes(arch: Arch, k: Knobs, stage: int) -> float:
     p = lay.pipeline_size
     out = 0.0
     if stage == 0:
-        out += embedding_bytes(arch, k) * first_chunk_in_flight(p, k.virtual, max(lay.num_microbatches, 1))
+        out += layers_of(k).embedding_bytes(arch, k) * first_chunk_in_flight(p, k.virtual, max(lay.num_microbatches, 1))
     if stage == p - 1:
-        out += head_bytes(arch, k)
+        out += layers_of(k).head_bytes(arch, k)
     return out
+
+
+# --- whose layers: Megatron-core's or Hugging Face's (the backend row's ``layers``) --------------------------------
+
+class LayerCode:
+    """What the activation model asks of the layer code a backend runs (its row's ``layers``): the terms one layer
+    keeps, how full recomputation checkpoints, what the embedding and the head keep, and the notes that say so."""
+
+    name: ClassVar[str]
+    explicit_attention: ClassVar[str] = ""
+    """Appended to the explicit-attention note: what this code's unfused attention keeps beyond the table."""
+    caveat: ClassVar[str] = ""
+    """Appended to the activations note."""
+    edge_note: ClassVar[str]
+    """What the embedding / head terms assume."""
+
+    def terms(self, arch: Arch, k: Knobs, recompute: str, moe: bool) -> dict[str, float]:
+        """Bytes one layer (dense, or ``moe``) keeps for one microbatch on one GPU, by term."""
+        raise NotImplementedError
+
+    def checkpoints(self, arch: Arch, k: Knobs) -> tuple[int, bool, float]:
+        """Full recomputation: (layers per checkpoint, block method: the first n layers of each chunk checkpointed
+        one by one, bytes every chunk's checkpoints share)."""
+        return 1, False, 0.0
+
+    def embedding_bytes(self, arch: Arch, k: Knobs) -> float:
+        """What the first stage's embedding keeps per microbatch."""
+        raise NotImplementedError
+
+    def head_bytes(self, arch: Arch, k: Knobs) -> float:
+        """What the last stage keeps per microbatch after its layers: final norm, output-layer input, the loss."""
+        raise NotImplementedError
+
+    def layer_note(self, arch: Arch, k: Knobs, attn: str) -> str:
+        """What the per-layer term assumes (``attn``: the attention's own note)."""
+        raise NotImplementedError
+
+
+class MegatronLayers(LayerCode):
+    """Megatron-core's modules: every tensor autograd keeps (``megatron_layer_terms``), MoE and MLA layers,
+    ``training.recompute_modules``, the recompute method and layer groups."""
+
+    name = "megatron"
+    explicit_attention = (", softmax in fp32 (Megatron attention_softmax_in_fp32), GQA K/V expanded to all heads, "
+                          "causal mask")
+    edge_note = ("last stage: final norm + output input 4sbh + fp32 logits 4sbV/t (Korthikanti 4.3) + the loss's "
+                 "target mask and targets 9sb; first stage: token ids 8sb (+ position ids, dropout mask) per "
+                 "microbatch whose embedding chunk is in flight")
+
+    def terms(self, arch: Arch, k: Knobs, recompute: str, moe: bool) -> dict[str, float]:
+        lay = k.layout
+        s = local_seq(arch, k)
+        mods = recompute_modules(recompute, k.recompute_modules)
+        attention = "selective" if "core_attn" in mods else "none" if recompute == "selective" else recompute
+        terms = megatron_layer_terms(s, lay.micro_batch_size, arch.hidden, arch.heads, lay.tensor_size,
+                                     groups=arch.groups, head_dim=arch.head_dim, ffn=arch.ffn, gated=arch.gated,
+                                     sp=lay.sequence_parallel, recompute=attention, flash=k.flash,
+                                     hidden_dropout=arch.hidden_dropout, attention_dropout=arch.attention_dropout,
+                                     act_bytes=k.act_bytes, rope=not arch.learned_positions,
+                                     rmsnorm=arch.norm_params_per_h == 1, on_gpu=k.on_gpu)
+        if arch.mla:
+            terms.update(mla_attention_terms(arch, k, s))
+            if "RoPE cos/sin tables" in terms:  # MLA rotates only the qk_pos_emb_head_dim part
+                terms["RoPE cos/sin tables"] *= arch.pos_dim / arch.head_dim
+        if moe:
+            del terms["MLP"]
+            terms.update(moe_mlp_terms(arch, k, s))
+        return drop_recomputed(terms, arch, k, s, mods, moe)
+
+    def checkpoints(self, arch: Arch, k: Knobs) -> tuple[int, bool, float]:
+        # with RoPE the checkpoints also keep the chunk's RoPE frequencies (fp32, s x d_h, one tensor shared by all)
+        rope_freqs = (4 * local_seq(arch, k) * (arch.pos_dim if arch.mla else arch.head_dim)
+                      if not arch.learned_positions else 0.0)
+        return k.recompute_num_layers, k.recompute_method == "block", rope_freqs
+
+    def embedding_bytes(self, arch: Arch, k: Knobs) -> float:
+        """The token ids (int64, for the embedding's backward; with t > 1 the vocab-parallel out-of-range mask too),
+        the position ids (learned positions: the engine's expanded arange, s int64) and the dropout mask."""
+        lay = k.layout
+        tok = local_seq(arch, k) * lay.micro_batch_size
+        # token ids (the vocab-parallel lookup with t > 1 keeps its shifted copy and its out-of-range mask, 1 byte
+        # each)
+        out = 8 * tok + (tok if lay.tensor_size > 1 else 0) + (8 * local_seq(arch, k) if arch.learned_positions else 0)
+        if arch.hidden_dropout:
+            rep = tok / lay.tensor_size if lay.sequence_parallel else tok
+            out += (1 if k.on_gpu else k.act_bytes) * rep * arch.hidden
+        return out
+
+    def head_bytes(self, arch: Arch, k: Knobs) -> float:
+        lay = k.layout
+        t, tok, e = lay.tensor_size, local_seq(arch, k) * lay.micro_batch_size, k.act_bytes
+        vocab = arch.padded_vocab(t)
+        rep = tok / t if lay.sequence_parallel else tok
+        h = arch.hidden
+        if arch.norm_params_per_h == 1:
+            final_norm = (8 * rep * h + 4 * rep) if not k.on_gpu else (e * rep * h + 4 * rep)
+        else:
+            final_norm = e * rep * h + 2 * rep * (4 if k.on_gpu else e)
+        # Korthikanti sec. 4.3: final norm, output-layer input, fp32 logits in the vocab-parallel cross-entropy
+        # (4sbV/t); the cross-entropy also keeps its target mask (bool) and masked targets (int64) per token
+        return final_norm + e * rep * h + 4 * tok * vocab / t + 9 * tok
+
+    def layer_note(self, arch: Arch, k: Knobs, attn: str) -> str:
+        lay = k.layout
+        terms = self.terms(arch, k, "none" if k.recompute == "full" else k.recompute, arch.moe)
+        big = ", ".join(f"{name} {value / max(sum(terms.values()), 1):.0%}"
+                        for name, value in sorted(terms.items(), key=lambda kv: -kv[1])[:4])
+        mask = "1-byte dropout masks" if k.on_gpu else "dropout noise tensors of the activation dtype (CPU build)"
+        layer = (f"Megatron-core layer as autograd keeps it (exact on the CPU build, tests/integration/"
+                 f"test_planner_activations.py): Korthikanti Table 2 + the fused QKV output kept alive by views, "
+                 f"RoPE tables, norm statistics{', ' + mask if arch.hidden_dropout else ''}; {attn}; "
+                 f"TP{lay.tensor_size}{' + SP' if lay.sequence_parallel else ''}; largest: {big}")
+        if arch.moe:
+            layer += (f"; MoE layers ({arch.moe_layers} of {arch.layers}): router, tokens x top-{arch.topk} "
+                      f"dispatched to the experts (balanced routing assumed, estimated from Megatron-core's MoELayer, "
+                      f"not measured)")
+        if arch.mla:
+            layer += "; multi-latent attention's latents and up-projections (estimated, not measured)"
+        if lay.context_size > 1:
+            layer += f"; CP{lay.context_size}: every per-token term over s / CP = {local_seq(arch, k)} tokens"
+        if k.recompute == "selective" and k.recompute_modules is not None:
+            layer += (f"; recompute_modules [{', '.join(k.recompute_modules)}]: their outputs recomputed in the "
+                      "backward, not kept (the checkpoint inputs are)")
+        return layer
+
+
+class HuggingFaceLayers(LayerCode):
+    """transformers' modules (SDPA, separate gate/up projections): the generalised Korthikanti table per layer, one
+    checkpoint per layer under full recomputation, the returned logits and their fp32 loss at the head."""
+
+    name = "huggingface"
+    caveat = " (Hugging Face layers assumed to store what Megatron's do; their fp32 RMSNorm upcast is not counted)"
+    edge_note = "last stage: HF logits 16-bit + fp32 upcast + fp32 log-softmax = 10 sbV bytes"
+
+    def terms(self, arch: Arch, k: Knobs, recompute: str, moe: bool) -> dict[str, float]:
+        lay = k.layout
+        return {"layer": layer_activation_bytes(local_seq(arch, k), lay.micro_batch_size, arch.hidden, arch.heads,
+                                                lay.tensor_size, groups=arch.groups, head_dim=arch.head_dim,
+                                                ffn=arch.ffn, gated=arch.gated, sp=lay.sequence_parallel,
+                                                recompute=recompute, flash=k.flash, hidden_dropout=arch.hidden_dropout,
+                                                attention_dropout=arch.attention_dropout, act_bytes=k.act_bytes)}
+
+    def embedding_bytes(self, arch: Arch, k: Knobs) -> float:
+        """The dropout mask only."""
+        return local_seq(arch, k) * k.layout.micro_batch_size * arch.hidden if arch.hidden_dropout else 0.0
+
+    def head_bytes(self, arch: Arch, k: Knobs) -> float:
+        # returned 16-bit logits + fp32 upcast + fp32 log-softmax kept for backward = (2 + 4 + 4) s b V
+        lay = k.layout
+        tok, e = local_seq(arch, k) * lay.micro_batch_size, k.act_bytes
+        return 2 * e * tok * arch.hidden + (e + 8) * tok * arch.padded_vocab(lay.tensor_size)
+
+    def layer_note(self, arch: Arch, k: Knobs, attn: str) -> str:
+        lay = k.layout
+        mlp = "SwiGLU fc1 2f + silu f + product f" if arch.gated else "GELU fc1 f + act f"
+        return (f"Korthikanti Table 2 per layer generalised: {'GQA ' if arch.groups != arch.heads else ''}Q,K,V by "
+                f"head counts; {mlp} (f={arch.ffn}); "
+                f"{'dropout masks 1 byte' if arch.hidden_dropout else 'no dropout masks (dropout 0)'}; {attn}; "
+                f"TP{lay.tensor_size}{' + SP' if lay.sequence_parallel else ''}; norm statistics not counted")
+
+
+LAYER_CODES: dict[str, LayerCode] = {c.name: c for c in (MegatronLayers(), HuggingFaceLayers())}
+# backend kind -> its layer code, for the kinds that train a model (asked per scored candidate: one dict lookup)
+_CODE_BY_KIND = {b.kind: LAYER_CODES[b.layers] for b in backends.BACKENDS.values() if b.layers}
+
+
+def layers_of(k: Knobs) -> LayerCode:
+    """The layer code of ``k``'s backend (its row's ``layers``)."""
+    return _CODE_BY_KIND[k.backend]
 
 
 # --- a whole GPU ----------------------------------------------------------------------------------------------------
@@ -460,35 +504,13 @@ class MemoryPlan:
 
 def stage_memory(arch: Arch, k: Knobs, stage: int, on_gpu: bool = True) -> StageMemory:
     """Every term for one GPU of ``stage``."""
-    lay = k.layout
-    if k.fsdp:
-        n = fsdp_parameters(arch, lay.tensor_size)
-        params, grads, optim = fsdp_state_bytes(n, k.shard_group)
-    elif k.zero:
-        n = stage_parameters(arch, lay.tensor_size, lay.pipeline_size, stage, first=lay.first_stage_layers,
-                             last=lay.last_stage_layers)
-        params, grads, optim = zero_state_bytes(n, lay.data_size, k.zero_stage, k.precision, k.offload_optimizer,
-                                                k.offload_param)
-    else:
-        # dense parameters: reduced and (distributed optimizer) sharded over DP x CP; routed experts, split over
-        # EP x ETP, over the expert-data-parallel group EDP = world / (PP x ETP x EP)
-        dense, expert = stage_split(arch, lay.tensor_size, lay.pipeline_size, stage,
-                                    lay.expert_size * lay.expert_tensor_size, k.virtual, lay.first_stage_layers,
-                                    lay.last_stage_layers)
-        n = dense + expert
-        params, grads, optim = megatron_state_bytes(dense, lay.dense_grad_size, k.precision, k.distributed_optimizer)
-        if expert:
-            ep, eg, eo = megatron_state_bytes(expert, max(lay.expert_data_size, 1), k.precision,
-                                              k.distributed_optimizer)
-            params, grads, optim = params + ep, grads + eg, optim + eo
+    scheme = k.scheme  # parameters, gradients, optimizer states and the scheme's own terms (planner/sharding.py)
+    n, params, grads, optim = scheme.states(arch, k, stage)
     acts, working = stage_activation_bytes(arch, k, stage)
     terms = {PARAMETERS: params, GRADIENTS: grads, OPTIMIZER: optim, ACTIVATIONS: acts,
-             EDGE_ACTIVATIONS: edge_activation_bytes(arch, k, stage), RECOMPUTE_WS: working}
-    if k.zero and k.zero_stage == 3:
-        terms[GATHERED] = _zero3_working_set(arch, k)
-    if k.fsdp:
-        terms[UNSHARDED] = fsdp_unsharded_bytes(arch, k)
-    terms[BUCKETS] = _buffer_bytes(k, n) if on_gpu else 0.0
+             EDGE_ACTIVATIONS: edge_activation_bytes(arch, k, stage), RECOMPUTE_WS: working,
+             **scheme.working_terms(arch, k)}
+    terms[BUCKETS] = NCCL_BUFFER_BYTES + scheme.bucket_bytes(k, n) if on_gpu else 0.0
     terms[CONTEXT] = CUDA_CONTEXT_BYTES if on_gpu else 0.0
     return StageMemory(stage, n, terms, sum(terms.values()))
 
@@ -509,92 +531,18 @@ def estimate_memory(arch: Arch, k: Knobs, on_gpu: bool = True) -> MemoryPlan:
     return MemoryPlan(stages, max(stages, key=lambda st: st.total))
 
 
-def _zero3_working_set(arch: Arch, k: Knobs) -> float:
-    """ZeRO-3 gathers each module's full 16-bit parameters to use them: the current layer plus one prefetched, or the
-    whole word embedding, whichever is larger."""
-    pc = pieces(arch, 1)
-    return (4 if k.precision == "fp32" else 2) * max(2 * pc.layer, pc.word_embedding)
-
-
-def _buffer_bytes(k: Knobs, n_params: int) -> float:
-    if k.zero:
-        grad_bytes = 4 if k.precision == "fp32" else 2
-        return NCCL_BUFFER_BYTES + grad_bytes * min(k.ds_bucket_elems, n_params)
-    return NCCL_BUFFER_BYTES
-
-
 def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
     """What each term assumes, in words, for this model and configuration."""
     lay = k.layout
-    t, d = lay.tensor_size, lay.data_size
-    if k.fsdp:
-        sg = k.shard_group
-        over = {"ddp": f"DDP: every one of the {d} ranks a full copy",
-                "full_shard": f"FSDP2 full_shard: sharded over all S = d = {d} ranks"}.get(
-            k.fsdp_strategy, f"HSDP: sharded over S = {sg} ranks, {d // sg} replica groups")
-        params = f"4 bytes/param{'' if sg == 1 else f' / {sg}'}: fp32 parameters (the master copy; {over})"
-        grads = f"4 bytes/param{'' if sg == 1 else f' / {sg}'}: fp32 gradients (reduced in fp32)"
-        optim = f"8 bytes/param{'' if sg == 1 else f' / {sg}'}: Adam m and v; model states 16Ψ/S"
-    elif k.zero:
-        n = f" / N (N = d = {d})"
-        p16 = "4" if k.precision == "fp32" else "2"
-        params = f"{p16} bytes/param{n if k.zero_stage >= 3 else ''} (ZeRO-{k.zero_stage})"
-        grads = (f"{p16} bytes/param{n if k.zero_stage >= 2 else ''} "
-                 f"(ZeRO-{k.zero_stage}; 16-bit grads as in the ZeRO paper)")
-        optim = (f"{'8' if k.precision == 'fp32' else '12'} bytes/param{n if k.zero_stage >= 1 else ''}: "
-                 f"{'' if k.precision == 'fp32' else 'fp32 master, '}Adam m and v (ZeRO paper K)")
-        if k.offload_optimizer != "none":
-            optim = f"offloaded to {k.offload_optimizer} (0 on the GPU; host holds the shard)"
-        if k.offload_param != "none":
-            params = f"offloaded to {k.offload_param} (0 on the GPU; see gathered parameters)"
-        total = {0: "16Ψ", 1: "4Ψ + 12Ψ/N", 2: "2Ψ + 14Ψ/N", 3: "16Ψ/N"}[k.zero_stage]
-        grads += f"; model states {total}" if k.precision != "fp32" else ""
-    else:
-        d = lay.dense_grad_size
-        shard = (f" / d (distributed optimizer, d = {'DP x CP = ' if lay.context_size > 1 else ''}{d})"
-                 if k.distributed_optimizer else "")
-        if k.precision == "fp32":
-            params, grads = "4 bytes/param (fp32)", "4 bytes/param (fp32 main grads)"
-            optim = f"8 bytes/param{shard}: Adam m and v; model states {'8 + 8/d' if shard else '16'} bytes/param"
-        else:
-            params = "2 bytes/param (16-bit)"
-            grads = "4 bytes/param: fp32 main grads (Megatron accumulates and reduces in fp32)"
-            optim = (f"12 bytes/param{shard}: fp32 master params, Adam m and v; model states "
-                     f"{'6 + 12/d' if shard else '18'} bytes/param")
-    swiglu = "SwiGLU fc1 2f + silu f + product f" + (
-        " + Megatron's unfused offset copy f" if k.megatron_layers else "")
+    t = lay.tensor_size
+    params, grads, optim = k.scheme.state_notes(arch, k)
     tied = "tied: last stage keeps its own copy of the word embedding" if arch.tied and lay.pipeline_size > 1 else (
         "tied (counted once)" if arch.tied else "untied output layer on the last stage")
+    code = layers_of(k)
     attn = ("fused/flash attention: no s^2 terms" if k.flash else
-            "explicit attention: softmax (and dropout) s^2 terms stored"
-            + (", softmax in fp32 (Megatron attention_softmax_in_fp32), GQA K/V expanded to all heads, causal mask"
-               if k.megatron_layers else "")
+            "explicit attention: softmax (and dropout) s^2 terms stored" + code.explicit_attention
             if k.recompute != "selective" else "selective recompute: s^2 terms recomputed")
-    if k.megatron_layers:
-        terms = _layer_terms(arch, k, "none" if k.recompute == "full" else k.recompute, moe=arch.moe)
-        big = ", ".join(f"{name} {value / max(sum(terms.values()), 1):.0%}"
-                        for name, value in sorted(terms.items(), key=lambda kv: -kv[1])[:4])
-        mask = "1-byte dropout masks" if k.on_gpu else "dropout noise tensors of the activation dtype (CPU build)"
-        layer = (f"Megatron-core layer as autograd keeps it (exact on the CPU build, tests/integration/"
-                 f"test_planner_activations.py): Korthikanti Table 2 + the fused QKV output kept alive by views, "
-                 f"RoPE tables, norm statistics{', ' + mask if arch.hidden_dropout else ''}; {attn}; "
-                 f"TP{t}{' + SP' if lay.sequence_parallel else ''}; largest: {big}")
-        if arch.moe:
-            layer += (f"; MoE layers ({arch.moe_layers} of {arch.layers}): router, tokens x top-{arch.topk} "
-                      f"dispatched to the experts (balanced routing assumed, estimated from Megatron-core's MoELayer, "
-                      f"not measured)")
-        if arch.mla:
-            layer += "; multi-latent attention's latents and up-projections (estimated, not measured)"
-        if lay.context_size > 1:
-            layer += f"; CP{lay.context_size}: every per-token term over s / CP = {local_seq(arch, k)} tokens"
-    else:
-        layer = (f"Korthikanti Table 2 per layer generalised: {'GQA ' if arch.groups != arch.heads else ''}Q,K,V by "
-                 f"head counts; {swiglu if arch.gated else 'GELU fc1 f + act f'} (f={arch.ffn}); "
-                 f"{'dropout masks 1 byte' if arch.hidden_dropout else 'no dropout masks (dropout 0)'}; {attn}; "
-                 f"TP{t}{' + SP' if lay.sequence_parallel else ''}; norm statistics not counted")
-    if k.recompute == "selective" and k.recompute_modules is not None and k.megatron_layers:
-        layer += (f"; recompute_modules [{', '.join(k.recompute_modules)}]: their outputs recomputed in the "
-                  "backward, not kept (the checkpoint inputs are)")
+    layer = code.layer_note(arch, k, attn)
     if k.recompute == "full":
         kept = f"group of {k.recompute_num_layers} layers" if k.recompute_num_layers > 1 else "layer"
         layer += f"; full recompute keeps each {kept}'s input (2sbh{'/t' if lay.sequence_parallel else ''})"
@@ -603,40 +551,18 @@ def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
               + (f" x (1 + (p-1)/(p v)) = {1 + (p - 1) / (p * v):.3f} (interleaved; the embedding chunk: "
                  f"{first_chunk_in_flight(p, v, max(lay.num_microbatches, 1))} microbatches at most)" if v > 1 else "")
               if p > 1 else "one microbatch at a time (gradient accumulation frees the rest)")
-    hf = (" (Hugging Face layers assumed to store what Megatron's do; their fp32 RMSNorm upcast is not counted)"
-          if not k.megatron_layers else "")
-    if arch.moe and k.distopt:
-        edp = lay.expert_data_size
-        experts = (f"; routed experts split over EP{lay.expert_size} x ETP{lay.expert_tensor_size} GPUs, their "
-                   f"states{' sharded' if k.distributed_optimizer else ' reduced'} over EDP = world / (PP x ETP x EP)"
-                   f" = {edp} ranks")
-        optim += experts
     notes = {
         PARAMETERS: f"{params}; the stage's parameters per GPU, TP{t}-sharded as Megatron does (norms and "
                     f"row-parallel biases replicated); embeddings on the first stage, {tied}; vocab padded to "
                     f"{arch.padded_vocab(t)}",
         GRADIENTS: grads,
         OPTIMIZER: optim,
-        ACTIVATIONS: f"{layer}; {chunks}{hf}",
-        EDGE_ACTIVATIONS: ("last stage: final norm + output input 4sbh + fp32 logits 4sbV/t (Korthikanti 4.3) + "
-                           "the loss's target mask and targets 9sb; first stage: token ids 8sb (+ position ids, "
-                           "dropout mask) per microbatch whose embedding chunk is in flight")
-                          if k.megatron_layers else
-                          "last stage: HF logits 16-bit + fp32 upcast + fp32 log-softmax = 10 sbV bytes",
+        ACTIVATIONS: f"{layer}; {chunks}{code.caveat}",
+        EDGE_ACTIVATIONS: code.edge_note,
         RECOMPUTE_WS: "one recompute group's full activations, rebuilt during its backward" if k.recompute == "full"
                       else "no full recomputation",
-        BUCKETS: ("NCCL buffers 0.5 GB (assumed)" + (f" + DeepSpeed reduce bucket {k.ds_bucket_elems:.3g} elements"
-                                                    if k.zero else "")) if on_gpu else "CPU ranks",
+        BUCKETS: "NCCL buffers 0.5 GB (assumed)" + k.scheme.bucket_note(k) if on_gpu else "CPU ranks",
         CONTEXT: "CUDA context and kernels 1.5 GB (1-2 GB, Ultra-Scale Playbook)" if on_gpu else "CPU ranks",
     }
-    if k.zero and k.zero_stage == 3:
-        notes[GATHERED] = "16-bit parameters of the current and one prefetched layer (or the whole embedding)"
-    if k.fsdp:
-        cd = "fp32" if k.precision == "fp32" else "bf16"
-        held = "2 blocks (in use + prefetched)" if k.fsdp_reshard else "every block (reshard_after_forward false)"
-        notes[UNSHARDED] = (("bf16 copies of the weights autocast caches in the forward" if cd == "bf16" else
-                             "none (fp32 DDP computes on its own parameters)") if k.fsdp_strategy == "ddp" else
-                            f"{cd} parameters of {held}"
-                            f" + the root's (embeddings, final norm, output layer) + one block's unsharded gradient "
-                            "before its reduce-scatter")
+    notes.update(k.scheme.working_notes(arch, k))
     return notes

@@ -135,7 +135,8 @@ def mfu_peak(result: SearchResult) -> str:
 
 def search_dict(result: SearchResult) -> dict[str, Any]:
     def cand(c) -> dict[str, Any]:
-        out = {"config": result.label(c), "memory_bytes": c.memory_bytes, "peak_stage": c.peak_stage,
+        out = {"config": result.label(c), "scheme": c.knobs.scheme.name, "memory_bytes": c.memory_bytes,
+               "peak_stage": c.peak_stage,
                "overrides": result.overrides(c)}
         if c.time is not None:  # candidates that do not fit are not timed
             out.update(step_s=c.step_s, tokens_per_s=c.time.tokens_per_s, mfu=c.time.mfu, terms=c.time.terms)

@@ -172,7 +172,7 @@ def enumerate_knobs(recipe: "Recipe", base: Knobs) -> Iterator[Knobs]:
                 if batch % d:
                     continue
                 per_replica = batch // d
-                opts = list(_optimizer_options(base, t, p, d, overlap))
+                opts = list(base.scheme.options(base, t, p, d, overlap))  # the sharding knobs (planner/sharding.py)
                 for b in _divisors(per_replica):
                     micro = per_replica // b
                     vs = [1]
@@ -235,34 +235,6 @@ def _knobs(base: Knobs, layout: ParallelLayout, recompute: str, opt: dict) -> Kn
                  fsdp_reshard=opt.get("fsdp_reshard", base.fsdp_reshard), flash=base.flash, on_gpu=base.on_gpu,
                  fp8=base.fp8, dispatcher=base.dispatcher, moe=base.moe, recompute_modules=base.recompute_modules,
                  ep_overlap=base.ep_overlap, shared_expert_overlap=base.shared_expert_overlap)
-
-
-def _optimizer_options(base: Knobs, t: int, p: int, d: int, overlap: bool | None = None) -> Iterator[dict]:
-    if base.fsdp:
-        for reshard in (True, False):
-            yield {"fsdp_strategy": "full_shard", "fsdp_shard_size": None, "fsdp_reshard": reshard}
-            node = base.layout.ranks_per_node
-            if t == 1 and d > node and d % node == 0:
-                yield {"fsdp_strategy": "hybrid_shard", "fsdp_shard_size": None, "fsdp_reshard": reshard}
-        if t == 1:  # FSDP x TP is full_shard over the data-parallel ranks only
-            yield {"fsdp_strategy": "ddp", "fsdp_shard_size": None, "fsdp_reshard": True}
-        return
-    if not base.zero:
-        yield {"distributed_optimizer": True}
-        if d > 1:
-            yield {"distributed_optimizer": False}
-        return
-    for stage in (0, 1, 2, 3):
-        if p > 1 and stage >= 2:
-            continue  # DeepSpeed refuses ZeRO-2/3 with its pipeline
-        yield {"zero_stage": stage, "offload_optimizer": "none", "offload_param": "none",
-               "ds_overlap_comm": stage == 3 if overlap is None else bool(overlap)}
-        if stage >= 1:
-            yield {"zero_stage": stage, "offload_optimizer": "cpu", "offload_param": "none",
-                   "ds_overlap_comm": stage == 3 if overlap is None else bool(overlap)}
-        if stage == 3:
-            yield {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu",
-                   "ds_overlap_comm": True if overlap is None else bool(overlap)}
 
 
 def search(recipe: "Recipe", top: int = 5, losers: int = 5, efficiency: float | None = None,

@@ -21,7 +21,7 @@ def memory_not_modelled(k: Knobs) -> list[str]:
     out = []
     if k.recompute != "full":
         out.append(EARLY_FREE)
-    if not (k.zero and k.offload_optimizer != "none"):
+    if k.scheme.moments_on_gpu(k):
         out.append(BF16_MOMENTS)
     if k.fp8 is not None:
         out.append(FP8_ACTIVATIONS)

@@ -9,7 +9,8 @@ from hpc_tools.errors import RecipeError
 from hpc_tools.planner import plan_recipe, search
 from hpc_tools.planner.arch import arch_for, total_parameters
 from hpc_tools.planner.knobs import Knobs, apply_knobs
-from hpc_tools.planner.memory import GRADIENTS, OPTIMIZER, PARAMETERS, UNSHARDED, estimate_memory
+from hpc_tools.planner.memory import GRADIENTS, OPTIMIZER, PARAMETERS, estimate_memory
+from hpc_tools.planner.sharding import UNSHARDED
 from hpc_tools.planner.steptime import DP_COMM
 from hpc_tools.recipe.load import resolve
 from hpc_tools.recipe.rules import check_recipe

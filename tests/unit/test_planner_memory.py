@@ -16,11 +16,10 @@ from hpc_tools.planner.memory import (
     layer_activation_bytes,
     layer_bytes,
     megatron_layer_terms,
-    megatron_state_bytes,
     stage_activation_bytes,
     stage_memory,
-    zero_state_bytes,
 )
+from hpc_tools.planner.sharding import megatron_state_bytes, zero_state_bytes
 
 GB = 1e9
 
