@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hpc_tools.recipe.load import read_yaml  # noqa: E402
-from hpc_tools.testing.deepspeed_matrix import launch  # noqa: E402
+from hpc_tools.testing.matrix import launch  # noqa: E402
 
 CONFIGS = [  # name, stage, precision, offload_optimizer, offload_param, pipeline
     ("z0 fp32", 0, "fp32", "none", "none", 1),

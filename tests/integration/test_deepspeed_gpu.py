@@ -26,7 +26,7 @@ def recipe(name, stage, precision, ranks):
 
 
 def test_zero_stages_train_on_gpu(tmp_path):
-    from hpc_tools.testing.deepspeed_matrix import launch
+    from hpc_tools.testing.matrix import launch
 
     ranks = torch.cuda.device_count()
     variants = [recipe("z1_fp32", 1, "fp32", ranks), recipe("z1_bf16", 1, "bf16", ranks),

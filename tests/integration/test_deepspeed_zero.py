@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO stages, offload, precision, resume, its pipeline and export: real DeepSpeed ranks on gloo.
 
-All configurations of a world size run in ONE launch (``hpc_tools.testing.deepspeed_matrix``): 2 ranks for the stages,
+All configurations of a world size run in ONE launch (``hpc_tools.testing.matrix``): 2 ranks for the stages,
 4 ranks for PP2 x DP2. Every variant goes through the real ``trainer.run(ctx)`` with its own run folder, records and
 checkpoints. Same seed and data everywhere, dropout 0, so the loss curves are comparable step by step.
 """
@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from hpc_tools.testing.deepspeed_matrix import launch
+from hpc_tools.testing.matrix import launch
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 

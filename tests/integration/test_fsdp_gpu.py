@@ -31,7 +31,7 @@ def variant(name, ranks, *, precision="bf16", strategy="full_shard", recompute="
 
 
 def test_fsdp_trains_on_gpu(tmp_path):
-    from hpc_tools.testing.fsdp_matrix import launch
+    from hpc_tools.testing.matrix import launch
 
     ranks = torch.cuda.device_count()
     variants = [variant("fs_fp32", ranks, precision="fp32"), variant("fs_bf16", ranks),

@@ -4,7 +4,7 @@ Distributed Checkpoint saved at 4 ranks resumes at 2 (and under DDP) with the un
 an HF folder whose loss on the validation batches is the run's own val_loss; one tiny Llama from one HF folder trains
 to the same losses under FSDP2, DDP and Megatron-core (TP1 PP1) over 20 steps.
 
-Two launches (``hpc_tools.testing.fsdp_matrix``): every 4-rank variant in one, every 2-rank one in the other. The
+Two launches (``hpc_tools.testing.matrix``): every 4-rank variant in one, every 2-rank one in the other. The
 Megatron variant runs last in its launch: Megatron's CPU routes (``train/megatron/cpu_compat.py``) replace torch
 functions for the whole process, and an FSDP run after them in the same process is not the FSDP of a fresh one.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpc_tools.testing.fsdp_matrix import launch
+from hpc_tools.testing.matrix import launch
 
 pytestmark = pytest.mark.slow
 

@@ -1,11 +1,13 @@
-"""Many DeepSpeed recipe variants in one process group: one launch (~10 s here) instead of one per configuration.
+"""Many recipe variants (DeepSpeed, FSDP / DDP) in one process group: one launch (~10 s here) instead of one per
+configuration.
 
-Each variant is a full recipe run through the real ``trainer.run(ctx)`` in its own run folder (records, checkpoints,
-manifest), optionally stopped after a step (a stop flag raised on the last rank only, so the ranks must agree) and
-then resumed in the same processes. Used by the integration tests and ``benchmarks/deepspeed_stages.py``::
+Each variant is a full recipe run through its backend's real ``run(ctx)`` (the backend table's trainer) in its own
+run folder (records, checkpoints, manifest), optionally stopped after a step (a stop flag raised on the last rank
+only, so the ranks must agree) and then resumed in the same processes. Used by the DeepSpeed and FSDP integration
+tests and ``benchmarks/deepspeed_stages.py``::
 
     results = launch([{"name": "z1", "recipe": {...raw recipe...}, "stop_after": 4}], world_size=2, workdir=tmp)
-    results["z1"]["loss"]  # per-step losses, steps 1..train_iters
+    results["z1"]["loss"], results["z1"]["val_loss"]  # per-step losses (steps 1..train_iters), validation by step
 """
 
 from __future__ import annotations
@@ -38,19 +40,13 @@ class StopAfter:
 
 def launch(variants: list[dict[str, Any]], world_size: int, workdir: str | Path, timeout_s: float = 540,
            env: dict[str, str] | None = None, backend: str = "gloo") -> dict[str, Any]:
-    """Run the variants on ``world_size`` local ranks (``backend`` nccl for GPU recipes); rank 0's results by name."""
-    return launch_module("hpc_tools.testing.deepspeed_matrix", variants, world_size, workdir, timeout_s, env, backend)
-
-
-def launch_module(module: str, variants: list[dict[str, Any]], world_size: int, workdir: str | Path,
-                  timeout_s: float = 540, env: dict[str, str] | None = None, backend: str = "gloo") -> dict[str, Any]:
-    """``python -m MODULE --spec SPEC --out OUT`` on ``world_size`` local ranks (a matrix module: this one, or
-    ``fsdp_matrix``); rank 0's results by variant name."""
+    """``python -m hpc_tools.testing.matrix --spec SPEC --out OUT`` on ``world_size`` local ranks (``backend`` nccl for
+    GPU recipes); rank 0's results by variant name."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     spec, out = workdir / "matrix_spec.json", workdir / "matrix_result.json"
     spec.write_text(json.dumps({"variants": variants, "root": str(workdir / "runs"), "backend": backend}))
-    cmd = [sys.executable, "-m", module, "--spec", str(spec), "--out", str(out)]
+    cmd = [sys.executable, "-m", "hpc_tools.testing.matrix", "--spec", str(spec), "--out", str(out)]
     ranks = spawn_ranks(cmd, world_size, env=env, timeout_s=timeout_s, log_dir=workdir / "matrix_logs", check=True)
     if not out.is_file():
         raise RuntimeError(f"matrix launch wrote no {out.name}; rank 0 log tail:\n{ranks[0].log[-4000:]}")
@@ -61,15 +57,16 @@ def run_variant(variant: dict[str, Any], root: Path) -> dict[str, Any]:
     """Run one variant on this rank (all ranks call it together); rank 0's view of its records."""
     import torch.distributed as dist
 
+    from hpc_tools import backends
     from hpc_tools.layout import ParallelLayout
     from hpc_tools.recipe.load import dump_resolved, resolve
     from hpc_tools.registry import RunFolder
     from hpc_tools.runtime.context import RankContext
     from hpc_tools.runtime.distenv import DistEnv
     from hpc_tools.runtime.preemption import StopFlag
-    from hpc_tools.train.deepspeed import trainer
 
     recipe = resolve(variant["recipe"], source=variant["name"])
+    trainer = backends.load(backends.of(recipe).trainer)
     path = root / variant["name"]
     if dist.get_rank() == 0:
         RunFolder.create(root, variant["name"], dump_resolved(recipe), "", {"executor": "matrix"})
@@ -83,14 +80,14 @@ def run_variant(variant: dict[str, Any], root: Path) -> dict[str, Any]:
         if stop_after and ctx.rank == ctx.dist.world_size - 1:
             ctx.watchdog = StopAfter(ctx.stop, stop_after)
         t0 = time.perf_counter()
-        trainer.run(ctx)
+        trainer(ctx)
         walls.append(time.perf_counter() - t0)
         gc.collect()
     return {"run_dir": str(path), "wall_s": walls, **read_records(path)} if dist.get_rank() == 0 else {}
 
 
 def read_records(run_dir: Path) -> dict[str, Any]:
-    """Rank 0's per-step series and how many records each rank wrote."""
+    """Rank 0's per-step series (validation loss by step), and how many records each rank wrote."""
     from profiling.records import read_jsonl
 
     per_rank = {}
@@ -99,12 +96,13 @@ def read_records(run_dir: Path) -> dict[str, Any]:
     rows = per_rank.get("rank00000", [])
     return {"steps": [r["step"] for r in rows], "loss": [r["loss"] for r in rows], "lr": [r["lr"] for r in rows],
             "grad_norm": [r["grad_norm"] for r in rows], "step_time_s": [r["step_time_s"] for r in rows],
+            "val_loss": {r["step"]: r["val_loss"] for r in rows if r.get("val_loss") is not None},
             "records_per_rank": {k: len(v) for k, v in per_rank.items()},
             "loss_per_rank": {k: [r["loss"] for r in v] for k, v in per_rank.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpc_tools.testing.deepspeed_matrix", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m hpc_tools.testing.matrix", description=__doc__)
     parser.add_argument("--spec", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -121,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group(spec["backend"])
     results = {}
     for variant in spec["variants"]:
+        t0 = time.perf_counter()
         results[variant["name"]] = run_variant(variant, Path(spec["root"]))
+        if dist.get_rank() == 0:
+            logging.info("variant %s: %.1f s", variant["name"], time.perf_counter() - t0)
     dist.barrier()
     if dist.get_rank() == 0:
         tmp = Path(args.out + ".tmp")
