@@ -28,9 +28,8 @@ from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.train.checkpointing.saver import INJECT_KILL_WRITER_ENV, INJECT_LOCAL_FREE_ENV
 from profiling.records import read_events
-from tests.conftest import loss_curve, run_cli
+from tests.helpers import REPO, loss_curve, run_cli
 
-REPO = Path(__file__).resolve().parents[2]
 ITERS = 8
 SETS = [f"training.train_iters={ITERS}", "training.lr_decay_iters=9", "checkpoint.interval_iters=4",
         "checkpoint.keep_last=10", "checkpoint.async_save=true", "checkpoint.local_dir=$HPCT_LOCAL/ckpt",

@@ -82,7 +82,7 @@ def rank_main(data: Path, out: Path) -> None:
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> Path:
     """Two generated corpora (prose and code-like lines), prepared with 2 workers through the CLI."""
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
 
     root = tmp_path_factory.mktemp("indexed")
     rng = np.random.default_rng(0)
@@ -119,7 +119,7 @@ def test_megatron_tp2_on_a_blend_resumes_to_the_uninterrupted_losses(prepared, t
 
 @pytest.mark.deepspeed
 def test_deepspeed_zero2_trains_on_the_same_blend(prepared, tmp_path):
-    from tests.conftest import loss_curve, run_cli
+    from tests.helpers import loss_curve, run_cli
 
     value = json.dumps(blend(prepared))
     proc = run_cli("submit", str(REPO / "recipes" / "gpt_zero.yaml"), "--executor", "local", "--json",

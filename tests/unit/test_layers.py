@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import grimp
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO
+
 PACKAGES = ("hpc_tools", "profiling")
 
 
