@@ -3,10 +3,15 @@
 Both directions work on *global* tensors keyed by Megatron-core's checkpoint keys, the keys of
 ``GPTModel.sharded_state_dict()`` that a torch_dist checkpoint stores. Those keys do not depend on the layout:
 tensor-parallel shards are slices of one global tensor, and the layers of every pipeline (and virtual pipeline) stage
-are rows of one tensor stacked over the layers (``decoder.layers.<name>`` of shape ``[num_layers, ...]``). They do not
-depend on the layer spec either: Megatron stores the norms in front of attention and the MLP under the Transformer
-Engine names (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``) whether the layer fuses them (TE
-spec) or keeps them separate (local spec: ``input_layernorm``, ``pre_mlp_layernorm``).
+are rows of one tensor stacked over the layers (``decoder.layers.<name>`` of shape ``[num_layers, ...]``). They
+depend on the layer spec in one place (``layers``: the layer kind a checkpoint's meta records, ``transformer_engine``
+or ``local``): Megatron stores the norms in front of attention and the MLP under the Transformer Engine names
+(``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``) whether the layer fuses them (TE spec) or keeps
+them separate (local spec: ``input_layernorm``, ``pre_mlp_layernorm``, renamed by the spec's
+``sharded_state_dict_keys_map``), except the MoE layer's pre-MLP norm under TE: megatron-core's TE spec gives an MoE
+layer its own ``pre_mlp_layernorm`` (``TENorm``; there is no ``linear_fc1`` to fuse it into) and no key map, so it is
+stored as ``pre_mlp_layernorm.weight`` (``norm2_prefix``). Multi-latent attention has no Hugging Face class here
+(``architecture`` refuses it).
 
 Fused layouts undone here:
 
@@ -53,6 +58,9 @@ NORM1 = LAYER + "self_attention.linear_qkv.layer_norm_"
 QKV = LAYER + "self_attention.linear_qkv."
 PROJ = LAYER + "self_attention.linear_proj."
 NORM2 = LAYER + "mlp.linear_fc1.layer_norm_"
+TE_MOE_NORM2 = LAYER + "pre_mlp_layernorm."  # the MoE layer's own TENorm under Transformer Engine layers
+TE_LAYERS, LOCAL_LAYERS = "transformer_engine", "local"
+"""The layer kinds (``train.megatron.layers.LayerPlan.layers``, recorded in a checkpoint's meta as ``layers``)."""
 FC1 = LAYER + "mlp.linear_fc1."
 FC2 = LAYER + "mlp.linear_fc2."
 ROUTER = LAYER + "mlp.router.weight"
@@ -80,6 +88,10 @@ def architecture(m: "ModelConfig") -> str:
                 raise UserError(f"model.{key}={getattr(m, key)} has no Hugging Face equivalent for a mixture of "
                                 f"experts ({ARCHITECTURES[MIXTRAL]} uses {key}={needed}; train with that to "
                                 "export or import it)")
+    if m.multi_latent_attention:
+        raise UserError("model.multi_latent_attention=true has no Hugging Face equivalent (GPT-2 and LLaMA project "
+                        "queries, keys and values directly; train with multi_latent_attention: false to export or "
+                        "import it)")
     arch = GPT2 if m.family == "gpt" else LLAMA
     for key, needed in HF_FAMILY_SHAPE[m.family].items():
         if getattr(m, key) != needed:
@@ -193,12 +205,22 @@ def merge_qkv(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", heads: in
     return fused.reshape(groups * (per + 2) * d, *rest)
 
 
-def megatron_keys(m: "ModelConfig") -> list[str]:
-    """The checkpoint keys of ``model:``'s GPTModel (what an export reads, what an import fills)."""
+def norm2_prefix(m: "ModelConfig", layers: str) -> str:
+    """The checkpoint key prefix of the norm in front of the MLP for the layer kind ``layers``: the MoE layer's own
+    ``pre_mlp_layernorm`` under Transformer Engine, else the name fused into ``linear_fc1`` (module docstring)."""
+    if layers not in (TE_LAYERS, LOCAL_LAYERS):
+        raise ValueError(f"layer kind {layers!r}")
+    return TE_MOE_NORM2 if layers == TE_LAYERS and m.num_experts is not None else NORM2
+
+
+def megatron_keys(m: "ModelConfig", layers: str = LOCAL_LAYERS) -> list[str]:
+    """The checkpoint keys of ``model:``'s GPTModel built with ``layers`` (``transformer_engine`` | ``local``): what
+    an export reads, what an import fills."""
     bias = m.add_bias_linear
     norm = ["weight", "bias"] if m.normalization == "LayerNorm" else ["weight"]
     keys = [EMBED] + ([POSITIONS] if m.position_embedding == "learned_absolute" else [])
-    keys += [NORM1 + n for n in norm] + [NORM2 + n for n in norm] + [FINAL_NORM + n for n in norm]
+    norm2 = norm2_prefix(m, layers)
+    keys += [NORM1 + n for n in norm] + [norm2 + n for n in norm] + [FINAL_NORM + n for n in norm]
     for linear in (QKV, PROJ) if m.num_experts is not None else (QKV, PROJ, FC1, FC2):
         keys += [linear + "weight"] + ([linear + "bias"] if bias else [])
     if m.num_experts is not None:
@@ -211,16 +233,18 @@ def _c(t: "torch.Tensor") -> "torch.Tensor":
     return t.contiguous().clone()
 
 
-def megatron_to_hf(mc: dict[str, "torch.Tensor"], m: "ModelConfig") -> dict[str, "torch.Tensor"]:
-    """Global Megatron-core tensors -> Hugging Face state dict (as ``save_pretrained`` writes it: a tied output
-    projection is not stored)."""
+def megatron_to_hf(mc: dict[str, "torch.Tensor"], m: "ModelConfig", layers: str = LOCAL_LAYERS
+                   ) -> dict[str, "torch.Tensor"]:
+    """Global Megatron-core tensors of a model built with ``layers`` -> Hugging Face state dict (as
+    ``save_pretrained`` writes it: a tied output projection is not stored)."""
     import torch
 
     arch, V, heads, groups = architecture(m), m.vocab_size, m.num_attention_heads, m.num_query_groups
-    missing = [k for k in megatron_keys(m) if k not in mc]
+    missing = [k for k in megatron_keys(m, layers) if k not in mc]
     if missing:
         raise KeyError(f"missing Megatron tensors {missing[:4]}")
     bias = m.add_bias_linear
+    norm2 = norm2_prefix(m, layers)  # NORM2, or the TE MoE layer's own norm
 
     def zeros(n: int) -> "torch.Tensor":
         return torch.zeros(n, dtype=mc[EMBED].dtype)
@@ -232,7 +256,7 @@ def megatron_to_hf(mc: dict[str, "torch.Tensor"], m: "ModelConfig") -> dict[str,
         if arch == MIXTRAL:
             p, ffn = f"model.layers.{i}.", m.moe_ffn_hidden_size
             out[p + "input_layernorm.weight"] = _c(mc[NORM1 + "weight"][i])
-            out[p + "post_attention_layernorm.weight"] = _c(mc[NORM2 + "weight"][i])
+            out[p + "post_attention_layernorm.weight"] = _c(mc[norm2 + "weight"][i])
             out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = q, k
             out[p + "self_attn.v_proj.weight"], out[p + "self_attn.o_proj.weight"] = v, _c(mc[PROJ + "weight"][i])
             out[p + "block_sparse_moe.gate.weight"] = _c(mc[ROUTER][i])
@@ -251,7 +275,7 @@ def megatron_to_hf(mc: dict[str, "torch.Tensor"], m: "ModelConfig") -> dict[str,
             out[p + "attn.c_attn.bias"] = torch.cat(qkv_b) if bias else zeros(3 * h)
             out[p + "attn.c_proj.weight"] = _c(proj_w.t())
             out[p + "attn.c_proj.bias"] = _c(mc[PROJ + "bias"][i]) if bias else zeros(h)
-            out[p + "ln_2.weight"], out[p + "ln_2.bias"] = _c(mc[NORM2 + "weight"][i]), _c(mc[NORM2 + "bias"][i])
+            out[p + "ln_2.weight"], out[p + "ln_2.bias"] = _c(mc[norm2 + "weight"][i]), _c(mc[norm2 + "bias"][i])
             out[p + "mlp.c_fc.weight"] = _c(fc1_w.t())
             out[p + "mlp.c_fc.bias"] = _c(mc[FC1 + "bias"][i]) if bias else zeros(ffn)
             out[p + "mlp.c_proj.weight"] = _c(fc2_w.t())
@@ -260,7 +284,7 @@ def megatron_to_hf(mc: dict[str, "torch.Tensor"], m: "ModelConfig") -> dict[str,
             p = f"model.layers.{i}."
             ffn = m.ffn_hidden_size
             out[p + "input_layernorm.weight"] = _c(mc[NORM1 + "weight"][i])
-            out[p + "post_attention_layernorm.weight"] = _c(mc[NORM2 + "weight"][i])
+            out[p + "post_attention_layernorm.weight"] = _c(mc[norm2 + "weight"][i])
             out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = q, k
             out[p + "self_attn.v_proj.weight"], out[p + "self_attn.o_proj.weight"] = v, _c(proj_w)
             out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = _c(fc1_w[:ffn]), _c(fc1_w[ffn:])
@@ -285,16 +309,16 @@ def megatron_to_hf(mc: dict[str, "torch.Tensor"], m: "ModelConfig") -> dict[str,
     return out
 
 
-def hf_to_megatron(hf: Mapping[str, "torch.Tensor"], m: "ModelConfig", padded_vocab: int
-                   ) -> dict[str, "torch.Tensor"]:
-    """Hugging Face state dict -> every global Megatron-core tensor (layers stacked, vocabulary rows padded with
-    zeros). ``megatron_tensor`` builds one at a time (what an import uses, so that a rank holds one layer's tensor at
-    a time, not the model)."""
+def hf_to_megatron(hf: Mapping[str, "torch.Tensor"], m: "ModelConfig", padded_vocab: int,
+                   layers: str = LOCAL_LAYERS) -> dict[str, "torch.Tensor"]:
+    """Hugging Face state dict -> every global Megatron-core tensor of a model built with ``layers`` (layers stacked,
+    vocabulary rows padded with zeros). ``megatron_tensor`` builds one at a time (what an import uses, so that a rank
+    holds one layer's tensor at a time, not the model)."""
     import torch
 
     check_unused_biases(hf, m)
     out = {}
-    for key in megatron_keys(m):
+    for key in megatron_keys(m, layers):
         if key.startswith(LAYER):
             out[key] = torch.stack([megatron_tensor(hf, m, key, i, padded_vocab) for i in range(m.num_layers)])
         else:
@@ -323,10 +347,13 @@ def check_unused_biases(hf: Mapping[str, "torch.Tensor"], m: "ModelConfig") -> N
 
 def megatron_tensor(hf: Mapping[str, "torch.Tensor"], m: "ModelConfig", key: str, layer: int | None,
                     padded_vocab: int) -> "torch.Tensor":
-    """One Megatron-core tensor from a Hugging Face state dict: the global tensor of ``key``, or for a layer key
-    (``decoder.layers.*``) the row of ``layer``. UserError naming a missing Hugging Face tensor."""
+    """One Megatron-core tensor from a Hugging Face state dict: the global tensor of ``key`` (either layer kind's
+    name), or for a layer key (``decoder.layers.*``) the row of ``layer``. UserError naming a missing Hugging Face
+    tensor."""
     import torch
 
+    if key.startswith(TE_MOE_NORM2):  # the TE MoE layer's own pre-MLP norm: the same tensor
+        key = NORM2 + key[len(TE_MOE_NORM2):]
     arch, heads, groups = architecture(m), m.num_attention_heads, m.num_query_groups
     if not key.startswith(LAYER):
         if key == OUTPUT:

@@ -31,11 +31,12 @@ def export_checkpoint(run: RunFolder, recipe, ckpt: Path, out_dir: str | Path, o
     if meta.get("format") != FORMAT:
         raise UserError(f"checkpoint {ckpt} was not written by the megatron backend (format {meta.get('format')!r}; "
                         "export the run that wrote it)")
-    tensors = read_megatron(ckpt, mapping.megatron_keys(m))
+    layers = layer_kind(meta, ckpt)
+    tensors = read_megatron(ckpt, mapping.megatron_keys(m, layers))
     if tensors[mapping.EMBED].shape[0] < m.vocab_size:
         raise UserError(f"checkpoint {ckpt} has {tensors[mapping.EMBED].shape[0]} embedding rows, fewer than "
                         f"model.vocab_size={m.vocab_size} (was the recipe's model section changed after training?)")
-    state = mapping.megatron_to_hf(tensors, m)
+    state = mapping.megatron_to_hf(tensors, m, layers)
     with staged(out_dir, overwrite) as tmp:
         token_ids = write_folder(recipe, state, tmp)
         summary = {"folder": str(Path(out_dir).absolute()), "run_id": run.run_id, "step": meta["step"],
@@ -44,6 +45,29 @@ def export_checkpoint(run: RunFolder, recipe, ckpt: Path, out_dir: str | Path, o
                    "precision": recipe.training.precision, **token_ids}
         atomic_write(tmp / EXPORT_META, json.dumps(summary, indent=2, sort_keys=True))
     return summary
+
+
+def layer_kind(meta: dict[str, Any], ckpt: Path) -> str:
+    """The layer kind the checkpoint was written with (``transformer_engine`` | ``local``): its meta's record
+    (``checkpoint.layout_meta``); for a checkpoint written before the record, the kind its tensors show (a TE MoE
+    layer's own ``pre_mlp_layernorm``), else local."""
+    from hpc_tools.hf import mapping
+
+    recorded = (meta.get("layout") or {}).get("layers")
+    if recorded in (mapping.TE_LAYERS, mapping.LOCAL_LAYERS):
+        return recorded
+    return mapping.TE_LAYERS if mapping.TE_MOE_NORM2 + "weight" in _stored(ckpt) else mapping.LOCAL_LAYERS
+
+
+def _stored(ckpt: Path) -> dict[str, Any]:
+    """The torch_dist metadata of every stored tensor, by key; a UserError when there is none to read."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    except (OSError, ValueError, EOFError) as e:
+        raise UserError(f"checkpoint {ckpt} has no readable torch_dist metadata ({type(e).__name__}: {e}) "
+                        "(export a complete megatron checkpoint)") from None
 
 
 def read_megatron(ckpt: Path, keys: list[str]) -> dict[str, Any]:
@@ -57,11 +81,7 @@ def read_megatron(ckpt: Path, keys: list[str]) -> dict[str, Any]:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    try:
-        stored = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    except (OSError, ValueError, EOFError) as e:
-        raise UserError(f"checkpoint {ckpt} has no readable torch_dist metadata ({type(e).__name__}: {e}) "
-                        "(export a complete megatron checkpoint)") from None
+    stored = _stored(ckpt)
     missing = [k for k in keys if not isinstance(stored.get(k), TensorStorageMetadata)]
     if missing:
         raise UserError(f"checkpoint {ckpt} lacks the tensors {missing[:3]} that the run's model section needs "

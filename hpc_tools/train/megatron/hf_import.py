@@ -53,7 +53,7 @@ def init_engine(engine: "Engine", folder: str | Path) -> None:
     m = engine.recipe.model
     read_config(folder, m)
     weights = Weights(folder)
-    tensors = Tensors(weights, m, m.padded_vocab_size(engine.layout.tensor_size), folder)
+    tensors = Tensors(weights, m, m.padded_vocab_size(engine.layout.tensor_size), folder, engine.plan.layers)
     try:
         check_unused_biases(weights, m)
         with torch.no_grad():
@@ -69,13 +69,15 @@ def init_engine(engine: "Engine", folder: str | Path) -> None:
 
 class Tensors:
     """Megatron-core tensors built from the folder on demand (``mapping.megatron_tensor``), the last one kept: the
-    two halves of SwiGLU's fc1 ask for the same tensor in a row."""
+    two halves of SwiGLU's fc1 ask for the same tensor in a row. ``layers``: the layer kind the engine built
+    (``LayerPlan.layers``), whose checkpoint keys the model's sharded state dict uses."""
 
-    def __init__(self, weights: Mapping, m: "ModelConfig", padded_vocab: int, folder: str | Path):
+    def __init__(self, weights: Mapping, m: "ModelConfig", padded_vocab: int, folder: str | Path,
+                 layers: str = "local"):
         from hpc_tools.hf.mapping import megatron_keys
 
         self.weights, self.m, self.padded_vocab, self.folder = weights, m, padded_vocab, folder
-        self.keys = set(megatron_keys(m))
+        self.keys = set(megatron_keys(m, layers))
         self._last: tuple[Any, Any] = (None, None)
 
     def get(self, key: str, layer: int | None):
