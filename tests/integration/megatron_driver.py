@@ -138,6 +138,11 @@ def build(case: str):
     return Engine(recipe, layout, "cpu"), recipe, layout
 
 
+def thread_count() -> int:
+    """This process's threads (Linux): a closed engine's process groups must take their gloo threads with them."""
+    return len(os.listdir("/proc/self/task"))
+
+
 def rank_main(out: Path, only: list[str]) -> None:
     import torch.distributed as dist
 
@@ -170,8 +175,9 @@ def rank_main(out: Path, only: list[str]) -> None:
         losses, times = run_steps(engine, recipe, layout, 1, STEPS)
         layers = layer_numbers(engine)
         engine.close()
+        del engine
         results[case] = {"losses": losses, "step_s": times, "build_s": t1 - t0, "load_s": t2 - t1,
-                         "layout": layout.describe(), "layers": layers}
+                         "layout": layout.describe(), "layers": layers, "threads": thread_count()}
 
     for name, (before, after) in RESUMES.items():
         if not selected(name):

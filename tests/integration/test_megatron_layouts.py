@@ -58,6 +58,14 @@ def test_layout_matches_tp1_pp1(results, case):
     assert max(diffs) <= (BF16_ATOL if "bf16" in case else LOSS_ATOL), f"{case}: {got} vs {want}"
 
 
+def test_a_closed_engine_takes_its_process_groups_threads_with_it(results):
+    """Each case builds its own parallel state (~25 gloo groups, 2-3 threads each) and closes it: the threads after
+    the last case are those after the first (a leak kept ~50 more per case and rank, and slowed the whole suite)."""
+    counts = [r["threads"] for r in results.values() if "threads" in r]
+    assert len(counts) >= 2, counts
+    assert max(counts) - counts[0] <= 8, counts
+
+
 @pytest.mark.parametrize("family", list(driver.FAMILIES.values()))
 def test_loss_falls(results, family):
     losses = results[family]["losses"]

@@ -7,6 +7,7 @@ group (``Engine(...)`` ... ``engine.close()`` re-initialises Megatron's parallel
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -96,7 +97,7 @@ class Engine:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from hpc_tools.train.megatron.config import fusion_notes, optimizer_config, transformer_config
-        from hpc_tools.train.megatron.layers import layer_plan
+        from hpc_tools.train.megatron.layers import attention_environment_check, layer_plan
         from hpc_tools.train.megatron.model import build_chunks
 
         self.device = torch.device(device)
@@ -112,6 +113,7 @@ class Engine:
             cpu_compat.install()
         self.recipe, self.layout, self.device_type = recipe, layout, device_type
         self.plan = layer_plan(recipe, device_type)  # fails here, before any model is built, when a GPU lacks TE
+        attention_environment_check(self.plan, os.environ)  # an NVTE_*_ATTN megatron-core would assert on
         self.notes = fusion_notes(recipe, device_type)  # what this node's missing fusions cost; told at start
         self._groups_before = groups.snapshot()  # ended in close(): a harness runs many engines in one world
         self.coords = init_parallel(layout, recipe.training.seed, timeout)
@@ -165,10 +167,15 @@ class Engine:
             model=self.chunks if len(self.chunks) > 1 else self.chunks[0], num_microbatches=len(batches),
             seq_length=self.recipe.model.seq_length, micro_batch_size=self.layout.micro_batch_size,
             forward_only=False)
-        if self.router is not None:
-            self._router_figures = self.router.step(len(batches))
-        # One host read for both: the loss and the all-reduced non-finite flag come back together.
-        loss, bad = torch.cat([self._global_loss_tensor(losses), self._nonfinite_flag(losses)]).tolist()
+        router = self.router.step_tensor(len(batches)) if self.router is not None else None
+        # One host read for all: the loss, the all-reduced non-finite flag and the router figures come back together
+        # (float64: the token counts stay exact; a float32 loss widens exactly).
+        parts = [self._global_loss_tensor(losses), self._nonfinite_flag(losses)]
+        if router is not None:
+            parts.append(router)
+        loss, bad, *figures = torch.cat([t.double() for t in parts]).tolist()
+        if router is not None:
+            self._router_figures = self.router.figures(figures)
         if bad > 0:
             # Skipped before the optimizer sees the gradients: no update, no Adam step, the weights stay finite.
             self.skipped_steps += 1
@@ -325,5 +332,21 @@ class Engine:
 
         if self.router is not None:
             self.router.close()
+        self._release_model()
         ps.destroy_model_parallel()
         groups.destroy_since(self._groups_before)
+
+    def _release_model(self) -> None:
+        """Let go of the model, its optimizer and their process groups.
+
+        Megatron's DDP registers a gradient hook on each parameter's autograd accumulator node, and the hook's closure
+        holds the DDP wrapper; those nodes live in C++, where Python's cycle collector cannot see them, so a closed
+        model (and every process group its modules refer to, each with its own gloo threads) would otherwise live
+        until the process ends. Emptying each module's attributes cuts every edge from the wrapper to the model, the
+        buffers and the groups; the empty wrapper is all that stays behind. The engine is not used after close."""
+        for chunk in self.chunks:
+            modules = list(chunk.modules())
+            for module in modules:
+                module.__dict__.clear()
+        self.chunks, self.optimizer = [], None
+        self.config.no_sync_func = self.config.grad_scale_func = None  # bound methods of the model and optimizer
