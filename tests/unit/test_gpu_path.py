@@ -490,31 +490,3 @@ def test_te_apex_warning_hidden_on_cpu_only():
         assert not hidden()  # on a GPU the slow-path warning stays visible
         _quiet_megatron("cpu")
         assert hidden()
-
-
-def test_megatron_modules_import_one_way():
-    """``layers`` <- ``config`` <- ``model``: the layer decision has its own module, imported by both (no cycle
-    between config and model, whatever is imported inside a function)."""
-    from pathlib import Path
-
-    from tests.unit.test_import_graph import REPO, imports
-
-    package = "hpc_tools.train.megatron"
-    folder = REPO / "hpc_tools" / "train" / "megatron"
-    graph = {p.stem: {m.split(".")[3] for m, _, typing_only in imports(p) if not typing_only
-                      and m.startswith(package + ".") and m.split(".")[3] != p.stem}
-             for p in sorted(Path(folder).glob("*.py")) if p.stem != "__init__"}
-    assert graph["layers"] == set()
-    assert "model" not in graph["config"] and "config" in graph["model"] and "layers" in graph["config"]
-    done: set[str] = set()
-
-    def visit(node, path):
-        assert node not in path, f"import cycle: {' -> '.join(path + [node])}"
-        if node in done:
-            return
-        for dep in graph.get(node, ()):
-            visit(dep, path + [node])
-        done.add(node)
-
-    for node in graph:
-        visit(node, [])

@@ -1,7 +1,8 @@
 """The import layers are contracts, checked on every test run: import-linter's contracts in setup.cfg (floors, the
-torch-free control plane, harnesses only from tests and benchmarks, no cycles among siblings, the training backends
-independent of each other, the loop and checkpointing free of every backend), and no import cycle
-between files, counting imports inside functions and under ``if TYPE_CHECKING:``.
+torch-free control plane, harnesses only from tests and benchmarks, profiling taking values from its callers, the
+Megatron backend's model > config > layers, no cycles among siblings, the training backends independent of each
+other, the loop and checkpointing free of every backend), each shown to break on a planted import, and no import
+cycle between files, counting imports inside functions and under ``if TYPE_CHECKING:``.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def test_the_import_contracts_are_kept():
     out = subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports_command; "
                           "lint_imports_command()"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    assert "6 kept, 0 broken" in out.stdout, out.stdout[-2000:]
+    contracts = (REPO / "setup.cfg").read_text().count("\n[importlinter:contract:")
+    assert contracts >= 8 and f"{contracts} kept, 0 broken" in out.stdout, out.stdout[-2000:]
 
 
 def test_no_import_cycle_between_files():
@@ -93,18 +95,33 @@ def test_the_cycle_check_finds_a_planted_cycle(planted, expected):
     assert file_cycles(graph) == expected
 
 
-def test_a_planted_upward_import_breaks_the_floors(tmp_path):
-    """The floors contract fails when a lower floor imports a higher one (a copy of the package with one import
-    planted in the layout, the ground floor but one)."""
+@pytest.mark.parametrize("planted_in, planted, broken", [
+    # a lower floor imports a higher one (the layout, the ground floor but one): the floors
+    ("hpc_tools/layout.py", "def _planted():\n    from hpc_tools.cli import main", "hpc_tools.layout -> hpc_tools.cli"),
+    # profiling reads a recipe section other than its own at run time, or a module below it that is not the backend
+    # table: profiling takes values from its callers
+    ("profiling/flops.py", "from hpc_tools.recipe.training import TrainingConfig",
+     "profiling.flops -> hpc_tools.recipe.training"),
+    ("profiling/collector.py", "def _planted():\n    from hpc_tools.layout import ParallelLayout",
+     "profiling.collector -> hpc_tools.layout"),
+    # the Megatron backend's layer decision reads its configuration: model > config > layers
+    ("hpc_tools/train/megatron/layers.py", "def _planted():\n    from hpc_tools.train.megatron import config",
+     "hpc_tools.train.megatron.layers -> hpc_tools.train.megatron.config"),
+    # the product imports a test harness: harnesses
+    ("hpc_tools/cli/status.py", "from hpc_tools.testing.spawn import spawn_ranks",
+     "hpc_tools.cli.status -> hpc_tools.testing.spawn"),
+])
+def test_a_planted_import_breaks_its_contract(tmp_path, planted_in, planted, broken):
+    """Each contract fails on one planted import (a copy of the packages with the import added to one module)."""
     import shutil
 
     for top in PACKAGES:
         shutil.copytree(REPO / top, tmp_path / top, ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "setup.cfg").write_text((REPO / "setup.cfg").read_text())
-    layout = tmp_path / "hpc_tools" / "layout.py"
-    layout.write_text(layout.read_text() + "\n\ndef _planted():\n    from hpc_tools.cli import main  # noqa: F401\n")
+    target = tmp_path / planted_in
+    target.write_text(target.read_text() + f"\n\n{planted}  # noqa: F401\n")
     out = subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports_command; "
                           "lint_imports_command()"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert out.returncode != 0
-    assert "hpc_tools.layout -> hpc_tools.cli" in out.stdout, out.stdout[-2000:]
+    assert broken in out.stdout, out.stdout[-2000:]
