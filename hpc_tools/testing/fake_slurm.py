@@ -14,8 +14,9 @@ cluster, down to parsing what the commands print. Their state is one JSON file, 
     fake.calls("scancel")                             # [["scancel", "1"], ...]
 
 Only what the toolkit and submitit ask is answered; anything else exits 2 naming itself, so a new caller fails loudly
-instead of being told something Slurm would not say. tests/unit/test_fake_slurm.py runs the same scenarios against
-this fake and (slow tier) the real test cluster, so the fake cannot drift from what Slurm prints.
+instead of being told something Slurm would not say. The ``slurm_cluster`` fixture (tests/conftest.py) runs the same
+scenarios against this fake and (slow tier) the real test cluster (tests/integration/test_control_plane_slurm.py,
+test_time_limit_requeue.py), so the fake cannot drift from what Slurm prints.
 """
 
 from __future__ import annotations
