@@ -58,7 +58,7 @@ def test_two_rank_job_labels_each_rank_and_logs_picks_one(slurm_multinode, tmp_p
                               text=True, timeout=30)
         assert step.stdout.split() == ["4"], step.stdout
 
-        # a plain sbatch job's run folder (made by the prepare step) is readable by the group and others
+        # a plain sbatch job's run folder (made by the open_run step) is readable by the group and others
         assert stat.S_IMODE(run.path.stat().st_mode) == 0o755 & ~_umask()
         for name in ("manifest.json", "recipe.yaml", "job.sbatch"):
             assert stat.S_IMODE((run.path / name).stat().st_mode) == 0o644 & ~_umask(), name

@@ -94,7 +94,7 @@ def _stub(bin_dir: Path, name: str, body: str) -> None:
 
 
 def test_hostile_strings_never_execute(tmp_path):
-    """Run the rendered script (stand-ins for the Slurm/cluster commands record their arguments; the prepare step
+    """Run the rendered script (stand-ins for the Slurm/cluster commands record their arguments; the open_run step
     runs for real) and check that no payload ran and every value arrived literally."""
     mark = tmp_path / "pwned"
     raw = hostile_recipe(mark, sys.executable)
