@@ -261,3 +261,33 @@ def _shaped(m, padded: int) -> dict:
         shapes[mapping.OUTPUT] = (padded, h)
     assert set(shapes) == set(mapping.megatron_keys(m))
     return {k: torch.randn(*s) for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_export_reads_a_te_moe_checkpoint_by_its_layer_kind(tmp_path, recorded):
+    """A torch_dist checkpoint of a TE MoE model (its keys): the export takes the kind from the meta's record (or,
+    for a checkpoint from before the record, from its keys), reads every tensor and maps it; read as local layers,
+    it lacks the tensors (the failure of every GPU MoE export before)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from hpc_tools.hf import mapping
+    from hpc_tools.train.megatron.hf_export import layer_kind, read_megatron
+
+    m = resolve(BASE, MIXTRAL, source="test").model
+    padded = m.padded_vocab_size(1)
+    hf = mapping.megatron_to_hf(_shaped(m, padded), m)
+    te = mapping.hf_to_megatron(hf, m, padded, "transformer_engine")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(te, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    meta = {"layout": {"layers": "transformer_engine"}} if recorded else {"layout": {}}
+    assert layer_kind(meta, tmp_path) == "transformer_engine"
+    assert layer_kind({"layout": {"layers": "local"}}, tmp_path) == "local"  # the record wins
+    got = read_megatron(tmp_path, mapping.megatron_keys(m, layer_kind(meta, tmp_path)))
+    back = mapping.megatron_to_hf(got, m, "transformer_engine")
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+    with pytest.raises(UserError, match=r"lacks the tensors \['decoder\.layers\.mlp\.linear_fc1\.layer_norm_weight'\]"):
+        read_megatron(tmp_path, mapping.megatron_keys(m, "local"))
