@@ -16,7 +16,9 @@ step, neither a log line's nor a checkpoint's).
 "before" re-creates the previous behaviour inside the rank processes: the stop agreement as a blocking all-reduce
 plus ``.item()`` every step, and a record file write (line-buffered) every step.
 
-    PYTHONPATH=. python benchmarks/bench_host_syncs.py [--steps 12]
+    PYTHONPATH=. python benchmarks/bench_host_syncs.py [--steps 12] [--recipe recipes/gpt_moe.yaml]
+
+``--recipe`` measures another recipe's local profile (gpt_moe's: EP2 on 4 CPU ranks, with the router figures).
 """
 
 from __future__ import annotations
@@ -179,7 +181,7 @@ def per_step(snapshots: list[dict[str, int]]) -> dict[str, float]:
     return {k: statistics.median(d.get(k, 0) for d in deltas) for k in kinds}
 
 
-def measure(mode: str, steps: int, tmp: Path) -> dict[int, dict[str, float]]:
+def measure(mode: str, steps: int, tmp: Path, recipe: Path = RECIPE) -> dict[int, dict[str, float]]:
     site = tmp / "site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -187,7 +189,7 @@ def measure(mode: str, steps: int, tmp: Path) -> dict[int, dict[str, float]]:
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")]),
            "HPC_TOOLS_BENCH_SYNC_OUT": str(out), "HPC_TOOLS_BENCH_SYNC_MODE": mode}
-    cmd = [sys.executable, "-m", "hpc_tools", "submit", str(RECIPE), "--executor", "local", "--json",
+    cmd = [sys.executable, "-m", "hpc_tools", "submit", str(recipe), "--executor", "local", "--json",
            "--runs-dir", str(tmp / f"runs-{mode}"), "--set", f"training.train_iters={steps}",
            "--set", "checkpoint.interval_iters=0", "--set", f"training.log_interval={steps}"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -200,11 +202,14 @@ def measure(mode: str, steps: int, tmp: Path) -> dict[int, dict[str, float]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12, help="training steps per run (default 12)")
+    parser.add_argument("--recipe", type=Path, default=RECIPE, help="the recipe whose local profile runs "
+                        "(default recipes/gpt_3d.yaml: TP2 x PP2, 4 CPU ranks)")
     args = parser.parse_args()
+    recipe = args.recipe.resolve()
     with tempfile.TemporaryDirectory(prefix="bench-host-syncs-") as tmp:
-        results = {mode: measure(mode, args.steps, Path(tmp)) for mode in ("before", "after")}
+        results = {mode: measure(mode, args.steps, Path(tmp), recipe) for mode in ("before", "after")}
     kinds = sorted({k for per_rank in results.values() for counts in per_rank.values() for k in counts})
-    print(f"host syncs per step (median over steps 2..{args.steps}), gpt_3d local profile: TP2 x PP2, 4 CPU ranks")
+    print(f"host syncs per step (median over steps 2..{args.steps}), {recipe.stem} local profile, 4 CPU ranks")
     print(f"{'kind (caller)':<42} {'rank':>4} {'before':>7} {'after':>7}")
     for kind in kinds:
         for rank in sorted(results["after"]):
