@@ -16,6 +16,7 @@ import pytest
 from hpc_tools.checkpoints.dirs import LATEST, CheckpointDirs, newest_across, resume_source
 from hpc_tools.recipe.checkpoint import CheckpointConfig
 from hpc_tools.train.checkpointing.saver import LOCAL, SHARED, Saver, expand_dir
+from tests.helpers import REPO
 
 
 class FakeWrite:
@@ -166,7 +167,6 @@ def test_local_tier_fields_come_together(sets, message):
     from hpc_tools.errors import RecipeError
     from hpc_tools.recipe.load import load_recipe
 
-    repo = Path(__file__).resolve().parents[2]
     with pytest.raises(RecipeError, match=message.replace(".", r"\.")):
-        load_recipe(repo / "recipes" / "gpt_3d.yaml", [f"checkpoint.{k}={v}" for k, v in sets.items()],
+        load_recipe(REPO / "recipes" / "gpt_3d.yaml", [f"checkpoint.{k}={v}" for k, v in sets.items()],
                     profile="local")
