@@ -6,7 +6,8 @@
 #
 # On the GPU machine (no network): installs what --wheels holds (megatron-core, a pure-Python deepspeed wheel,
 # pydantic and its parts, submitit, transformers...), then runs, each step with its own time limit and log:
-#   env            `hpc_tools doctor`: Python, packages, torch's CUDA, the GPU, NCCL, TE / apex / flash-attn
+#   env            `hpc_tools doctor`: Python, packages, torch's CUDA, the GPU, NCCL, TE / apex / flash-attn (no
+#                  recipe: `datasets`, which only Hugging Face inputs read, is a warning when absent, not a failure)
 #   profiling      tests/integration/test_profiling_gpu.py (event timing, memory, NVML)
 #   deepspeed      tests/integration/test_deepspeed_gpu.py (ZeRO 1-3, bf16/fp16, NCCL)
 #   megatron_save  gpt_3d local profile on 1 GPU, bf16, local layers, 10 steps, checkpoint at 10
@@ -14,7 +15,9 @@
 #   export         `hpc_tools export` of the resumed run; hf_forward: one forward with transformers on the GPU
 #   with Transformer Engine importable: megatron_gpu (tests/integration/test_megatron_gpu.py and test_gpu_tier.py)
 #   and gpu_mfu (benchmarks/gpu_mfu.py --size 1.3b)
-# and writes OUT/summary.json: each step's status, exit code, seconds and last lines, the GPU, and gpu_mfu's figures.
+# The pytest steps run without xdist (-n 0): one GPU module at a time on the one GPU (under xdist every gpu-marked
+# test is in one group too, tests/conftest.py). It writes OUT/summary.json: each step's status, exit code, seconds
+# and last lines, the GPU, and gpu_mfu's figures.
 # A failing step does not stop the others. --dry-run runs nothing on a GPU: it validates the Megatron runs' recipes
 # (offline) and writes the summary with every other step "planned". Exit status: 0 when no step failed.
 set -uo pipefail
@@ -43,7 +46,7 @@ while [ $# -gt 0 ]; do
         PyYAML==6.0.3 einops hjson msgpack ninja py-cpuinfo psutil tqdm ${EXTRA_WHEELS:-} || exit 1
       "$py" -m pip wheel --no-deps --no-build-isolation deepspeed==0.19.8 -w "$dest" || exit 1
       ls -l "$dest"; exit 0 ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "gpu_smoke: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -98,8 +101,8 @@ if [ -n "$wheels" ]; then
   step install 900 "$py" -m pip install --no-index --find-links "$wheels" "$wheels"/*.whl
 fi
 step env 300 "$py" -m hpc_tools doctor  # Python, packages, CUDA, driver, NCCL, TE / apex / flash-attn
-step profiling 900 "$py" -m pytest -q -p no:cacheprovider tests/integration/test_profiling_gpu.py
-step deepspeed 1800 "$py" -m pytest -q -p no:cacheprovider tests/integration/test_deepspeed_gpu.py
+step profiling 900 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_profiling_gpu.py
+step deepspeed 1800 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_deepspeed_gpu.py
 if [ "$dry_run" = 1 ]; then
   # what a dry run can prove: the two Megatron runs' recipes are valid as written here
   step_rc=0
@@ -142,7 +145,7 @@ if [ "$dry_run" = 0 ] && ! "$py" -c "import transformer_engine.pytorch" > "$out/
   skip megatron_gpu "transformer_engine not importable here (see logs/te_import.log)"
   skip gpu_mfu "transformer_engine not importable here"
 else
-  step megatron_gpu 3000 "$py" -m pytest -q -p no:cacheprovider tests/integration/test_megatron_gpu.py \
+  step megatron_gpu 3000 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_megatron_gpu.py \
     tests/integration/test_gpu_tier.py
   step gpu_mfu 1800 "$py" benchmarks/gpu_mfu.py --size 1.3b --json "$out/mfu_1.3b.json"
 fi

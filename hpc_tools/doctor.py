@@ -31,13 +31,17 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[1]
 ENVIRONMENT = REPO / "environment"
 STATUSES = ("pass", "warn", "fail", "skip")
-# The packages a job imports: every job's (or the tools around it), then each backend's (its row's ``packages``).
-EVERY_JOB = ("torch", "datasets", "submitit", "pandas", "pyarrow")
+# The packages a job imports: every job's (or the tools around it), then each backend's (its row's ``packages``),
+# then the Hugging Face ``datasets``, which only reads inputs: a recipe's ``data.source: files``
+# (hpc_tools/train/data.py reads them through it) and ``data prepare`` of a saved dataset (hpc_tools/data/inputs.py).
+EVERY_JOB = ("torch", "submitit", "pandas", "pyarrow")
+FILE_INPUTS = ("datasets",)
+FILE_INPUTS_WHY = "data.source: files and `data prepare` (Hugging Face inputs)"
 PACKAGES: dict[str, tuple[str, ...]] = {name: () for name in EVERY_JOB[:1]}  # name -> the kinds that need it
 for _row in backends.BACKENDS.values():
     for _name in _row.packages:
         PACKAGES[_name] = PACKAGES.get(_name, ()) + (_row.kind,)
-PACKAGES.update({name: () for name in EVERY_JOB[1:]})
+PACKAGES.update({name: () for name in EVERY_JOB[1:] + FILE_INPUTS})
 _PIN = re.compile(r"(?<![\w.-])([A-Za-z0-9][A-Za-z0-9_.-]*)(?:\[[\w,.-]*\])?==([0-9][0-9A-Za-z.+!-]*)")
 
 
@@ -99,9 +103,11 @@ def pins_check(folder: Path = ENVIRONMENT) -> list[Check]:
                                   "package versions are not compared with the tested pins")]
 
 
-def package_checks(backend: str | None = None, pinned: dict[str, str] | None = None) -> list[Check]:
-    """Each package against its pin: missing and needed (by every job, or by ``backend``) = fail; missing and not
-    needed = warn; a version other than the pin = warn (it may work; the pins are what the tests ran)."""
+def package_checks(backend: str | None = None, pinned: dict[str, str] | None = None,
+                   data_source: str | None = None) -> list[Check]:
+    """Each package against its pin: missing and needed (by every job, by ``backend``, or, for ``datasets``, by a
+    recipe whose ``data_source`` is ``files``) = fail; missing and not needed = warn; a version other than the pin =
+    warn (it may work; the pins are what the tests ran)."""
     pinned = pins() if pinned is None else pinned
     rows = []
     for name, kinds in PACKAGES.items():
@@ -114,6 +120,8 @@ def package_checks(backend: str | None = None, pinned: dict[str, str] | None = N
         except importlib.metadata.PackageNotFoundError:
             needed = not kinds or backend is None or backend in kinds
             why = "every job" if not kinds else f"backend.kind: {' or '.join(kinds)}"
+            if name in FILE_INPUTS:
+                needed, why = data_source == "files", FILE_INPUTS_WHY
             rows.append(Check(name, "fail" if needed else "warn", f"not installed (needed by {why})", install))
             continue
         if pin is None or have.split("+")[0] == pin:
@@ -206,8 +214,10 @@ def needs_transformer_engine(recipe: Recipe | None) -> bool:
 
 def te_install_fix(pinned: dict[str, str] | None = None) -> str:
     pin = (pins() if pinned is None else pinned).get("transformer-engine")
-    return ('after the CUDA torch: pip install --no-build-isolation "transformer_engine[pytorch,core_cu12]'
-            + (f"=={pin}" if pin else "") + '" (environment/requirements-gpu.txt)')
+    return ('bash environment/install.sh with the CUDA torch (it builds TE; needs nvcc), or by hand: pip install '
+            'setuptools wheel ninja "pybind11[global]" && pip install --no-build-isolation '
+            '"transformer_engine[pytorch,core_cu12]' + (f"=={pin}" if pin else "") + '" '
+            "(environment/requirements-gpu.txt)")
 
 
 def gpu_library_checks(recipe: Recipe | None = None, pinned: dict[str, str] | None = None) -> list[Check]:
@@ -240,11 +250,72 @@ def gpu_library_checks(recipe: Recipe | None = None, pinned: dict[str, str] | No
                           "weight-gradient fusion (an extra 16-bit gradient write and fp32 add per micro-batch)",
                           "optional: build apex with its CUDA extensions (--cuda_ext) in this environment"
                           if megatron_gpu else ""))
-    flash = _installed("flash-attn")
-    rows.append(Check("flash-attn", "pass" if flash else "skip",
-                      f"{flash}: Transformer Engine may pick it (attention=auto) when within its supported versions"
-                      if flash else "not installed: Transformer Engine uses cuDNN's fused attention instead (fine)"))
+    rows.append(flash_attn_check(_installed("flash-attn")))
     return rows
+
+
+def flash_attn_check(flash: str | None, capability: tuple[int, int] | None = None) -> Check:
+    """flash-attn against the versions Transformer Engine 2.11 uses (``te_support.flash_attn_range``: 2.1.1 to
+    2.8.3, from 2.7.3 on Blackwell): outside them TE ignores it and runs cuDNN's fused attention (a warning: it runs,
+    but not with the flash-attn installed for it)."""
+    from hpc_tools.recipe.te_support import TE_VERSION, flash_attn_range, flash_attn_used
+
+    low, high = flash_attn_range(capability)
+    if not flash:
+        return Check("flash-attn", "skip", "not installed: Transformer Engine uses cuDNN's fused attention instead "
+                                           "(fine)")
+    if flash_attn_used(flash, capability):
+        return Check("flash-attn", "pass", f"{flash}: within Transformer Engine {TE_VERSION}'s {low} to {high}; TE "
+                                           "may pick it (attention=auto)")
+    return Check("flash-attn", "warn", f"{flash}: Transformer Engine {TE_VERSION} uses flash-attn {low} to {high} "
+                 "only and ignores this one (it runs cuDNN's fused attention instead)",
+                 f'pip install "flash-attn=={high}" --no-build-isolation, or uninstall flash-attn')
+
+
+def te_import_check() -> Check | None:
+    """Transformer Engine's torch extension imports with this torch on a GPU node (a TE built against another torch,
+    or for another CUDA, fails here with an undefined symbol instead of at a rank's start). None where TE is not
+    installed or no GPU is visible (its own row, and the cuda row, say so)."""
+    if _installed("transformer-engine", "transformer-engine-torch") is None:
+        return None
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any failure means the extension does not load with this torch
+        text = str(exc).splitlines()[0][:200] if str(exc) else ""
+        return Check("te import", "fail", f"transformer_engine.pytorch does not import with this torch "
+                     f"({type(exc).__name__}: {text})", "rebuild it against this torch: " + te_install_fix())
+    return Check("te import", "pass", "transformer_engine.pytorch imports with this torch")
+
+
+def fp8_recipe_check(recipe: Recipe | None, capability: tuple[int, int] | None, cuda: str | None) -> Check | None:
+    """A recipe's ``fp8_recipe: blockwise`` against this node: compute ``capability`` (None: no GPU visible here,
+    the CUDA build alone is checked) and torch's CUDA version (``te_support.blockwise_refusal``, the rank's own
+    start check). None for a recipe without block-scaled FP8."""
+    from hpc_tools.recipe.te_support import BLOCKWISE_FIX, blockwise_refusal
+
+    if recipe is None or recipe.training.fp8 is None or recipe.training.fp8_recipe != "blockwise":
+        return None
+    why = blockwise_refusal(capability, cuda)
+    if why:
+        return Check("fp8 blockwise", "fail", f"training.fp8_recipe=blockwise {why}", BLOCKWISE_FIX)
+    seen = f"compute capability {capability[0]}.{capability[1]}, " if capability else ""
+    return Check("fp8 blockwise", "pass", f"{seen}CUDA {cuda}: Transformer Engine's block-scaled FP8 GEMM runs")
+
+
+def _fp8_recipe_row(recipe: Recipe | None) -> Check | None:
+    """``fp8_recipe_check`` with this node's torch (imported only for a blockwise recipe)."""
+    if recipe is None or recipe.training.fp8 is None or recipe.training.fp8_recipe != "blockwise":
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    return fp8_recipe_check(recipe, capability, torch.version.cuda)
 
 
 def nvme_offload_check(recipe: Recipe) -> Check | None:
@@ -374,9 +445,10 @@ def run_doctor(recipe: Recipe | None = None, executor: str = "local", runs_dir: 
     """Every check, in the table's order."""
     wants_gpus = None if recipe is None else recipe.cluster.uses_gpus
     backend = None if recipe is None else recipe.backend.kind
-    rows = [python_check(), *pins_check(), *package_checks(backend)]
+    rows = [python_check(), *pins_check(), *package_checks(backend, data_source=recipe and recipe.data.source)]
     if with_torch:
         rows += torch_checks(wants_gpus)
+        rows += [row for row in [_fp8_recipe_row(recipe), te_import_check()] if row]
     rows += gpu_library_checks(recipe)
     if with_torch and recipe is not None:
         rows += [row for row in [nvme_offload_check(recipe)] if row]

@@ -5,8 +5,9 @@ Tiers (``pytest_collection_modifyitems`` below): every test under tests/integrat
 ``slow`` (they start ranks, clusters, browsers), but for the fake-Slurm side of a ``slurm_cluster`` test, and every
 test that uses the Slurm cluster is marked ``slurm`` and ``slow``, so that ``pytest -m "not slow"`` is the
 developer's loop of a few minutes. Under pytest-xdist (setup.cfg: ``-n auto --dist loadgroup``) the Slurm tests share
-one group, so one worker submits to the test cluster at a time, and each other integration module is a group of its
-own, so its module-scoped launch runs once; a launch that tests of several modules read runs once per session
+one group, so one worker submits to the test cluster at a time, the ``gpu``-marked tests share one group, so two GPU
+modules never run at once on one GPU, and each other integration module is a group of its own, so its module-scoped
+launch runs once; a launch that tests of several modules read runs once per session
 (``shared_once``, ``main_command``).
 """
 
@@ -39,7 +40,8 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.integration)
             if not fake:
                 item.add_marker(pytest.mark.slow)
-            item.add_marker(pytest.mark.xdist_group("slurm" if on_slurm else Path(str(item.path)).stem))
+            group = "slurm" if on_slurm else "gpu" if item.get_closest_marker("gpu") else Path(str(item.path)).stem
+            item.add_marker(pytest.mark.xdist_group(group))
         elif on_slurm:
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.xdist_group("slurm"))

@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 from hpc_tools import backends
 from hpc_tools.errors import Violation, show
 from hpc_tools.layout import ParallelLayout, middle_stage_layers, pipeline_chunks, uneven_splits
+from hpc_tools.recipe import te_support
 from hpc_tools.recipe.reads import fields_read
 from hpc_tools.recipe.schema import Recipe
 
@@ -370,7 +371,8 @@ def recompute_modules_apply(r: Recipe, lay: ParallelLayout) -> Iterator[Violatio
                         "remove shared_experts or set moe_shared_expert_overlap: false")
     elif t.fp8 is not None and t.fp8_recipe == "delayed" and {"moe_act", "layernorm"} & set(mods):
         yield Violation(field, mods, "names moe_act or layernorm, which FP8's delayed scaling cannot recompute "
-                        "(Megatron-core refuses it)", "remove them, or training.fp8_recipe: tensorwise or blockwise")
+                        "(Megatron-core refuses it)", "remove them, or training.fp8_recipe: tensorwise (or blockwise, "
+                        "with a torch built for CUDA >= 12.9)")
 
 
 # --- experts, context parallelism, FP8, multi-latent attention --------------------------------------------------------
@@ -536,6 +538,55 @@ def context_parallel_needs_te(r: Recipe, lay: ParallelLayout) -> Iterator[Violat
     elif r.backend.megatron.transformer_impl == "local":
         yield Violation("parallel.context_size", lay.context_size, "needs Transformer Engine attention, not "
                         "backend.megatron.transformer_impl=local", "set transformer_impl: auto or transformer_engine")
+    else:  # TE's unfused attention has no context parallelism, and its flash and fused ones take bf16/fp16 only
+        if r.training.precision == "fp32":
+            yield Violation("parallel.context_size", lay.context_size, "needs Transformer Engine's flash or fused "
+                            "attention, which take bf16/fp16 only: with training.precision=fp32 TE has no attention "
+                            "backend for context parallelism", "use training.precision: bf16, or context_size: 1")
+        if not r.backend.megatron.use_flash_attention:
+            yield Violation("parallel.context_size", lay.context_size, "needs Transformer Engine's flash or fused "
+                            "attention: backend.megatron.use_flash_attention=false leaves TE's unfused attention, "
+                            "which has no context parallelism", "set use_flash_attention: true, or context_size: 1")
+
+
+@rule
+def multi_latent_attention_needs_te(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """multi_latent_attention on GPUs needs Transformer Engine layers (transformer_impl not local): Megatron-core's
+    MLA passes k_channels/v_channels to the local DotProductAttention, which takes neither."""
+    if not r.model.multi_latent_attention or not backends.of(r).multi_latent_attention or not r.cluster.uses_gpus:
+        return
+    if r.backend.megatron.transformer_impl == "local":
+        yield Violation("model.multi_latent_attention", True, "needs Transformer Engine layers on GPUs (Megatron-"
+                        "core's local attention takes no k_channels/v_channels), not "
+                        "backend.megatron.transformer_impl=local",
+                        "set transformer_impl: auto or transformer_engine, or multi_latent_attention: false")
+
+
+def megatron_attentions(r: Recipe) -> frozenset[str]:
+    """The attention backends (megatron-core's ``AttnBackend`` names) a rank of this Megatron recipe may build:
+    ``hpc_tools/train/megatron/layers.py``'s ``layer_plan`` over a node with and one without Transformer Engine."""
+    mg = r.backend.megatron
+    if not r.cluster.uses_gpus or mg.transformer_impl == "local":
+        return frozenset({"local"})
+    if mg.use_flash_attention:
+        return frozenset({"auto"})
+    return frozenset({"unfused"} if mg.transformer_impl == "transformer_engine" else {"unfused", "local"})
+
+
+@rule
+def attention_environment(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """cluster.setup.env sets no NVTE_FLASH_ATTN / NVTE_FUSED_ATTN / NVTE_UNFUSED_ATTN other than what Megatron-core
+    sets from the recipe's attention (it asserts at model build otherwise; te_support.NVTE_BY_ATTENTION)."""
+    if backends.of(r).layers != "megatron":
+        return
+    clash = te_support.nvte_conflict(megatron_attentions(r), r.cluster.setup.env)
+    if clash:
+        name, value, expected = clash
+        yield Violation(f"cluster.setup.env.{name}", value, "makes Megatron-core's attention check assert at model "
+                        f"build: it sets {name}={expected} itself from the recipe's attention "
+                        "(backend.megatron.use_flash_attention, transformer_impl)",
+                        f"remove {name} from cluster.setup.env and the site file; use_flash_attention: false "
+                        "chooses Transformer Engine's unfused attention")
 
 
 # GPUs without FP8 tensor cores (Ampere and older) and GPUs with MXFP8 (Blackwell), matched on the lower-cased
@@ -558,7 +609,9 @@ def gpu_has_mxfp8(gpu_type: str) -> bool:
 
 @rule
 def fp8_supported(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
-    """training.fp8 needs FP8 GPUs (mxfp8: Blackwell), 16-bit precision and GEMM dimensions multiples of 16."""
+    """training.fp8 needs FP8 GPUs (mxfp8: Blackwell; blockwise: CUDA >= 12.9), bf16/fp16, GEMM sizes x 16."""
+    # blockwise's compute capability >= 9.0 and torch built for CUDA >= 12.9 (Transformer Engine 2.11) are the node's:
+    # the rank refuses them at start and doctor on the node (te_support.blockwise_refusal)
     t, c, m = r.training, r.cluster, r.model
     if t.fp8 is None or not backends.of(r).fp8:
         return
@@ -572,7 +625,7 @@ def fp8_supported(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
         return
     if t.fp8_recipe == "mxfp8" and not gpu_has_mxfp8(c.gpu_type):
         yield Violation("training.fp8_recipe", "mxfp8", f"needs Blackwell GPUs, not cluster.gpu_type={c.gpu_type}",
-                        "use fp8_recipe: delayed, tensorwise or blockwise")
+                        "use fp8_recipe: delayed or tensorwise (blockwise: with a torch built for CUDA >= 12.9)")
     if t.precision == "fp32":
         yield Violation("training.precision", "fp32", "cannot be combined with training.fp8 (FP8 GEMMs run inside "
                         "bf16/fp16 training)", "use precision: bf16")

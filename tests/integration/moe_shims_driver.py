@@ -108,7 +108,7 @@ def main() -> int:
             token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
         return redo
 
-    def undo_te_general_gemm():
+    def undo_te_general_gemm():  # not a shim any more: the model builder binds it on every device (bind_router_gemm)
         del moe_utils.te_general_gemm
         return lambda: setattr(moe_utils, "te_general_gemm", None)
 

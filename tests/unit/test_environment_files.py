@@ -40,21 +40,39 @@ def test_gpu_and_cpu_sets_pin_the_same_versions():
 TE_COMMAND = re.compile(r'pip install --no-build-isolation "transformer_engine\[pytorch,core_cu12\]==([\w.]+)"')
 
 
-def test_transformer_engine_is_pinned_where_megatron_core_accepts_it_and_only_for_gpu_clusters():
-    """The GPU install (requirements-gpu.txt and environment.yml) names one TE version, inside the range the installed
-    megatron-core's metadata accepts; it is a separate command there (its torch extension builds against the
-    installed torch), and nothing the CPU install runs names it."""
+def test_transformer_engine_is_pinned_where_megatron_core_accepts_it():
+    """The GPU install names one TE version, inside the range the installed megatron-core's metadata accepts: the
+    pin install.sh installs from, and the command requirements-gpu.txt and environment.yml show. It is a separate
+    command (its torch extension builds against the installed torch), never a line pip -r would build."""
     from packaging.specifiers import SpecifierSet
 
-    from hpc_tools.doctor import megatron_te_range
+    from hpc_tools.doctor import megatron_te_range, pins
 
     found = {name: TE_COMMAND.findall((ENV / name).read_text()) for name in ("requirements-gpu.txt", "environment.yml")}
     assert all(len(v) == 1 for v in found.values()), found
-    pin = found["requirements-gpu.txt"][0]
-    assert found["environment.yml"] == [pin]
+    pin = re.search(r'^te="transformer_engine==([\w.]+)"', (ENV / "install.sh").read_text(), re.M).group(1)
+    assert found == {"requirements-gpu.txt": [pin], "environment.yml": [pin]} and pins()["transformer-engine"] == pin
     accepted = megatron_te_range()
     assert accepted and pin in SpecifierSet(accepted), (pin, accepted)
     assert not any(k.startswith("transformer_engine") or k.startswith("transformer-engine")
                    for k in _pins(ENV / "requirements-gpu.txt")), "not a line pip -r would build"
-    for cpu_side in ("install.sh", "requirements-cpu.txt", "requirements-test.txt"):
+    for cpu_side in ("requirements-cpu.txt", "requirements-test.txt"):
         assert "transformer_engine" not in (ENV / cpu_side).read_text().replace("-", "_"), cpu_side
+
+
+def test_install_sh_installs_transformer_engine_on_a_cuda_torch_only():
+    """install.sh (the documented GPU install, issue 31 item 9) installs TE, with its build tools and without build
+    isolation, in the branch where torch's CUDA version is set, and never on a CPU torch (CI runs the CPU path)."""
+    text = (ENV / "install.sh").read_text()
+    function = text[text.index("install_transformer_engine() {"):text.index("\n}\n", text.index("install_"
+                                                                                               "transformer_engine"))]
+    assert 'pip_install setuptools wheel ninja "pybind11[global]"' in function
+    assert 'pip_install --no-build-isolation "${te/==/[pytorch,core_cu$1]==}"' in function
+    assert "import transformer_engine.pytorch" in function  # a container's own TE is kept
+    calls = [line.strip() for line in text.splitlines() if "install_transformer_engine " in line
+             and not line.startswith("install_transformer_engine()")]
+    assert calls == ['install_transformer_engine "${cuda%%.*}"'], calls
+    branch = re.search(r'cuda="\$\("\$py" -c \'import torch; print\(torch.version.cuda or ""\)\'\)"\n'
+                       r'if \[ -n "\$cuda" \] && \[ "\$\{HPC_TOOLS_TE:-\}" != skip \]; then\n'
+                       r'  install_transformer_engine "\$\{cuda%%\.\*\}"\nfi\n', text)
+    assert branch, "the TE step must sit in the CUDA-torch branch"

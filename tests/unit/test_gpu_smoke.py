@@ -37,3 +37,36 @@ def test_an_unknown_argument_is_one_line_naming_help(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_smoke.sh"), "--bogus"], capture_output=True,
                           text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.strip() == "gpu_smoke: unknown argument --bogus (see --help)"
+
+
+def test_pytest_steps_run_without_xdist(tmp_path):
+    """One GPU: the smoke's pytest steps run one module at a time (-n 0), never xdist's one worker per module."""
+    out = tmp_path / "smoke"
+    subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_smoke.sh"), "--dry-run", "--out", str(out)],
+                   capture_output=True, text=True, timeout=300, cwd=tmp_path, check=True)
+    for step in ("profiling", "deepspeed", "megatron_gpu"):
+        assert " -n 0 " in (out / "logs" / f"{step}.log").read_text(), step
+
+
+def test_every_gpu_marked_test_is_in_one_xdist_group():
+    """Under xdist (-n auto --dist loadgroup) two GPU modules would run at once on one GPU: conftest puts every
+    gpu-marked test in the group ``gpu``; other integration modules keep a group each."""
+    import pytest
+
+    from tests.conftest import INTEGRATION, pytest_collection_modifyitems
+
+    class Item:
+        def __init__(self, name: str, gpu: bool):
+            self.path, self.fixturenames, self.markers = INTEGRATION / name, [], [pytest.mark.gpu.mark] if gpu else []
+
+        def get_closest_marker(self, name):
+            return next((m for m in self.markers if m.name == name), None)
+
+        def add_marker(self, mark):
+            self.markers.append(getattr(mark, "mark", mark))
+
+    items = [Item("test_profiling_gpu.py", True), Item("test_deepspeed_gpu.py", True),
+             Item("test_megatron_run.py", False)]
+    pytest_collection_modifyitems(None, items)
+    groups = [item.get_closest_marker("xdist_group").args[0] for item in items]
+    assert groups == ["gpu", "gpu", "test_megatron_run"]

@@ -115,9 +115,14 @@ def test_context_parallelism_goes_to_te_attention_as_a_ring():
 @pytest.mark.parametrize("sets, what", [(["parallel.context_size=2"], "parallel.context_size=2 needs Transformer"),
                                         (["training.fp8=e4m3"], "training.fp8=e4m3 needs Transformer Engine")])
 def test_cp_and_fp8_without_transformer_engine_are_refused_in_one_line(sets, what):
-    r = recipe(*sets, "backend.megatron.use_flash_attention=false")
+    """The local layers a GPU node without TE builds (auto, no flash attention; CP with use_flash_attention: false is
+    refused earlier, at validate: issue 31 item 1) refuse CP and FP8 at start."""
+    from hpc_tools.train.megatron.config import transformer_config
+    from hpc_tools.train.megatron.layers import LayerPlan
+
+    r = recipe(*sets)
     with pytest.raises(UserError, match=what) as err:
-        config(r, "cuda", te=False)
+        transformer_config(r, ParallelLayout.from_recipe(r), "cuda", LayerPlan("local", "local"))
     assert "\n" not in str(err.value) and "(run on" in str(err.value)
 
 

@@ -123,6 +123,7 @@ def transformer_config(recipe: "Recipe", layout: "ParallelLayout", device_type: 
     extra = {**moe_options(recipe, layout, plan), **context_options(layout, plan), **fp8_options(recipe, plan)}
     config_cls = TransformerConfig
     if m.multi_latent_attention:
+        mla_layers_check(plan, device_type)
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
         config_cls, extra = MLATransformerConfig, {**extra, **mla_options(recipe)}
@@ -214,6 +215,20 @@ def moe_fusions(plan, version: str | None = None) -> dict[str, bool]:
     return {name: version_at_least(version, least) for name, least in MOE_FUSION_TE.items()}
 
 
+def mla_layers_check(plan, device_type: str) -> None:
+    """Multi-latent attention on a GPU needs Transformer Engine layers: megatron-core 0.16.1's MLA passes
+    ``k_channels``/``v_channels`` to the local ``DotProductAttention``, which takes neither (``TypeError`` at build),
+    and without TE its ``HAVE_TE`` is still true (the TE extension module imports a MagicMock). On CPU the local
+    layers run it through ``cpu_compat``'s shims. Refused in one line, as context parallelism and FP8 are."""
+    if device_type == "cuda" and not plan.transformer_engine:
+        from hpc_tools.errors import UserError
+
+        raise UserError(f"model.multi_latent_attention=true needs Transformer Engine layers on a GPU, but this rank "
+                        f"builds {plan.layers} layers (megatron-core's local attention takes no k_channels/"
+                        "v_channels): install transformer_engine on the GPU nodes, or set multi_latent_attention: "
+                        "false")
+
+
 def mla_options(recipe: "Recipe") -> dict:
     """MLATransformerConfig's fields for multi-latent attention (DeepSeek-V2/V3). RoPE goes on the decoupled
     ``qk_pos_emb_head_dim`` part only; the rope type is plain ``rope`` (YaRN scaling is for context extension)."""
@@ -262,7 +277,27 @@ def fp8_options(recipe: "Recipe", plan) -> dict:
 
         raise UserError(f"training.fp8={t.fp8} needs Transformer Engine layers, but this rank builds {plan.layers} "
                         "layers (run on Hopper/Blackwell GPUs with transformer_engine, or set training.fp8: null)")
+    import torch
+
+    if torch.cuda.is_available():  # the device and the CUDA build this rank runs on (CPU: the config is only built)
+        fp8_device_check(recipe, torch.cuda.get_device_capability(), torch.version.cuda)
     return {"fp8": t.fp8, "fp8_recipe": t.fp8_recipe}
+
+
+def fp8_device_check(recipe: "Recipe", capability: tuple[int, int] | None, cuda: str | None) -> None:
+    """The rank-start refusal of an FP8 recipe this GPU (compute ``capability``) and torch build (``cuda``:
+    ``torch.version.cuda``) cannot run, in one line: ``blockwise`` needs compute capability >= 9.0 and CUDA >= 12.9
+    (Transformer Engine 2.11; ``hpc_tools/recipe/te_support.py``), which TE would otherwise assert at the first
+    forward. A pure function of its arguments: ``fp8_options`` passes torch's values."""
+    from hpc_tools.recipe.te_support import BLOCKWISE_FIX, blockwise_refusal
+
+    t = recipe.training
+    if t.fp8 and t.fp8_recipe == "blockwise":
+        why = blockwise_refusal(capability, cuda)
+        if why:
+            from hpc_tools.errors import UserError
+
+            raise UserError(f"training.fp8_recipe=blockwise {why} ({BLOCKWISE_FIX})")
 
 
 def cuda_device_max_connections(recipe: "Recipe", layout: "ParallelLayout") -> str | None:

@@ -8,10 +8,10 @@ Megatron-core 0.16.1 assumes CUDA in a handful of places (each found by running 
 3. ``tensor.type() == 'torch.cuda.FloatTensor'`` checks in clip_grads and the (distributed) optimizer;
 4. ``.cuda()`` in embedding tying and the optimizer; ``torch.cuda.synchronize()`` in batch p2p;
 5. the mixture-of-experts ``alltoall`` token dispatcher (``_route_moe``): its device-to-host side stream and event
-   (``torch.cuda.Stream/current_stream/stream``, ``Stream.record_event``), ``moe_utils.te_general_gemm`` (bound only
-   inside the Transformer Engine import ``try``: a NameError without TE), and the split sizes of
+   (``torch.cuda.Stream/current_stream/stream``, ``Stream.record_event``) and the split sizes of
    ``all_to_all_single`` (``maybe_move_tensor_to_cpu(..., as_numpy=True)`` converts only CUDA tensors, and gloo
-   wants int sequences, not CPU tensors);
+   wants int sequences, not CPU tensors). (``moe_utils.te_general_gemm``, bound only when Transformer Engine
+   imports, is not a CPU matter: the model builder binds it on every device, ``model.bind_router_gemm``);
 6. multi-latent attention on the local spec (``_route_mla``): the local ``DotProductAttention`` takes no
    ``k_channels``/``v_channels`` (MLA's key and value widths differ from ``kv_channels``), and the Transformer Engine
    extension module, imported under a MagicMock stand-in for TE, leaves ``HAVE_TE`` true in the MLA module so that
@@ -217,8 +217,6 @@ def _route_moe(torch) -> None:
     torch.cuda.Stream = CpuStream
     torch.cuda.current_stream = lambda device=None: _DEFAULT_STREAM
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
-    if not hasattr(moe_utils, "te_general_gemm"):  # only bound when Transformer Engine imports
-        moe_utils.te_general_gemm = None
     original = moe_utils.maybe_move_tensor_to_cpu
 
     @functools.wraps(original)

@@ -146,3 +146,21 @@ def describe_te_choice(backends: dict | None) -> str | None:
     if backends.get("use_unfused_attention"):
         return "unfused"
     return None
+
+
+def attention_environment_check(plan: LayerPlan, env) -> None:
+    """Refuse, in one line at rank start, an ``NVTE_FLASH_ATTN`` / ``NVTE_FUSED_ATTN`` / ``NVTE_UNFUSED_ATTN`` in the
+    rank's environment (a site's module, ``cluster.setup.env`` or the site file) other than what megatron-core sets
+    for this plan's attention: it asserts on it at model build (``hpc_tools/recipe/te_support.py``). ``env``:
+    ``os.environ`` at the rank, a mapping in tests."""
+    from hpc_tools.recipe.te_support import nvte_conflict
+
+    clash = nvte_conflict({plan.attention}, env)
+    if clash:
+        from hpc_tools.errors import UserError
+
+        name, value, expected = clash
+        raise UserError(f"{name}={value} is set in this rank's environment, but megatron-core sets {name}={expected} "
+                        f"for this rank's attention ({plan.describe()}) and asserts at model build (unset {name} in "
+                        "cluster.setup.env, the site file or the modules the job loads; "
+                        "backend.megatron.use_flash_attention: false chooses Transformer Engine's unfused attention)")

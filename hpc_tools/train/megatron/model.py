@@ -43,6 +43,8 @@ def block_spec(recipe: "Recipe", config, device_type: str, vp_stage: int | None)
     )
 
     te = layer_plan(recipe, device_type).transformer_engine
+    if config.num_moe_experts:
+        bind_router_gemm()
     if config.num_moe_experts or config.multi_latent_attention:
         # Megatron's own block spec: MoE layers where moe_layer_freq says, dense ones elsewhere, this stage's slice.
         if te:
@@ -60,6 +62,18 @@ def block_spec(recipe: "Recipe", config, device_type: str, vp_stage: int | None)
     layer = _local_norms(specs.get_gpt_layer_local_spec(normalization=config.normalization))
     count = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=SequenceParallelNorm)
+
+
+def bind_router_gemm() -> None:
+    """Bind megatron-core's ``moe_utils.te_general_gemm`` to None where Transformer Engine did not import, on every
+    device: megatron-core 0.16.1 binds the name only inside its TE import ``try``, and the router's fp32 gating GEMM
+    (``router_gating_linear``, which ``moe_router_dtype: fp32`` in ``config.moe_options`` selects) reads it, so
+    without TE the first forward raised ``NameError``; None takes its torch ``mm`` path. With TE the name is TE's
+    GEMM and stays."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _local_norms(layer):
