@@ -220,7 +220,8 @@ def te_install_fix(pinned: dict[str, str] | None = None) -> str:
             "(environment/requirements-gpu.txt)")
 
 
-def gpu_library_checks(recipe: Recipe | None = None, pinned: dict[str, str] | None = None) -> list[Check]:
+def gpu_library_checks(recipe: Recipe | None = None, pinned: dict[str, str] | None = None,
+                       capability: tuple[int, int] | None = None) -> list[Check]:
     """Transformer Engine (against megatron-core's accepted versions), apex's fused weight-gradient kernel and
     flash-attn: what the Megatron GPU path can use here (docs/gpu-path.md). Missing ones fail only where the recipe
     cannot run without them; elsewhere they are skipped (GPU nodes only)."""
@@ -250,7 +251,7 @@ def gpu_library_checks(recipe: Recipe | None = None, pinned: dict[str, str] | No
                           "weight-gradient fusion (an extra 16-bit gradient write and fp32 add per micro-batch)",
                           "optional: build apex with its CUDA extensions (--cuda_ext) in this environment"
                           if megatron_gpu else ""))
-    rows.append(flash_attn_check(_installed("flash-attn")))
+    rows.append(flash_attn_check(_installed("flash-attn"), capability))
     return rows
 
 
@@ -304,6 +305,16 @@ def fp8_recipe_check(recipe: Recipe | None, capability: tuple[int, int] | None, 
         return Check("fp8 blockwise", "fail", f"training.fp8_recipe=blockwise {why}", BLOCKWISE_FIX)
     seen = f"compute capability {capability[0]}.{capability[1]}, " if capability else ""
     return Check("fp8 blockwise", "pass", f"{seen}CUDA {cuda}: Transformer Engine's block-scaled FP8 GEMM runs")
+
+
+def _gpu_capability() -> tuple[int, int] | None:
+    """The visible GPU's compute capability (flash-attn's range is narrower on Blackwell), None without one."""
+    try:
+        import torch
+
+        return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - no torch, or a CUDA build that cannot see a GPU: no capability
+        return None
 
 
 def _fp8_recipe_row(recipe: Recipe | None) -> Check | None:
@@ -449,7 +460,7 @@ def run_doctor(recipe: Recipe | None = None, executor: str = "local", runs_dir: 
     if with_torch:
         rows += torch_checks(wants_gpus)
         rows += [row for row in [_fp8_recipe_row(recipe), te_import_check()] if row]
-    rows += gpu_library_checks(recipe)
+    rows += gpu_library_checks(recipe, capability=_gpu_capability() if with_torch else None)
     if with_torch and recipe is not None:
         rows += [row for row in [nvme_offload_check(recipe)] if row]
     rows.append(slurm_check())
