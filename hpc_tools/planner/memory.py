@@ -183,10 +183,6 @@ def local_seq(arch: Arch, k: Knobs) -> int:
     return arch.seq // k.layout.context_size
 
 
-def _layer_terms(arch: Arch, k: Knobs, recompute: str, moe: bool = False) -> dict[str, float]:
-    return layers_of(k).terms(arch, k, recompute, moe)
-
-
 MOE_ROUTER, MOE_DISPATCHED, MOE_EXPERTS, MOE_COMBINE, MOE_SHARED = (
     "router (fp32 logits, scores, routing map)", "dispatched tokens (expert inputs, x top-k)",
     "routed experts' MLP (x top-k)", "expert outputs for the weighted combine (x top-k)", "shared expert MLP")
@@ -262,9 +258,9 @@ def mla_attention_terms(arch: Arch, k: Knobs, s: int) -> dict[str, float]:
 
 
 def layer_bytes(arch: Arch, k: Knobs, recompute: str, moe: bool = False) -> float:
-    """Bytes one layer (dense, or ``moe``) keeps for one microbatch on one GPU under ``k`` (Megatron:
-    ``megatron_layer_terms``, ``moe_mlp_terms``)."""
-    return sum(_layer_terms(arch, k, recompute, moe).values())
+    """Bytes one layer (dense, or ``moe``) keeps for one microbatch on one GPU under ``k``: its layer code's terms
+    (``LayerCode.terms``; Megatron: ``megatron_layer_terms``, ``moe_mlp_terms``)."""
+    return sum(layers_of(k).terms(arch, k, recompute, moe).values())
 
 
 def _checkpoint_bytes(arch: Arch, k: Knobs) -> float:
