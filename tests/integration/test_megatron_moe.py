@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_driver
+from tests.helpers import run_driver
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -122,7 +122,7 @@ def submitted(tmp_path_factory) -> Path:
 
 
 def test_the_moe_recipe_trains_locally_end_to_end_with_router_figures(submitted):
-    from tests.conftest import step_records
+    from tests.helpers import step_records
 
     assert json.loads((submitted / "manifest.json").read_text())["state"] == "COMPLETED"
     records = step_records(submitted)
