@@ -55,7 +55,11 @@ if "hpc_tools.runtime.rank" in args:
     n = int(open(counter).read()) if os.path.exists(counter) else 0
     open(counter, "w").write(str(n + 1))
     record(cmd="srun", argv=args, step="rank")
-    if n == 0:
+    if n == 0:  # the watcher beside the step has started (the batch shell kills it when the step ends)
+        import time
+        deadline = time.monotonic() + 60
+        while '"watch"' not in open(os.environ["FAKE_CALLS"]).read() and time.monotonic() < deadline:
+            time.sleep(0.05)
         print("srun: error: node2: task 1: Killed", file=sys.stderr, flush=True)
         sys.exit(137)
     sys.exit(0)
@@ -148,9 +152,11 @@ def test_a_pyxis_job_restarts_with_its_controller_on_the_batch_host(tmp_path, py
     assert any(c["cmd"] == "srun" and c["argv"][-1] == "true" for c in slurm)  # the probe of the new step's node
     host = [(c["module"], c["argv"][0] if c["module"] == "hpc_tools.job.restarts" else None)
             for c in seen if c["cmd"] == "host-python"]
-    assert host == [("hpc_tools.job.batch_log", None), ("hpc_tools.job.restarts", "begin"),
-                    ("hpc_tools.job.restarts", "watch"), ("hpc_tools.job.restarts", "next"),
-                    ("hpc_tools.job.restarts", "watch")]
+    assert host[:3] == [("hpc_tools.job.batch_log", None), ("hpc_tools.job.restarts", "begin"),
+                        ("hpc_tools.job.restarts", "watch")], host
+    # the second step's watcher may be killed before it starts: the step it watches ends at once
+    assert host.count(("hpc_tools.job.restarts", "next")) == 1 and set(host[3:]) <= {
+        ("hpc_tools.job.restarts", "next"), ("hpc_tools.job.restarts", "watch")}, host
     assert [c["module"] for c in seen if c.get("step") == "container"] == ["hpc_tools.job.open_run",
                                                                            "hpc_tools.job.epilogue"]
 
