@@ -261,7 +261,9 @@ def test_workers_end_when_the_parent_ignores_sigterm(corpus, tmp_path):
               f"done = prepare([{str(root / 'web.jsonl')!r}], {str(tmp_path / 'out')!r}, text_field='body',\n"
               "               workers=2, batch_docs=16)\n"
               "print(done[0].documents)\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+    # the hang this guards against is forever; the prepare itself is ~20 s here, most of it importing megatron.core
+    # (its indexed-dataset builder), and several times that on a loaded machine
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400,
                          env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert out.returncode == 0 and out.stdout.split() == ["700"], out.stderr
     assert "bypassed" not in out.stderr
