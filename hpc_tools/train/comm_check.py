@@ -72,6 +72,9 @@ class CommCheck:
         """No model: nothing to evaluate (the validation loss stays None)."""
         return None
 
+    def start_background_writer(self) -> None:
+        raise NotImplementedError("comm_check keeps no checkpoints")
+
     def write_checkpoint(self, folder: Path, step: int, background: bool) -> None:
         raise NotImplementedError("comm_check keeps no checkpoints")
 

@@ -61,10 +61,15 @@ class Write(Protocol):
 class Checkpointable(Protocol):
     """What the saver asks of an engine: its files of a step, and what the checkpoint's meta file records."""
 
+    def start_background_writer(self) -> None:
+        """Collective, once, when the saver is built for background saves (checkpoint.async_save): make and start the
+        background writer now, so that the first background save does not wait for it; a no-op for a backend that
+        writes synchronously."""
+
     def write_checkpoint(self, folder: Path, step: int, background: bool) -> Write | None:
         """Collective: this rank's files of step ``step`` into ``folder`` (which exists): None once they are on
         disk; with ``background`` (asked only when checkpoint.async_save is on) the ``Write`` still under way, or
-        None where the backend writes synchronously. The engine makes its background writer at the first such call."""
+        None where the backend writes synchronously. A writer not started yet is made at the first such call."""
 
     def checkpoint_meta(self, step: int) -> dict[str, Any]:
         """What the meta file of the checkpoint of ``step`` records besides its files (format, layout...)."""

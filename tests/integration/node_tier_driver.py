@@ -78,6 +78,9 @@ class Engine:
     def checkpoint_meta(self, step: int) -> dict:
         return {"format": "fake_torch_dist"}
 
+    def start_background_writer(self) -> None:
+        pass
+
     def resume(self, source: Path) -> int:
         step = json.loads((source / ".metadata").read_text())["step"]
         for r in range(self.world):

@@ -45,6 +45,7 @@ class FakeEngine:
     def __init__(self):
         self.full: set[Path] = set()
         self.writes: list[FakeWrite] = []
+        self.started = 0
 
     def write_checkpoint(self, folder: Path, step: int, background: bool):
         if folder.parent in self.full:
@@ -59,6 +60,9 @@ class FakeEngine:
     def checkpoint_meta(self, step: int) -> dict:
         return {"format": "fake"}
 
+    def start_background_writer(self) -> None:
+        self.started += 1
+
 
 def make_ctx(tmp_path: Path, **ck):
     ck = CheckpointConfig(**{"keep_last": 5, **ck})
@@ -68,6 +72,14 @@ def make_ctx(tmp_path: Path, **ck):
         is_rank0=True, device="cpu",
         dist=SimpleNamespace(world_size=2, local_world_size=2, node_rank=0),
         info=lambda msg, *a: infos.append(msg % a), infos=infos)
+
+
+def test_the_saver_alone_reads_async_save_and_starts_the_writer_before_any_save(tmp_path):
+    engine = FakeEngine()
+    Saver(make_ctx(tmp_path, async_save=True), engine)
+    assert engine.started == 1 and engine.writes == [], "started when the saver is built, nothing written"
+    Saver(make_ctx(tmp_path / "sync"), engine)
+    assert engine.started == 1, "synchronous saves start no writer"
 
 
 def test_latest_moves_only_when_the_background_write_is_done(tmp_path):

@@ -201,6 +201,8 @@ class Saver:
         self.background = bool(ck.async_save)
         self.checksum = ck.verify == "checksum"
         self.interval, self.local_interval = ck.interval_iters, ck.local_interval_iters
+        if self.background:
+            engine.start_background_writer()  # its start (processes, a CUDA context) overlaps training, not a save
 
     @classmethod
     def outside_run(cls, engine: Checkpointable, dirs: CheckpointDirs, *, checksum: bool = True) -> "Saver":

@@ -273,6 +273,9 @@ class DeepSpeedJob:
         torch.save(rng.capture(), folder / RNG_FILE.format(rank=self.ctx.rank))
         return None
 
+    def start_background_writer(self) -> None:
+        """Nothing to start: DeepSpeed saves synchronously."""
+
     def checkpoint_meta(self, step: int) -> dict[str, Any]:
         return self.meta()
 

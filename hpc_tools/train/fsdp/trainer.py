@@ -75,7 +75,7 @@ class FSDPJob:
         self.samples = build_samples(self.recipe)
         on_gpu = self.device.type == "cuda"
         self.prefetch = BatchPrefetcher(self._build_batch, t.train_iters, background=on_gpu, pin=on_gpu)
-        self._async = None  # (process group, stager) of the background writes, made at the first one
+        self._async = None  # (process group, stager) of the background writes: start_background_writer
 
     def describe(self) -> str:
         fs = self.recipe.backend.fsdp
@@ -152,18 +152,23 @@ class FSDPJob:
     # -- checkpoints ---------------------------------------------------------------------------------------------------
     def write_checkpoint(self, folder: Path, step: int, background: bool):
         """The saver's write (``engine.Checkpointable``): DCP save of the model and optimizer shards and this rank's
-        RNG into ``folder``; ``background``: staged now, written in a background thread (over a gloo group of its
-        own, made at the first such save: its collectives never meet training's), returns its ``FutureWrite``."""
-        if background and self._async is None:
-            import torch.distributed as dist
-
-            self._async = (dist.new_group(backend="gloo"),
-                           checkpoint.async_stager(pin_memory=self.device.type == "cuda"))
+        RNG into ``folder``; ``background``: staged now, written in a background thread over a gloo group of its own
+        (``start_background_writer``), returns its ``FutureWrite``."""
         if background:
+            self.start_background_writer()
             future = checkpoint.start_async_save(folder, self.model, self.optimizer, self.ctx.rank, *self._async)
             return checkpoint.FutureWrite(future)
         checkpoint.save(folder, self.model, self.optimizer, self.ctx.rank)
         return None
+
+    def start_background_writer(self) -> None:
+        """Collective, once: the background writes' own gloo group (their collectives never meet training's) and
+        their stager (page-locked buffers on a GPU)."""
+        if self._async is None:
+            import torch.distributed as dist
+
+            self._async = (dist.new_group(backend="gloo"),
+                           checkpoint.async_stager(pin_memory=self.device.type == "cuda"))
 
     def checkpoint_meta(self, step: int) -> dict[str, Any]:
         return self.meta()

@@ -100,6 +100,9 @@ class Shards:
     def __init__(self, engine: "Engine"):
         self.engine = engine
 
+    def start_background_writer(self) -> None:
+        """Synchronous saves only."""
+
     def write_checkpoint(self, folder: Path, step: int, background: bool = False) -> None:
         return write(self.engine, folder, step)
 
@@ -142,8 +145,9 @@ def write(engine: "Engine", folder: Path, step: int, *, background=None):
 class BackgroundWriter:
     """dist_checkpointing's async machinery for one run (built at its first background save): an
     ``AsyncCallsQueue`` with the persistent writer process on a GPU (one process for the run's life; Megatron-LM's
-    choice) and a writer forked per save on CPU (the persistent one calls ``torch.cuda.set_device``: it dies on a CPU
-    node and the trainer then hangs in finalize). The writer's results come back through the library's
+    choice; started when this writer is built, on the rank's own device: ``_start_persistent``) and a writer forked
+    per save on CPU (the persistent one calls ``torch.cuda.set_device``: it dies on a CPU node and the trainer then
+    hangs in finalize). The writer's results come back through the library's
     multiprocessing Manager queue, started in a thread at construction (before the state dict is built: its 2-3 s
     start overlaps that much of the first save).
 
@@ -156,18 +160,42 @@ class BackgroundWriter:
     torch_dist strategy with ``cached_metadata`` is kept (the library checks that the plans agree before reusing
     them), and the access-integrity check (an all-gather of every shard's metadata) runs at the first save only."""
 
-    def __init__(self, on_gpu: bool):
+    def __init__(self, device_index: int | None):
         import threading
 
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
         from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-        self.on_gpu = on_gpu
-        self.queue = AsyncCallsQueue(persistent=on_gpu)
+        self.on_gpu, self.device_index = device_index is not None, device_index
+        self.queue = AsyncCallsQueue(persistent=self.on_gpu)
         self.strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
         self.saves = 0
         self._manager = threading.Thread(target=_start_results_queue, daemon=True, name="ckpt-results-queue")
         self._manager.start()
+        if self.on_gpu:
+            self._start_persistent()
+
+    def _start_persistent(self) -> None:
+        """Start the persistent writer process now, on this rank's own device.
+
+        The library starts it at the first save (importing torch and megatron and opening a CUDA context there:
+        10-30 s of that save blocked, and again after each abort) and has it call
+        ``torch.cuda.set_device(global_rank % device_count)``: with a cyclic task distribution that is a peer's GPU.
+        Its ``async_loop`` uses its ``rank`` argument for that call and for debug log lines only, so it is given
+        this rank's local device index (``ctx.device``), the device the trainer itself uses."""
+        import logging as _logging
+        import multiprocessing as mp
+
+        from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+        caller = self.queue._get_async_caller()  # the queue's one PersistentAsyncCaller
+        if caller.process is not None:
+            return
+        level = _logging.getLogger("megatron.core.dist_checkpointing.strategies.async_utils").getEffectiveLevel()
+        caller.process = mp.get_context("spawn").Process(
+            target=PersistentAsyncCaller.async_loop,
+            args=(self.device_index, caller.queue, caller.preload_q, caller.comp_q, level))
+        caller.process.start()
 
     def ready(self) -> None:
         self._manager.join()
@@ -175,6 +203,8 @@ class BackgroundWriter:
     def schedule(self, request) -> "MegatronWrite":
         if not self.on_gpu and request.preload_fn is not None:
             request = request._replace(preload_fn=_cloning(request.preload_fn))
+        if self.on_gpu:
+            self._start_persistent()  # after an abort killed it: again on this rank's device, not the library's
         self.queue.schedule_async_request(request)
         self.saves += 1
         return MegatronWrite(self.queue)

@@ -43,7 +43,7 @@ class MegatronJob:
                                         background=ctx.device.type == "cuda", pin=ctx.device.type == "cuda")
         self.dirs = CheckpointDirs(ctx.checkpoint_dir, keep_last=ctx.recipe.checkpoint.keep_last)
         self._attention_told = False
-        self._background = None  # checkpoint.BackgroundWriter, made at the first background save
+        self._background = None  # checkpoint.BackgroundWriter, made when the saver starts it (checkpoint.async_save)
         for note in self.engine.notes:
             ctx.info("note: %s", note)
         if ctx.recipe.checkpoint.init_from_hf:  # step-0 weights from a Hugging Face folder unless resuming
@@ -94,9 +94,18 @@ class MegatronJob:
         through dist_checkpointing's async path (its writer made at the first such save), returning its ``Write``."""
         from hpc_tools.train.megatron import checkpoint
 
-        if background and self._background is None:
-            self._background = checkpoint.BackgroundWriter(on_gpu=self.ctx.device.type == "cuda")
+        if background:
+            self.start_background_writer()
         return checkpoint.write(self.engine, folder, step, background=self._background if background else None)
+
+    def start_background_writer(self) -> None:
+        """dist_checkpointing's async writer (``checkpoint.BackgroundWriter``), once: on a GPU its persistent writer
+        process starts now, on this rank's device."""
+        from hpc_tools.train.megatron import checkpoint
+
+        if self._background is None:
+            device = self.ctx.device
+            self._background = checkpoint.BackgroundWriter(device.index if device.type == "cuda" else None)
 
     def checkpoint_meta(self, step: int) -> dict[str, Any]:
         from hpc_tools.train.megatron import checkpoint
