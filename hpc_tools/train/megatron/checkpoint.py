@@ -143,13 +143,12 @@ def write(engine: "Engine", folder: Path, step: int, *, background=None):
 
 
 class BackgroundWriter:
-    """dist_checkpointing's async machinery for one run (built at its first background save): an
+    """dist_checkpointing's async machinery for one run (built when the saver starts it): an
     ``AsyncCallsQueue`` with the persistent writer process on a GPU (one process for the run's life; Megatron-LM's
     choice; started when this writer is built, on the rank's own device: ``_start_persistent``) and a writer forked
     per save on CPU (the persistent one calls ``torch.cuda.set_device``: it dies on a CPU node and the trainer then
-    hangs in finalize). The writer's results come back through the library's
-    multiprocessing Manager queue, started in a thread at construction (before the state dict is built: its 2-3 s
-    start overlaps that much of the first save).
+    hangs in finalize). The writer's results come back through the library's multiprocessing Manager queue, started
+    in a thread at construction, so that its 2-3 s start overlaps training instead of the first save.
 
     Staging: the async path copies every tensor to the host (``preload_fn``). For CPU tensors that copy is a no-op,
     so a writer that shares the trainer's memory (a thread, the persistent worker) would write the live parameters

@@ -91,7 +91,7 @@ class MegatronJob:
 
     def write_checkpoint(self, folder: Path, step: int, background: bool):
         """The saver's write (``engine.Checkpointable``): this rank's shards into ``folder``; in the background
-        through dist_checkpointing's async path (its writer made at the first such save), returning its ``Write``."""
+        through dist_checkpointing's async path (``start_background_writer``), returning its ``Write``."""
         from hpc_tools.train.megatron import checkpoint
 
         if background:
