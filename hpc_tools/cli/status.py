@@ -74,8 +74,11 @@ def run(args: argparse.Namespace) -> int:
         start = f"; resumed from iteration {again['from_iteration']}{after}" \
             if again.get("from_iteration") is not None else ""
         where = f" on {','.join(again['nodes'])}" if again.get("nodes") else ""
+        judged = f"; {again['class']}: {again.get('decision')}" if again.get("class") else ""
+        why = f" ({again['why']})" if again.get("decision") == "stop" and again.get("why") else ""
+        fix = f"; {again['fix']}" if again.get("fix") else ""
         print(f"restart {i} ({again.get('kind', 'in-job')}{where}) at {again.get('at')}: {again.get('cause')}: "
-              f"{again.get('reason') or '?'}{start}")
+              f"{again.get('reason') or '?'}{start}{judged}{why}{fix}")
     if manifest.get("error"):
         print(f"error    {manifest['error']}")
     for marker in hang_markers(r):  # the hang verdict with every rank's stacks

@@ -15,16 +15,20 @@ What ``next`` does, in order:
 2. The culprit of the step, from the same evidence as the epilogue (srun's reports of this step in the batch log,
    the heartbeats of this start, the hang watchdog's verdict): its rank, node and cause (``killed``, ``exited``,
    ``hang``, ``node failure``, ``cancelled``).
-3. The nodes of the new step: the allocation's nodes (as Slurm holds them now: a node Slurm removed is gone) minus
+3. The class of the failure (``hpc_tools.job.failure_class``: user error, oom, infrastructure, transient) and
+   the no-progress guard: a user error, an OOM, or a third fault from the same checkpoint iteration stops here
+   (exit 1), with one line why in the batch log and a ``restarts`` entry of kind ``stop``.
+4. The nodes of the new step: the allocation's nodes (as Slurm holds them now: a node Slurm removed is gone) minus
    those excluded before, minus the culprit's node when a spare can take its place (``cluster.spare_nodes``); the
    first ``cluster.nodes`` of them that answer a probe step (``srun true`` on each; a crashed node's slurmd may be
    coming back: the probe is retried for up to ``PROBE_WAIT_S``). When the allocation cannot hold the layout, the job
    is requeued (``scontrol requeue``, with ``cluster.requeue``) and this exits 1.
-4. The record: the manifest's ``restarts`` gets ``{at, cause, rank, node, reason, job_id, restart, nodes,
-   from_iteration, time_to_first_step_s}`` (the last two filled by rank 0 of the new start: the step it resumed
-   from and the seconds from ``at`` to its first completed step), state STARTING; a hang verdict (``HANG.txt``) of
+5. The record: the manifest's ``restarts`` gets ``{at, cause, rank, node, reason, job_id, restart, nodes,
+   from_iteration, time_to_first_step_s, class, decision, why, signature}`` (``from_iteration`` and
+   ``time_to_first_step_s`` filled by rank 0 of the new start: the step it resumed from and the seconds from ``at``
+   to its first completed step), state STARTING; a hang verdict (``HANG.txt``) of
    the ended step is moved to ``hang/HANG-restart<N>.txt`` so it does not speak for the new start.
-5. The exports: the new start's number (``HPC_TOOLS_RESTART_BASE``, so its records, heartbeats and checkpoints'
+6. The exports: the new start's number (``HPC_TOOLS_RESTART_BASE``, so its records, heartbeats and checkpoints'
    ``restart`` differ from the ended one's), its rendezvous (the first node of the step, a port derived from the job
    id and the start number: the ended step's port may still be held) and ``HPC_TOOLS_NODELIST``.
 """
@@ -41,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc_tools.job.failure_class import KERNEL_OOM, RESTART, STOP, classify, no_progress, signature
 from hpc_tools.registry import RunFolder
 from hpc_tools.runstate import HANG_EXIT_CODE, HANG_MARKER
 from hpc_tools.runtime import heartbeat
@@ -230,6 +235,11 @@ def next_step(run_dir: Path, exit_code: int, env: dict[str, str], prober=probe, 
         say(f"no restart: the budget of {budget} in-job restart(s) (cluster.restarts) is spent")
         return None
     job_id = env.get("SLURM_JOB_ID")
+    verdict = judge(run, found, start, manifest)
+    if verdict["decision"] == STOP:
+        stop(run, manifest, {"at": at, **found, "job_id": job_id, "restart": None, "kind": "stop", "nodes": None,
+                             "from_iteration": None, "time_to_first_step_s": None, **verdict})
+        return None
     excluded = [n for n in env.get("HPC_TOOLS_EXCLUDED", "").split(",") if n]
     allocation = allocation_nodes(job_id, env)
     need = policy.nodes
@@ -241,7 +251,7 @@ def next_step(run_dir: Path, exit_code: int, env: dict[str, str], prober=probe, 
     seen = [int(e.get("restart_count") or 0) for e in manifest.get("events", []) if e.get("event") == "started"]
     n = max([start, *seen]) + 1  # the next start's number: above every start the run has had
     entry = {"at": at, **found, "job_id": job_id, "restart": n, "from_iteration": None,
-             "time_to_first_step_s": None}
+             "time_to_first_step_s": None, **verdict}
     if len(nodes) < need:
         if policy.requeue and (requeue or requeue_job)(job_id):
             entry.update(kind="requeue", nodes=None)
@@ -258,11 +268,49 @@ def next_step(run_dir: Path, exit_code: int, env: dict[str, str], prober=probe, 
     run.update(event="restarting", state="STARTING", restart_count=n, restarts=[*manifest.get("restarts", []), entry],
                reason=None, failed_ranks=None, failed_nodes=None, exit_code=None, error=None)
     why = found["reason"] or f"exit code {exit_code}"
-    say(f"{len(done) + 1} of {budget} in this run ({found['cause']}: {why}); a new step on {','.join(nodes)} "
+    say(f"{len(done) + 1} of {budget} in this run ({found['cause']}: {why}; {verdict['class']}); a new step on "
+        f"{','.join(nodes)} "
         "resumes from the newest complete checkpoint", restart=True)
     return exports({RESTART_BASE_ENV: n - int(env.get("SLURM_RESTART_COUNT", "0") or 0),
                     "HPC_TOOLS_NODELIST": ",".join(nodes), "HPC_TOOLS_EXCLUDED": ",".join(excluded),
                     "MASTER_ADDR": nodes[0], "MASTER_PORT": step_port(job_id, n)})
+
+
+def kernel_oom(run: RunFolder) -> bool:
+    """Whether the kernel's OOM killer ended a task of the latest rank step (slurmstepd's note in the batch log,
+    after the last restart line)."""
+    from hpc_tools.job.epilogue import LOG_TAIL_BYTES, log_files, log_tail
+
+    for path in log_files(run):
+        text = log_tail(path, LOG_TAIL_BYTES) or ""
+        if KERNEL_OOM.search(text.rsplit(RESTART_LINE, 1)[-1]):
+            return True
+    return False
+
+
+def judge(run: RunFolder, found: dict, start: int, manifest: dict) -> dict:
+    """The class of the ended step's failure and the decision (``hpc_tools.job.failure_class``), as the keys of its
+    ``restarts`` entry: class, decision, why, signature (the exception, to tell a recurring one), fix (oom)."""
+    beats = heartbeat.read_all(run.path, start)
+    record = beats[found["rank"]].exit if found.get("rank") in beats else None
+    previous = manifest.get("restarts") or []
+    verdict = classify(found["cause"], record, previous, kernel_oom=kernel_oom(run))
+    out = {"class": verdict.cls, "decision": verdict.decision, "why": verdict.why, "signature": signature(record)}
+    if verdict.fix:
+        out["fix"] = verdict.fix
+    guard = no_progress(previous)
+    if verdict.decision == RESTART and guard is not None:
+        out.update(decision=STOP, why=f"no progress: the last two restarts both resumed from checkpoint iteration "
+                                      f"{guard} ({verdict.why})")
+    return out
+
+
+def stop(run: RunFolder, manifest: dict, entry: dict) -> None:
+    """Record a refused restart in the manifest's ``restarts`` and say why in one line of the batch log."""
+    run.update(restarts=[*manifest.get("restarts", []), entry])
+    line = f"no restart: {entry['class']}: {entry['why']}" if not entry["why"].startswith("no progress") else \
+        f"no restart: {entry['why']}"
+    _say(line + (f"; {entry['fix']}" if entry.get("fix") else ""))
 
 
 def _set_aside_hang(run: RunFolder, n: int) -> None:
@@ -375,10 +423,15 @@ def local_restart(run: RunFolder, exit_codes: dict[int, int], start: int) -> int
         return None
     code = next(iter(exit_codes.values()), 1)
     found = culprit(run, 128 - code if code < 0 else code, start, failures_from_exit_codes(exit_codes))
+    verdict = judge(run, found, start, manifest)
+    if verdict["decision"] == STOP:
+        stop(run, manifest, {"at": at, **found, "job_id": None, "restart": None, "kind": "stop", "nodes": None,
+                             "from_iteration": None, "time_to_first_step_s": None, **verdict})
+        return None
     seen = [int(e.get("restart_count") or 0) for e in manifest.get("events", []) if e.get("event") == "started"]
     n = max([start, *seen]) + 1
     entry = {"at": at, **found, "job_id": None, "restart": n, "kind": "in-job", "nodes": None, "from_iteration": None,
-             "time_to_first_step_s": None}
+             "time_to_first_step_s": None, **verdict}
     _set_aside_hang(run, n)
     run.update(event="restarting", state="STARTING", restart_count=n, restarts=[*manifest.get("restarts", []), entry],
                reason=None, failed_ranks=None, failed_nodes=None, exit_code=None, error=None)

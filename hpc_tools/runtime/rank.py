@@ -12,6 +12,8 @@ import os
 import socket
 import sys
 import time
+import traceback
+from pathlib import Path
 
 from hpc_tools import backends
 from hpc_tools.layout import ParallelLayout
@@ -88,7 +90,7 @@ def _run_rank(run_dir: str, dist: DistEnv) -> int:
                        restart_count=dist.restart_count, world_size=dist.world_size,
                        reason=None, failed_ranks=None, failed_nodes=None)  # a new life: no culprit yet
     t0 = time.perf_counter()
-    code, error = 1, None
+    code, error, detail = 1, None, {}
     try:
         backends.load(backends.of(ctx.recipe).trainer)(ctx)
         code = 0
@@ -97,15 +99,35 @@ def _run_rank(run_dir: str, dist: DistEnv) -> int:
         raise
     except BaseException as exc:
         error = f"{type(exc).__name__}: {exc}"
+        try:
+            detail = exception_record(exc, ctx)
+        except Exception:  # noqa: BLE001 - the record helps the restart decision; it never hides the error
+            detail = {}
         if ctx.is_rank0:
             ctx.run.update(event="failed", state="FAILED", ended=now_iso(), error=error, soft=True)
         raise
     finally:
         if ctx.watchdog:  # the heartbeat's exit record: how this rank ended, for the batch script's epilogue
-            ctx.watchdog.stop(exit_code=code, error=error)
+            ctx.watchdog.stop(exit_code=code, error=error, **detail)
     if ctx.is_rank0 and not ctx.stop_requested:
         ctx.run.update(event="completed", state="COMPLETED", ended=now_iso(), wall_s=round(time.perf_counter() - t0, 3))
     return 0
+
+
+def exception_record(exc: BaseException, ctx: RankContext) -> dict:
+    """What the restart controller classifies a failure by (``hpc_tools.job.failure_class``), kept in the heartbeat's
+    exit record: the exception's class and bases (``types``), the traceback's innermost frame (``where``), the last
+    step this start completed (``step``; ``started``: whether it completed one) and, for the fix line of an
+    out-of-memory error, the recipe's memory knobs."""
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f"{Path(tb[-1].filename).name}:{tb[-1].lineno} in {tb[-1].name}" if tb else ""
+    dog = ctx.watchdog
+    training = ctx.recipe.training
+    return {"types": [c.__name__ for c in type(exc).__mro__ if c not in (object, BaseException, Exception)],
+            "where": where, "step": dog.beat_record.step if dog else None,
+            "started": dog.started_step is not None if dog else None,
+            "knobs": {"training.micro_batch_size": training.micro_batch_size,
+                      "training.recompute_granularity": training.recompute_granularity}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,8 @@ def first_step(run: RunFolder, start: int, step: int) -> None:
 
     manifest = run.manifest()
     restarts = manifest.get("restarts") or []
-    entry = restarts[-1] if restarts else None  # the newest restart or requeue, filled by the first start after it
+    # the newest restart or requeue, filled by the first start after it (a refused restart, kind "stop", starts none)
+    entry = restarts[-1] if restarts and restarts[-1].get("kind") != "stop" else None
     if entry is None or entry.get("time_to_first_step_s") is not None or int(entry.get("restart") or 0) > start:
         return
     try:

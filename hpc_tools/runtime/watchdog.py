@@ -130,11 +130,12 @@ class Watchdog:
         if self._started_step is None:
             self._started_step = step
 
-    def stop(self, exit_code: int | None = None, error: str | None = None) -> None:
-        """Stop watching; with ``exit_code``, record how this rank exits in its heartbeat."""
+    def stop(self, exit_code: int | None = None, error: str | None = None, **detail) -> None:
+        """Stop watching; with ``exit_code``, record how this rank exits in its heartbeat (``detail``: what the
+        restart controller classifies an exception by, ``hpc_tools.runtime.rank.exception_record``)."""
         self._stop.set()
         if exit_code is not None:
-            self.beat_record.exit = {"code": exit_code, "error": error, "time": time.time()}
+            self.beat_record.exit = {"code": exit_code, "error": error, "time": time.time(), **detail}
             self.beat_record.frame, self.beat_record.collective = "", None
             heartbeat.write(self.run_dir, self.beat_record)
 
