@@ -37,7 +37,8 @@ COMM_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError", "Connect
               "ConnectionResetError", "ConnectionAbortedError", "ConnectionRefusedError", "TimeoutError"}
 COMM_TEXT = re.compile(r"NCCL (error|WARN)|nccl\w*Error|ProcessGroupNCCL|ProcessGroupGloo|\[gloo|gloo/transport|"
                        r"Connection (closed|reset|refused)|Broken pipe|Socket Timeout|TCPStore|"
-                       r"Timed out waiting|Watchdog caught collective", re.I)
+                       r"Timed out waiting|Watchdog caught collective|NCCL communicator|remote process exited|"
+                       r"unhandled system error|Read error \[|Write error \[", re.I)
 PATH_ERRORS = {"FileNotFoundError", "PermissionError", "IsADirectoryError", "NotADirectoryError",
                "FileExistsError"}  # the recipe named a path that is wrong: it fails again
 INFRA_CAUSES = {"hang": "the hang watchdog named it", "node failure": "its node was lost",

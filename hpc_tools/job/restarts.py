@@ -294,8 +294,24 @@ def judge(run: RunFolder, found: dict, start: int, manifest: dict) -> dict:
     beats = heartbeat.read_all(run.path, start)
     record = beats[found["rank"]].exit if found.get("rank") in beats else None
     previous = manifest.get("restarts") or []
-    verdict = classify(found["cause"], record, previous, kernel_oom=kernel_oom(run))
-    out = {"class": verdict.cls, "decision": verdict.decision, "why": verdict.why, "signature": signature(record)}
+    oom = kernel_oom(run)
+    verdict = classify(found["cause"], record, previous, kernel_oom=oom)
+    out: dict = {}
+    if verdict.decision == RESTART and found["cause"] in ("lost", "exited", "failed"):
+        # A rank that raised an error of its own (not a communication error) was not brought down by a peer's death,
+        # while srun's --kill-on-bad-exit kills its peers without an exit record: that rank is the culprit (a rank
+        # srun saw killed by a signal first, a hang or a lost node stays the culprit).
+        raised = sorted((b for b in beats.values() if b.exit and b.exit.get("code") and b.exit.get("error")),
+                        key=lambda b: b.exit.get("time") or 0.0)
+        for beat in raised:
+            own = classify("exited", beat.exit, previous, kernel_oom=oom)
+            if own.decision == STOP:
+                verdict, record = own, beat.exit
+                out = {"cause": "exited", "rank": beat.rank, "node": beat.node,
+                       "reason": f"rank {beat.rank} on {beat.node} raised {own.why}"}
+                break
+    out.update({"class": verdict.cls, "decision": verdict.decision, "why": verdict.why,
+                "signature": signature(record)})
     if verdict.fix:
         out["fix"] = verdict.fix
     guard = no_progress(previous)

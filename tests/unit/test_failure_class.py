@@ -48,6 +48,8 @@ CASES = [
      False, INFRA, RESTART),
     ("gloo connection closed", "exited", exc("RuntimeError", "[../gloo/transport/tcp/pair.cc:534] Connection closed "
                                                              "by peer"), [], False, INFRA, RESTART),
+    ("NCCL communicator aborted", "exited", exc("RuntimeError", "NCCL communicator was aborted on rank 0."), [],
+     False, INFRA, RESTART),
     ("store timeout", "exited", exc(["DistStoreError", "DistError", "RuntimeError"], "Socket Timeout"), [], False,
      INFRA, RESTART),
     ("connection reset (an OSError)", "exited", exc(["ConnectionResetError", "ConnectionError", "OSError"]), [],
