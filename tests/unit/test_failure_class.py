@@ -123,3 +123,36 @@ def test_the_no_progress_guard(froms, stops):
     assert no_progress(entries) == stops
     # requeues and refused restarts do not count as restarts
     assert no_progress([*entries, {"kind": "stop", "from_iteration": None}]) == stops
+
+
+def test_the_rank_records_what_the_classifier_reads(tmp_path):
+    """hpc_tools.runtime.rank's exit record of an exception: its class and bases, the innermost frame, the last
+    completed step and whether this start completed one, the memory knobs; the watchdog keeps it in the heartbeat."""
+    from types import SimpleNamespace
+
+    from hpc_tools.runtime import heartbeat
+    from hpc_tools.runtime.rank import exception_record
+    from hpc_tools.runtime.watchdog import Watchdog
+
+    dog = Watchdog(0, tmp_path, rank=3)
+    ctx = SimpleNamespace(watchdog=dog, recipe=SimpleNamespace(
+        training=SimpleNamespace(micro_batch_size=4, recompute_granularity="selective")))
+
+    def inject():
+        raise FileNotFoundError("no such file: /data/x")
+
+    for started in (False, True):
+        if started:
+            dog.beat(7)
+        try:
+            inject()
+        except FileNotFoundError as error:
+            record = exception_record(error, ctx)
+        assert record["types"] == ["FileNotFoundError", "OSError"]
+        assert record["where"].startswith("test_failure_class.py:") and record["where"].endswith(" in inject")
+        assert (record["step"], record["started"]) == ((7, True) if started else (0, False))
+        assert record["knobs"] == {"training.micro_batch_size": 4, "training.recompute_granularity": "selective"}
+    dog.stop(exit_code=1, error="FileNotFoundError: no such file: /data/x", **record)
+    kept = heartbeat.read_all(tmp_path)[3].exit
+    assert kept["types"] == record["types"] and kept["step"] == 7 and kept["code"] == 1
+    assert classify("exited", kept, []).cls == USER
