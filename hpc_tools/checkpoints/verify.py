@@ -82,16 +82,37 @@ def listing(folder: Path, exclude: Iterable[str] = ()) -> dict[str, int]:
     return found
 
 
-def record_share(folder: Path, rank: int, world: int, *, checksum: bool, exclude: Iterable[str] = ()
-                 ) -> dict[str, dict[str, Any]]:
-    """This rank's entries for the meta file: ``{name: {"size": n, "xxh3_64": hex}}`` of its share of ``folder``."""
+Known = dict[str, tuple[int, int, str]]
+"""Checksums taken ahead of the commit: ``{name: (size, mtime_ns, hex)}`` (``own_checksums``)."""
+
+
+def own_checksums(folder: Path, rank: int) -> Known:
+    """The checksums of the files ``rank`` wrote into ``folder`` (its torch_dist shards and RNG file: the ones
+    ``shares`` gives it), taken as soon as its own write has ended, before the commit; ``record_share`` uses each
+    one whose file still has that size and modification time."""
+    buf = bytearray(_CHUNK)
+    known: Known = {}
+    for name in sorted(listing(folder)):
+        if writer_rank(name) == rank:
+            stat = (folder / name).stat()
+            known[name] = (stat.st_size, stat.st_mtime_ns, file_checksum(folder / name, buf))
+    return known
+
+
+def record_share(folder: Path, rank: int, world: int, *, checksum: bool, exclude: Iterable[str] = (),
+                 known: Known | None = None) -> dict[str, dict[str, Any]]:
+    """This rank's entries for the meta file: ``{name: {"size": n, "xxh3_64": hex}}`` of its share of ``folder``;
+    a file in ``known`` that has not changed since is not read again."""
     sizes = listing(folder, exclude)
     buf = bytearray(_CHUNK)
     entries = {}
     for name in shares(sizes, world)[rank]:
         entry: dict[str, Any] = {"size": sizes[name]}
         if checksum:
-            entry[ALGORITHM] = file_checksum(folder / name, buf)
+            ahead = (known or {}).get(name)
+            stat = (folder / name).stat() if ahead is not None else None
+            fresh = stat is not None and (stat.st_size, stat.st_mtime_ns) == ahead[:2]
+            entry[ALGORITHM] = ahead[2] if fresh else file_checksum(folder / name, buf)
         entries[name] = entry
     return entries
 

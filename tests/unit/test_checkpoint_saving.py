@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -46,12 +47,15 @@ class FakeEngine:
         self.full: set[Path] = set()
         self.writes: list[FakeWrite] = []
         self.started = 0
+        self.own_file = ""
 
     def write_checkpoint(self, folder: Path, step: int, background: bool):
         if folder.parent in self.full:
             (folder / "shard.bin").write_bytes(b"x" * 10)
             raise OSError(errno.ENOSPC, "No space left on device")
         (folder / "shard.bin").write_bytes(bytes([step]) * 100)
+        if self.own_file:
+            (folder / self.own_file).write_bytes(bytes([step]) * 300)
         if background:
             self.writes.append(FakeWrite())
             return self.writes[-1]
@@ -74,6 +78,39 @@ def make_ctx(tmp_path: Path, **ck):
         info=lambda msg, *a: infos.append(msg % a), infos=infos)
 
 
+def poll_until_committed(saver: Saver) -> list:
+    """Step boundaries until the pending write is committed (its own files are checksummed in a thread first)."""
+    for _ in range(1000):
+        records = saver.poll()
+        if records:
+            return records
+        time.sleep(0.005)
+    raise AssertionError("never committed")
+
+
+def test_a_background_writes_own_files_are_checksummed_before_the_commit_and_only_gathered_there(tmp_path,
+                                                                                                  monkeypatch):
+    import threading
+
+    from hpc_tools.checkpoints import verify
+
+    hashed: list[tuple[str, str]] = []
+    real = verify.file_checksum
+    monkeypatch.setattr(verify, "file_checksum",
+                        lambda path, buf=None: hashed.append((Path(path).name, threading.current_thread().name))
+                        or real(path, buf))
+    engine = FakeEngine()
+    engine.own_file = "rng_rank00000.pt"  # rank 0's file by its name, as torch_dist's __0_0.distcp
+    saver = Saver(make_ctx(tmp_path, async_save=True), engine)
+    saver.save_to(2, SHARED, final=False)
+    assert saver.poll() == [] and hashed == [], "nothing read while the write is under way"
+    engine.writes[-1].finished = True
+    [rec] = poll_until_committed(saver)
+    assert rec.verified and sorted(hashed) == [("rng_rank00000.pt", "ckpt-checksums"), ("shard.bin", "MainThread")]
+    entries = CheckpointDirs.read_meta(Path(rec.path))["files"]["by_rank"]["0"]
+    assert entries["rng_rank00000.pt"]["xxh3_64"] == real(Path(rec.path) / "rng_rank00000.pt")
+
+
 def test_the_saver_alone_reads_async_save_and_starts_the_writer_before_any_save(tmp_path):
     engine = FakeEngine()
     Saver(make_ctx(tmp_path, async_save=True), engine)
@@ -92,7 +129,7 @@ def test_latest_moves_only_when_the_background_write_is_done(tmp_path):
     assert (shared.root / LATEST).read_text().strip() == "iter_0000001" and shared.newest_step() == 1
     assert saver.poll() == [] and shared.newest_step() == 1  # not done yet
     engine.writes[-1].finished = True
-    [rec] = saver.poll()
+    [rec] = poll_until_committed(saver)
     assert rec.verified and rec.async_ and rec.iteration == 2 and rec.blocked_s <= rec.write_s + 1
     assert (shared.root / LATEST).read_text().strip() == "iter_0000002"
     meta = CheckpointDirs.read_meta(shared.root / "iter_0000002")

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from hpc_tools.checkpoints.verify import ALGORITHM, Problem, record_share, verify_share
+from hpc_tools.checkpoints.verify import ALGORITHM, Known, Problem, record_share, verify_share
 
 
 def live_dist():
@@ -37,14 +37,15 @@ def gather(obj: Any) -> list[Any]:
 
 
 def gather_records(folder: Path, *, checksum: bool, exclude: Iterable[str] = (),
-                   share: tuple[int, int] | None = None) -> dict[str, Any]:
+                   share: tuple[int, int] | None = None, known: Known | None = None) -> dict[str, Any]:
     """Collective at save: every rank records its share of ``folder``; returns the meta's ``files`` value (on every
     rank): ``{"algorithm", "world_size", "by_rank": {"0": {...}, ...}, "seconds": slowest rank}``. ``share`` =
     (index, count) among the ranks that see the same copy of ``folder`` (a node-local one: the node's ranks, each
-    recording its node's own files); default: every rank, one copy."""
+    recording its node's own files); default: every rank, one copy. ``known``: this rank's checksums taken ahead
+    (``verify.own_checksums``, after a background write), not taken again."""
     index, count = share or rank_and_world()
     t0 = time.perf_counter()
-    mine = record_share(folder, index, count, checksum=checksum, exclude=exclude)
+    mine = record_share(folder, index, count, checksum=checksum, exclude=exclude, known=known)
     lists = gather((mine, time.perf_counter() - t0))
     return {"algorithm": ALGORITHM if checksum else None, "world_size": len(lists),
             "by_rank": {str(r): entries for r, (entries, _) in enumerate(lists)},

@@ -19,7 +19,8 @@ the same for every backend::
                            # rank's write is done (poll / drain)
     commit                 # Write.finish() (the library's collective end, e.g. torch_dist's metadata),
             barrier
-            gather         # every rank's sizes and checksums (agree.gather_records)
+            gather         # every rank's sizes and checksums (agree.gather_records; after a background write each
+                           # rank checksummed its own files in a thread once its write ended: only gathered here)
             commit         # rank 0 renames the partial folder to iter_N and moves `latest` (CheckpointDirs.commit)
     close()                # after an error: the background writer is stopped, its folder stays partial
 
@@ -53,6 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from hpc_tools.checkpoints.dirs import META, CheckpointDirs
+from hpc_tools.checkpoints.verify import own_checksums
 from hpc_tools.train.checkpointing import agree, node_tier
 from hpc_tools.train.engine import Checkpointable, Collector, NullCollector, Write
 
@@ -106,6 +108,28 @@ class _Pending:
     write: Write
     t_start: float
     blocked_s: float
+    checksums: "_Checksums | None" = None
+
+
+class _Checksums:
+    """This rank's checksums of the files it wrote in a background save (``verify.own_checksums``), taken in a thread
+    as soon as its write has ended, so that the commit at a step boundary only gathers them."""
+
+    def __init__(self, folder: Path, index: int):
+        import threading
+
+        self.known: dict | None = None
+        self._thread = threading.Thread(target=self._run, args=(folder, index), daemon=True, name="ckpt-checksums")
+        self._thread.start()
+
+    def _run(self, folder: Path, index: int) -> None:
+        try:
+            self.known = own_checksums(folder, index)
+        except OSError:  # a failed write's files: the commit finds the failure (and records what is there itself)
+            self.known = {}
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
 
 
 def expand_dir(raw: str) -> tuple[Path | None, str]:
@@ -315,7 +339,7 @@ class Saver:
         pending; nothing otherwise)."""
         if self.pending is None:
             return []
-        if not _flag_all(self.pending.write.done(), self.device):
+        if not _flag_all(self._written(self.pending), self.device):
             return []
         return [self._commit(self.pending)]
 
@@ -324,10 +348,22 @@ class Saver:
         if self.pending is None:
             return []
         t0 = time.perf_counter()
-        while not self.pending.write.done():
+        while not self._written(self.pending):
             time.sleep(0.005)
         self.pending.blocked_s += time.perf_counter() - t0  # training waits for this write: blocked by it
         return [self._commit(self.pending)]
+
+    def _written(self, p: _Pending) -> bool:
+        """This rank's background write has ended and, with checksums, its own files are checksummed (started
+        here, in a thread, once the write has ended)."""
+        if not p.write.done():
+            return False
+        if not self.checksum:
+            return True
+        if p.checksums is None:
+            index = self.nodes.share[0] if p.tier == LOCAL else agree.rank_and_world()[0]
+            p.checksums = _Checksums(p.dirs.partial_path(p.step), index)
+        return p.checksums.done()
 
     def close(self) -> None:
         """After an error: stop an outstanding background write without committing it (its folder stays partial,
@@ -408,7 +444,8 @@ class Saver:
         _barrier()
         local = p.tier == LOCAL  # each node its own folder: its own files recorded, then copied to the next node
         files = agree.gather_records(partial, exclude=[META], checksum=self.checksum,
-                                                share=self.nodes.share if local else None)
+                                     share=self.nodes.share if local else None,
+                                     known=p.checksums.known if p.checksums is not None else None)
         if local:
             own = node_tier.own_files(partial, self.nodes)
             if self.replicate and self.nodes.is_leader:
