@@ -301,11 +301,15 @@ def judge(run: RunFolder, found: dict, start: int, manifest: dict) -> dict:
         # A rank that raised an error of its own (not a communication error) was not brought down by a peer's death,
         # while srun's --kill-on-bad-exit kills its peers without an exit record: that rank is the culprit (a rank
         # srun saw killed by a signal first, a hang or a lost node stays the culprit).
+        # Only while every rank without an exit record was still beating when it raised (a peer that died first, its
+        # heartbeat stale, is the culprit whatever the survivor raised).
         raised = sorted((b for b in beats.values() if b.exit and b.exit.get("code") and b.exit.get("error")),
                         key=lambda b: b.exit.get("time") or 0.0)
+        silent = [b.time for b in beats.values() if not b.exit]
         for beat in raised:
             own = classify("exited", beat.exit, previous, kernel_oom=oom)
-            if own.decision == STOP:
+            alive = all(t >= (beat.exit.get("time") or 0.0) - heartbeat.INTERVAL_S - 0.5 for t in silent)
+            if own.decision == STOP and alive:
                 verdict, record = own, beat.exit
                 out = {"cause": "exited", "rank": beat.rank, "node": beat.node,
                        "reason": f"rank {beat.rank} on {beat.node} raised {own.why}"}

@@ -49,6 +49,8 @@ if play == "ok":
 if n and play.get("from_iteration") is not None:  # rank 0 of this start completed its first step after the resume
     first_step(RunFolder(run_dir), start, play["from_iteration"] + 1)
 step = play.get("at_step", 12)
+if play.get("exception"):
+    play["exception"]["time"] = __import__("time").time()  # it raised; srun then killed its peer (beating until then)
 heartbeat.write(run_dir, heartbeat.Beat(rank=0, node=node, pid=1, restart=start, step=step,
                                         exit=play.get("exception")))
 heartbeat.write(run_dir, heartbeat.Beat(rank=1, node=node, pid=2, restart=start, step=step))
@@ -140,3 +142,29 @@ def test_a_killed_rank_still_restarts(tmp_path):
         ("in-job", "killed", "infrastructure", "restart")
     assert (entry["node"], entry["nodes"]) == ("node1", ["node2"])  # left out: the allocation holds a spare
     assert "hpc_tools: restart 1 of 3 in this run (killed: " in log and not stop_lines(log)
+
+
+@pytest.mark.parametrize("peer_stale_s, cls, rank", [(0.0, "user error", 0), (30.0, "infrastructure", 1)])
+def test_a_rank_that_raised_is_the_culprit_only_while_its_silent_peer_was_alive(tmp_path, peer_stale_s, cls, rank):
+    """Rank 0 raised an error of its own; rank 1 left no exit record. Beating until rank 0 raised, rank 1 was killed
+    after it (srun's --kill-on-bad-exit): the user error stops. Silent for 30 s before, rank 1 died first and rank 0's
+    error (whatever its words) followed from it: infrastructure, restart."""
+    import time
+
+    from hpc_tools.job import restarts
+    from hpc_tools.runtime import heartbeat
+    from tests.unit.test_restarts import run_folder
+
+    run = run_folder(tmp_path)
+    now = time.time()
+    raised = {"code": 1, "error": "RuntimeError: an error in words no pattern knows", "time": now,
+              "types": ["RuntimeError"], "step": 12, "started": True}
+    for beat, at in ((heartbeat.Beat(rank=0, node="n1", pid=1, step=12, exit=raised), now),
+                     (heartbeat.Beat(rank=1, node="n2", pid=2, step=12), now - peer_stale_s)):
+        path = heartbeat.heartbeat_path(run.path, beat.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**beat.__dict__, "time": at}))
+    found = {"cause": "lost", "rank": 1, "node": "n2", "reason": "rank 1 on n2 ended without an exit record"}
+    verdict = restarts.judge(run, found, 0, run.manifest())
+    assert (verdict["class"], verdict.get("rank", found["rank"])) == (cls, rank), verdict
+    assert verdict["decision"] == ("stop" if cls == "user error" else "restart")
