@@ -84,6 +84,9 @@ def signature(record: dict | None) -> dict | None:
 def oom_fix(record: dict | None) -> str:
     """The knobs that lower the peak: half the micro batch, full recomputation (the rank records their values)."""
     knobs = (record or {}).get("knobs") or {}
+    if not knobs:  # the kernel's OOM killer left no exit record: the values are not known here
+        return ("try a smaller --set training.micro_batch_size=N or --set training.recompute_granularity=full; "
+                "`python -m hpc_tools plan RECIPE --search` finds a layout that fits")
     sets = []
     mbs = knobs.get("training.micro_batch_size")
     if isinstance(mbs, int) and mbs > 1:

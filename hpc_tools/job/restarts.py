@@ -279,10 +279,10 @@ def next_step(run_dir: Path, exit_code: int, env: dict[str, str], prober=probe, 
 def kernel_oom(run: RunFolder) -> bool:
     """Whether the kernel's OOM killer ended a task of the latest rank step (slurmstepd's note in the batch log,
     after the last restart line)."""
-    from hpc_tools.job.epilogue import LOG_TAIL_BYTES, log_files, log_tail
+    from hpc_tools.job.epilogue import LOG_TAIL_BYTES, log_files, log_tail, this_life
 
     for path in log_files(run):
-        text = log_tail(path, LOG_TAIL_BYTES) or ""
+        text = this_life(log_tail(path, LOG_TAIL_BYTES) or "")
         if KERNEL_OOM.search(text.rsplit(RESTART_LINE, 1)[-1]):
             return True
     return False

@@ -103,9 +103,10 @@ def test_a_user_error_names_the_traceback_last_line_and_step():
      "try --set training.recompute_granularity=full;"),
     ({"training.micro_batch_size": 1, "training.recompute_granularity": "full"},
      "try more tensor/pipeline parallelism or more nodes;"),
+    (None, "try a smaller --set training.micro_batch_size=N or --set training.recompute_granularity=full;"),
 ])
 def test_the_oom_fix_names_the_memory_knobs(knobs, expected):
-    fix = oom_fix(exc(OOM_TORCH, knobs=knobs))
+    fix = oom_fix(exc(OOM_TORCH, knobs=knobs) if knobs else None)
     assert fix.startswith(expected) and "plan RECIPE --search" in fix
 
 

@@ -57,6 +57,9 @@ heartbeat.write(run_dir, heartbeat.Beat(rank=1, node=node, pid=2, restart=start,
 if play.get("exception"):
     print(f"srun: error: {node}: task 0: Exited with exit code 1", file=sys.stderr, flush=True)
     sys.exit(1)
+if play.get("oom_kill"):  # the kernel's OOM killer: slurmstepd's note, then srun's report of the killed task
+    print(f"slurmstepd: error: Detected 1 oom_kill event in StepId={os.environ['SLURM_JOB_ID']}.{n}. Some of the "
+          "step tasks have been OOM Killed.", file=sys.stderr, flush=True)
 print(f"srun: error: {node}: task 1: Killed", file=sys.stderr, flush=True)
 sys.exit(137)
 """
@@ -120,6 +123,15 @@ def test_an_oom_stops_with_a_fix_line(tmp_path):
     status = subprocess.run([sys.executable, "-m", "hpc_tools", "status", str(tmp_path / "runs" / "setup-j4343")],
                             capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert "oom: stop (OutOfMemoryError: CUDA out of memory." in status.stdout, status.stdout + status.stderr
+
+
+def test_a_rank_the_kernel_oom_killer_ended_stops_with_a_fix_line(tmp_path):
+    rc, log, steps, manifest = run_job(tmp_path, [{"oom_kill": True}])
+    assert rc != 0 and steps == 1, log[-3000:]
+    [entry] = manifest["restarts"]
+    assert (entry["kind"], entry["cause"], entry["class"]) == ("stop", "killed", "oom")
+    [line] = stop_lines(log)
+    assert line.startswith("hpc_tools: no restart: oom: the kernel's OOM killer ended a rank") and "; try " in line
 
 
 def test_a_fault_repeated_from_the_same_checkpoint_stops_after_two_restarts(tmp_path):
