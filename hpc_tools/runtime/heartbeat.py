@@ -53,7 +53,9 @@ class Beat:
     time: float = 0.0  # wall clock of the write (epoch seconds): comparable across nodes
     frame: str = ""  # innermost frame of the main thread: "file.py:123 in func"
     collective: str | None = None  # "all_reduce (from agree_stop)" while the main thread waits in one
-    exit: dict[str, Any] | None = None  # {"code", "error", "time"} once the rank exited through Python
+    # {"code", "error", "time"} once the rank exited through Python; for an exception also what the restart controller
+    # classifies it by: "types", "where", "step", "started", "knobs" (hpc_tools.runtime.rank.exception_record)
+    exit: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
