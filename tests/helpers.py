@@ -107,13 +107,15 @@ def _slurm_nodes() -> int:
         return 0
 
 
-def _settle_cluster(wait_s: float = 90) -> None:
+def _settle_cluster(wait_s: float = 60, cancel_after_s: float = 15) -> None:
     """The test cluster as a test expects to find it: no node left down or drained by an earlier test's fault (a
-    crashed node, a hang's drain) and no earlier test's job still ending (scancel is asynchronous). Waits at most
-    ``wait_s``; what is still not settled then is the test's to report."""
+    crashed node, a hang's drain) and no earlier test's job left (scancel is asynchronous; a job still queued after
+    ``cancel_after_s`` is a leftover that would hold nodes, and is cancelled). Waits at most ``wait_s``; what is still
+    not settled then is the test's to report."""
     import time
 
-    deadline = time.monotonic() + wait_s
+    start = time.monotonic()
+    cancelled = False
     while True:
         nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=10)
         states = dict(line.split(None, 1) for line in nodes.stdout.splitlines() if len(line.split()) == 2)
@@ -121,10 +123,15 @@ def _settle_cluster(wait_s: float = 90) -> None:
         for node in unusable:
             subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True,
                            timeout=10)
-        queue = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=10)
-        settled = (nodes.returncode == 0 and states and not unusable and queue.returncode == 0
-                   and not queue.stdout.strip())
-        if settled or time.monotonic() > deadline:
+        queue = subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True, timeout=10)
+        jobs = queue.stdout.split()
+        if nodes.returncode == 0 and states and not unusable and queue.returncode == 0 and not jobs:
+            return
+        waited = time.monotonic() - start
+        if jobs and not cancelled and waited >= cancel_after_s:
+            subprocess.run(["scancel", *jobs], capture_output=True, timeout=30)
+            cancelled = True
+        if waited > wait_s:
             return
         time.sleep(1)
 
