@@ -249,6 +249,8 @@ TABLE: tuple[Alias, ...] = (
     Alias("checkpoint.interval", "checkpoint.interval_iters", (_tt("checkpoint.interval"),)),
     Alias("checkpoint.folder", "checkpoint.dir", (_tt("checkpoint.folder"),)),
     Alias("keep_latest_k", "checkpoint.keep_last", (_tt("checkpoint.keep_latest_k"),)),
+    Alias("gloo_socket_ifname", "checkpoint.local_replicate_interface", ("torch.distributed's GLOO_SOCKET_IFNAME",),
+          "the same names, for the node-local tier's copies only (the run's own groups keep the environment's)"),
     # --- tracking ---------------------------------------------------------------------------------------------------
     Alias("wandb_project", "tracking.wandb.project", (_lm("wandb-project"),)),
 )

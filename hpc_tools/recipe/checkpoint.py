@@ -42,8 +42,13 @@ class CheckpointConfig(Section):
     copies to every node the files it lacks (a spare or wiped node: all of them). A folder that several nodes see as
     one (a shared file system) turns the tier off, told in one log line."""
     local_replicate: bool = True
-    """Copy each node's files of a local-tier save to the next node (node i to i+1, over the network) before the save
-    is complete, so that a node whose disk is lost (or a spare that replaces it) loses nothing."""
+    """Copy each node's files of a local-tier save to the next node (node i to i+1, over the network), in the
+    background once the save is complete, so that a node whose disk is lost (or a spare that replaces it) loses nothing;
+    a copy is used for recovery only once whole. The next local save and the end of the run wait for it."""
+    local_replicate_interface: str | None = None
+    """The network interface (Linux name, e.g. `ib0`, `hsn0`, `eth1`; several comma-separated, as torch's
+    GLOO_SOCKET_IFNAME takes) the local tier's copies travel on: give the fast fabric's. null = the interface the
+    host name resolves to."""
     local_interval_iters: int = Field(default=0, ge=0)
     """Save to `local_dir` every N steps (0 = never; needs `local_dir`). A step due on both tiers saves to `dir`."""
     verify: Literal["checksum", "size"] = "checksum"

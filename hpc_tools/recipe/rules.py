@@ -903,6 +903,14 @@ def checkpoint_local_tier(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]
                         "tiers saves there): the local tier is never written",
                         f"use a value below {ck.interval_iters}" if ck.interval_iters > 1 else
                         "raise checkpoint.interval_iters, or remove the local tier")
+    if ck.local_replicate_interface is not None and not _IFNAMES.fullmatch(ck.local_replicate_interface):
+        yield Violation("checkpoint.local_replicate_interface", ck.local_replicate_interface, "is not a network "
+                        "interface name (Linux names: 1-15 letters, digits or ._:-, several comma-separated as "
+                        "GLOO_SOCKET_IFNAME takes them)", "give the name `ip -br addr` shows, e.g. ib0, or remove it")
+
+
+_IFNAMES = re.compile(r"[A-Za-z0-9_.:-]{1,15}(,[A-Za-z0-9_.:-]{1,15})*")
+"""GLOO_SOCKET_IFNAME's form: Linux interface names (at most IFNAMSIZ - 1 = 15 bytes), comma-separated."""
 
 
 # A node-local folder named by a variable Slurm itself sets in every job ($SLURM_TMPDIR is a site convention).

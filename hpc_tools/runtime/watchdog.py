@@ -15,6 +15,10 @@ second (``hpc_tools.runtime.heartbeat``). When no step has completed for ``timeo
 
 Hang to teardown: ``timeout_s`` + at most ``CHECK_S`` + ``GATHER_S`` + srun's termination. Before the first step of
 a start the watchdog allows ``STARTUP_S`` more (imports, rendezvous, model build, checkpoint load).
+
+The step clock stops outside the steps (``outside_step``: a checkpoint save, its wait for a background write or a
+replica): what happens there is bounded by its own progress instead (``progress``, told at each phase and each chunk
+copied), so a long save never counts toward a step, and a save that makes no progress for ``timeout_s`` is a hang.
 """
 
 from __future__ import annotations
@@ -101,6 +105,8 @@ class Watchdog:
         self.on_hang = on_hang
         self.beat_record = Beat(rank=rank, node=heartbeat.node_name(), pid=os.getpid(), restart=restart)
         self._last = time.monotonic()
+        self._section: str | None = None  # what runs outside the step clock (``outside_step``), or None
+        self._progress = self._last  # its last progress
         self._started_step: int | None = None  # the first step this start completed (None: still starting)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hpc_tools-watchdog", daemon=True)
@@ -130,6 +136,22 @@ class Watchdog:
         if self._started_step is None:
             self._started_step = step
 
+    @contextlib.contextmanager
+    def outside_step(self, what: str):
+        """``what`` (e.g. a checkpoint save) runs outside the step clock: its time never counts toward a step's
+        timeout; while it runs, a hang is ``timeout_s`` without ``progress``."""
+        t0 = time.monotonic()
+        self._progress, self._section = t0, what
+        try:
+            yield
+        finally:
+            self._section = None
+            self._last += time.monotonic() - t0  # the step clock resumes where it stopped
+
+    def progress(self) -> None:
+        """What runs outside the step clock moved on (a phase ended, bytes were copied)."""
+        self._progress = time.monotonic()
+
     def stop(self, exit_code: int | None = None, error: str | None = None, **detail) -> None:
         """Stop watching; with ``exit_code``, record how this rank exits in its heartbeat (``detail``: what the
         restart controller classifies an exception by, ``hpc_tools.runtime.rank.exception_record``)."""
@@ -146,12 +168,16 @@ class Watchdog:
     def _watch(self) -> None:
         while not self._stop.wait(CHECK_S):
             self._refresh()
-            idle = time.monotonic() - self._last
-            limit = self.timeout_s + (STARTUP_S if self._started_step is None else 0.0)
+            section = self._section
+            if section is not None:
+                idle, limit = time.monotonic() - self._progress, self.timeout_s
+            else:
+                idle = time.monotonic() - self._last
+                limit = self.timeout_s + (STARTUP_S if self._started_step is None else 0.0)
             if self.timeout_s > 0 and idle > limit:
-                self._hang(idle)
+                self._hang(idle, section)
 
-    def _hang(self, idle: float) -> None:
+    def _hang(self, idle: float, section: str | None = None) -> None:
         if self.marker.exists():  # a peer named the culprit already (this rank may be it, woken by the teardown)
             os._exit(HANG_EXIT_CODE)
         folder = self.run_dir / HANG_DIR
@@ -159,7 +185,7 @@ class Watchdog:
         with contextlib.suppress(OSError):
             folder.mkdir(parents=True, exist_ok=True)
             with open(stack, "w") as f:
-                f.write(f"rank {self.rank} ({self.beat_record.node}): no step completed for {idle:.0f} s "
+                f.write(f"rank {self.rank} ({self.beat_record.node}): {_stalled(idle, section)} "
                         f"(timeout {self.timeout_s:.0f} s); last step {self.beat_record.step}\n")
                 faulthandler.dump_traceback(file=f, all_threads=True)
         dump_flight_recorder(folder, self.rank)
@@ -167,7 +193,7 @@ class Watchdog:
         time.sleep(GATHER_S)
         verdict = hang_verdict(heartbeat.read_all(self.run_dir, self.beat_record.restart), time.time(),
                                self.world_size)
-        if self._claim(verdict, idle):
+        if self._claim(verdict, idle, section):
             print(f"hpc_tools: HANG: {verdict.line}", file=sys.stderr, flush=True)
             if self.on_hang is not None:
                 with contextlib.suppress(Exception):
@@ -175,11 +201,11 @@ class Watchdog:
         faulthandler.dump_traceback(all_threads=True)
         os._exit(HANG_EXIT_CODE)
 
-    def _claim(self, verdict: HangVerdict, idle: float) -> bool:
+    def _claim(self, verdict: HangVerdict, idle: float, section: str | None = None) -> bool:
         """Write ``HANG.txt`` unless a peer did first (link is exclusive); True for the rank that wrote it."""
         folder = self.run_dir / HANG_DIR
         lines = [verdict.line, "",
-                 f"no step completed for {idle:.0f} s (timeout {self.timeout_s:.0f} s); verdict by rank {self.rank}",
+                 f"{_stalled(idle, section)} (timeout {self.timeout_s:.0f} s); verdict by rank {self.rank}",
                  "", "== heartbeats =="]
         for r, b in sorted(heartbeat.read_all(self.run_dir, self.beat_record.restart).items()):
             lines.append(f"rank {r} ({b.node}, pid {b.pid}): step {b.step}, {time.time() - b.time:.1f} s ago, "
@@ -197,6 +223,10 @@ class Watchdog:
         finally:
             with contextlib.suppress(OSError):
                 tmp.unlink()
+
+
+def _stalled(idle: float, section: str | None) -> str:
+    return f"no progress in the {section} for {idle:.0f} s" if section else f"no step completed for {idle:.0f} s"
 
 
 def dump_flight_recorder(folder: Path, rank: int) -> None:

@@ -13,6 +13,7 @@ from tests.helpers import run_driver
 
 HERE = Path(__file__).resolve().parent
 ALL = [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "hpc_tools_meta.json"]
+REPLICATED = sorted([*ALL, ".replica.json"])  # with the marker of a whole replica (node_tier.REPLICA_COMPLETE)
 
 pytestmark = [pytest.mark.slow]
 
@@ -28,8 +29,8 @@ def test_each_node_holds_its_own_files_and_the_previous_nodes(results):
     assert [(x["iteration"], x["tier"], x["async"], x["verified"]) for x in r["records"]] == [
         (2, "local", False, True), (3, "shared", False, True), (4, "local", True, True)]
     assert "/node0/ckpt/run/iter_0000004" in r["records"][2]["path"]
-    for node in r["nodes"]:  # 2 nodes: own + the peer's = every rank's shard on each node
-        assert node == {"iter_0000002": ALL, "iter_0000004": ALL}
+    for node in r["nodes"]:  # 2 nodes: own + the peer's = every rank's shard on each node, the replica complete
+        assert node == {"iter_0000002": REPLICATED, "iter_0000004": REPLICATED}
 
 
 def test_a_wiped_node_gets_the_newest_local_checkpoint_back_from_its_peer(results):
@@ -56,3 +57,26 @@ def test_a_corrupt_copy_on_one_node_sets_the_checkpoint_aside_on_every_node(resu
 def test_a_local_dir_that_is_one_folder_for_every_node_is_refused(results):
     r = results["one_folder"]
     assert r == {"local": False, "due_at_2": None, "left": []}  # tier off, nothing due, the probes removed
+
+
+def test_a_slow_replication_does_not_hold_the_ranks(results):
+    r = results["slow"]
+    [rec] = r["records"]
+    assert (rec["iteration"], rec["tier"], rec["verified"]) == (8, "local", True)
+    # the copy took ~1 s (26 chunks each way x 0.02 s); the save returned before it, the ranks stepped meanwhile
+    assert r["stepping_s"] > 0.5 and rec["blocked_s"] < r["stepping_s"] / 2, r
+    assert r["steps_while_replicating"] >= 5, r
+    for node in r["nodes"]:
+        assert node["iter_0000008"] == REPLICATED
+    assert any(line.startswith("replica of local checkpoint step 8 complete on every node") for line in r["log"])
+
+
+def test_a_stalled_replication_is_bounded_told_and_never_counted(results):
+    r = results["stalled"]
+    assert 2.5 < r["waited_s"] < 20, r  # the bound (the recipe's hang timeout: 3 s), not the 6 s pause per chunk
+    assert r["replicator_off"] is True
+    assert len(r["warnings"]) == 1 and "replica of local checkpoint step 10 not complete" in r["warnings"][0]
+    for node in r["nodes"]:
+        assert ".replica-partial.json" in node["iter_0000010"] and ".replica.json" not in node["iter_0000010"]
+    # each node counts its own files of step 10 only: the cut replica is never used for recovery
+    assert r["counted"] == [[".metadata", "__0_0.distcp", "__1_0.distcp"], ["__2_0.distcp", "__3_0.distcp"]]

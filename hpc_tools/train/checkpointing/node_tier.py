@@ -7,15 +7,21 @@ Each node has its own ``local_dir`` (node-local disk: the same path string, a di
     every rank writes into <local_dir>/iter_N.partial on its own node (the backend's own files)
     gather_records   every rank records (size, checksum) a share of the files its node wrote (agree,
                      share = the node's ranks); gathered: the meta
-    replicate(...)   node leaders (the lowest rank of each node): node i's files are copied to node i+1 (mod nodes),
-                     over a gloo group of the leaders, when checkpoint.local_replicate (the default)
     commit           every leader renames its node's folder to iter_N, with the same meta, and moves `latest`
+    replicate        after the commit, in the background (``replica.Replicator``: a thread on each leader, over a gloo
+                     group of the leaders of its own): node i's files are copied into node i+1's iter_N (mod nodes),
+                     when checkpoint.local_replicate (the default); training goes on meanwhile
 
-so every node holds its own files and, with replication, its predecessor's: a node that is lost (or replaced by a
-spare) loses nothing. At resume the leaders say which complete local checkpoints their node holds (``candidate``);
-the newest one whose files the nodes hold together is the candidate, and ``assemble`` copies to each node the files
-it lacks (a spare node: all of them), so every node has the whole folder and the backends load it as they load a
-shared one. A single-node run is the same with one leader and nothing to copy.
+so every node holds its own files and, once its replica is complete, its predecessor's: a node that is lost (or
+replaced by a spare) loses nothing. A replica being received is named by the marker ``REPLICA_PARTIAL`` in the
+receiving folder (written before its first file); only when every file arrived is it renamed ``REPLICA_COMPLETE``. The
+files a partial marker names are never counted as held (``holdings``): a replica cut short by a crash, a stall or a
+lost peer is never used for recovery, while the node's own files of the same checkpoint still are.
+
+At resume the leaders say which complete local checkpoints their node holds (``candidate``); the newest one whose
+files the nodes hold together is the candidate, and ``assemble`` copies to each node the files it lacks (a spare
+node: all of them), so every node has the whole folder and the backends load it as they load a shared one. A
+single-node run is the same with one leader and nothing to copy.
 
 Files travel as uint8 tensors of at most ``CHUNK`` bytes, leader to leader, in one order that every leader walks
 (``transfer``): point-to-point sends on the gloo group, one file at a time.
@@ -27,7 +33,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from hpc_tools.checkpoints.dirs import META, CheckpointDirs
 from hpc_tools.checkpoints.verify import listing, recorded
@@ -42,6 +48,11 @@ CHUNK = 16 << 20
 
 Move = tuple[str, int, int, int]
 """One file's copy: (name relative to the checkpoint folder, from node, to node, size in bytes)."""
+REPLICA_PARTIAL = ".replica-partial.json"
+"""In a local checkpoint folder while the previous node's files are being received into it: JSON {"from_node",
+"files": {name: size}}; its files are not held until the marker becomes ``REPLICA_COMPLETE``."""
+REPLICA_COMPLETE = ".replica.json"
+"""The replica in this folder is whole (every file received, fsynced): the partial marker renamed, with its cost."""
 
 
 def node_key(ctx: "RankContext") -> tuple[int, str]:
@@ -168,8 +179,25 @@ def holdings(local: CheckpointDirs, skip: Iterable[Path]) -> dict[int, tuple[dic
             files = {n: {"size": e.get("size")} for n, e in recorded(CheckpointDirs.read_meta(path)).items()}
         except (OSError, ValueError):
             continue
-        out[step] = (files, listing(path))
+        present = listing(path)
+        for name in partial_replica(path):  # a replica cut short: none of its files counts
+            present.pop(name, None)
+        out[step] = (files, present)
     return out
+
+
+def partial_replica(path: Path) -> list[str]:
+    """The names of the replica files ``path`` was receiving when its replication stopped before the end (its
+    ``REPLICA_PARTIAL`` marker's list; an unreadable marker: every file but the meta, none of them trusted)."""
+    marker = path / REPLICA_PARTIAL
+    if not marker.exists():
+        return []
+    import json
+
+    try:
+        return sorted(json.loads(marker.read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return sorted(n for n in listing(path) if n != META)
 
 
 def plan(by_node: Sequence[dict[int, tuple[dict[str, dict], dict[str, int]]] | None]) -> Candidate | None:
@@ -214,19 +242,26 @@ def assemble(local: CheckpointDirs, nodes: Nodes, cand: Candidate) -> Path:
         transfer(nodes, cand.moves, source=final, target=into)
         if into != final:
             os.rename(into, final)
+        (final / REPLICA_PARTIAL).unlink(missing_ok=True)  # every file it named was copied again, whole
     _barrier()
     return final
 
 
 # -- moving files between nodes ----------------------------------------------------------------------------------------
-def transfer(nodes: Nodes, moves: Sequence[Move], *, source: Path, target: Path) -> None:
+def transfer(nodes: Nodes, moves: Sequence[Move], *, source: Path, target: Path, group: Any = None,
+             moved: Callable[[int], None] | None = None, delay_s: float = 0.0) -> None:
     """Leaders only, every leader the same ``moves`` in the same order: the sending node reads ``source/name``, the
-    receiving one writes ``target/name`` (through a temporary name, renamed when whole)."""
+    receiving one writes ``target/name`` (through a temporary name, renamed when whole). ``group``: the leaders'
+    group to use (default ``nodes.group``); ``moved(n)``: told after each chunk sent or received; ``delay_s``: a
+    pause before each chunk sent (fault injection for tests: a slow network)."""
     if not moves:
         return
+    import time
+
     import torch
     import torch.distributed as dist
 
+    group = nodes.group if group is None else group
     buf = bytearray(CHUNK)
     for name, src, dst, size in moves:
         if nodes.node == src:
@@ -236,9 +271,12 @@ def transfer(nodes: Nodes, moves: Sequence[Move], *, source: Path, target: Path)
                     n = f.readinto(memoryview(buf)[: min(left, CHUNK)])
                     if not n:
                         raise OSError(f"{source / name}: ended {left} bytes short of {size} while sending it")
-                    dist.send(torch.frombuffer(buf, dtype=torch.uint8, count=n), nodes.leaders[dst],
-                              group=nodes.group)
+                    if delay_s:
+                        time.sleep(delay_s)
+                    dist.send(torch.frombuffer(buf, dtype=torch.uint8, count=n), nodes.leaders[dst], group=group)
                     left -= n
+                    if moved is not None:
+                        moved(n)
         elif nodes.node == dst:
             path = target / name
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -247,9 +285,11 @@ def transfer(nodes: Nodes, moves: Sequence[Move], *, source: Path, target: Path)
                 left = size
                 while left > 0:
                     t = torch.empty(min(left, CHUNK), dtype=torch.uint8)
-                    dist.recv(t, nodes.leaders[src], group=nodes.group)
+                    dist.recv(t, nodes.leaders[src], group=group)
                     f.write(t.numpy().tobytes())
                     left -= t.numel()
+                    if moved is not None:
+                        moved(t.numel())
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)

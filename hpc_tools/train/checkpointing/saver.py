@@ -32,14 +32,19 @@ in flight. ``save_once`` is the same sequence for one synchronous save outside a
 
 Tiers: ``shared`` (``checkpoint.dir``: every ``interval_iters``, the last step, a stop) and ``local``
 (``checkpoint.local_dir``/<run folder>, node-local disk: every ``local_interval_iters``; on several nodes each node's
-leader begins and commits its node's folder, and the commit records each node's own files and copies them to the next
-node first: ``node_tier``). A local save that finds no room (this node's part of the newest checkpoint does not fit in
+leader begins and commits its node's folder, the commit records each node's own files, and after it each leader
+copies them to the next node in the background: ``node_tier``, ``replica``; the next local commit and the end of the
+run wait for that copy). A local save that finds no room (this node's part of the newest checkpoint does not fit in
 the free space, or the write fails with an ``OSError``) goes to the shared tier instead, told in one line. A resume
 takes the newest complete checkpoint of either tier (``resume.resume``; the local one as the nodes hold it together).
 
 Every save gives one ``SaveRecord`` {iteration, tier, async, blocked_s, write_s, verified}: the saver writes it as the
 collector's ``checkpoint_save`` event (seconds = blocked_s: the goodput's "checkpoint blocked" bucket), after the
 collector flushed the records of the steps before it, and ``status --json`` lists them.
+
+The hang watchdog's step clock stops during ``save`` and ``finish`` (``Watchdog.outside_step``): a save is bounded by
+its own progress instead (each phase, each chunk of a replica waited for), so a long save is not a hang, and a save
+stuck in one phase for the watchdog's timeout still is.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from hpc_tools.checkpoints.dirs import META, CheckpointDirs
 from hpc_tools.checkpoints.verify import own_checksums
-from hpc_tools.train.checkpointing import agree, node_tier
+from hpc_tools.train.checkpointing import agree, node_tier, replica
 from hpc_tools.train.engine import Checkpointable, Collector, NullCollector, Write
 
 if TYPE_CHECKING:
@@ -222,6 +227,9 @@ class Saver:
                     nodes=node_tier.Nodes.of(ctx) if local is not None else None, rank0=ctx.is_rank0, info=ctx.info,
                     device=ctx.device if ck.async_save else None, collector=collector)
         self.replicate = bool(ck.local_replicate)
+        self.watchdog = getattr(ctx, "watchdog", None)
+        if local is not None and self.replicate and self.nodes.count > 1:
+            self.replicator = replica.Replicator.of(ctx, self.nodes)  # collective: the leaders' group, made up front
         self.background = bool(ck.async_save)
         self.checksum = ck.verify == "checksum"
         self.interval, self.local_interval = ck.interval_iters, ck.local_interval_iters
@@ -248,6 +256,8 @@ class Saver:
         self.is_rank0, self.info, self.device = rank0, info, device
         self.collector = collector if collector is not None else NullCollector()
         self.pending: _Pending | None = None
+        self.replicator: replica.Replicator | None = None  # the node-local tier's background copies (several nodes)
+        self.watchdog = None
         self.shared_next = False  # a background write to the local tier failed: the next save goes to the shared one
         self.kill_step = _kill_step()
 
@@ -256,7 +266,12 @@ class Saver:
         """The loop's one call, at the end of every step (collective; every rank passes the same arguments): commit
         a finished background write, then save step ``step`` when a tier is due (``tier_due``) unless the step was
         not finite (a checkpoint never holds what a non-finite step left behind). Each save that ended is told:
-        rank 0's line and the collector's ``checkpoint_save`` event; returns their records."""
+        rank 0's line and the collector's ``checkpoint_save`` event; returns their records. Outside the hang
+        watchdog's step clock (bounded by its progress instead)."""
+        with self._outside_step():
+            return self._save(step, last_step, stop=stop, nonfinite=nonfinite)
+
+    def _save(self, step: int, last_step: int, *, stop: bool, nonfinite: bool) -> list[SaveRecord]:
         records = self.poll()
         tier = self.tier_due(step, last_step, stop)
         final = stop or step == last_step
@@ -274,10 +289,12 @@ class Saver:
 
     def finish(self) -> list[SaveRecord]:
         """At the end of a run: commit and tell a write still pending (none after the last step's save; kept for a
-        run that saved nothing)."""
-        records = self.drain()
-        for rec in records:
-            self._report(rec)
+        run that saved nothing), and wait for the last local save's replica (``_wait_replica``)."""
+        with self._outside_step():
+            records = self.drain()
+            for rec in records:
+                self._report(rec)
+            self._wait_replica()
         return records
 
     def tier_due(self, step: int, last: int, stop: bool) -> str | None:
@@ -310,7 +327,9 @@ class Saver:
         write, error = None, None
         try:
             partial = self._begin(dirs, step)
+            self._progress()
             write = self.engine.write_checkpoint(partial, step, background=background)
+            self._progress()
         except BaseException as e:  # torch's CheckpointException (a failed shard write) is a BaseException
             if tier != LOCAL or isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -446,17 +465,20 @@ class Saver:
         files = agree.gather_records(partial, exclude=[META], checksum=self.checksum,
                                      share=self.nodes.share if local else None,
                                      known=p.checksums.known if p.checksums is not None else None)
+        moves = []
         if local:
-            own = node_tier.own_files(partial, self.nodes)
-            if self.replicate and self.nodes.is_leader:
-                node_tier.transfer(self.nodes, node_tier.replica_moves(own), source=partial, target=partial)
-            _barrier()
+            own = node_tier.own_files(partial, self.nodes)  # before any replica: the next node's copy is of these
+            moves = node_tier.replica_moves(own) if self.replicator is not None else []
+            self._wait_replica()  # the previous local save's copy ends before this commit prunes its folder
+        self._progress()
         final = p.dirs.final_path(p.step)
         if self._leads(p.dirs):
             meta = {**self.engine.checkpoint_meta(p.step), "tier": p.tier, "async": p.write is not None}
             if p.tier == LOCAL:
                 meta["nodes"] = self.nodes.count
             final = p.dirs.commit(p.step, meta=meta, files=files)
+            if moves and self.replicator is not None:
+                self.replicator.start(p.step, final, moves)  # in the background: training goes on
         if self.is_rank0 and p.write is not None:
             self.info("checkpoint of step %d complete (written in the background, %s tier): %s", p.step, p.tier,
                       final)
@@ -466,6 +488,43 @@ class Saver:
             return SaveRecord(p.step, p.tier, False, now - p.t_start, now - p.t_start, True, str(final))
         write_s = max(_gather(ended - p.t_start))
         return SaveRecord(p.step, p.tier, True, p.blocked_s + now - t0, write_s, True, str(final))
+
+    def _wait_replica(self) -> None:
+        """Collective: wait for the previous local save's replica (leaders: ``Replicator.wait``), then tell how it
+        ended: rank 0's line; one that failed or stalled on any node turns replication off for the rest of the run on
+        every rank (its folder's replica stays partial, never used; each node keeps its own files)."""
+        if self.replicator is None:
+            return
+        t0 = time.perf_counter()
+        mine = self.replicator.wait(self._progress) if self.nodes.is_leader else None
+        waited = time.perf_counter() - t0
+        outcomes = [o for o in _gather(mine) if o is not None]
+        if not outcomes:
+            return
+        failed = [o for o in outcomes if o.error]
+        step = outcomes[0].step
+        if failed:
+            self.replicator.retire()
+            self.replicator = None
+            if self.is_rank0:
+                log.warning("replica of local checkpoint step %d not complete (node %d: %s): not used for recovery; "
+                            "replication is off for the rest of this run, each node keeps its own files only (check "
+                            "the network between the nodes, or checkpoint.local_replicate_interface)", step,
+                            failed[0].node, failed[0].error)
+        else:
+            slowest = max(o.seconds for o in outcomes)
+            self.info("replica of local checkpoint step %d complete on every node: %.3f GB in %.2f s in the "
+                      "background (training waited %.3f s for it)", step, sum(o.bytes for o in outcomes) / 2e9,
+                      slowest, waited)
+
+    def _outside_step(self):
+        """The hang watchdog's step clock stopped (a save is bounded by its progress), or nothing without one."""
+        return self.watchdog.outside_step("checkpoint save") if self.watchdog is not None else \
+            contextlib.nullcontext()
+
+    def _progress(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.progress()
 
     def _discard(self, dirs: CheckpointDirs, step: int) -> None:
         if self._leads(dirs):
