@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import INTEGRATION, REPO, need_slurm, run_cli, shared_once, wait_for
+from tests.helpers import INTEGRATION, REPO, need_slurm, run_cli, settle_cluster, shared_once, wait_for
 
 # Hermetic recipes: a developer's site file (~/.config/hpc_tools/site.yaml) must not change what the tests resolve;
 # tests of the site file set HPC_TOOLS_SITE themselves.
@@ -66,6 +66,17 @@ def _no_slurm_unless_asked(request, monkeypatch) -> None:
         monkeypatch.delenv("HPC_TOOLS_SLURM", raising=False)
     else:
         monkeypatch.setenv("HPC_TOOLS_SLURM", "off")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _settled_slurm_cluster(request) -> None:
+    """Before a module with real Slurm tests (not the fake side of ``slurm_cluster``), the test cluster is settled
+    (tests/helpers.py ``settle_cluster``): what an earlier module's faults and jobs left behind is not this module's
+    to meet. Once per module, before its own fixtures submit anything."""
+    path = request.node.path
+    if any(item.path == path and item.get_closest_marker("slurm") and not item.get_closest_marker("fake_slurm")
+           for item in request.session.items):
+        settle_cluster()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -107,17 +107,21 @@ def _slurm_nodes() -> int:
         return 0
 
 
-def _settle_cluster(wait_s: float = 60, cancel_after_s: float = 15) -> None:
-    """The test cluster as a test expects to find it: no node left down or drained by an earlier test's fault (a
-    crashed node, a hang's drain) and no earlier test's job left (scancel is asynchronous; a job still queued after
-    ``cancel_after_s`` is a leftover that would hold nodes, and is cancelled). Waits at most ``wait_s``; what is still
-    not settled then is the test's to report."""
+def settle_cluster(wait_s: float = 60, cancel_after_s: float = 15) -> None:
+    """The test cluster as a test module expects to find it (tests/conftest.py calls this before a module with real
+    Slurm tests, never between its tests: a module's fixtures may have submitted jobs its later tests read): no node
+    left down or drained by an earlier module's fault (a crashed node, a hang's drain) and no earlier module's job
+    left (scancel is asynchronous; a job still queued after ``cancel_after_s`` is a leftover that would hold nodes,
+    and is cancelled). Waits at most ``wait_s``; what is still not settled then is the tests' to report. Without a
+    cluster it returns at once."""
     import time
 
     start = time.monotonic()
     cancelled = False
     while True:
         nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=10)
+        if nodes.returncode != 0:
+            return
         states = dict(line.split(None, 1) for line in nodes.stdout.splitlines() if len(line.split()) == 2)
         unusable = [n for n, st in states.items() if any(w in st for w in ("down", "drain", "fail"))]
         for node in unusable:
@@ -125,7 +129,7 @@ def _settle_cluster(wait_s: float = 60, cancel_after_s: float = 15) -> None:
                            timeout=10)
         queue = subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True, timeout=10)
         jobs = queue.stdout.split()
-        if nodes.returncode == 0 and states and not unusable and queue.returncode == 0 and not jobs:
+        if states and not unusable and queue.returncode == 0 and not jobs:
             return
         waited = time.monotonic() - start
         if jobs and not cancelled and waited >= cancel_after_s:
@@ -137,15 +141,12 @@ def _settle_cluster(wait_s: float = 60, cancel_after_s: float = 15) -> None:
 
 
 def need_slurm(min_nodes: int) -> int:
-    """The Slurm test cluster's node count when it has ``min_nodes`` or more (after it settled: ``_settle_cluster``);
-    else the test skips (fails under HPC_TOOLS_REQUIRE_SLURM=1, as in CI)."""
+    """The Slurm test cluster's node count when it has ``min_nodes`` or more; else the test skips (fails under
+    HPC_TOOLS_REQUIRE_SLURM=1, as in CI)."""
     nodes = _slurm_nodes()
     if not nodes and os.environ.get("HPC_TOOLS_REQUIRE_SLURM") == "1":  # a controller slow to answer under load
         with contextlib.suppress(AssertionError):
             nodes = wait_for(_slurm_nodes, timeout_s=30, poll_s=2)
-    if nodes:
-        _settle_cluster()
-        nodes = _slurm_nodes()
     if nodes >= min_nodes:
         return nodes
     why = (f"needs the Slurm test cluster with >= {min_nodes} node(s) (found {nodes}): "
