@@ -1,0 +1,140 @@
+"""Blocked time per local save of the node-local checkpoint tier on 2 nodes, the copy to the next node included.
+
+Each rank writes a shard of ``--mb`` MB (what torch_dist leaves: ``__<rank>_0.distcp``, rank 0's ``.metadata``)
+through the real ``checkpointing.saver.Saver`` into its node's ``local_dir``, synchronously, ``--saves`` times, with
+``--steps`` steps of ``--step-s`` seconds (a sleep and a world all-reduce each) between saves; ``checkpoint.verify:
+size``, so that the figures are the write, the commit and the replication. Prints one JSON line: each save's
+``blocked_s`` (the slowest rank's: training stood still that long), their median, the wait at the end of the run
+(``finish``) and the wall time of the whole loop.
+
+    # 2 "nodes" on this machine (2 processes, each its own folder; loopback TCP)
+    python3 benchmarks/bench_node_replication.py --mb 256
+    # the 2-node test cluster (bash environment/slurm-dev/up.sh --nodes 2): one rank per node
+    srun -N2 -n2 python3 benchmarks/bench_node_replication.py --mb 256
+
+``HPC_TOOLS_CHECKOUT=<folder>`` imports hpc_tools from another checkout (a ``git worktree`` of an older commit), to
+measure the same loop before and after a change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, os.environ.get("HPC_TOOLS_CHECKOUT") or str(Path(__file__).resolve().parents[1]))
+
+
+class Engine:
+    checkpoints = True
+
+    def __init__(self, rank: int, mb: int):
+        self.rank, self.data = rank, os.urandom(mb << 20)
+
+    def write_checkpoint(self, folder: Path, step: int, background: bool):
+        with open(folder / f"__{self.rank}_0.distcp", "wb") as f:
+            f.write(self.data)
+            f.flush()
+            os.fsync(f.fileno())
+        if self.rank == 0:
+            (folder / ".metadata").write_text(json.dumps({"step": step}))
+        return None
+
+    def checkpoint_meta(self, step: int) -> dict:
+        return {"format": "bench"}
+
+    def start_background_writer(self) -> None:
+        pass
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hpc_tools.recipe.checkpoint import CheckpointConfig
+    from hpc_tools.runtime.distenv import DistEnv
+    from hpc_tools.train.checkpointing.agree import gather
+    from hpc_tools.train.checkpointing.saver import LOCAL, Saver
+
+    env = DistEnv.from_environ()
+    env.export()
+    if "SLURM_PROCID" in os.environ and "NODE_DIR" not in os.environ:
+        node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename  # a folder per node: the test cluster's
+        os.environ["NODE_DIR"] = f"/tmp/bench-node-replication-{os.environ.get('SLURM_JOB_ID', 'x')}/{node}"
+    dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size)
+    fields = {"local_dir": "$NODE_DIR/ckpt", "local_interval_iters": args.steps, "interval_iters": 0,
+              "keep_last": 2, "verify": "size", "local_replicate": not args.no_replicate}
+    if args.interface:
+        fields["local_replicate_interface"] = args.interface
+    config = CheckpointConfig(**fields)
+    work = Path(os.environ["NODE_DIR"])
+    ctx = SimpleNamespace(recipe=SimpleNamespace(checkpoint=config, cluster=SimpleNamespace(hang_timeout_min=0)),
+                          checkpoint_dir=work / "shared", run_dir=work / "run", rank=env.rank,
+                          is_rank0=env.rank == 0, device="cpu", dist=env, info=lambda *a: None)
+    engine = Engine(env.rank, args.mb)
+    saver = Saver(ctx, engine)
+    blocked, t0 = [], time.perf_counter()
+    for i in range(1, args.saves + 1):
+        for _ in range(args.steps):
+            time.sleep(args.step_s)
+            dist.all_reduce(torch.ones(1))
+        [rec] = [r for r in saver.save_to(i * args.steps, LOCAL, final=True) if r.iteration == i * args.steps]
+        blocked.append(rec.blocked_s)
+    t_end = time.perf_counter()
+    saver.finish()
+    end_wait = time.perf_counter() - t_end
+    wall = time.perf_counter() - t0
+    every = gather((blocked, end_wait, wall, env.node_rank))
+    if env.rank == 0:
+        per_save = [round(max(b[i] for b, _, _, _ in every), 3) for i in range(args.saves)]
+        line = json.dumps({"mb_per_rank": args.mb, "ranks": env.world_size,
+                          "nodes": len({n for *_, n in every}), "replicate": not args.no_replicate,
+                          "blocked_s": per_save, "median_blocked_s": round(statistics.median(per_save), 3),
+                          "end_wait_s": round(max(e for _, e, _, _ in every), 3),
+                          "wall_s": round(max(w for _, _, w, _ in every), 3),
+                          "checkout": os.environ.get("HPC_TOOLS_CHECKOUT") or "this one"})
+        print(line, flush=True)
+        if os.environ.get("BENCH_OUT"):  # the local launcher's ranks log to files: it prints this
+            Path(os.environ["BENCH_OUT"]).write_text(line + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+    if "SLURM_PROCID" in os.environ and env.local_rank == 0:
+        import shutil
+
+        shutil.rmtree(work.parent, ignore_errors=True)  # this job's node-local folders
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, default=256, help="MB per rank's shard")
+    parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="steps between local saves")
+    parser.add_argument("--step-s", type=float, default=0.5, help="seconds of one step")
+    parser.add_argument("--interface", default=None, help="checkpoint.local_replicate_interface")
+    parser.add_argument("--no-replicate", action="store_true")
+    args = parser.parse_args()
+    if "RANK" in os.environ or "SLURM_PROCID" in os.environ:
+        rank_main(args)
+        return 0
+    from hpc_tools.testing.spawn import spawn_exit_code
+
+    with tempfile.TemporaryDirectory(prefix="bench_replication_") as work:
+        # 2 ranks as 2 nodes, each its own "node-local disk" (NODE_RANK and NODE_DIR per rank: set by the wrapper)
+        wrapper = Path(work) / "rank.sh"
+        wrapper.write_text(f'export NODE_RANK=$RANK LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 NODE_DIR={work}/node$RANK '
+                           f'BENCH_OUT={work}/result.json\n'
+                           f'exec {sys.executable} {Path(__file__).resolve()} {" ".join(sys.argv[1:])}\n')
+        code = spawn_exit_code(["bash", str(wrapper)], 2, timeout_s=1800, log_tail=3000)
+        if code == 0:
+            print((Path(work) / "result.json").read_text(), end="")
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
