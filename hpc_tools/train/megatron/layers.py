@@ -59,14 +59,15 @@ def te_version() -> str | None:
 
 
 def version_at_least(version: str | None, least: tuple[int, ...]) -> bool:
-    """Whether ``version`` (``2.11.0``, ``2.7.0.dev0+abc``, ``2.9.0a0``) is at least ``least``; False for None or a
-    version without a leading number."""
-    import re
+    """Whether ``version`` (``2.11.0``, ``2.7.0.dev0+abc``, ``2.9.0a0``) is at least ``least``, by its release
+    numbers (a pre-release of 2.7 counts as 2.7, as the kernels are there); False for None or an unreadable version."""
+    from packaging.version import InvalidVersion, Version
 
-    if version is None:
+    try:
+        release = Version(version).release if version is not None else ()
+    except InvalidVersion:
         return False
-    parts = [int(x) for x in re.findall(r"\d+", version.split("+")[0])[:len(least)]]
-    return len(parts) == len(least) and tuple(parts) >= least
+    return len(release) >= len(least) and release[:len(least)] >= least
 
 
 FP32_NOTE = "fp32: Transformer Engine's flash and fused attention take bf16/fp16 only, TE runs its unfused O(s^2) one"
