@@ -3,6 +3,7 @@
     python benchmarks/gpu_mfu.py --size 1.3b                 # on a GPU node: trains, prints the figures
     python benchmarks/gpu_mfu.py --size 2.7b --min-mfu 0.45   # exit 1 below the floor
     python benchmarks/gpu_mfu.py --size 1.3b --dry-run        # anywhere: the recipe, layer plan and prediction only
+    python benchmarks/gpu_mfu.py --size 1.3b --layers local   # no Transformer Engine: local layers, unfused attention
 
 MFU uses the Megatron FLOPs convention (``profiling/flops.py``: model FLOPs = 3 x forward FLOPs of the dense
 matrices, attention scores counted for the causal half, logits over the padded vocabulary, no recomputation), over
@@ -10,6 +11,8 @@ the peak of ``profiling/peaks.py`` for the detected GPU and bf16. Step time = th
 the warm-up, each bracketed by ``torch.cuda.synchronize()``. The run is TP1 x PP1 on one GPU, bf16, Transformer
 Engine layers with TE's own choice of attention (``attention: auto``; the script refuses to report a figure unless TE
 chose its flash or cuDNN fused attention: anything else measures the slow path), no recomputation, synthetic data.
+``--layers local`` measures Megatron-core's local layers with unfused attention instead (for a GPU machine without
+Transformer Engine): a figure of the slow path, reported as such, not the MFU the recipes are planned for.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     parser.add_argument("--gpu-type", default=None,
                         help=f"GPU model for the planner and the peak (default: the detected GPU, else {DEFAULT_GPU})")
+    parser.add_argument("--layers", choices=("te", "local"), default="te",
+                        help="te: Transformer Engine layers and fused attention (default); local: Megatron-core's "
+                             "local layers and unfused attention (no Transformer Engine needed; the slow path)")
     parser.add_argument("--min-mfu", type=float, default=None, help="exit 1 when the measured MFU is below this")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     parser.add_argument("--dry-run", action="store_true",
@@ -55,6 +61,10 @@ def build_recipe(args: argparse.Namespace, gpu_type: str):
     """gpt_3d's recipe reshaped to one GPU: TP1 x PP1, bf16, TE layers, flash-style attention, no recompute."""
     from hpc_tools.recipe.load import load_recipe
 
+    layers_impl = (["backend.megatron.transformer_impl=transformer_engine", "backend.megatron.use_flash_attention=true"]
+                   if args.layers == "te" else
+                   ["backend.megatron.transformer_impl=local", "backend.megatron.use_flash_attention=false"])
+
     layers, hidden, heads = SIZES[args.size]
     return load_recipe(REPO / "recipes" / "gpt_3d.yaml", overrides=[
         f"model.num_layers={layers}", f"model.hidden_size={hidden}", f"model.num_attention_heads={heads}",
@@ -65,8 +75,7 @@ def build_recipe(args: argparse.Namespace, gpu_type: str):
         f"training.train_iters={args.warmup + args.steps}", "training.lr_warmup_iters=1",
         "training.recompute_granularity=none",
         "training.precision=bf16", "backend.megatron.distributed_optimizer=false",
-        "backend.megatron.overlap_grad_reduce=false", "backend.megatron.overlap_param_gather=false",
-        "backend.megatron.transformer_impl=transformer_engine", "backend.megatron.use_flash_attention=true"])
+        "backend.megatron.overlap_grad_reduce=false", "backend.megatron.overlap_param_gather=false", *layers_impl])
 
 
 def model_flops(recipe) -> float:
@@ -111,11 +120,12 @@ def measure(recipe, args: argparse.Namespace) -> dict:
     layout = ParallelLayout.from_recipe(recipe)
     engine = Engine(recipe, layout, torch.device("cuda", 0))
     plan = engine.plan
-    if not (plan.transformer_engine and plan.flash_style):
+    if args.layers == "te" and not (plan.transformer_engine and plan.flash_style):
         raise SystemExit(f"gpu_mfu: {plan.describe()}: not the fast path (Transformer Engine with flash/fused "
                          "attention); no figure reported")
     samples = build_samples(recipe)
     times, losses = [], []
+    attention = "unfused (local layers)"
     torch.cuda.reset_peak_memory_stats()
     for step in range(1, args.warmup + args.steps + 1):
         batch = microbatches_for_step(samples, step, 0, layout)
@@ -126,7 +136,7 @@ def measure(recipe, args: argparse.Namespace) -> dict:
         if step > args.warmup:
             times.append(time.perf_counter() - t0)
         losses.append(result.loss)
-        if step == 1:
+        if step == 1 and args.layers == "te":
             attention = te_attention_choice()  # TE chose at the first forward (attention=auto)
             if not attention or not attention.startswith(("flash", "fused")):
                 raise SystemExit(f"gpu_mfu: Transformer Engine runs {attention or 'no recorded'} attention: not the "
@@ -152,7 +162,7 @@ def report(args: argparse.Namespace, recipe, predicted: dict, measured: dict | N
              f"{recipe.cluster.gpu_type}",
              f"MFU convention: Megatron (profiling/flops.py), {model_flops(recipe):.3e} model FLOPs per step"]
     if measured:
-        lines.append(f"layers: {measured['layer_plan']}; Transformer Engine chose {measured['attention']} attention")
+        lines.append(f"layers: {measured['layer_plan']}; attention: {measured['attention']}")
         mfu = f"{measured['mfu']:.1%}" if measured["mfu"] is not None else "n/a (GPU not in the peak table)"
         lines.append(f"measured:  step {measured['step_s']:.3f} s (median of {args.steps}), "
                      f"{measured['tokens_per_s']:,.0f} tok/s, MFU {mfu}, "

@@ -8,13 +8,17 @@
 # pydantic and its parts, submitit, transformers...), then runs, each step with its own time limit and log:
 #   env            `hpc_tools doctor`: Python, packages, torch's CUDA, the GPU, NCCL, TE / apex / flash-attn (no
 #                  recipe: `datasets`, which only Hugging Face inputs read, is a warning when absent, not a failure)
+#   moe_local      gpt_moe's local profile on 1 GPU, local layers, unfused attention, 2 steps: the fp32 router's
+#                  GEMM without Transformer Engine (Megatron-core's te_general_gemm is unbound there)
+#   mla_local      the same with multi_latent_attention=true: must be refused in one line (exit 2), not a TypeError
 #   profiling      tests/integration/test_profiling_gpu.py (event timing, memory, NVML)
 #   deepspeed      tests/integration/test_deepspeed_gpu.py (ZeRO 1-3, bf16/fp16, NCCL)
+#   fsdp           tests/integration/test_fsdp_gpu.py (FSDP2 bf16 against fp32, HSDP/DDP, NCCL)
 #   megatron_save  gpt_3d local profile on 1 GPU, bf16, local layers, 10 steps, checkpoint at 10
 #   megatron_resume the same from that checkpoint (checkpoint.load_path) to step 20
 #   export         `hpc_tools export` of the resumed run; hf_forward: one forward with transformers on the GPU
 #   with Transformer Engine importable: megatron_gpu (tests/integration/test_megatron_gpu.py and test_gpu_tier.py)
-#   and gpu_mfu (benchmarks/gpu_mfu.py --size 1.3b)
+#   and gpu_mfu (benchmarks/gpu_mfu.py --size 1.3b); without it gpu_mfu_local (--layers local: the slow path's MFU)
 # The pytest steps run without xdist (-n 0): one GPU module at a time on the one GPU (under xdist every gpu-marked
 # test is in one group too, tests/conftest.py). It writes OUT/summary.json: each step's status, exit code, seconds
 # and last lines, the GPU, and gpu_mfu's figures.
@@ -46,7 +50,7 @@ while [ $# -gt 0 ]; do
         PyYAML==6.0.3 einops hjson msgpack ninja py-cpuinfo psutil tqdm ${EXTRA_WHEELS:-} || exit 1
       "$py" -m pip wheel --no-deps --no-build-isolation deepspeed==0.19.8 -w "$dest" || exit 1
       ls -l "$dest"; exit 0 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -uo/{/^set -uo/!p}' "$0"; exit 0 ;;
     *) echo "gpu_smoke: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -77,7 +81,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run it (unless --dry-run), log it, r
     record "$name" planned 0 0 "$log"; echo "gpu_smoke: $name planned"; return 0
   fi
   echo "gpu_smoke: $name ..."
-  timeout "$limit" "$@" > "$log" 2>&1; rc=$?
+  LOG="$log" timeout "$limit" "$@" > "$log" 2>&1; rc=$?
   local status=passed; [ "$rc" = 0 ] || status=failed
   record "$name" "$status" "$rc" "$((SECONDS - start))" "$log"
   echo "gpu_smoke: $name $status (exit $rc, $((SECONDS - start)) s; $log)"
@@ -95,21 +99,33 @@ MEGATRON=(recipes/gpt_3d.yaml --profile local --set cluster.gpu_type=H100-SXM --
           --set backend.megatron.transformer_impl=local --set backend.megatron.use_flash_attention=false
           --set checkpoint.interval_iters=10)
 
+# gpt_moe's local profile on one GPU with local layers: experts and the fp32 router without Transformer Engine.
+MOE=(recipes/gpt_moe.yaml --profile local --set cluster.gpu_type=H100-SXM --set cluster.gpus_per_node=1
+     --set parallel.expert_size=1 --set backend.megatron.transformer_impl=local
+     --set backend.megatron.use_flash_attention=false --set training.train_iters=2 --set training.lr_warmup_iters=1
+     --set checkpoint.interval_iters=2)
+
 newest_run() { ls -td "$out/runs"/*/ 2>/dev/null | head -1; }
 
 if [ -n "$wheels" ]; then
   step install 900 "$py" -m pip install --no-index --find-links "$wheels" "$wheels"/*.whl
 fi
 step env 300 "$py" -m hpc_tools doctor  # Python, packages, CUDA, driver, NCCL, TE / apex / flash-attn
+step moe_local 600 "$py" -m hpc_tools submit "${MOE[@]}" --executor local
+# MLA on local layers: the refusal is the pass (exit 2 and one "error:" line); anything else fails the step
+step mla_local 300 bash -c '"$0" -m hpc_tools submit "$@" --executor local; rc=$?; echo "exit $rc";
+  [ "$rc" = 2 ] && [ "$(grep -c "^error:" "$LOG")" = 1 ]' "$py" "${MOE[@]}" --set model.multi_latent_attention=true
 step profiling 900 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_profiling_gpu.py
 step deepspeed 1800 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_deepspeed_gpu.py
+step fsdp 1800 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_fsdp_gpu.py
 if [ "$dry_run" = 1 ]; then
-  # what a dry run can prove: the two Megatron runs' recipes are valid as written here
+  # what a dry run can prove: the Megatron runs' recipes (gpt_3d's two, gpt_moe's) are valid as written here
   step_rc=0
   "$py" -m hpc_tools validate --offline "${MEGATRON[@]}" --set training.train_iters=10 \
     > "$out/logs/megatron_recipes.log" 2>&1 || step_rc=$?
   "$py" -m hpc_tools validate --offline "${MEGATRON[@]}" --set training.train_iters=20 \
     --set checkpoint.load_path=runs/x/checkpoints/iter_0000010 >> "$out/logs/megatron_recipes.log" 2>&1 || step_rc=$?
+  "$py" -m hpc_tools validate --offline "${MOE[@]}" >> "$out/logs/megatron_recipes.log" 2>&1 || step_rc=$?
   record megatron_recipes "$([ "$step_rc" = 0 ] && echo passed || echo failed)" "$step_rc" 0 \
     "$out/logs/megatron_recipes.log"
 fi
@@ -144,6 +160,7 @@ fi
 if [ "$dry_run" = 0 ] && ! "$py" -c "import transformer_engine.pytorch" > "$out/logs/te_import.log" 2>&1; then
   skip megatron_gpu "transformer_engine not importable here (see logs/te_import.log)"
   skip gpu_mfu "transformer_engine not importable here"
+  step gpu_mfu_local 900 "$py" benchmarks/gpu_mfu.py --size 1.3b --layers local --json "$out/mfu_1.3b_local.json"
 else
   step megatron_gpu 3000 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_megatron_gpu.py \
     tests/integration/test_gpu_tier.py
@@ -155,10 +172,11 @@ import json, sys, time
 from pathlib import Path
 out = Path(sys.argv[1])
 steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines() if line.strip()]
-mfu = out / "mfu_1.3b.json"
+mfu, mfu_local = out / "mfu_1.3b.json", out / "mfu_1.3b_local.json"
 summary = {"written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": steps,
            "failed": [s["step"] for s in steps if s["status"] == "failed"],
-           "gpu_mfu": json.loads(mfu.read_text()) if mfu.is_file() else None}
+           "gpu_mfu": json.loads(mfu.read_text()) if mfu.is_file() else None,
+           "gpu_mfu_local": json.loads(mfu_local.read_text()) if mfu_local.is_file() else None}
 (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 print(f"gpu_smoke: {len(steps)} steps, failed: {summary['failed'] or 'none'}; {out / 'summary.json'}")
 sys.exit(1 if summary["failed"] else 0)

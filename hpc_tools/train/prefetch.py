@@ -16,9 +16,25 @@ from typing import Any, Callable
 Batch = list[dict[str, Any]]
 
 
+def pinned(tensor):
+    """``tensor`` in page-locked memory: itself when already pinned. A view that repeats memory (an ``expand``,
+    stride 0) is made contiguous first: CUDA's pin_memory refuses one ("more than one element of the written-to
+    tensor refers to a single memory location"); for any other tensor ``contiguous()`` is the tensor itself."""
+    return tensor if tensor.is_pinned() else tensor.contiguous().pin_memory()
+
+
+def to_device(tensor, device):
+    """``tensor`` on ``device``: on an accelerator copied from page-locked memory without blocking the host (from
+    pageable memory a copy waits for a staging copy on the host; the prefetcher pins batches ahead); on CPU the
+    tensor itself. The one host-to-device batch copy of every backend."""
+    if device.type == "cpu":
+        return tensor
+    return pinned(tensor).to(device, non_blocking=True)
+
+
 def pin_batch(batch: Batch) -> Batch:
     """Every tensor of every microbatch in page-locked memory (other values as they are)."""
-    return [{k: v.pin_memory() if hasattr(v, "pin_memory") else v for k, v in mb.items()} for mb in batch]
+    return [{k: pinned(v) if hasattr(v, "pin_memory") else v for k, v in mb.items()} for mb in batch]
 
 
 class BatchPrefetcher:

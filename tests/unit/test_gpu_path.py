@@ -366,34 +366,50 @@ def test_deepspeed_follows_the_rank_environment_on_a_machine_with_a_gpu():
     assert out["set_device"] == [3, 0]  # Slurm's id as DeepSpeed would use it, then the rank's device index
 
 
-def test_ds_copies_batches_from_pinned_memory_without_blocking():
-    """Issue 25 item 12, the decision on a stand-in tensor (pinning needs CUDA; the GPU tier runs the real copy):
-    pin unless pinned, then a non-blocking copy; on CPU the tensor as it is."""
+def _strict_pinning(monkeypatch):
+    """CUDA's pin_memory, as far as a CPU build can show it: it refuses a tensor whose elements share memory (an
+    expand's stride 0: "more than one element of the written-to tensor refers to a single memory location", the first
+    step of every Megatron GPU run while positions were pinned) and returns a page-locked copy (here: a clone)."""
     import torch
 
-    from hpc_tools.train.deepspeed.device import to_device
+    pinned = []
 
-    class Host:
-        def __init__(self, pinned):
-            self.pinned, self.calls = pinned, []
+    def pin_memory(t):
+        if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+            raise RuntimeError("unsupported operation: more than one element of the written-to tensor refers to a "
+                               "single memory location")
+        pinned.append(tuple(t.shape))
+        return t.clone()
 
-        def is_pinned(self):
-            return self.pinned
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t: False)
+    return pinned
 
-        def pin_memory(self):
-            self.calls.append("pin")
-            return self
 
-        def to(self, device, non_blocking=False):
-            self.calls.append(("to", device.type, non_blocking))
-            return self
+def test_every_backend_copies_batches_from_pinned_memory_and_never_pins_an_expand(monkeypatch):
+    """Issue 25 item 12 and the first H200 run (every Megatron step failed in pin_memory): one host-to-device copy
+    for all backends (pin unless pinned, then non-blocking); the Megatron batch's positions are made on the device,
+    and a repeated view is made contiguous before it is pinned. ``meta`` stands for the accelerator (pinning needs
+    CUDA; the GPU smoke runs the real copy)."""
+    import torch
 
-    for pinned, expected in ((False, ["pin", ("to", "cuda", True)]), (True, [("to", "cuda", True)])):
-        t = Host(pinned)
-        to_device(t, torch.device("cuda", 0))
-        assert t.calls == expected
+    from hpc_tools.train.megatron.engine import Engine
+    from hpc_tools.train.prefetch import pin_batch, to_device
+
+    pinned = _strict_pinning(monkeypatch)
+    meta = torch.device("meta")
+    tokens = torch.arange(12).reshape(3, 4)
+    out = Engine._prepare({"tokens": tokens, "labels": tokens + 1}, meta)
+    assert {k: (v.device.type, tuple(v.shape)) for k, v in out.items()} == {
+        "tokens": ("meta", (3, 4)), "labels": ("meta", (3, 4)), "position_ids": ("meta", (3, 4))}
+    assert pinned == [(3, 4), (3, 4)]  # tokens and labels; positions never leave the device
+    expanded = torch.arange(4).unsqueeze(0).expand(3, 4)
+    assert to_device(expanded, meta).shape == (3, 4)
+    assert torch.equal(pin_batch([{"p": expanded, "n": 1}])[0]["p"], expanded)
     cpu = torch.ones(2)
     assert to_device(cpu, torch.device("cpu")) is cpu
+    assert torch.equal(Engine._prepare({"tokens": tokens, "labels": tokens}, torch.device("cpu"))["position_ids"],
+                       torch.arange(4).expand(3, 4))
 
 
 # -- per-stage seeds (item 8) ------------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ import subprocess
 
 from tests.helpers import REPO
 
-STEPS = ["env", "profiling", "deepspeed", "megatron_recipes", "megatron_save", "megatron_resume", "export",
-         "hf_forward", "megatron_gpu", "gpu_mfu"]
+STEPS = ["env", "moe_local", "mla_local", "profiling", "deepspeed", "fsdp", "megatron_recipes", "megatron_save",
+         "megatron_resume", "export", "hf_forward", "megatron_gpu", "gpu_mfu"]
 
 
 def test_dry_run_plans_every_step_and_writes_the_summary(tmp_path):
@@ -31,6 +31,10 @@ def test_dry_run_plans_every_step_and_writes_the_summary(tmp_path):
     assert "checkpoint.load_path=RUN/checkpoints/iter_0000010" in planned["megatron_resume"]
     assert "benchmarks/gpu_mfu.py --size 1.3b" in planned["gpu_mfu"]
     assert "tests/integration/test_gpu_tier.py" in planned["megatron_gpu"]
+    for words in ("recipes/gpt_moe.yaml", "--set backend.megatron.transformer_impl=local",
+                  "--set backend.megatron.use_flash_attention=false", "--set cluster.gpus_per_node=1"):
+        assert words in planned["moe_local"] and words in planned["mla_local"], words
+    assert "model.multi_latent_attention=true" in planned["mla_local"]
 
 
 def test_an_unknown_argument_is_one_line_naming_help(tmp_path):
@@ -44,7 +48,7 @@ def test_pytest_steps_run_without_xdist(tmp_path):
     out = tmp_path / "smoke"
     subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_smoke.sh"), "--dry-run", "--out", str(out)],
                    capture_output=True, text=True, timeout=300, cwd=tmp_path, check=True)
-    for step in ("profiling", "deepspeed", "megatron_gpu"):
+    for step in ("profiling", "deepspeed", "fsdp", "megatron_gpu"):
         assert " -n 0 " in (out / "logs" / f"{step}.log").read_text(), step
 
 

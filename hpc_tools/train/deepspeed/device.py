@@ -51,12 +51,3 @@ def check_accelerator(device: "torch.device") -> None:
     if name != ACCELERATORS[device.type]:
         raise UserError(f"DeepSpeed runs on its {name} accelerator but this rank's device is {device} "
                         f"(set DS_ACCELERATOR={ACCELERATORS[device.type]} before DeepSpeed is imported)")
-
-
-def to_device(tensor: "torch.Tensor", device: "torch.device") -> "torch.Tensor":
-    """``tensor`` on ``device``: on a GPU copied from page-locked memory without blocking the host (from pageable
-    memory a copy waits for a staging copy on the host; ``hpc_tools.train.prefetch`` pins batches ahead), as the
-    Megatron engine does; on CPU the tensor itself."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)

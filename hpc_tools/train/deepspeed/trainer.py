@@ -18,11 +18,11 @@ from typing import Any
 from hpc_tools.runtime.context import RankContext
 from hpc_tools.train import loop, rng
 from hpc_tools.train.data import build_samples, microbatches_for_step
-from hpc_tools.train.deepspeed.device import check_accelerator, environment_for, to_device
+from hpc_tools.train.deepspeed.device import check_accelerator, environment_for
 from hpc_tools.train.deepspeed.ds_config import build_ds_config, write_ds_config
 from hpc_tools.train.deepspeed.model import build_model
 from hpc_tools.train.engine import StepResult
-from hpc_tools.train.prefetch import BatchPrefetcher
+from hpc_tools.train.prefetch import BatchPrefetcher, to_device
 from hpc_tools.train.schedule import lr_at
 
 RNG_FILE = "rng_rank{rank:05d}.pt"

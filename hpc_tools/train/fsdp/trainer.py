@@ -24,20 +24,13 @@ from hpc_tools.train.engine import StepResult
 from hpc_tools.train.fsdp import checkpoint, parallel
 from hpc_tools.train.fsdp.model import build_empty, full_values
 from hpc_tools.train.hf_causal_lm import causal_lm_loss
-from hpc_tools.train.prefetch import BatchPrefetcher
+from hpc_tools.train.prefetch import BatchPrefetcher, to_device
 from hpc_tools.train.schedule import lr_at
 
 
 def run(ctx: RankContext) -> None:
     """Train the recipe on this rank (joins torch.distributed unless the caller already did)."""
     loop.run(ctx, FSDPJob)
-
-
-def to_device(tensor, device):
-    """On a GPU copied from pinned memory without blocking (``hpc_tools.train.prefetch`` pins batches ahead)."""
-    if device.type != "cuda":
-        return tensor
-    return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)
 
 
 def param_groups(model, weight_decay: float) -> list[dict[str, Any]]:

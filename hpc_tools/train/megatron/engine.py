@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from hpc_tools.train import groups
 from hpc_tools.train.loop import StepResult, nonfinite_injected
 from hpc_tools.train.megatron.schedule import apply_lr
+from hpc_tools.train.prefetch import to_device
 from hpc_tools.train.schedule import lr_at
 
 if TYPE_CHECKING:
@@ -236,13 +237,14 @@ class Engine:
         import torch
 
         tokens = batch["tokens"]
-        positions = torch.arange(tokens.shape[1], dtype=torch.long).unsqueeze(0).expand_as(tokens)
-        out = {"tokens": tokens, "labels": batch["labels"], "position_ids": positions}
-        if device.type != "cuda":
-            return out
-        # Batches are built on the host: a GPU rank copies them from page-locked memory, so that the copy is truly
-        # asynchronous (from pageable memory, non_blocking still waits for a staging copy on the host).
-        return {k: (v if v.is_pinned() else v.pin_memory()).to(device, non_blocking=True) for k, v in out.items()}
+        # Batches are built on the host: a GPU rank copies them from page-locked memory (prefetch.to_device)
+        out = {"tokens": to_device(tokens, device), "labels": to_device(batch["labels"], device)}
+        # Positions are made on the device that uses them: one row viewed once per sample (stride 0), which
+        # pin_memory refuses ("more than one element of the written-to tensor refers to a single memory location",
+        # the first step of every GPU run when they were made on the host) and which needs no copy at all.
+        out["position_ids"] = torch.arange(tokens.shape[1], dtype=torch.long, device=device).unsqueeze(0).expand(
+            tokens.shape)
+        return out
 
     def _on_this_cp_rank(self, batch: dict[str, Any]) -> dict[str, Any]:
         """This context-parallel rank's share of a microbatch (every rank of the CP group gets the whole sequence):
