@@ -24,6 +24,7 @@ from hpc_tools.slurm_client import absent_reason
 
 if TYPE_CHECKING:
     from hpc_tools.recipe.schema import Recipe
+    from hpc_tools.topology import Topology
 
 SLURM_TIMEOUT_S = 3.0  # sinfo answers in tens of ms; a controller that is down makes it retry for a minute
 SINFO_FORMAT = "%P|%a|%l|%s|%G|%c|%N"  # partition (default has *), avail, MaxTime, job size, gres, CPUs, node
@@ -105,6 +106,27 @@ def slurm_view(timeout_s: float = SLURM_TIMEOUT_S) -> SlurmView:
         return SlurmView(parse_sinfo(out.stdout))
     except ValueError as exc:
         return SlurmView(None, f"sinfo output not understood ({exc})")
+
+
+@functools.lru_cache(maxsize=1)
+def live_topology(timeout_s: float = SLURM_TIMEOUT_S) -> "Topology | str":
+    """The live cluster's network (``scontrol show topology``, tree or block plugin; asked once per process), or
+    why there is none (a string: no Slurm here, no answer, no topology plugin)."""
+    from hpc_tools.topology import TopologyError, parse_topology
+
+    absent = absent_reason("scontrol")
+    if absent:
+        return f"no Slurm here ({absent})"
+    try:
+        out = subprocess.run(["scontrol", "show", "topology"], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"scontrol show topology did not answer within {timeout_s:g} s ({type(exc).__name__})"
+    if out.returncode != 0:
+        return f"scontrol show topology failed ({(out.stderr or out.stdout).strip()[:120] or out.returncode})"
+    try:
+        return parse_topology(out.stdout)
+    except TopologyError as exc:
+        return str(exc)
 
 
 def parse_sinfo(text: str) -> tuple[Partition, ...]:

@@ -27,6 +27,9 @@ A recipe that passes its own rules is then checked against the world (skip with 
                  a container image file (.sqsh, .sif); relative paths are read from the current folder
   live Slurm     when sinfo answers within 3 s: the partition exists (or a default one), nodes, GPUs and
                  CPUs per node, the time limit; otherwise not checked (--verbose says why)
+  topology       --topology FILE (`scontrol show topology` output), else the live cluster's when scontrol
+                 answers: a warning line (exit 0) for each TP, CP or EP group kind that must span leaf
+                 switches, with its cost in the plan, and for a cluster.switches too small (docs/topology.md)
 
 The reference, without a recipe:
   python -m hpc_tools validate --explain parallel.tensor_size   a field: type, default, bounds, doc, rules reading it
@@ -45,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="check the recipe alone: not the files it names, not the live Slurm cluster")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also say what the world checks covered (the Slurm partitions, or why Slurm was not checked)")
+    p.add_argument("--topology", metavar="FILE", default=None,
+                   help="check where the parallel groups fall on this network (`scontrol show topology` output, "
+                        "tree or block plugin) instead of the live cluster's")
     p.add_argument("--rules", action="store_true", help="list the layout and backend rules and exit (no recipe needed)")
     p.add_argument("--explain", metavar="NAME", default=None,
                    help="print the reference of a field (parallel.tensor_size), a section (parallel, or recipe for "
@@ -52,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check(path: str, overrides: list[str], profile: str | None, fit: bool, world: bool = False,
-          notes: list[str] | None = None) -> list[dict]:
+          notes: list[str] | None = None, topology=None, summaries: list[str] | None = None) -> list[dict]:
     """Violations (as dicts) of one recipe under one profile. With ``world``, a recipe that passes its own rules
     and the fit is checked against the files it names and the live Slurm cluster (``hpc_tools/world.py``). The notes
     of a valid recipe (``recipe.rules.NOTES``: valid but unusual choices) are added to ``notes``."""
@@ -73,6 +79,13 @@ def check(path: str, overrides: list[str], profile: str | None, fit: bool, world
         from hpc_tools.recipe.rules import recipe_notes
 
         notes += [n for n in recipe_notes(recipe) if n not in notes]
+        if topology is not None:  # where the groups fall on the network: warnings, never errors
+            from hpc_tools.planner.placement import placement_summary, placement_warnings
+
+            where = printable(path) + (f" (profile {profile})" if profile else "")
+            notes += [n for n in placement_warnings(recipe, topology, where) if n not in notes]
+            if summaries is not None:
+                summaries.append(f"note: {where}: {placement_summary(recipe, topology)}")
     return [v.as_dict() for v in violations]
 
 
@@ -86,18 +99,20 @@ def run(args: argparse.Namespace) -> int:
                         "or --explain NAME / --rules")
     from hpc_tools.recipe.load import read_yaml
 
-    results, notes = [], []
+    results, notes, summaries = [], [], []
+    topology, topology_why = _topology(args.topology, args.offline)
     for path in args.recipe:
         profiles = [args.profile] if args.profile else \
             [None] + (["local"] if _has_local(read_yaml(path), args.overrides) else [])
         for profile in profiles:
             results.append({"recipe": path, "profile": profile,
                             "errors": check(path, args.overrides, profile, not args.no_fit, not args.offline,
-                                            notes)})
+                                            notes, topology, summaries)})
     ok = all(not r["errors"] for r in results)
     slurm = _slurm_note(args.offline)
     if args.json:
-        emit_json({"ok": ok, "results": results, "slurm": slurm, "notes": notes})
+        emit_json({"ok": ok, "results": results, "slurm": slurm, "notes": notes,
+                   "topology": summaries if topology is not None else topology_why})
     else:
         for r, errors in _one_line_per_field(results):
             where = printable(r["recipe"]) + (f" (profile {r['profile']})" if r["profile"] else "")
@@ -109,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"ok: {where}")
         for line in notes:  # valid but unusual choices: one line each, on stderr, exit 0
             say(line)
+        if args.verbose:
+            for line in summaries if topology is not None else [f"note: topology not checked: {topology_why}"]:
+                say(line)
         if args.verbose or slurm["unreachable"]:  # Slurm installed but silent: worth one line; absent: normal
             say(f"note: {slurm['summary']}" + ("; --offline, or HPC_TOOLS_SLURM=off where this Slurm client has no "
                                                 "cluster, skips the check" if slurm["unreachable"] else ""))
@@ -131,6 +149,29 @@ def _one_line_per_field(results: list[dict]) -> list[tuple[dict, list[tuple[dict
             out.append((r, [(e, False) for e in r["errors"] if r["profile"] != "local" or
                             (r["recipe"], e["path"], e["value"]) not in written]))
     return out
+
+
+def _topology(path: str | None, offline: bool):
+    """(the network to check the layouts on, or None; why there is none): ``--topology FILE``, else the live
+    cluster's unless ``--offline``. A file that is not ``scontrol show topology`` output is a UserError."""
+    from hpc_tools.topology import TopologyError, parse_topology
+
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return parse_topology(f.read(1 << 24)), ""
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"--topology {printable(path)}: cannot read it ({type(exc).__name__}) -- give a file "
+                            "holding `scontrol show topology` output") from None
+        except TopologyError as exc:
+            raise UserError(f"--topology {printable(path)}: {exc} -- give `scontrol show topology` output "
+                            "(SwitchName= or BlockName= lines)") from None
+    if offline:
+        return None, "--offline"
+    from hpc_tools.world import live_topology
+
+    live = live_topology()
+    return (None, live) if isinstance(live, str) else (live, "")
 
 
 def _slurm_note(offline: bool) -> dict:

@@ -60,6 +60,7 @@ OWNED_FLAGS = {
     "export": "the job needs the variables `submit` passes (set cluster.setup.env for more)",
     "array": "use a recipe's sweep: section", "no-kill": "set cluster.spare_nodes (a job with spares keeps running "
     "when a node fails)", "wrap": "the script is the job",
+    "switches": "set cluster.switches",
 }
 
 
@@ -151,11 +152,24 @@ class ClusterConfig(Section):
     """Abort with stack traces when no step completes for this long (a float: 0.25 = 15 s; 10 minutes more before
     the first step of a start), naming the rank that stopped in HANG.txt and the manifest; 0 = off. The process
     group's own timeout is set 5 minutes longer, so this watchdog fires before NCCL's or gloo's abort."""
+    switches: int | None = Field(default=None, gt=0, le=1 << 16)
+    """Most leaf switches the job may span (sbatch --switches; Slurm's topology/tree plugin): Slurm keeps the job
+    pending until it finds such an allocation, or the site's max_switch_wait passes (then it starts anyway); null = no
+    request. `validate --topology FILE` (or the live `scontrol show topology`) says how many keep the TP, CP and EP
+    groups each inside one leaf switch (docs/topology.md)."""
+    switch_wait_min: int | None = Field(default=None, gt=0, le=1 << 20)
+    """Most minutes the job may wait for its `switches` (the @max-time of sbatch --switches); null = the site's
+    max_switch_wait (SchedulerParameters). Needs `switches`."""
+    place_by_topology: bool = False
+    """Order the ranks by the network topology before each rank step: the batch script reads `scontrol show
+    topology` (tree or block plugin) and gives srun the step's nodes leaf switch by leaf switch (arbitrary
+    distribution), so that consecutive ranks (TP, then CP and EP groups) share a node, then a leaf switch; without a
+    topology the ranks keep Slurm's order. The rendered sbatch script only (not submitit)."""
     python: str = "python3"
     """Python interpreter on the compute nodes."""
     sbatch_extra: list[str] = Field(default_factory=list, max_length=64)
     """Extra `#SBATCH` directives the schema lacks, `--flag` or `--flag=value` each (e.g.
-    `--gres-flags=enforce-binding`, `--switches=1`, `--mail-type=END`); flags the schema owns are refused, naming the
+    `--gres-flags=enforce-binding`, `--mail-type=END`); flags the schema owns are refused, naming the
     field to set instead."""
     run_dir_mode: str = "0755"
     """Permissions of run folders, in octal (0755 = group and others may read; 0750 = the group only; 0700 = you only);

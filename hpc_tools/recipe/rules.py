@@ -989,6 +989,16 @@ def spares_beyond_nodes(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
 
 
 @rule
+def switch_wait_needs_switches(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """cluster.switch_wait_min is the wait for cluster.switches, which must be set."""
+    c = r.cluster
+    if c.switch_wait_min is not None and c.switches is None:
+        yield Violation("cluster.switch_wait_min", c.switch_wait_min, "is the wait for cluster.switches, which is "
+                        "not set", "set cluster.switches (the most leaf switches the job may span) or remove "
+                        "switch_wait_min")
+
+
+@rule
 def profiler_ranks_exist(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """torch_profiler.ranks are ranks of this job."""
     bad = [x for x in r.profiling.torch_profiler.ranks if not 0 <= x < lay.world_size]

@@ -56,17 +56,23 @@ def checked_setup_lines(cluster: ClusterConfig, run_dir: str) -> list[str]:
     return lines
 
 
-def rank_srun_args(cluster: ClusterConfig) -> list[str]:
+def rank_srun_args(cluster: ClusterConfig, step_nodes: bool = True) -> list[str]:
     """srun options of the rank step on both launch paths (before any container options).
 
     ``--cpus-per-task``: Slurm 22.05's srun no longer inherits it from sbatch (each rank would get one CPU while its
     OpenMP pool is sized to ``cluster.cpus_per_task``). ``--mem=0``: for a job step it means "all the job's memory on
     each node" (srun(1)), never more than the job holds, so a site's DefMemPerCPU cannot shrink a step below the job.
     ``--kill-on-bad-exit``: one failed rank ends the step. With ``cluster.spare_nodes`` the allocation is larger than
-    the layout: the step names its own node and task counts (srun would otherwise start a rank on every node)."""
-    step = [f"--nodes={cluster.nodes}", f"--ntasks={cluster.nodes * cluster.gpus_per_node}"] \
-        if cluster.spare_nodes else []
+    the layout: the step names its own node and task counts (srun would otherwise start a rank on every node);
+    ``step_nodes=False`` leaves them out (``step_node_args``: the rendered script's placement step decides them)."""
+    step = step_node_args(cluster) if step_nodes else []
     return ["--kill-on-bad-exit=1", f"--cpus-per-task={cluster.cpus_per_task}", "--mem=0", *step]
+
+
+def step_node_args(cluster: ClusterConfig) -> list[str]:
+    """The rank step's node and task counts when the job holds spares (else none: the step takes the allocation)."""
+    return [f"--nodes={cluster.nodes}", f"--ntasks={cluster.nodes * cluster.gpus_per_node}"] \
+        if cluster.spare_nodes else []
 
 
 def is_pyxis(cluster: ClusterConfig) -> bool:

@@ -22,6 +22,7 @@ from hpc_tools.render.envsetup import (
     rank_srun_args,
     restart_policy_args,
     script_python,
+    step_node_args,
 )
 from hpc_tools.render.slurm_params import STOP_SIGNAL, SlurmSpec
 
@@ -41,9 +42,12 @@ def render_sbatch(recipe: Recipe, source: str = "a recipe") -> str:
     # text cannot end it early.
     delimiter = "HPC_TOOLS_RECIPE_" + hashlib.sha256(recipe_yaml.encode()).hexdigest()[:12]
     # --label: every line of the one batch log starts with its rank ("3: ..."), which `logs --rank` filters on.
-    launch = shlex.join(rank_srun_args(recipe.cluster))
+    placed = recipe.cluster.place_by_topology
+    launch = shlex.join(rank_srun_args(recipe.cluster, step_nodes=not placed))
     if recipe.cluster.restarts:  # each step's nodes, decided by hpc_tools.job.restarts
-        launch += ' --overlap ${HPC_TOOLS_NODELIST:+"--nodelist=$HPC_TOOLS_NODELIST"}'
+        launch += " --overlap" + ("" if placed else " " + STEP_NODELIST)
+    if placed:  # the step's nodes and order, decided by hpc_tools.job.placement
+        launch += ' "${HPC_TOOLS_PLACE[@]}"'
     launch += " --label"
     if is_pyxis(recipe.cluster):
         launch += ' "${HPC_TOOLS_CONTAINER[@]}"'
@@ -57,7 +61,27 @@ def render_sbatch(recipe: Recipe, source: str = "a recipe") -> str:
         controller=host_python(recipe.cluster) or script_python(recipe.cluster),
         policy=restart_policy_args(recipe.cluster), recipe_yaml=recipe_yaml, delimiter=delimiter,
         signal_delay_s=recipe.cluster.signal_delay_s, stop_signal=STOP_SIGNAL, launch=launch,
-        restarts=recipe.cluster.restarts)
+        restarts=recipe.cluster.restarts, placement=placement_lines(recipe) if placed else [])
+
+
+STEP_NODELIST = '${HPC_TOOLS_NODELIST:+"--nodelist=$HPC_TOOLS_NODELIST"}'
+
+
+def placement_lines(recipe: Recipe) -> list[str]:
+    """The batch shell's placement step before a rank step (``cluster.place_by_topology``): the step's own node
+    options as the default ``HPC_TOOLS_PLACE``, then ``hpc_tools.job.placement``'s exports (a hostfile in topology
+    order, srun's arbitrary distribution and the rendezvous on rank 0's node) when the topology lists every node."""
+    c, lay = recipe.cluster, ParallelLayout.from_recipe(recipe)
+    default = ([STEP_NODELIST] if c.restarts else []) + [shlex.quote(a) for a in step_node_args(c)]
+    sizes = (f"tensor={lay.tensor_size},context={lay.context_size},expert={lay.expert_size},"
+             f"expert_tensor={lay.expert_tensor_size},pipeline={lay.pipeline_size},data={lay.data_size}")
+    controller = host_python(c) or script_python(c)
+    nodes = ' ${HPC_TOOLS_NODELIST:+--nodes "$HPC_TOOLS_NODELIST"}' if c.restarts else ""
+    return ["unset SLURM_HOSTFILE",
+            f"HPC_TOOLS_PLACE=({' '.join(default)})",
+            f'HPC_TOOLS_PLACED="$({controller} -m hpc_tools.job.placement --run-dir "$RUN_DIR" --ranks-per-node '
+            f'{lay.ranks_per_node} --sizes {sizes}{nodes})" || HPC_TOOLS_PLACED=""',
+            'eval "$HPC_TOOLS_PLACED"']
 
 
 def job_script_path(recipe_path: str | Path, jobs_dir: str | Path = "jobs") -> Path:

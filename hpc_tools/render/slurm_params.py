@@ -34,6 +34,8 @@ class SlurmSpec:
     requeue: bool
     extra: tuple[str, ...] = ()
     spare_nodes: int = 0
+    switches: int | None = None
+    switch_wait_min: int | None = None
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> "SlurmSpec":
@@ -44,12 +46,18 @@ class SlurmSpec:
                    mem_gb=c.mem_gb, time_limit=c.time_limit, time_min=max(1, math.ceil(c.time_limit_min)),
                    partition=c.partition, account=c.account, qos=c.qos, constraint=c.constraint,
                    reservation=c.reservation, exclusive=c.exclusive, signal_delay_s=c.signal_delay_s,
-                   requeue=c.requeue, extra=tuple(c.sbatch_extra))
+                   requeue=c.requeue, extra=tuple(c.sbatch_extra), switches=c.switches,
+                   switch_wait_min=c.switch_wait_min)
 
     @property
     def step_nodes(self) -> int:
         """Nodes of a rank step (the layout's): the allocation's without its spares."""
         return self.nodes - self.spare_nodes
+
+    @property
+    def switches_value(self) -> str:
+        """--switches' value: COUNT, or COUNT@MINUTES with a wait of its own."""
+        return f"{self.switches}@{self.switch_wait_min}" if self.switch_wait_min else str(self.switches)
 
     def sbatch_options(self) -> list[tuple[str, str | None]]:
         """(flag, value) pairs in a fixed order; value None means a bare flag."""
@@ -66,6 +74,8 @@ class SlurmSpec:
                 opts.append((key, getattr(self, key)))
         if self.exclusive:
             opts.append(("exclusive", None))
+        if self.switches:  # topology/tree: the most leaf switches the allocation may span
+            opts.append(("switches", self.switches_value))
         opts.append(("signal", f"{STOP_SIGNAL}@{self.signal_delay_s}"))
         opts.append(("requeue", None) if self.requeue else ("no-requeue", None))
         if self.spare_nodes:  # a node failure leaves the job running on the others: an in-job restart takes a spare
@@ -84,6 +94,8 @@ class SlurmSpec:
             extra["no-kill"] = True
         if self.reservation:
             extra["reservation"] = self.reservation
+        if self.switches:
+            extra["switches"] = self.switches_value
         for item in self.extra:  # cluster.sbatch_extra: submitit writes `#SBATCH --key=value`, or `--key` for True
             key, sep, value = item[2:].partition("=")
             extra[key] = value if sep else True

@@ -74,6 +74,8 @@ CASES = {
                             "lower it or raise the time limit"),
     "spares_need_restarts": (["cluster.spare_nodes=1"], "cluster.spare_nodes=1 are only used by in-job restarts, and "
                              "cluster.restarts is 0", "set cluster.restarts (e.g. 2) or spare_nodes: 0"),
+    "switch_wait_needs_switches": (["cluster.switch_wait_min=30"], "cluster.switch_wait_min=30 is the wait for "
+                                   "cluster.switches, which is not set", "set cluster.switches"),
     "profiler_ranks_exist": (["profiling.torch_profiler.enabled=true", "profiling.torch_profiler.ranks=[0, 8]"],
                              "profiling.torch_profiler.ranks=[8] are not ranks of a 8-rank job", "use ranks in 0..7"),
     # wandb is installed here (environment/requirements-test.txt): the case hides it (HIDDEN_PACKAGES)

@@ -12,7 +12,7 @@ from hpc_tools.render.sbatch import render_sbatch
 from hpc_tools.render.slurm_params import SlurmSpec
 from tests.unit.test_render import small_recipe, submitit_script
 
-EXTRA = ["--gres-flags=enforce-binding", "--switches=1@00:10:00", "--mail-type=END,FAIL", "--mail-user=a.b@c.org",
+EXTRA = ["--gres-flags=enforce-binding", "--gpu-bind=closest", "--mail-type=END,FAIL", "--mail-user=a.b@c.org",
          "--hint=nomultithread", "--comment=x_y"]
 
 
@@ -44,6 +44,7 @@ def test_rendered_on_both_paths(tmp_path):
     ("--output=x.out", "the log's place is fixed"),
     ("--exclusive", "(set cluster.exclusive)"),
     ("--export=NONE", "the job needs the variables"),
+    ("--switches=1@00:10:00", "(set cluster.switches)"),
 ])
 def test_refused_with_the_field_to_use(item, told):
     with pytest.raises(RecipeError) as err:
