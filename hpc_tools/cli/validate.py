@@ -27,7 +27,7 @@ A recipe that passes its own rules is then checked against the world (skip with 
                  a container image file (.sqsh, .sif); relative paths are read from the current folder
   live Slurm     when sinfo answers within 3 s: the partition exists (or a default one), nodes, GPUs and
                  CPUs per node, the time limit; otherwise not checked (--verbose says why)
-  topology       --topology FILE (`scontrol show topology` output), else the live cluster's when scontrol
+  topology       --topology FILE (`scontrol show topology` output), else the live cluster's when Slurm
                  answers: a warning line (exit 0) for each TP, CP or EP group kind that must span leaf
                  switches, with its cost in the plan, and for a cluster.switches too small (docs/topology.md)
 
@@ -125,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
         for line in notes:  # valid but unusual choices: one line each, on stderr, exit 0
             say(line)
         if args.verbose:
-            for line in summaries if topology is not None else [f"note: topology not checked: {topology_why}"]:
+            for line in summaries if topology is not None else \
+                    [f"note: topology not checked: {topology_why}"] if topology_why else []:
                 say(line)
         if args.verbose or slurm["unreachable"]:  # Slurm installed but silent: worth one line; absent: normal
             say(f"note: {slurm['summary']}" + ("; --offline, or HPC_TOOLS_SLURM=off where this Slurm client has no "
@@ -152,8 +153,9 @@ def _one_line_per_field(results: list[dict]) -> list[tuple[dict, list[tuple[dict
 
 
 def _topology(path: str | None, offline: bool):
-    """(the network to check the layouts on, or None; why there is none): ``--topology FILE``, else the live
-    cluster's unless ``--offline``. A file that is not ``scontrol show topology`` output is a UserError."""
+    """(the network to check the layouts on, or None; why there is none, "" when the Slurm note says it already):
+    ``--topology FILE``, else the live cluster's when Slurm answered sinfo (not with ``--offline``). A file that is
+    not ``scontrol show topology`` output is a UserError."""
     from hpc_tools.topology import TopologyError, parse_topology
 
     if path is not None:
@@ -167,9 +169,11 @@ def _topology(path: str | None, offline: bool):
             raise UserError(f"--topology {printable(path)}: {exc} -- give `scontrol show topology` output "
                             "(SwitchName= or BlockName= lines)") from None
     if offline:
-        return None, "--offline"
-    from hpc_tools.world import live_topology
+        return None, ""  # the Slurm note says --offline
+    from hpc_tools.world import live_topology, slurm_view
 
+    if not slurm_view().checked:  # no Slurm here, or it did not answer sinfo: the Slurm note says so, once
+        return None, ""
     live = live_topology()
     return (None, live) if isinstance(live, str) else (live, "")
 

@@ -285,6 +285,35 @@ def test_validate_warns_when_a_group_must_span_switches_and_exits_0(tmp_path):
     assert "topology (tree, 2 leaf switches): at best" in fits.stderr
 
 
+@pytest.mark.slurm_client
+def test_validate_reads_the_live_topology_when_slurm_answers(tmp_path):
+    """No --topology: a Slurm that answers sinfo is asked `scontrol show topology` (stand-ins on PATH)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (tmp_path / "topology.txt").write_text(TWO_SWITCHES)
+    (tmp_path / "sinfo.txt").write_text("".join(f"gpu*|up|infinite|1-infinite|gpu:h100:4|64|n{i}\n"
+                                                for i in range(1, 5)))
+    for name, body in (("sinfo", f"exec cat {tmp_path / 'sinfo.txt'}"),
+                       ("scontrol", f'[ "$1 $2" = "show topology" ] && exec cat {tmp_path / "topology.txt"}')):
+        (bindir / name).write_text(f"#!/bin/sh\n{body}\nexit 1\n")
+        (bindir / name).chmod(0o755)
+    recipe = write_recipe(tmp_path, nodes=4, gpus_per_node=4, gpu_type="H100-SXM", partition="gpu")
+    env = {**os.environ, "HPC_TOOLS_SITE": "none", "PATH": f"{bindir}:{os.environ['PATH']}"}
+    env.pop("HPC_TOOLS_SLURM", None)
+    args = ["--no-fit", "--set", "backend.kind=megatron", "--set", "parallel.tensor_size=16", "--set",
+            "parallel.pipeline_size=1", "--set", "model.num_attention_heads=16", "--set", "cluster.python=python3"]
+    out = subprocess.run([sys.executable, "-m", "hpc_tools", "validate", str(recipe), *args], capture_output=True,
+                         text=True, cwd=REPO, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "warning: " in out.stderr and "TP16 groups must span 2 leaf switches" in out.stderr, out.stderr
+    (tmp_path / "topology.txt").write_text("No topology information available\n")
+    out = subprocess.run([sys.executable, "-m", "hpc_tools", "validate", str(recipe), *args, "-v"],
+                         capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert out.returncode == 0 and "warning:" not in out.stderr, out.stderr
+    assert "note: topology not checked: line 1 of the topology is not a SwitchName= or BlockName= record" in \
+        out.stderr, out.stderr
+
+
 def test_validate_refuses_a_topology_file_that_is_none_in_one_line(tmp_path):
     topo = tmp_path / "topo.txt"
     topo.write_text("No topology information available\n")
