@@ -7,11 +7,11 @@ nodes so that TP, then CP and EP groups stay inside one leaf switch (or block) w
 hold them (``node_order``: with TP kept, the nodes of a leaf are consecutive), and prints, for the batch script to
 ``eval``:
 
-* ordered: ``export SLURM_HOSTFILE=RUN/hostfile MASTER_ADDR=<first node>`` and
-  ``HPC_TOOLS_PLACE=(--distribution=arbitrary --ntasks=W)``: srun's arbitrary distribution lays task i on line i of
-  that file (srun(1), ``-m arbitrary``), so rank i runs on the node the order gives it and Megatron-core's
-  consecutive TP (then CP, EP) ranks share a node, then a leaf switch; rank 0 is on the first node, where the
-  rendezvous must be;
+* ordered: ``HPC_TOOLS_HOSTFILE=RUN/hostfile`` (the script gives it to the rank step's srun as SLURM_HOSTFILE),
+  ``export MASTER_ADDR=<first node>`` and ``HPC_TOOLS_PLACE=(--distribution=arbitrary --ntasks=W)``: srun's arbitrary
+  distribution lays task i on line i of that file (srun(1), ``-m arbitrary``), so rank i runs on the node the order
+  gives it and Megatron-core's consecutive TP (then CP, EP) ranks share a node, then a leaf switch; rank 0 is on the
+  first node, where the rendezvous must be;
 * not ordered (no topology plugin, ``scontrol`` silent, a node the topology does not list): nothing to eval, one
   line on stderr why: the script's own ``HPC_TOOLS_PLACE`` (the step's ``--nodelist``, ``--nodes``/``--ntasks`` with
   spares) stands and the ranks keep Slurm's order.
@@ -102,7 +102,7 @@ def plan(run_dir: Path, nodes: list[str], layout: ParallelLayout,
         if s.kind.name in CHECKED and s.leaves > 1:
             log.append(f"hpc_tools: placement: a {s.kind.name}{s.kind.size} group spans {s.leaves} "
                        f"{topology.units} in this allocation")
-    exports = [f"export SLURM_HOSTFILE={shlex.quote(str(hostfile))} MASTER_ADDR={shlex.quote(order[0])}",
+    exports = [f"HPC_TOOLS_HOSTFILE={shlex.quote(str(hostfile))}", f"export MASTER_ADDR={shlex.quote(order[0])}",
                f"HPC_TOOLS_PLACE=({shlex.join(['--distribution=arbitrary', f'--ntasks={layout.world_size}'])})"]
     return exports, log
 

@@ -61,23 +61,28 @@ def render_sbatch(recipe: Recipe, source: str = "a recipe") -> str:
         controller=host_python(recipe.cluster) or script_python(recipe.cluster),
         policy=restart_policy_args(recipe.cluster), recipe_yaml=recipe_yaml, delimiter=delimiter,
         signal_delay_s=recipe.cluster.signal_delay_s, stop_signal=STOP_SIGNAL, launch=launch,
-        restarts=recipe.cluster.restarts, placement=placement_lines(recipe) if placed else [])
+        restarts=recipe.cluster.restarts, placement=placement_lines(recipe) if placed else [],
+        srun=PLACED_SRUN if placed else "srun")
 
 
 STEP_NODELIST = '${HPC_TOOLS_NODELIST:+"--nodelist=$HPC_TOOLS_NODELIST"}'
+# The rank step's srun with the placement's hostfile in its environment only: srun takes SLURM_HOSTFILE as its node
+# list whenever it is set, so an exported one would lay out the script's other steps (epilogue, clean-up) too.
+PLACED_SRUN = 'env ${HPC_TOOLS_HOSTFILE:+"SLURM_HOSTFILE=$HPC_TOOLS_HOSTFILE"} srun'
 
 
 def placement_lines(recipe: Recipe) -> list[str]:
     """The batch shell's placement step before a rank step (``cluster.place_by_topology``): the step's own node
-    options as the default ``HPC_TOOLS_PLACE``, then ``hpc_tools.job.placement``'s exports (a hostfile in topology
-    order, srun's arbitrary distribution and the rendezvous on rank 0's node) when the topology lists every node."""
+    options as the default ``HPC_TOOLS_PLACE``, then ``hpc_tools.job.placement``'s lines (a hostfile in topology
+    order as ``HPC_TOOLS_HOSTFILE``, srun's arbitrary distribution and the rendezvous on rank 0's node) when the
+    topology lists every node."""
     c, lay = recipe.cluster, ParallelLayout.from_recipe(recipe)
     default = ([STEP_NODELIST] if c.restarts else []) + [shlex.quote(a) for a in step_node_args(c)]
     sizes = (f"tensor={lay.tensor_size},context={lay.context_size},expert={lay.expert_size},"
              f"expert_tensor={lay.expert_tensor_size},pipeline={lay.pipeline_size},data={lay.data_size}")
     controller = host_python(c) or script_python(c)
     nodes = ' ${HPC_TOOLS_NODELIST:+--nodes "$HPC_TOOLS_NODELIST"}' if c.restarts else ""
-    return ["unset SLURM_HOSTFILE",
+    return ["unset HPC_TOOLS_HOSTFILE",
             f"HPC_TOOLS_PLACE=({' '.join(default)})",
             f'HPC_TOOLS_PLACED="$({controller} -m hpc_tools.job.placement --run-dir "$RUN_DIR" --ranks-per-node '
             f'{lay.ranks_per_node} --sizes {sizes}{nodes})" || HPC_TOOLS_PLACED=""',

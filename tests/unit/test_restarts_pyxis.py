@@ -162,7 +162,8 @@ def test_a_pyxis_job_restarts_with_its_controller_on_the_batch_host(tmp_path, py
 
 
 @pytest.mark.parametrize("module, args", [("hpc_tools.job.restarts", ["next", "--help"]),
-                                          ("hpc_tools.job.epilogue", ["--help"]), ("hpc_tools.job.batch_log", [])])
+                                          ("hpc_tools.job.epilogue", ["--help"]), ("hpc_tools.job.batch_log", []),
+                                          ("hpc_tools.job.placement", ["--help"])])
 def test_the_batch_host_steps_import_the_standard_library_only(tmp_path, module, args):
     """What a batch host runs imports nothing outside the standard library and hpc_tools (run as the host Python runs
     it); the guard does refuse a package outside them (yaml)."""

@@ -13,7 +13,6 @@ import itertools
 import os
 import random
 import re
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -243,7 +242,7 @@ def test_the_job_step_names_a_group_the_allocation_splits(tmp_path):
     assert log[0].endswith("ranks in topology order (leaf switches): s2: n3,n4 | s0: n1 | s1: n2"), log
     assert log[1:] == ["hpc_tools: placement: a TP8 group spans 2 leaf switches in this allocation"], log
     assert (tmp_path / "hostfile").read_text().split() == ["n3"] * 4 + ["n4"] * 4 + ["n1"] * 4 + ["n2"] * 4
-    assert exports[0].startswith("export SLURM_HOSTFILE=") and exports[0].endswith(" MASTER_ADDR=n3")
+    assert exports[0] == f"HPC_TOOLS_HOSTFILE={tmp_path / 'hostfile'}" and exports[1] == "export MASTER_ADDR=n3"
     exports, log = plan(tmp_path, ["n1", "n2"], layout(2, 4, tp=8), "no Slurm here")
     assert exports == [] and "ranks in Slurm's order: no Slurm here" in log[0]
 
@@ -335,23 +334,27 @@ def test_the_rendered_script_asks_for_switches_only_when_told(tmp_path):
 
 
 def run_placement_lines(script: str, tmp_path: Path, topology: str, env: dict[str, str]) -> list[str]:
-    """The script's placement lines (after its 'PLACEMENT above' comment up to the line before srun) run in bash
-    with a stand-in scontrol on PATH; prints the hostfile, MASTER_ADDR and srun's placement options."""
+    """The script's placement lines (after its 'PLACEMENT above' comment) and its rank step's srun line, run in bash
+    with a stand-in scontrol printing ``topology`` and a stand-in srun printing the hostfile it was given and its
+    options up to --label; then whether SLURM_HOSTFILE leaks to the script's later steps, and MASTER_ADDR."""
     lines = script.splitlines()
     start = next(i for i, ln in enumerate(lines) if "(PLACEMENT above)" in ln)
-    end = next(i for i in range(start, len(lines)) if lines[i].strip().startswith("eval \"$HPC_TOOLS_PLACED\""))
+    end = next(i for i in range(start, len(lines)) if lines[i].strip() == 'eval "$HPC_TOOLS_PLACED"')
+    [rank_step] = [ln.strip() for ln in lines if "-m hpc_tools.runtime.rank" in ln]
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
-    fake = bindir / "scontrol"
     (tmp_path / "topology.txt").write_text(topology)
-    fake.write_text(f'#!/bin/sh\n[ "$1 $2" = "show topology" ] && exec cat {tmp_path / "topology.txt"}\nexit 1\n')
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    for name, body in (("scontrol", f'[ "$1 $2" = "show topology" ] && exec cat {tmp_path / "topology.txt"}\nexit 1'),
+                       ("srun", 'echo "HOSTFILE=$(tr "\\n" " " < "${SLURM_HOSTFILE:-/dev/null}")"\n'
+                                'args=(); for a in "$@"; do [ "$a" = --label ] && break; args+=("$a"); done\n'
+                                'echo "ARGS=${args[*]}"')):
+        (bindir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bindir / name).chmod(0o755)
     run_dir = tmp_path / "run"
     run_dir.mkdir(exist_ok=True)
     body = "\n".join(ln.strip() for ln in lines[start + 1:end + 1])
-    probe = (f'set -euo pipefail\nRUN_DIR={run_dir}\nMASTER_ADDR=first\n{body}\n'
-             'cat "${SLURM_HOSTFILE:-/dev/null}" | tr "\\n" " "; echo\necho "MASTER_ADDR=$MASTER_ADDR"\n'
-             'echo "PLACE=${HPC_TOOLS_PLACE[*]}"\n')
+    probe = (f"set -euo pipefail\nRUN_DIR={run_dir}\nMASTER_ADDR=first\n{body}\n{rank_step}\n"
+             'echo "LATER=${SLURM_HOSTFILE:-unset}"\necho "MASTER_ADDR=$MASTER_ADDR"\n')
     out = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, timeout=60,
                          env={"PATH": f"{bindir}:{os.environ['PATH']}", "PYTHONPATH": str(REPO), **env})
     assert out.returncode == 0, out.stderr
@@ -364,18 +367,20 @@ def test_the_rendered_placement_orders_the_nodes_by_switch(tmp_path):
     recipe = resolve(small_recipe(nodes=4, gpus_per_node=4, place_by_topology=True, switches=2),
                      TP8)
     out = run_placement_lines(render_sbatch(recipe), tmp_path, INTERLEAVED, {"SLURM_JOB_NODELIST": "n[1-4]"})
-    assert out[0].split() == ["n1"] * 4 + ["n3"] * 4 + ["n2"] * 4 + ["n4"] * 4
-    assert out[1] == "MASTER_ADDR=n1" and out[2] == "PLACE=--distribution=arbitrary --ntasks=16"
-    assert "ranks in topology order (leaf switches): s0: n1,n3 | s1: n2,n4" in out[3]
+    assert out[0].split("=", 1)[1].split() == ["n1"] * 4 + ["n3"] * 4 + ["n2"] * 4 + ["n4"] * 4
+    assert out[1] == "ARGS=--kill-on-bad-exit=1 --cpus-per-task=8 --mem=0 --distribution=arbitrary --ntasks=16"
+    assert out[2:4] == ["LATER=unset", "MASTER_ADDR=n1"]
+    assert "ranks in topology order (leaf switches): s0: n1,n3 | s1: n2,n4" in out[4]
 
 
 def test_the_rendered_placement_keeps_slurms_order_without_a_topology(tmp_path):
     recipe = resolve(small_recipe(nodes=2, gpus_per_node=4, place_by_topology=True, restarts=1, spare_nodes=1))
     out = run_placement_lines(render_sbatch(recipe), tmp_path, "No topology information available\n",
                               {"SLURM_JOB_NODELIST": "n[1-3]", "HPC_TOOLS_NODELIST": "n1,n3"})
-    assert out[0] == "" and out[1] == "MASTER_ADDR=first"
-    assert out[2] == "PLACE=--nodelist=n1,n3 --nodes=2 --ntasks=8"
-    assert "ranks in Slurm's order" in out[3]
+    assert out[0] == "HOSTFILE=" and out[2:4] == ["LATER=unset", "MASTER_ADDR=first"]
+    assert out[1] == "ARGS=--kill-on-bad-exit=1 --cpus-per-task=8 --mem=0 --overlap --nodelist=n1,n3 --nodes=2 " \
+        "--ntasks=8"
+    assert "ranks in Slurm's order" in out[4]
 
 
 def test_the_rendered_placement_follows_the_restart_controllers_nodes(tmp_path):
@@ -383,4 +388,5 @@ def test_the_rendered_placement_follows_the_restart_controllers_nodes(tmp_path):
                      TP8)
     out = run_placement_lines(render_sbatch(recipe), tmp_path, TWO_SWITCHES,
                               {"SLURM_JOB_NODELIST": "n[1-4]", "HPC_TOOLS_NODELIST": "n1,n3,n4"})
-    assert out[0].split() == ["n3"] * 4 + ["n4"] * 4 and out[1] == "MASTER_ADDR=n3"
+    assert out[0].split("=", 1)[1].split() == ["n3"] * 4 + ["n4"] * 4 and out[3] == "MASTER_ADDR=n3"
+    assert out[1].endswith("--overlap --distribution=arbitrary --ntasks=8")
