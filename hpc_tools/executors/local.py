@@ -45,8 +45,8 @@ def rank_env(rank: int, world_size: int, port: int, extra: Mapping[str, str] | N
     return env
 
 
-def rank_command(run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "hpc_tools.runtime.rank", "--run-dir", str(run_dir)]
+def rank_command(run_dir: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "hpc_tools.runtime.rank", "--run-dir", str(run_dir), *args]
 
 
 def _pump(src: IO[bytes], sinks: list[IO[bytes]]) -> None:
@@ -57,16 +57,17 @@ def _pump(src: IO[bytes], sinks: list[IO[bytes]]) -> None:
 
 
 def run_local(run: RunFolder, world_size: int, echo: IO[bytes] | None = None, extra_env: dict[str, str] | None = None,
-              poll_s: float = 0.2) -> int:
+              poll_s: float = 0.2, rank_args: tuple[str, ...] = ()) -> int:
     """Run all ranks to completion; returns the first non-zero rank exit code, or 0. With ``cluster.restarts``, ranks
     that fail are started again from the newest complete checkpoint while the budget lasts
-    (``hpc_tools.job.restarts.local_restart``, recorded in the manifest's ``restarts``)."""
+    (``hpc_tools.job.restarts.local_restart``, recorded in the manifest's ``restarts``). ``rank_args``: more
+    arguments of the rank program (``--preflight-only``: ``hpc_tools preflight``)."""
     from hpc_tools.job.restarts import local_restart
     from hpc_tools.runtime.distenv import RESTART_BASE_ENV
 
     extra_env = dict(extra_env or {})
     while True:
-        code, first_failed = _run_ranks(run, world_size, echo, extra_env, poll_s)
+        code, first_failed = _run_ranks(run, world_size, echo, extra_env, poll_s, rank_args)
         if code in (0, 130):
             break
         start = int(extra_env.get(RESTART_BASE_ENV, os.environ.get(RESTART_BASE_ENV, "0")) or 0)
@@ -84,7 +85,7 @@ def run_local(run: RunFolder, world_size: int, echo: IO[bytes] | None = None, ex
 
 
 def _run_ranks(run: RunFolder, world_size: int, echo: IO[bytes] | None, extra_env: dict[str, str],
-               poll_s: float) -> tuple[int, dict[int, int]]:
+               poll_s: float, rank_args: tuple[str, ...] = ()) -> tuple[int, dict[int, int]]:
     """One start of every rank: (the first non-zero exit code or 0, the first failing ranks' return codes)."""
     port = free_port()
     run.update(event="launched", state="RUNNING", executor="local", launched=now_iso(), world_size=world_size)
@@ -93,8 +94,8 @@ def _run_ranks(run: RunFolder, world_size: int, echo: IO[bytes] | None, extra_en
         env = rank_env(rank, world_size, port, extra_env)
         log = open(run.logs_dir / f"rank{rank:05d}.out", "ab")
         logs.append(log)
-        proc = subprocess.Popen(rank_command(run.path), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(rank_command(run.path, *rank_args), env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         sinks = [log] + ([echo] if echo is not None and rank == 0 else [])
         pump = threading.Thread(target=_pump, args=(proc.stdout, sinks), daemon=True)
         pump.start()

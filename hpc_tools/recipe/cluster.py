@@ -165,6 +165,15 @@ class ClusterConfig(Section):
     topology` (tree or block plugin) and gives srun the step's nodes leaf switch by leaf switch (arbitrary
     distribution), so that consecutive ranks (TP, then CP and EP groups) share a node, then a leaf switch; without a
     topology the ranks keep Slurm's order. The rendered sbatch script only (not submitit)."""
+    preflight: Literal["auto", "off", "strict"] = "auto"
+    """Check the allocation on every rank before step 1 (docs/preflight.md): a GEMM at the training precision and a
+    memory copy per rank, collectives at the layout's message size as bus bandwidth, a search for a slow link, and
+    the transport each node uses; a per-node table goes into the run folder (preflight.json). `strict` fails the job
+    naming the node, the figure and the reason; `auto` (the default) runs it for multi-node jobs only and logs a
+    named node without stopping; `off` skips it."""
+    preflight_budget_s: int = Field(default=60, gt=0, le=3600)
+    """Seconds preflight may take (its time slices are shares of it); a run over it is named as a problem. The time
+    shows as the goodput report's `preflight` bucket."""
     python: str = "python3"
     """Python interpreter on the compute nodes."""
     sbatch_extra: list[str] = Field(default_factory=list, max_length=64)

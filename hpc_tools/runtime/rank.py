@@ -24,6 +24,8 @@ from hpc_tools.runstate import HANG_EXIT_CODE, note_restart
 from hpc_tools.runtime.context import RankContext
 from hpc_tools.runtime.distenv import DistEnv
 from hpc_tools.runtime.preemption import StopFlag
+from hpc_tools.runtime.preflight import run as preflight
+from hpc_tools.runtime.preflight.verdict import PreflightFailed
 from hpc_tools.runtime.ranklog import DATEFMT, FORMAT, RankLog
 from hpc_tools.runtime.watchdog import HANG_DIR, HangVerdict, Watchdog
 
@@ -90,10 +92,18 @@ def _run_rank(run_dir: str, dist: DistEnv) -> int:
                        restart_count=dist.restart_count, world_size=dist.world_size,
                        reason=None, failed_ranks=None, failed_nodes=None)  # a new life: no culprit yet
     t0 = time.perf_counter()
-    code, error, detail = 1, None, {}
+    code, error, detail, checked = 1, None, {}, None
     try:
+        checked = preflight.run_in_job(ctx)  # cluster.preflight: the allocation checked before step 1
         backends.load(backends.of(ctx.recipe).trainer)(ctx)
         code = 0
+    except PreflightFailed as exc:  # strict: one line naming the node, no traceback; the job stops
+        error = str(exc)
+        detail = {"types": ["PreflightFailed", "UserError"], "where": "preflight", "step": None, "started": False}
+        if ctx.is_rank0:
+            ctx.run.update(event="failed", state="FAILED", ended=now_iso(), error=error, soft=True)
+        logging.getLogger("hpc_tools").error("%s", error)
+        return exc.exit_code
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
         raise
@@ -109,6 +119,8 @@ def _run_rank(run_dir: str, dist: DistEnv) -> int:
     finally:
         if ctx.watchdog:  # the heartbeat's exit record: how this rank ended, for the batch script's epilogue
             ctx.watchdog.stop(exit_code=code, error=error, **detail)
+        if code == 0 and checked is not None:
+            preflight.close()  # the process group preflight made and the trainer used
     if ctx.is_rank0 and not ctx.stop_requested:
         ctx.run.update(event="completed", state="COMPLETED", ended=now_iso(), wall_s=round(time.perf_counter() - t0, 3))
     return 0
@@ -133,8 +145,35 @@ def exception_record(exc: BaseException, ctx: RankContext) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpc_tools.runtime.rank", description=__doc__)
     parser.add_argument("--run-dir", required=True, help="run folder holding recipe.yaml and manifest.json")
+    parser.add_argument("--preflight-only", action="store_true",
+                        help="run the recipe's preflight checks (whatever cluster.preflight says) and no training: "
+                             "`python -m hpc_tools preflight`")
     args = parser.parse_args(argv)
+    if args.preflight_only:
+        return preflight_only(args.run_dir)
     return run_rank(args.run_dir)
+
+
+def preflight_only(run_dir: str) -> int:
+    """This rank's share of ``hpc_tools preflight``: the checks and the table (``preflight.json``), no training;
+    0 whatever the verdict (the command reads the table), 1 when a rank fails to measure at all."""
+    dist = DistEnv.from_environ()
+    rank_log = setup_logging(dist.rank, run_dir)
+    ctx = build_context(run_dir)
+    code, error = 1, None
+    try:
+        preflight.check(ctx, "strict")
+        code = 0
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        if ctx.watchdog:
+            ctx.watchdog.stop(exit_code=code, error=error)
+        if code == 0:
+            preflight.close()
+        rank_log.close()
+    return code
 
 
 if __name__ == "__main__":  # the guard matters: dist_checkpointing starts a spawn Manager that re-imports __main__

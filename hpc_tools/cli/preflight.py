@@ -1,0 +1,83 @@
+"""preflight: check an allocation as a job of its own and print the per-node table (docs/preflight.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hpc_tools.cli._common import add_json, add_recipe_args, add_runs_dir, emit_json, say
+
+NAME = "preflight"
+ORDER = 35
+HELP = "check the nodes a recipe would train on (GEMM, memory, collectives, transport) and print a per-node table"
+DESCRIPTION = HELP + """
+
+Runs the checks a training job runs before step 1 when cluster.preflight is on, as a job of its own: each rank
+times a GEMM at the recipe's precision and a memory copy, all ranks time the collectives the layout uses (all-reduce,
+all-gather, all-to-all with expert parallelism) as bus bandwidth, a search over halves of the nodes finds a slow
+link in at most ceil(log2 N) + 1 rounds, and each node's transport (gloo's interface; NCCL's IB or Socket) is
+compared with what the recipe says. A node below 0.7x the node median, or with the wrong transport, is named with
+the figure and the reason. The table is printed and kept in the run folder (preflight.json).
+
+--executor local (the default; the only one so far) runs the recipe's ranks on this machine (its local profile when
+it has one), each rank standing for a node of its own so that the table has a row per rank.
+Exit 0 when every node is healthy, 1 when a node or the job is named, 2 for bad input."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_recipe_args(p)
+    p.add_argument("--executor", choices=["local"], default="local",
+                   help="where to run the checks (local: one process per rank on this machine)")
+    add_runs_dir(p)
+    add_json(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpc_tools.executors.local import run_local
+    from hpc_tools.layout import ParallelLayout
+    from hpc_tools.runtime.preflight.run import EXPECT_ENV, RANKS_PER_NODE_ENV
+    from hpc_tools.runtime.preflight.verdict import failure_line, read_report, rows_from_dict, table_lines
+    from hpc_tools.submission import checked_runs_root, new_run, plan_submission
+
+    checked_runs_root(args.runs_dir)
+    plan = plan_submission(args.recipe, args.overrides, args.profile, args.executor, check_fit=False)
+    recipe = plan.recipe
+    world = ParallelLayout.from_recipe(recipe).world_size
+    run = new_run(recipe, args.runs_dir, "local", plan.source, {"profile": plan.profile, "kind": "preflight"})
+    env = {RANKS_PER_NODE_ENV: "1"}
+    expect = _expected(recipe)
+    if expect:
+        env[EXPECT_ENV] = expect
+    code = run_local(run, world, echo=None, extra_env=env, rank_args=("--preflight-only",))
+    data = read_report(run.path)
+    if data is None:
+        line = (f"preflight ran no checks to the end (ranks exit {code}); see {run.logs_dir}/rank00000.out")
+        if args.json:
+            emit_json({"ok": False, "run_dir": str(run.path), "error": line})
+        else:
+            say(f"error: {line}")
+        return 1
+    rows = rows_from_dict(data)
+    if args.json:
+        emit_json({"ok": bool(data["healthy"]), "run_dir": str(run.path), **data})
+    else:
+        sys.stdout.write("\n".join(table_lines(rows)) + "\n")
+        for note in data.get("notes", []):
+            say(note)
+        verdict = "healthy" if data["healthy"] else failure_line(rows, data.get("problems", []), "strict")
+        say(f"preflight of {world} rank(s) in {data['seconds']:.1f} s (budget {data['budget_s']:g} s): {verdict}; "
+            f"table in {run.path}/preflight.json")
+    return 0 if data["healthy"] else 1
+
+
+def _expected(recipe) -> str:
+    """"INTER,INTRA" GB/s from the planner's hardware table for a GPU recipe (its figures for the link; the recipe's
+    overrides win), "" for CPU ranks or a GPU the table lacks."""
+    if not recipe.cluster.uses_gpus:
+        return ""
+    from hpc_tools.planner.hardware import hardware_for
+
+    hw = hardware_for(recipe.cluster, recipe.training.precision, need_peak=False)
+    if hw.sources.get("inter_node_bw_gbps") == "assumed":
+        return ""
+    return f"{hw.inter_node_bw / 1e9:g},{hw.intra_node_bw / 1e9:g}"

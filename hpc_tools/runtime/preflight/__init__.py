@@ -1,0 +1,7 @@
+"""Preflight: the allocation checked on every rank before step 1 (``cluster.preflight``; docs/preflight.md).
+
+- ``verdict``: the thresholds, the bus-bandwidth formulas, the transport parsers and the per-node table (no torch);
+- ``bisect``: the search for a slow node in at most ceil(log2 N) + 1 collective rounds (no torch);
+- ``measure``: the rank-side measurements (GEMM, memory bandwidth, collectives; imports torch);
+- ``run``: the checks on the ranks, the table in the run folder and the decision (``strict`` / ``auto``).
+"""

@@ -1,0 +1,162 @@
+"""The rank-side measurements of preflight (imports torch): a GEMM at the recipe's precision, a memory copy, and a
+timed collective over a process group. Every figure is the best of a few timed repetitions within a time slice: a
+healthy node reaches its speed in at least one of them, a slow one in none.
+
+Faults for tests, from the environment: ``HPC_TOOLS_PREFLIGHT_SLOW_RANK=R`` makes rank R's GEMM sleep four times as
+long as each multiplication took (a fifth of its speed); ``HPC_TOOLS_PREFLIGHT_SLOW_LINK=R`` makes rank R sleep
+``SLOW_LINK_S`` inside every timed collective it joins (its group waits for it, as for a throttled link).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+SLOW_RANK_ENV = "HPC_TOOLS_PREFLIGHT_SLOW_RANK"
+SLOW_LINK_ENV = "HPC_TOOLS_PREFLIGHT_SLOW_LINK"
+SLOW_LINK_S = 0.1
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _injected(name: str, rank: int) -> bool:
+    return os.environ.get(name, "").strip() == str(rank)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gemm_tflops(device, precision: str, n: int, slice_s: float, rank: int, max_iters: int = 200) -> float:
+    """TFLOP/s of an ``n`` x ``n`` x ``n`` matrix product at ``precision`` (2 n^3 FLOPs each), the best of the
+    repetitions that fit in ``slice_s`` seconds (at least 3)."""
+    import torch
+
+    dtype = getattr(torch, DTYPES.get(precision, "float32"))
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    torch.matmul(a, b)  # warm-up: kernels chosen, memory allocated
+    _sync(device)
+    slow = _injected(SLOW_RANK_ENV, rank)
+    best, end, i = float("inf"), time.perf_counter() + slice_s, 0
+    while i < 3 or (time.perf_counter() < end and i < max_iters):
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        _sync(device)
+        dt = time.perf_counter() - t0
+        if slow:
+            time.sleep(4 * dt)
+            dt = time.perf_counter() - t0
+        best, i = min(best, dt), i + 1
+    return 2 * n**3 / best / 1e12
+
+
+def mem_gbps(device, nbytes: int, slice_s: float, max_iters: int = 100) -> float:
+    """GB/s of a device-to-device (GPU) or host (CPU) memory copy of ``nbytes``: each copy reads and writes them
+    (2 x nbytes moved, as STREAM's copy kernel counts), the best of the repetitions that fit in ``slice_s``."""
+    import torch
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    best, end, i = float("inf"), time.perf_counter() + slice_s, 0
+    while i < 3 or (time.perf_counter() < end and i < max_iters):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best, i = min(best, time.perf_counter() - t0), i + 1
+    return 2 * nbytes / best / 1e9
+
+
+def collective_seconds(op: str, nbytes: int, group, n: int, device, rank: int, iters: int = 8,
+                       warmup: bool = True) -> float:
+    """The best time of ``iters`` runs of ``op`` ('all_reduce', 'all_gather', 'all_to_all') moving a buffer of
+    ``nbytes`` (the whole buffer, as nccl-tests sizes it) over ``group`` of ``n`` ranks, after one warm-up run."""
+    import torch
+    import torch.distributed as dist
+
+    numel = max(nbytes // 4 // n * n, n)
+    buf = torch.ones(numel, dtype=torch.float32, device=device)
+    if op == "all_reduce":
+        def once():
+            dist.all_reduce(buf, group=group)
+    elif op == "all_gather":
+        shard = buf[: numel // n].clone()
+        parts = list(buf.chunk(n))
+
+        def once():
+            dist.all_gather(parts, shard, group=group)
+    elif op == "all_to_all":
+        out = torch.empty_like(buf)
+
+        def once():
+            dist.all_to_all_single(out, buf, group=group)
+    else:
+        raise ValueError(f"unknown collective {op!r}")
+    slow = _injected(SLOW_LINK_ENV, rank)
+    if warmup:
+        once()
+        _sync(device)
+    best = float("inf")
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        if slow:
+            time.sleep(SLOW_LINK_S)
+        once()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface holding IPv4 ``address`` (Linux: SIOCGIFADDR on each interface), else None."""
+    import fcntl
+    import socket
+    import struct
+
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == address:
+            return name
+    return None
+
+
+def address_of(interface: str) -> str | None:
+    """The IPv4 address of ``interface``, else None (no such interface, or none on it)."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", interface.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def gloo_endpoint(master_addr: str, master_port: int) -> tuple[str | None, str | None, str | None]:
+    """(interface, address, error) gloo uses on this rank: ``GLOO_SOCKET_IFNAME``'s first interface when set (an
+    interface this node lacks is the error), else the one the route to the rendezvous host leaves by."""
+    import socket
+
+    wanted = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if wanted:
+        addr = address_of(wanted)
+        if addr is None:
+            return wanted, None, f"GLOO_SOCKET_IFNAME={wanted} names no interface with an IPv4 address on this node"
+        return wanted, addr, None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(master_addr), master_port or 9))
+            addr = s.getsockname()[0]
+    except OSError as exc:
+        return None, None, f"no route to the rendezvous host {master_addr}: {exc.strerror or exc}"
+    return interface_of(addr), addr, None

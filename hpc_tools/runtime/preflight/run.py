@@ -1,0 +1,402 @@
+"""Preflight on the ranks (``cluster.preflight``): every rank measures, rank 0 writes the table, every rank reaches
+the same verdict. Called by the rank program (``hpc_tools.runtime.rank``) before the trainer, in the same srun step
+and process group as the training (no second rendezvous), and by ``--preflight-only`` for ``hpc_tools preflight``.
+
+The steps, within ``cluster.preflight_budget_s`` (each time slice is a share of it):
+
+1. the process group (gloo on CPU, NCCL on GPU), left up for the trainer; every rank's node and host;
+2. per rank a GEMM at the recipe's precision and a memory copy (ranks of one host on CPU take turns: they share
+   its cores; GPU ranks measure at once, each on its own GPU);
+3. the transport: gloo's interface and address on CPU; on GPU NCCL's own INFO lines (``NCCL_DEBUG=INFO`` into
+   ``preflight/nccl-<host>-<pid>.log`` of the run folder, unless the user set ``NCCL_DEBUG``);
+4. collectives over all ranks at the layout's message size (all-reduce, all-gather, all-to-all with expert
+   parallelism), as bus bandwidth; one all-reduce inside each node with several ranks, all nodes at once;
+5. the search for a slow link (``bisect.find_slow``): all-reduces over halves of the nodes, both halves at once;
+6. the verdicts (``verdict.judge``), ``preflight.json`` and the table on rank 0, a ``preflight`` event for the
+   goodput report; ``strict`` raises ``PreflightFailed`` on every rank with one line, ``auto`` logs it and goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from hpc_tools.runtime.preflight import measure
+from hpc_tools.runtime.preflight.bisect import find_slow
+from hpc_tools.runtime.preflight.verdict import (
+    EXPECTED_FLOOR,
+    SLOW_FACTOR,
+    PreflightFailed,
+    RankResult,
+    Report,
+    busbw_gbps,
+    expected_transport,
+    failure_line,
+    gloo_transport,
+    judge,
+    nccl_transport,
+    table_lines,
+    transport_reasons,
+)
+
+if TYPE_CHECKING:
+    from hpc_tools.runtime.context import RankContext
+
+log = logging.getLogger("hpc_tools")
+RANKS_PER_NODE_ENV = "HPC_TOOLS_PREFLIGHT_RANKS_PER_NODE"  # local executor: ranks that stand for one node
+EXPECT_ENV = "HPC_TOOLS_PREFLIGHT_EXPECT"  # "INTER,INTRA" GB/s: the planner's expected busbw (the command sets it)
+NCCL_DIR = "preflight"
+_CREATED = False  # this process's default group was made by preflight (``close`` ends it)
+# Message sizes: one micro-batch's activations (b x s x h at the precision's bytes), what a TP all-reduce or an SP
+# all-gather moves, held between these bounds so the checks stay within the budget.
+SIZE_BOUNDS = {"cpu": (256 << 10, 4 << 20), "cuda": (1 << 20, 256 << 20)}
+GEMM_N = {"cpu": 256, "cuda": 8192}
+MEM_BYTES = {"cpu": 32 << 20, "cuda": 1 << 30}
+BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Ranks sharing a host (local ranks standing for nodes) measure in turn, this many times round (a third of it for
+# GEMM and memory), the best kept: another process of the host may take the cores during any one turn.
+SHARED_REPEATS = 9
+
+
+def enabled(recipe) -> bool:
+    """``cluster.preflight``: strict always, auto for a multi-node job, off never."""
+    mode = recipe.cluster.preflight
+    return mode == "strict" or (mode == "auto" and recipe.cluster.nodes > 1)
+
+
+def node_label(ctx: "RankContext") -> str:
+    """This rank's node: the Slurm node name (else the host name); on the local executor ``local<k>``, k = rank //
+    ranks per node (the recipe's, or ``HPC_TOOLS_PREFLIGHT_RANKS_PER_NODE``): local ranks stand in for nodes."""
+    from hpc_tools.runtime.heartbeat import node_name
+
+    if ctx.dist.executor != "local":
+        return node_name()
+    per = int(os.environ.get(RANKS_PER_NODE_ENV) or ctx.layout.ranks_per_node or 1)
+    return f"local{ctx.rank // max(per, 1)}"
+
+
+def message_bytes(recipe, device_type: str) -> int:
+    lo, hi = SIZE_BOUNDS[device_type]
+    act = recipe.training.micro_batch_size * recipe.model.seq_length * recipe.model.hidden_size
+    return int(min(max(act * BYTES.get(recipe.training.precision, 4), lo), hi))
+
+
+def expected_busbw(recipe) -> tuple[float | None, float | None, str]:
+    """(inter-node, intra-node) busbw GB/s the planner expects, and where from: ``HPC_TOOLS_PREFLIGHT_EXPECT`` (the
+    command computes it from the planner's hardware table), else the recipe's overrides; CPU ranks: none."""
+    c = recipe.cluster
+    if not c.uses_gpus:
+        return None, None, "CPU ranks: no table figure"
+    raw = os.environ.get(EXPECT_ENV, "")
+    if raw:
+        inter, intra = (float(x) if x else None for x in (raw.split(",") + [""])[:2])
+        return inter, intra, "the planner's hardware table"
+    if c.inter_node_bw_gbps or c.intra_node_bw_gbps:
+        return c.inter_node_bw_gbps, c.intra_node_bw_gbps, "cluster.inter_node_bw_gbps / intra_node_bw_gbps"
+    return None, None, "none given (run `hpc_tools preflight` for the planner's figures)"
+
+
+def run_in_job(ctx: "RankContext") -> Report | None:
+    """The training job's preflight (module docstring), when ``cluster.preflight`` has it on; None when off."""
+    if not enabled(ctx.recipe):
+        return None
+    mode = ctx.recipe.cluster.preflight
+    report = check(ctx, mode)
+    if not report.healthy:
+        line = failure_line(report.rows, report.problems, mode)
+        if mode == "strict":
+            raise PreflightFailed(line)
+        ctx.info("%s; training goes on (cluster.preflight=auto: leaving the node out is not done yet)", line)
+    return report
+
+
+def check(ctx: "RankContext", mode: str) -> Report:
+    """Every rank measures; every rank returns the same report (rank 0 also writes it and prints the table)."""
+    import torch
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    recipe, budget = ctx.recipe, float(recipe_budget(ctx.recipe))
+    deadline = t0 + budget
+    device = ctx.device
+    dev = device.type
+    gpu = dev == "cuda"
+    if gpu:
+        torch.cuda.set_device(device)
+        _nccl_log_to_file(ctx)
+    if not dist.is_initialized():
+        global _CREATED
+        dist.init_process_group(ctx.dist_backend, rank=ctx.rank, world_size=ctx.dist.world_size,
+                                timeout=ctx.collective_timeout)
+        _CREATED = True
+    world = ctx.dist.world_size
+    node, host = node_label(ctx), socket.gethostname()
+    mine = RankResult(rank=ctx.rank, node=node, host=host)
+    if not gpu:
+        iface, addr, err = measure.gloo_endpoint(ctx.dist.master_addr, ctx.dist.master_port)
+        mine.transport = gloo_transport(iface, addr)
+        mine.error = err
+    places: list[Any] = [None] * world
+    dist.all_gather_object(places, (ctx.rank, node, host))
+    nodes: dict[str, list[int]] = {}
+    for r, n, _ in places:
+        nodes.setdefault(n, []).append(r)
+    hosts = {n: h for _, n, h in places}
+    host_of = {r: h for r, _, h in places}
+
+    # 2. GEMM and memory: ranks of one host take turns on CPU (several times round, the best kept: a turn that another
+    # process of the host disturbed is not the node's speed)
+    turn_of = {r: [p[0] for p in places if p[2] == places[r][2]].index(r) for r in range(world)}
+    turns = max(turn_of.values()) + 1 if not gpu else 1
+    passes = SHARED_REPEATS // 3 if turns > 1 else 1
+    local_s = max(budget * 0.25 / turns / passes, 0.05)
+    for t in list(range(turns)) * passes:
+        if gpu or turn_of[ctx.rank] == t:
+            try:
+                g = measure.gemm_tflops(device, recipe.training.precision, GEMM_N[dev], min(0.4, local_s * 0.6),
+                                        ctx.rank)
+                m = measure.mem_gbps(device, MEM_BYTES[dev], min(0.2, local_s * 0.4))
+                mine.gemm_tflops, mine.mem_gbps = max(g, mine.gemm_tflops or 0.0), max(m, mine.mem_gbps or 0.0)
+            except Exception as exc:  # noqa: BLE001 - a broken device is a finding, named in the table
+                mine.error = f"{type(exc).__name__}: {exc}"
+        if turns > 1:
+            dist.barrier()
+
+    # 4. collectives over all ranks, at the layout's size, within what is left of the budget
+    nbytes = message_bytes(recipe, dev)
+    timeout = timedelta(seconds=max(deadline - time.perf_counter(), 5.0))
+    made: list = []
+
+    def group(ranks: list[int]):
+        g = dist.new_group(ranks=sorted(ranks), timeout=timeout)
+        made.append(g)
+        return g
+
+    ops = ["all_reduce", "all_gather"] + (["all_to_all"] if ctx.layout.expert_size > 1 else [])
+    collectives: dict[str, Any] = {"bytes": nbytes, "ranks": world}
+    whole = group(list(range(world)))
+    if world > 1:
+        for op in ops:
+            secs = _agreed_seconds(measure.collective_seconds(op, nbytes, whole, world, device, ctx.rank), world)
+            collectives[op] = {"seconds": round(max(secs), 6),
+                               "busbw_gbps": busbw_gbps(op, _bytes_moved(nbytes, world), max(secs), world)}
+    if gpu:
+        mine.transport = _nccl_transport_seen(ctx) if len(nodes) > 1 else "intra-node (one node)"
+    intra: dict[str, float | None] = {}
+    multi = {n: rs for n, rs in nodes.items() if len(rs) > 1}
+    if multi and len(nodes) > 1:
+        groups = {n: group(rs) for n, rs in multi.items()}
+        mine_group = next((n for n, rs in multi.items() if ctx.rank in rs), None)
+        agreed = _timed_groups(ctx, list(multi), multi, groups, mine_group, nbytes, device, host_of)
+        for n, rs in multi.items():
+            intra[n] = busbw_gbps("all_reduce", _bytes_moved(nbytes, len(rs)), max(agreed[r] for r in rs), len(rs))
+
+    # 5. the slow-link search over the nodes
+    inter_exp, intra_exp, exp_source = expected_busbw(recipe)
+    node_names = list(nodes)
+    figures: dict[frozenset, float | None] = {}
+    if "all_reduce" in collectives:
+        figures[frozenset(node_names)] = collectives["all_reduce"]["busbw_gbps"]
+    search = None
+    if len(node_names) > 1 and time.perf_counter() < deadline:
+        search = find_slow(node_names, _RoundRunner(ctx, nodes, nbytes, device, group, figures, inter_exp, host_of))
+    busbw = {n: _smallest_figure(n, figures) for n in node_names}
+    link_reasons: dict[str, str] = {}
+    if search is not None and search.culprits:
+        for n in search.culprits:
+            link_reasons[n] = (f"all-reduce busbw {busbw.get(n) or 0:.3g} GB/s over a group holding it, below "
+                               f"{SLOW_FACTOR}x the other half's (search over halves, {search.rounds} rounds: "
+                               f"{search.note})")
+
+    # 6. verdicts, on every rank alike
+    results: list[Any] = [None] * world
+    dist.all_gather_object(results, mine)
+    peak = _peak(recipe)
+    expected_t, t_source = expected_transport(gpu, recipe.cluster.setup.env, len(nodes) > 1)
+    transports = {n: next((r.transport for r in results if r.node == n and r.transport), None) for n in node_names}
+    rows = judge(results, busbw=busbw, intra=intra, peak_tflops=peak, link_reasons=link_reasons,
+                 transport_why=transport_reasons(transports, expected_t, gpu, hosts))
+    problems = []
+    ar = collectives.get("all_reduce", {}).get("busbw_gbps")
+    exp = inter_exp if len(nodes) > 1 else intra_exp
+    if ar is not None and exp and ar < EXPECTED_FLOOR * exp:
+        problems.append(f"all-reduce busbw over all {world} ranks {ar:.3g} GB/s is {ar / exp:.2f}x the expected "
+                        f"{exp:.3g} GB/s ({exp_source}; below {EXPECTED_FLOOR}x)")
+    if search is not None and search.between:
+        problems.append(f"all-reduce over all nodes is slow but over neither half: {search.note}")
+    for g in made:
+        if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(g)
+    report = Report(mode=mode, budget_s=budget, seconds=time.perf_counter() - t0, rows=rows, problems=problems,
+                    collectives={**collectives, "expected_busbw_gbps": exp, "expected_source": exp_source},
+                    search={"rounds": search.rounds, "note": search.note, "culprits": list(search.culprits),
+                            "tested": [[list(g) for g in rnd] for rnd in search.tested]} if search else {},
+                    notes=[f"transport expected: {expected_t or 'the same on every node'} ({t_source})",
+                           f"GEMM {GEMM_N[dev]}^3 at {recipe.training.precision}; peak: "
+                           + (f"{peak:.4g} TFLOP/s (profiling.peaks)" if peak else "none (not judged)")])
+    if report.seconds > budget:
+        report.problems.append(f"preflight took {report.seconds:.1f} s, over its budget of {budget:g} s "
+                               "(cluster.preflight_budget_s)")
+    if ctx.is_rank0:
+        report.write(ctx.run_dir)
+        for line in table_lines(rows):
+            log.info("preflight: %s", line)
+        log.info("preflight: %s in %.1f s (budget %g s)%s", "healthy" if report.healthy else "NOT healthy",
+                 report.seconds, budget, "" if report.healthy else ": " + failure_line(rows, problems, mode))
+        preflight_event(ctx, report.seconds)
+    return report
+
+
+def close() -> None:
+    """End the process group preflight made (after the trainer used it; ``loop.process_group`` leaves a group it
+    found up): the ranks leave together."""
+    global _CREATED
+    import torch.distributed as dist
+
+    if _CREATED and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    _CREATED = False
+
+
+def recipe_budget(recipe) -> float:
+    return float(recipe.cluster.preflight_budget_s)
+
+
+def _bytes_moved(nbytes: int, n: int) -> int:
+    return max(nbytes // 4 // n * n, n) * 4
+
+
+def _agreed_seconds(secs: float, world: int) -> list[float]:
+    """Every rank's time, on every rank (one all-gather over the default group)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(secs)], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    out = [torch.zeros_like(t) for _ in range(world)]
+    dist.all_gather(out, t)
+    return [float(x.item()) for x in out]
+
+
+def _smallest_figure(node: str, figures: dict[frozenset, float | None]) -> float | None:
+    """The busbw of the smallest group holding ``node`` (of those, the last measured)."""
+    holding = [(len(g), -i, v) for i, (g, v) in enumerate(figures.items()) if node in g and v is not None]
+    return min(holding)[2] if holding else None
+
+
+def _timed_groups(ctx, measured, ranks, pgs, mine, nbytes, device, hosts_of) -> list[float]:
+    """Every rank's all-reduce time over its group of this round, on every rank. Groups on separate hosts run at
+    once; groups that share a host (local ranks standing for nodes) run one after another, so that they do not
+    share its cores while they are timed."""
+    import torch.distributed as dist
+
+    world = ctx.dist.world_size
+    hosts = [{hosts_of[r] for r in ranks[g]} for g in measured]
+    shared = any(a & b for i, a in enumerate(hosts) for b in hosts[i + 1:])
+    if not shared:
+        secs = measure.collective_seconds("all_reduce", nbytes, pgs[mine], len(ranks[mine]), device,
+                                          ctx.rank) if mine else 0.0
+        return _agreed_seconds(secs, world)
+    secs = float("inf")  # one timed run per group in turn, SHARED_REPEATS times round: both see the host's load alike
+    for i in range(SHARED_REPEATS):
+        for g in measured:
+            if g == mine:
+                secs = min(secs, measure.collective_seconds("all_reduce", nbytes, pgs[mine], len(ranks[mine]),
+                                                            device, ctx.rank, iters=1, warmup=i == 0))
+            dist.barrier()
+    return _agreed_seconds(secs if mine else 0.0, world)
+
+
+class _RoundRunner:
+    """The search's cost function on the ranks: one round's groups measured at once (an all-reduce each; a group of
+    one node is not a link test and answers from its parent and sibling), slow = below ``SLOW_FACTOR`` x the other
+    group's busbw or the expected figure."""
+
+    def __init__(self, ctx, nodes, nbytes, device, group, figures, expected, hosts_of):
+        self.ctx, self.nodes, self.nbytes, self.device, self.group = ctx, nodes, nbytes, device, group
+        self.figures, self.expected, self.hosts_of = figures, expected, hosts_of
+
+    def timed(self, measured, ranks, pgs, mine) -> list[float]:
+        return _timed_groups(self.ctx, measured, ranks, pgs, mine, self.nbytes, self.device, self.hosts_of)
+
+    def __call__(self, groups: list[tuple[str, ...]]) -> list[bool | None]:
+        if len(groups) == 1 and frozenset(groups[0]) in self.figures:  # the whole group: measured already
+            fig = self.figures[frozenset(groups[0])]
+            if self.expected and fig is not None:
+                return [fig < SLOW_FACTOR * self.expected]
+            return [None]
+        measured = [g for g in groups if len(g) > 1]
+        ranks = {g: [r for n in g for r in self.nodes[n]] for g in measured}
+        pgs = {g: self.group(ranks[g]) for g in measured}
+        mine = next((g for g in measured if self.ctx.rank in ranks[g]), None)
+        agreed = self.timed(measured, ranks, pgs, mine)
+        figs: dict[tuple, float | None] = {}
+        for g in measured:
+            figs[g] = busbw_gbps("all_reduce", _bytes_moved(self.nbytes, len(ranks[g])),
+                                 max(agreed[r] for r in ranks[g]), len(ranks[g]))
+            self.figures[frozenset(g)] = figs[g]
+        ref = max([v for v in figs.values() if v is not None] + [self.expected or 0.0])
+        out: list[bool | None] = [figs[g] < SLOW_FACTOR * ref if figs.get(g) is not None else None for g in groups]
+        if len(measured) == 1 and len(groups) == 2:  # a lone node: slow when its parent was slow and its sibling not
+            lone = next(i for i, g in enumerate(groups) if len(g) == 1)
+            sibling = figs[measured[0]]
+            union = frozenset(n for g in groups for n in g)
+            parents = [g for g, v in self.figures.items() if union < g or (union == g and v is not None)]
+            parents = [g for g in parents if self.figures[g] is not None and g != frozenset(measured[0])]
+            if parents and sibling is not None:
+                parent_slow = self.figures[min(parents, key=len)] < SLOW_FACTOR * sibling
+                out[lone] = parent_slow and not out[1 - lone]
+        return out
+
+
+def _peak(recipe) -> float | None:
+    if not recipe.cluster.uses_gpus:
+        return None
+    from profiling.peaks import peak_for_recipe
+
+    return peak_for_recipe(recipe)
+
+
+def _nccl_log_to_file(ctx: "RankContext") -> None:
+    """NCCL's INFO lines of this process into the run folder, to read the transport back (``NCCL_DEBUG`` set by the
+    user wins: then its lines go where the user said and the transport is read only from ``NCCL_DEBUG_FILE``)."""
+    if "NCCL_DEBUG" in os.environ:
+        return
+    folder = ctx.run_dir / NCCL_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ.update({"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET",
+                       "NCCL_DEBUG_FILE": str(folder / f"nccl-{socket.gethostname()}-{os.getpid()}.log")})
+
+
+def _nccl_transport_seen(ctx: "RankContext") -> str | None:
+    path = os.environ.get("NCCL_DEBUG_FILE", "")
+    if not path:
+        return None
+    path = path.replace("%h", socket.gethostname()).replace("%p", str(os.getpid()))
+    try:
+        with open(path, errors="replace") as f:
+            return nccl_transport(f.read())
+    except OSError:
+        return None
+
+
+def preflight_event(ctx: "RankContext", seconds: float) -> None:
+    """The goodput's ``preflight`` bucket (``profiling.goodput``): an event in rank 0's events file, tagged with this
+    start, before the collector's own start event of the same start."""
+    import contextlib
+    import json
+
+    from profiling.records import events_path
+
+    row = {"event": "preflight", "time": time.time(), "seconds": round(seconds, 3), "rank": 0,
+           "restart": ctx.dist.restart_count}
+    with contextlib.suppress(OSError):
+        ctx.run.records_dir.mkdir(parents=True, exist_ok=True)
+        with open(events_path(ctx.run.records_dir, 0), "a") as f:
+            f.write(json.dumps(row, separators=(",", ":")) + "\n")

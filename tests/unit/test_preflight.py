@@ -1,0 +1,243 @@
+"""Preflight's logic without ranks (hpc_tools.runtime.preflight.bisect and .verdict): the search over halves within
+ceil(log2 N) + 1 rounds for every N from 2 to 64 and every slow node, the per-node verdicts over generated figures,
+the bus-bandwidth formulas, the transport parsers, the one-line failure and the recipe fields. The checks on real
+ranks are tests/integration/test_preflight_local.py."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from hpc_tools.runtime.preflight.bisect import find_slow, max_rounds
+from hpc_tools.runtime.preflight.verdict import (
+    OK,
+    SLOW,
+    SLOW_FACTOR,
+    TRANSPORT,
+    RankResult,
+    Report,
+    busbw_gbps,
+    expected_transport,
+    failure_line,
+    judge,
+    named,
+    nccl_transport,
+    read_report,
+    rows_from_dict,
+    table_lines,
+    transport_reasons,
+)
+
+
+def simulated(bad: str | None, measurable_alone: bool = True):
+    """A cost function: a group is slow when it holds ``bad``; with ``measurable_alone=False`` a group of one node
+    cannot be told (None), as on ranks where one node has no link of its own to test."""
+    calls = []
+
+    def slow(groups):
+        calls.append(groups)
+        return [None if len(g) == 1 and not measurable_alone else bad in g for g in groups]
+
+    return slow, calls
+
+
+def test_rounds_bound_formula():
+    assert [max_rounds(n) for n in (1, 2, 3, 4, 5, 8, 9, 64)] == [1, 2, 3, 3, 4, 4, 5, 7]
+
+
+@pytest.mark.parametrize("n", range(2, 65))
+def test_search_finds_every_slow_node_within_the_bound(n):
+    nodes = [f"n{i:02d}" for i in range(n)]
+    bound = math.ceil(math.log2(n)) + 1
+    for bad in nodes:
+        for alone in (True, False):
+            slow, calls = simulated(bad, alone)
+            found = find_slow(nodes, slow)
+            assert found.rounds == len(calls) <= bound, (n, bad, found)
+            if n == 2 and not alone:  # neither end of a 2-node link can be tested apart: both are named
+                assert set(found.culprits) == set(nodes), found
+            else:
+                assert found.culprits == (bad,), (n, bad, found)
+            for groups in calls:  # the groups of a round are disjoint (they run at once)
+                flat = [x for g in groups for x in g]
+                assert len(flat) == len(set(flat))
+            if n >= 4:  # from 4 nodes on, every group tested has a link to test (a lone half gets a healthy node)
+                assert all(len(g) > 1 for rnd in calls for g in rnd), calls
+
+
+@pytest.mark.parametrize("n", [2, 3, 7, 16, 64])
+def test_search_over_healthy_nodes_stops_after_one_round(n):
+    slow, calls = simulated(None)
+    found = find_slow([f"n{i}" for i in range(n)], slow)
+    assert found.culprits == () and found.rounds == 1 and len(calls) == 1
+
+
+def test_search_when_the_whole_is_unknown_and_no_half_is_slow():
+    def slow(groups):
+        return [None if len(groups) == 1 else False for _ in groups]
+
+    found = find_slow(["a", "b", "c", "d"], slow)
+    assert found.culprits == () and found.between is None and found.rounds == 2
+
+
+def test_search_names_the_halves_when_the_slow_part_lies_between_them():
+    def slow(groups):  # the whole is slow, each half on its own is not: an uplink between them
+        return [len(groups) == 1 for _ in groups]
+
+    found = find_slow(["a", "b", "c", "d"], slow)
+    assert found.culprits == () and found.between == (("a", "b"), ("c", "d"))
+
+
+def test_search_two_slow_nodes_stops_naming_the_candidates():
+    def slow(groups):
+        return [bool({"n1", "n6"} & set(g)) for g in groups]
+
+    found = find_slow([f"n{i}" for i in range(8)], slow)
+    assert set(found.culprits) == {f"n{i}" for i in range(8)} and "more than one" in found.note
+
+
+def test_search_rejects_a_cost_function_that_answers_the_wrong_count():
+    with pytest.raises(ValueError, match="2 groups"):
+        find_slow(["a", "b", "c"], lambda groups: [True])
+
+
+# --- verdicts over generated figures ----------------------------------------------------------------------------------
+def _ranks(gemm: list[float], mem: list[float] | None = None, per_node: int = 1) -> list[RankResult]:
+    mem = mem or [100.0] * len(gemm)
+    return [RankResult(rank=i, node=f"n{i // per_node}", gemm_tflops=g, mem_gbps=m, transport="gloo:eth0 10.0.0.1")
+            for i, (g, m) in enumerate(zip(gemm, mem))]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_node_at_half_the_median_is_named_and_nodes_within_0_9x_are_not(seed):
+    rng = random.Random(seed)
+    n = rng.randint(3, 24)
+    base = rng.uniform(0.001, 1000.0)
+    gemm = [base * rng.uniform(0.9, 1.0) for _ in range(n)]
+    rows = judge(_ranks(gemm))
+    assert named(rows) == [], [r.reasons for r in rows]
+    bad = rng.randrange(n)
+    gemm[bad] = base * 0.5
+    mem = [rng.uniform(90, 100) for _ in range(n)]
+    rows = judge(_ranks(gemm, mem))
+    assert [r.node for r in named(rows)] == [f"n{bad}"]
+    row = named(rows)[0]
+    assert row.verdict == SLOW and "GEMM" in row.reasons[0] and f"{base * 0.5:.3g}" in row.reasons[0]
+    assert f"below {SLOW_FACTOR}x" in row.reasons[0]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_memory_bandwidth_and_the_slowest_rank_of_a_node(seed):
+    rng = random.Random(seed)
+    nodes, per = rng.randint(3, 8), rng.randint(1, 4)
+    mem = [rng.uniform(95, 100) for _ in range(nodes * per)]
+    slow_rank = rng.randrange(nodes * per)
+    mem[slow_rank] = 40.0  # one rank of a node: the node's figure is its slowest rank's
+    rows = judge(_ranks([10.0] * (nodes * per), mem, per_node=per))
+    assert [r.node for r in named(rows)] == [f"n{slow_rank // per}"]
+    assert named(rows)[0].mem_gbps == 40.0 and "memory bandwidth 40" in named(rows)[0].reasons[0]
+
+
+def test_peak_floor_names_a_node_far_below_the_hardware_table_even_when_all_are():
+    rows = judge(_ranks([100.0, 101.0, 99.0]), peak_tflops=989.4)
+    assert len(named(rows)) == 3 and "hardware peak 989.4" in rows[0].reasons[0]
+    assert named(judge(_ranks([700.0, 710.0, 690.0]), peak_tflops=989.4)) == []
+
+
+def test_failed_rank_and_transport_verdicts_and_the_one_line():
+    ranks = _ranks([10.0, 10.0, 10.0])
+    ranks[1].error = "GLOO_SOCKET_IFNAME=eth9 names no interface with an IPv4 address on this node"
+    rows = judge(ranks, transport_why={"n2": "gloo uses interface eth1, not eth0 like the others"},
+                 link_reasons={"n2": "slow link"})
+    assert [(r.node, r.verdict) for r in rows] == [("n0", OK), ("n1", "failed"), ("n2", TRANSPORT)]
+    line = failure_line(rows, ["all-reduce busbw over all 3 ranks 1 GB/s is 0.02x the expected 45 GB/s"], "strict")
+    assert "\n" not in line and line.startswith("preflight (cluster.preflight=strict): node n1 failed: rank 1 failed")
+    assert "node n2 transport: slow link; gloo uses interface eth1" in line and "0.02x the expected" in line
+
+
+def test_table_and_json_round_trip(tmp_path):
+    rows = judge(_ranks([10.0, 4.0, 10.0]), busbw={"n0": 1.5, "n1": 1.4, "n2": 1.5})
+    lines = table_lines(rows)
+    assert lines[0].split()[:3] == ["node", "ranks", "GEMM"] and len(lines) == 4
+    assert "slow (GEMM 4 TFLOP/s is 0.40x" in lines[2]
+    report = Report(mode="auto", budget_s=60, seconds=3.2, rows=rows)
+    report.write(tmp_path)
+    data = read_report(tmp_path)
+    assert data["healthy"] is False and data["named"] == ["n1"] and data["thresholds"]["slow_factor"] == SLOW_FACTOR
+    assert [r.node for r in rows_from_dict(data)] == ["n0", "n1", "n2"]
+    assert read_report(tmp_path / "missing") is None
+
+
+@pytest.mark.parametrize(("op", "factor"), [("all_reduce", lambda n: 2 * (n - 1) / n),
+                                            ("all_gather", lambda n: (n - 1) / n),
+                                            ("all_to_all", lambda n: (n - 1) / n)])
+def test_busbw_follows_nccl_tests(op, factor):
+    for n, nbytes, secs in itertools.product((2, 3, 8, 64), (1 << 20, 3e9), (1e-3, 2.0)):
+        assert busbw_gbps(op, nbytes, secs, n) == pytest.approx(nbytes / secs / 1e9 * factor(n))
+    assert busbw_gbps(op, 1 << 20, 1.0, 1) is None and busbw_gbps(op, 1 << 20, 0.0, 4) is None
+
+
+NCCL_IB = """node1:123:456 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_1:1/IB ; OOB ib0:10.0.0.1<0>
+node1:123:456 [0] NCCL INFO Channel 00/0 : 0[0] -> 8[0] [send] via NET/IB/0/GDRDMA"""
+NCCL_ROCE = "x NCCL INFO NET/IB : Using [0]mlx5_0:1/RoCE ; OOB eth0:10.0.0.1<0>\nx via NET/IB/0"
+NCCL_SOCKET = """node1:1:2 [0] NCCL INFO NET/IB : No device found.
+node1:1:2 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.0.1<0>
+node1:1:2 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/Socket/0"""
+
+
+def test_nccl_transport_from_its_init_lines():
+    assert nccl_transport(NCCL_IB) == "NET/IB"
+    assert nccl_transport(NCCL_ROCE) == "NET/IB/RoCE"
+    assert nccl_transport(NCCL_SOCKET) == "NET/Socket"
+    assert nccl_transport("NCCL INFO NET/Socket : Using [0]eth0:10.0.0.1<0>") == "NET/Socket"
+    assert nccl_transport("NCCL INFO Bootstrap : Using eth0") is None
+
+
+def test_transport_expectations_and_reasons():
+    assert expected_transport(True, {}, True)[0] == "NET/IB"
+    assert expected_transport(True, {"NCCL_IB_DISABLE": "1"}, True)[0] == "NET/Socket"
+    assert expected_transport(True, {}, False)[0] is None
+    assert expected_transport(False, {"GLOO_SOCKET_IFNAME": "ib0,eth0"}, True)[0] == "ib0"
+    why = transport_reasons({"a": "NET/IB", "b": "NET/Socket", "c": "NET/IB/RoCE"}, "NET/IB", True)
+    assert list(why) == ["b"] and "fell back to TCP" in why["b"]
+    gloo = {"a": "gloo:eth0 10.0.0.1", "b": "gloo:eth0 10.0.0.2", "c": "gloo:eth1 10.1.0.3"}
+    assert list(transport_reasons(gloo, None, False)) == ["c"]  # the majority's interface is expected
+    assert set(transport_reasons(gloo, "eth1", False)) == {"a", "b"}
+    loop = {"a": "gloo:lo 127.0.0.1", "b": "gloo:lo 127.0.0.1"}
+    assert transport_reasons(loop, None, False, {"a": "h1", "b": "h1"}) == {}
+    assert set(transport_reasons(loop, None, False, {"a": "h1", "b": "h2"})) == {"a", "b"}
+
+
+def small_recipe(**cluster) -> dict:
+    return {"name": "preflight", "backend": {"kind": "comm_check"},
+            "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+                      "vocab_size": 512}, "cluster": {"nodes": 1, "gpus_per_node": 2, "gpu_type": "cpu", **cluster}}
+
+
+def test_recipe_fields_and_when_preflight_runs():
+    from hpc_tools.recipe.load import resolve
+    from hpc_tools.runtime.preflight.run import enabled
+
+    def on(**cluster):
+        return enabled(resolve(small_recipe(**cluster)))
+
+    assert resolve(small_recipe()).cluster.preflight == "auto"
+    assert resolve(small_recipe()).cluster.preflight_budget_s == 60
+    assert on(nodes=2) and not on(nodes=1) and on(nodes=1, preflight="strict") and not on(nodes=4, preflight="off")
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("preflight", "sometimes", "auto"), ("preflight", True, "auto"), ("preflight_budget_s", 0, "greater than 0"),
+    ("preflight_budget_s", 1.5, "integer"), ("preflight_budget_s", 3601, "less than or equal")])
+def test_bad_preflight_fields_are_one_line(field, value, words):
+    from hpc_tools.errors import RecipeError
+    from hpc_tools.recipe.load import resolve
+
+    with pytest.raises(RecipeError) as err:
+        resolve(small_recipe(**{field: value}))
+    assert len(err.value.violations) == 1
+    message = str(err.value.violations[0])
+    assert "\n" not in message and f"cluster.{field}" in message and words in message, message
