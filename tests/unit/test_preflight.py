@@ -75,6 +75,15 @@ def test_search_over_healthy_nodes_stops_after_one_round(n):
     assert found.culprits == () and found.rounds == 1 and len(calls) == 1
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_search_names_nothing_when_nothing_says_a_pair_is_slow(n):
+    def slow(groups):  # no expected figure for the whole; lone nodes cannot be told apart
+        return [None if len(groups) == 1 or len(g) == 1 else False for g in groups]
+
+    found = find_slow([f"n{i}" for i in range(n)], slow)
+    assert found.culprits == () and found.rounds <= max_rounds(n)
+
+
 def test_search_when_the_whole_is_unknown_and_no_half_is_slow():
     def slow(groups):
         return [None if len(groups) == 1 else False for _ in groups]

@@ -7,9 +7,11 @@ halves the candidates, so a search ends after ceil(log2 N) + 1 rounds at most (`
 node (or link); when both halves are slow it stops and names the candidates left.
 
 A half of a single node has no link of its own to test: it is tested with a node already found healthy (a
-*reference*) when there is one. Where there is none (two nodes in all), the round function may answer None for it,
-and the search takes it as the opposite of its sibling; two nodes whose pair is slow and neither of which can be
-tested apart are both named (a slow link cannot be pinned on one of its two ends).
+*reference*) when there is one. Where there is none (three nodes or two), the round function may answer None for
+it, and the search takes it as the opposite of its sibling when the candidates are known to hold a slow node; two
+nodes whose pair is slow and neither of which can be tested apart are both named (a slow link cannot be pinned on
+one of its two ends). The whole group's verdict may be None too (no expected figure to compare it with): the halves
+are then compared with each other only, and a node that cannot be tested apart is named by nothing.
 
 ``slow`` is the cost function: given the groups of one round (tuples of node names), whether each group is slow
 (None: cannot be told). The rank side (``run``) measures all-reduce bus bandwidth over each group; the unit tests
@@ -69,10 +71,14 @@ def find_slow(nodes: Sequence[str], slow: RoundFn, test_whole: bool = True) -> S
                   enumerate((first, second))]
         s1, s2 = run(groups)
         if s1 is None and s2 is None:
+            if whole is None:  # nothing says the pair is slow: nothing to pin
+                return Search((), len(tested), f"{' and '.join(candidates)} cannot be tested apart and nothing "
+                              "says they are slow together", tested)
             return Search(tuple(candidates), len(tested), f"{' and '.join(candidates)} together are slow and "
                           "neither can be tested apart (a slow link cannot be pinned on one of its two ends)", tested)
-        s1 = (not s2) if s1 is None else s1
-        s2 = (not s1) if s2 is None else s2
+        # one lone node untested: the opposite of its sibling when the candidates are known to hold a slow node
+        s1 = (not s2 and whole is True) if s1 is None else s1
+        s2 = (not s1 and whole is True) if s2 is None else s2
         if s1 and s2:
             return Search(tuple(candidates), len(tested), "both halves are slow: more than one slow node", tested)
         if not s1 and not s2:
@@ -81,5 +87,6 @@ def find_slow(nodes: Sequence[str], slow: RoundFn, test_whole: bool = True) -> S
                     f"({', '.join(first)} | {', '.join(second)})")
             return Search((), len(tested), note, tested, None if whole is None else (tuple(first), tuple(second)))
         candidates, good = (first, good + second) if s1 else (second, good + first)
+        whole = True  # the candidates left hold the slow node
     note = f"{candidates[0]} is slow" if candidates else "no nodes"
     return Search(tuple(candidates), len(tested), note, tested)
