@@ -18,6 +18,8 @@ Per life, in seconds of wall time (x world size = GPU-seconds, or rank-seconds o
   checkpoint verification) and the time each save blocked training (``checkpoint_save`` events: the whole save when
   synchronous; with ``checkpoint.async_save`` the staging and the commit, not the background write), the slowest
   rank's per save;
+- preflight: the ``preflight`` events' seconds (``cluster.preflight``: the allocation checked before step 1,
+  ``hpc_tools.runtime.preflight``), the slowest rank's per life; taken out of the life's start-up;
 - recovery: the ``recovery`` events' seconds (a restart inside the allocation: from the fault to the new life's first
   step, recorded by the restart machinery); taken out of the life's start-up;
 - productive: the step time of every step whose record is final (no later life recorded that step again);
@@ -46,8 +48,8 @@ import numpy as np
 
 START_EVENTS = ("launched", "batch started", "started")
 LIVE_STATES = ("CREATED", "PENDING", "STARTING", "RUNNING")
-BUCKETS = ("productive", "startup", "checkpoint_load", "checkpoint_blocked", "recovery", "lost_work", "evaluation",
-           "other")
+BUCKETS = ("productive", "startup", "preflight", "checkpoint_load", "checkpoint_blocked", "recovery", "lost_work",
+           "evaluation", "other")
 ALIASES = {"checkpoint_save": "checkpoint_blocked"}
 """Older names of buckets, still given in ``summary()`` and ``total()`` (same values)."""
 
@@ -78,6 +80,7 @@ class Life:
     saves: int = 0
     recovery_s: float = 0.0
     evaluation_s: float = 0.0
+    preflight_s: float = 0.0
 
     @property
     def allocation_s(self) -> float:
@@ -86,8 +89,9 @@ class Life:
     @property
     def startup_s(self) -> float:
         if self.first_step_start is None:
-            return max(self.allocation_s - self.checkpoint_load_s - self.recovery_s, 0.0)
-        return max(self.first_step_start - self.start - self.checkpoint_load_s - self.recovery_s, 0.0)
+            return max(self.allocation_s - self.checkpoint_load_s - self.recovery_s - self.preflight_s, 0.0)
+        return max(self.first_step_start - self.start - self.checkpoint_load_s - self.recovery_s - self.preflight_s,
+                   0.0)
 
 
 @dataclass
@@ -104,6 +108,7 @@ class Goodput:
         """Wall seconds per bucket (``BUCKETS``), summed over lives; ``other`` closes the allocation."""
         out = {"productive": sum(life.productive_s for life in self.lives),
                "startup": sum(life.startup_s for life in self.lives),
+               "preflight": sum(life.preflight_s for life in self.lives),
                "checkpoint_load": sum(life.checkpoint_load_s for life in self.lives),
                "checkpoint_blocked": sum(life.checkpoint_blocked_s for life in self.lives),
                "recovery": sum(life.recovery_s for life in self.lives),
@@ -179,7 +184,8 @@ def measure(records_dir: Path, manifest: dict[str, Any], world_size: int, gpu: b
                        if (t := _ts(e.get("time")))]
     ended = [t for t, name, state in manifest_events
              if state and state not in LIVE_STATES and not str(name).startswith("slurm ")]
-    owned = _events_by_life(events, anchors)
+    owned = _events_by_life({r: [e for e in es if e.get("event") != "preflight"] for r, es in events.items()}, anchors)
+    preflight = _preflight_by_life(events, anchors)
     life_of_step = np.searchsorted(anchors, step_start, side="right") - 1 if have_steps else np.empty(0, int)
     lives = []
     for k, anchor in enumerate(anchors):
@@ -208,6 +214,7 @@ def measure(records_dir: Path, manifest: dict[str, Any], world_size: int, gpu: b
             elif e.get("event") == "recovery":  # one per life (a restart starts a life): the slowest rank's
                 life.recovery_s = max(life.recovery_s, float(e.get("seconds") or 0.0))
         life.checkpoint_blocked_s, life.saves = float(sum(saves.values())), len(saves)
+        life.preflight_s = preflight.get(k, 0.0)
         ends = [t for t in ended if last_activity - 1 <= t < nxt]
         if ends:
             life.end = max(last_activity, min(ends))
@@ -220,6 +227,18 @@ def measure(records_dir: Path, manifest: dict[str, Any], world_size: int, gpu: b
         _productive_and_lost(cols, life_of_step, lives)
     out.lives = lives
     out.requeue_wait_s = float(sum(max(b.start - a.end, 0.0) for a, b in zip(lives, lives[1:])))
+    return out
+
+
+def _preflight_by_life(events: dict[int, list[dict[str, Any]]], anchors: list[float]) -> dict[int, float]:
+    """life index -> its preflight's seconds (the slowest rank's). Preflight runs before the collector starts, so its
+    event belongs to the first life anchored at or after it, not to the one before."""
+    out: dict[int, float] = {}
+    for rank_events in events.values():
+        for e in rank_events:
+            if e.get("event") == "preflight" and e.get("time") is not None:
+                k = min(int(np.searchsorted(anchors, e["time"], side="left")), len(anchors) - 1)
+                out[k] = max(out.get(k, 0.0), float(e.get("seconds") or 0.0))
     return out
 
 

@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"stragglers {health['straggler_verdict']}")
         if g.get("allocation_hours"):
             print(f"goodput  {100 * (g['goodput'] or 0):.1f} % of {g['allocation_hours']:.4g} {g['unit']}-hours "
-                  f"(start-up {g['startup_s']:.0f} s, checkpoint load {g['checkpoint_load_s']:.1f} s, checkpoint "
+                  f"(start-up {g['startup_s']:.0f} s, preflight {g.get('preflight_s') or 0:.1f} s, "
+                  f"checkpoint load {g['checkpoint_load_s']:.1f} s, checkpoint "
                   f"blocked {g['checkpoint_blocked_s']:.1f} s, recovery {g.get('recovery_s') or 0:.1f} s, "
                   f"evaluation {g.get('evaluation_s') or 0:.1f} s, lost work {g['lost_work_s']:.1f} s / "
                   f"{g['recomputed_steps']} steps, requeue wait "

@@ -23,8 +23,9 @@ def iso(t: float) -> str:
 
 def write_run(tmp_path):
     """Life 0: launched at 0, rank process up at 1, collector at 3, steps 1-5 (1 s each) from 10 every 1.2 s, a
-    0.5 s save after step 3, killed after step 5 (the launcher says `failed` at 20). Life 1: launched at 30, load
-    1.5 s, steps 4-8 from 40, saves after 6 and 8 (0.5 s, rank 1 slower: 0.7 s), `completed` at 50."""
+    0.5 s save after step 3, killed after step 5 (the launcher says `failed` at 20). Life 1: launched at 30, a 1.2 s
+    preflight ending at 32.5 (before its collector starts), load 1.5 s, steps 4-8 from 40, saves after 6 and 8
+    (0.5 s, rank 1 slower: 0.7 s), `completed` at 50."""
     run = synthetic_run(tmp_path, [f"cluster.gpus_per_node={WORLD}"], np.ones((WORLD, 1)))
     for r in range(WORLD):
         (run.records_dir / f"rank{r:05d}.parquet").unlink()
@@ -33,6 +34,9 @@ def write_run(tmp_path):
         with open(jsonl_path(run.records_dir, r), "w") as rec, open(events_path(run.records_dir, r), "w") as ev:
             for restart, steps, first, saves, load in lives:
                 base = 0.0 if restart == 0 else 30.0
+                if restart and r == 0:  # preflight, before the collector starts: this life's, not the one before
+                    ev.write(json.dumps({"event": "preflight", "time": T0 + base + 2.5, "seconds": 1.2, "rank": 0,
+                                         "restart": restart}) + "\n")
                 ev.write(json.dumps({"event": "start", "time": T0 + base + 3, "process_start": T0 + base + 1,
                                      "restart": restart, "rank": r}) + "\n")
                 if load:
@@ -62,8 +66,8 @@ def test_buckets_of_a_run_with_a_failure_and_a_restart(tmp_path):
     secs = g.seconds()
     # Life 0: 0..20; start-up 10; save 0.5; steps 1-3 productive, 4-5 recomputed later (lost). Life 1: 30..50;
     # load 1.5, start-up 40 - 30 - 1.5; saves 0.7 + 0.7 (the slowest rank's); steps 4-8 productive.
-    expected = {"productive": 3 + 5, "startup": 10 + 8.5, "checkpoint_load": 1.5, "checkpoint_blocked": 0.5 + 1.4,
-                "recovery": 0.0, "lost_work": 2.0, "evaluation": 0.0}
+    expected = {"productive": 3 + 5, "startup": 10 + 8.5 - 1.2, "preflight": 1.2, "checkpoint_load": 1.5,
+                "checkpoint_blocked": 0.5 + 1.4, "recovery": 0.0, "lost_work": 2.0, "evaluation": 0.0}
     expected["other"] = 40 - sum(expected.values())
     assert secs == pytest.approx(expected)
     s = g.summary()
