@@ -250,3 +250,16 @@ def test_bad_preflight_fields_are_one_line(field, value, words):
     assert len(err.value.violations) == 1
     message = str(err.value.violations[0])
     assert "\n" not in message and f"cluster.{field}" in message and words in message, message
+
+
+@pytest.mark.parametrize("args", [["missing.yaml"],
+                                  ["recipes/comm_check.yaml", "--set", "cluster.preflight_budget_s=0"],
+                                  ["recipes/comm_check.yaml", "--set", "cluster.preflight=maybe"]])
+def test_the_command_refuses_bad_input_in_one_line(tmp_path, args):
+    from tests.helpers import run_cli
+
+    out = run_cli("preflight", *args, "--runs-dir", str(tmp_path / "runs"), timeout=120)
+    assert out.returncode == 2 and out.stdout == "", out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

@@ -1,0 +1,50 @@
+"""Preflight on real local ranks (gloo), each standing for a node: `hpc_tools preflight` names a rank whose GEMM is
+made slow and one whose collectives are (faults injected through the environment, hpc_tools.runtime.preflight.
+measure), within the budget, with the table in the run folder; a strict training job stops before step 1 with one
+line naming the node, and records preflight's time for the goodput report."""
+
+from __future__ import annotations
+
+import json
+
+from hpc_tools.registry import list_runs
+from tests.helpers import run_cli
+
+COMM = "recipes/comm_check.yaml"
+
+
+def test_preflight_command_names_a_slow_gemm_and_a_slow_link(tmp_path):
+    out = run_cli("preflight", COMM, "--set", "local.cluster.gpus_per_node=4", "--runs-dir", str(tmp_path),
+                  env={"HPC_TOOLS_PREFLIGHT_SLOW_RANK": "1", "HPC_TOOLS_PREFLIGHT_SLOW_LINK": "2"}, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    table = out.stdout.splitlines()
+    assert table[0].split()[:2] == ["node", "ranks"] and [ln.split()[0] for ln in table[1:]] == [
+        "local0", "local1", "local2", "local3"]
+    (run,) = list_runs(tmp_path)
+    data = json.loads((run.path / "preflight.json").read_text())
+    rows = {r["node"]: r for r in data["nodes"]}
+    assert data["named"] == ["local1", "local2"], data
+    assert rows["local1"]["verdict"] == "slow" and rows["local1"]["reasons"][0].startswith("GEMM ")
+    assert "x the node median" in rows["local1"]["reasons"][0]
+    assert any(r.startswith("all-reduce busbw") for r in rows["local2"]["reasons"]), rows["local2"]
+    assert all(r["transport"] == "gloo:lo 127.0.0.1" for r in rows.values())
+    assert data["search"]["rounds"] <= 3 and data["seconds"] <= data["budget_s"] == 60
+    last = out.stderr.strip().splitlines()[-1]
+    assert "node local1 slow: GEMM" in last and "node local2 slow: all-reduce" in last
+
+
+def test_strict_job_stops_before_step_1_naming_the_node(tmp_path):
+    out = run_cli("submit", COMM, "--executor", "local", "--set", "local.cluster.nodes=2",
+                  "--set", "local.cluster.gpus_per_node=1", "--set", "local.cluster.preflight=strict",
+                  "--runs-dir", str(tmp_path), env={"HPC_TOOLS_PREFLIGHT_SLOW_RANK": "1"}, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    (run,) = list_runs(tmp_path)
+    manifest = run.manifest()
+    assert manifest["state"] == "FAILED", manifest
+    error = manifest["error"]
+    assert error.startswith("preflight (cluster.preflight=strict): node local1 slow: GEMM") and "\n" not in error
+    logs = "".join(p.read_text() for p in run.logs_dir.glob("rank*.out"))
+    assert "Traceback" not in logs and error in logs
+    assert not list(run.records_dir.glob("rank*.jsonl")) and not list(run.records_dir.glob("rank*.parquet"))
+    events = [json.loads(ln) for ln in (run.records_dir / "events_rank00000.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["preflight"] and 0 < events[0]["seconds"] <= 60
