@@ -108,6 +108,9 @@ remove_files_outside_state() {
         mv -f "$SLURM_CONF_PATH.before-$MARK" "$SLURM_CONF_PATH"
     fi
     rm -f "$OWNED_DIR/slurm.conf"
+    if [[ -f ${SLURM_CONF_PATH%/*}/topology.conf ]] && grep -q "$MARK" "${SLURM_CONF_PATH%/*}/topology.conf"; then
+        rm -f "${SLURM_CONF_PATH%/*}/topology.conf"  # up.sh --switches
+    fi
     if [[ -f $OWNED_DIR/cgroup-mount ]]; then
         umount /sys/fs/cgroup 2>/dev/null || warn "could not unmount /sys/fs/cgroup"
         rm -f "$OWNED_DIR/cgroup-mount"

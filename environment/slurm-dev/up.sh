@@ -5,6 +5,7 @@
 #   bash environment/slurm-dev/up.sh                 # one slurmd on the host
 #   bash environment/slurm-dev/up.sh --nodes 2       # 2 slurmd, one per network namespace
 #   bash environment/slurm-dev/up.sh --nodes 4 --cpus-per-node 4 --mem-per-node 8000
+#   bash environment/slurm-dev/up.sh --nodes 4 --switches 2   # topology/tree, leaves s1: n1 n3, s2: n2 n4
 #
 # A cluster that is already up (from an earlier up.sh) is stopped first, so
 # running it again is how you switch modes. Why it does what it does (Slurm
@@ -19,11 +20,12 @@ source "$HERE/lib.sh"
 NODES=1
 CPUS_PER_NODE=${HPC_TOOLS_SLURM_CPUS_PER_NODE:-4}
 MEM_PER_NODE=${HPC_TOOLS_SLURM_MEM_PER_NODE:-8000}
+SWITCHES=0  # --switches N: topology/tree with N leaf switches, node i on leaf ((i-1) mod N)+1 (interleaved)
 PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server mariadb-client iproute2 util-linux)
 CURRENT_PHASE=startup
 
 usage() {
-    sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit "${1:-0}"
 }
 
@@ -36,6 +38,8 @@ parse_args() {
         --cpus-per-node=*) CPUS_PER_NODE=${1#*=}; shift ;;
         --mem-per-node) MEM_PER_NODE=${2:?}; shift 2 ;;
         --mem-per-node=*) MEM_PER_NODE=${1#*=}; shift ;;
+        --switches) SWITCHES=${2:?}; shift 2 ;;
+        --switches=*) SWITCHES=${1#*=}; shift ;;
         -h | --help) usage 0 ;;
         *) echo "up.sh: unknown argument: $1" >&2; usage 2 >&2 ;;
         esac
@@ -43,6 +47,7 @@ parse_args() {
     [[ $NODES =~ ^[1-8]$ ]] || { echo "up.sh: --nodes must be 1..8 (got $NODES)" >&2; exit 2; }
     [[ $CPUS_PER_NODE =~ ^[1-9][0-9]*$ ]] || { echo "up.sh: bad --cpus-per-node" >&2; exit 2; }
     [[ $MEM_PER_NODE =~ ^[1-9][0-9]*$ ]] || { echo "up.sh: bad --mem-per-node" >&2; exit 2; }
+    [[ $SWITCHES =~ ^[0-8]$ ]] || { echo "up.sh: --switches must be 0..8 (got $SWITCHES)" >&2; exit 2; }
 }
 
 # ---------------------------------------------------------------- failure
@@ -266,6 +271,22 @@ write_configs() {
             node_lines+="NodeName=${NODE_NAMES[i - 1]} NodeAddr=${NODE_ADDRS[i - 1]}$extra CPUs=$CPUS_PER_NODE RealMemory=$MEM_PER_NODE State=UNKNOWN"$'\n'
         done
     fi
+    local topology_line=""
+    if ((SWITCHES > 0)); then
+        # Interleaved leaves (n1 n3 ... on s1, n2 n4 ... on s2): Slurm's node order is not the topology's, so
+        # placement by topology has something to reorder. topology.conf sits beside the controller's slurm.conf.
+        topology_line="TopologyPlugin=topology/tree"
+        local s leaf_nodes all_leaves=""
+        : >"$STATE/etc/topology.conf"
+        for s in $(seq 1 "$SWITCHES"); do
+            leaf_nodes=""
+            for i in $(seq "$s" "$SWITCHES" "$NODES"); do leaf_nodes+="${leaf_nodes:+,}${NODE_NAMES[i - 1]}"; done
+            [[ -n $leaf_nodes ]] && echo "SwitchName=s$s Nodes=$leaf_nodes" >>"$STATE/etc/topology.conf"
+            all_leaves+="${all_leaves:+,}s$s"
+        done
+        echo "SwitchName=top Switches=$all_leaves" >>"$STATE/etc/topology.conf"
+        sed -i "1i # $MARK: written by up.sh --switches $SWITCHES" "$STATE/etc/topology.conf"
+    fi
     cat >"$STATE/etc/slurm.conf" <<EOF
 # $MARK: written by hpc_tools environment/slurm-dev/up.sh ($(date -Is)); removed by down.sh.
 # Mode: $NODES node(s), node network: $NET_MODE. State dir: $STATE
@@ -315,6 +336,7 @@ JobRequeue=1
 ReturnToService=2
 SlurmdTimeout=60
 InactiveLimit=0
+$topology_line
 $node_lines
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
@@ -346,6 +368,14 @@ EOF
     fi
     echo "$SLURM_CONF_PATH" >"$OWNED_DIR/slurm.conf"
     cp "$STATE/etc/slurm.conf" "$SLURM_CONF_PATH"
+    # slurmctld reads topology.conf from /etc/slurm (its compiled-in folder), not beside $SLURM_CONF
+    local topology_conf="${SLURM_CONF_PATH%/*}/topology.conf"
+    if [[ -f $STATE/etc/topology.conf ]]; then
+        [[ -e $topology_conf ]] && ! grep -q "$MARK" "$topology_conf" && die "$topology_conf exists and is not ours"
+        cp "$STATE/etc/topology.conf" "$topology_conf"
+    elif [[ -f $topology_conf ]] && grep -q "$MARK" "$topology_conf"; then
+        rm -f "$topology_conf"
+    fi
 
     cat >"$STATE/cluster.env" <<EOF
 # $MARK: the cluster up.sh brought up (sourceable)
