@@ -197,11 +197,23 @@ node1:1:2 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.0.1<0>
 node1:1:2 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/Socket/0"""
 
 
+# NCCL 2.28.9's own lines on a lent H200 without InfiniBand (one rank; the preflight's NCCL_DEBUG_FILE)
+NCCL_H200 = """vm:537:537 [0] NCCL INFO NET/IB : No device found.
+vm:537:537 [0] NCCL INFO NET/IB : Using [RO]; OOB eth0:192.0.2.2<0>
+vm:537:537 [0] NCCL INFO Failed to initialize NET plugin IB
+vm:537:537 [0] NCCL INFO NET/Socket : Using [0]eth0:192.0.2.2<0>
+vm:537:537 [0] NCCL INFO Initialized NET plugin Socket
+vm:537:537 [0] NCCL INFO Assigned NET plugin Socket to comm
+vm:537:537 [0] NCCL INFO Using network Socket"""
+
+
 def test_nccl_transport_from_its_init_lines():
     assert nccl_transport(NCCL_IB) == "NET/IB"
     assert nccl_transport(NCCL_ROCE) == "NET/IB/RoCE"
     assert nccl_transport(NCCL_SOCKET) == "NET/Socket"
-    assert nccl_transport("NCCL INFO NET/Socket : Using [0]eth0:10.0.0.1<0>") == "NET/Socket"
+    assert nccl_transport(NCCL_H200) == "NET/Socket"  # IB announced, failed, Socket used
+    assert nccl_transport("x NCCL INFO Using network IB") == "NET/IB"
+    assert nccl_transport("NCCL INFO NET/Socket : Using [0]eth0:10.0.0.1<0>") is None  # devices alone decide nothing
     assert nccl_transport("NCCL INFO Bootstrap : Using eth0") is None
 
 

@@ -59,21 +59,24 @@ def busbw_gbps(op: str, nbytes: float, seconds: float, n: int) -> float | None:
 
 
 # --- the transport a communicator chose ------------------------------------------------------------------------------
-# NCCL's INFO lines (NCCL_DEBUG=INFO): "NET/IB : Using [0]mlx5_0:1/IB ..." or ".../RoCE", "NET/Socket : Using
-# [0]eth0:10.0.0.1<0>", and per channel "Channel 00/0 : 0[0] -> 1[0] [send] via NET/IB/0(0)/GDRDMA".
+# NCCL's INFO lines (NCCL_DEBUG=INFO), as NCCL 2.28 writes them: per communicator "Using network Socket" (or IB),
+# per channel "Channel 00/0 : 0[0] -> 1[0] [send] via NET/IB/0/GDRDMA", and the devices "NET/IB : Using
+# [0]mlx5_0:1/RoCE ; OOB eth0:..." ("NET/IB : Using [RO]; OOB ..." is printed too when IB then fails to initialize,
+# so that line alone decides nothing).
 _NCCL_VIA = re.compile(r"via NET/(IB|Socket)")
-_NCCL_USING = re.compile(r"NET/(IB|Socket)\s*:\s*Using\s+(\S+)")
+_NCCL_NETWORK = re.compile(r"Using network (IB|Socket)\b")
+_NCCL_DEVICES = re.compile(r"NET/IB\s*:\s*Using\s+(\[\d+\]\S+)")
 
 
 def nccl_transport(text: str) -> str | None:
     """The inter-node transport NCCL used, from its INFO lines: ``NET/IB``, ``NET/IB/RoCE`` or ``NET/Socket`` (the
-    channels' ``via NET/...`` lines decide; else the ``NET/... : Using`` line); None when no line says."""
-    via = set(_NCCL_VIA.findall(text))
-    using = _NCCL_USING.findall(text)
-    kind = ("Socket" if "Socket" in via else "IB") if via else (using[0][0] if using else None)
-    if kind is None:
+    channels' ``via NET/...`` lines decide, else the communicators' ``Using network ...`` lines); None when no line
+    says."""
+    via = set(_NCCL_VIA.findall(text)) or set(_NCCL_NETWORK.findall(text))
+    if not via:
         return None
-    roce = any(k == "IB" and "/RoCE" in dev for k, dev in using)
+    kind = "Socket" if "Socket" in via else "IB"
+    roce = any("/RoCE" in dev for dev in _NCCL_DEVICES.findall(text))
     return f"NET/{kind}" + ("/RoCE" if kind == "IB" and roce else "")
 
 
