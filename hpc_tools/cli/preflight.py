@@ -51,7 +51,10 @@ def run(args: argparse.Namespace) -> int:
     code = run_local(run, world, echo=None, extra_env=env, rank_args=("--preflight-only",))
     data = read_report(run.path)
     if data is None:
-        line = (f"preflight ran no checks to the end (ranks exit {code}); see {run.logs_dir}/rank00000.out")
+        told = [ln.split("ERROR hpc_tools: ", 1)[-1] for p in sorted(run.logs_dir.glob("rank*.out"))
+                for ln in p.read_text(errors="replace").splitlines() if "preflight (cluster.preflight=" in ln]
+        line = told[0] if told else (f"preflight ran no checks to the end (ranks exit {code}); see "
+                                     f"{run.logs_dir}/rank00000.out")
         if args.json:
             emit_json({"ok": False, "run_dir": str(run.path), "error": line})
         else:

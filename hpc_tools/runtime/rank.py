@@ -164,6 +164,10 @@ def preflight_only(run_dir: str) -> int:
     try:
         preflight.check(ctx, "strict")
         code = 0
+    except PreflightFailed as exc:  # this rank could not take part (its transport): the line, for the command
+        error = str(exc)
+        logging.getLogger("hpc_tools").error("%s", error)
+        return exc.exit_code
     except BaseException as exc:
         error = f"{type(exc).__name__}: {exc}"
         raise

@@ -48,3 +48,12 @@ def test_strict_job_stops_before_step_1_naming_the_node(tmp_path):
     assert not list(run.records_dir.glob("rank*.jsonl")) and not list(run.records_dir.glob("rank*.parquet"))
     events = [json.loads(ln) for ln in (run.records_dir / "events_rank00000.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events] == ["preflight"] and 0 < events[0]["seconds"] <= 60
+
+
+def test_a_gloo_interface_the_node_lacks_is_named_as_a_transport_problem(tmp_path):
+    out = run_cli("preflight", COMM, "--set", "local.cluster.gpus_per_node=2", "--runs-dir", str(tmp_path),
+                  env={"GLOO_SOCKET_IFNAME": "nope0"}, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: preflight (cluster.preflight=strict): node local") and " transport: rank " in last
+    assert "GLOO_SOCKET_IFNAME=nope0 names no interface" in last and "Traceback" not in out.stderr

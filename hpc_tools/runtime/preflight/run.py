@@ -111,6 +111,9 @@ def run_in_job(ctx: "RankContext") -> Report | None:
     else:
         try:
             report = check(ctx, mode)
+        except PreflightFailed as exc:  # this rank cannot join (its gloo interface): told; the rendezvous fails next
+            log.warning("%s; training goes on (cluster.preflight=auto)", exc)
+            return None
         except Exception as exc:  # noqa: BLE001 - auto never stops a job: a check that broke is told and skipped
             log.warning("preflight could not finish on rank %d (%s: %s); training goes on (cluster.preflight=auto)",
                         ctx.rank, type(exc).__name__, exc)
@@ -137,18 +140,21 @@ def check(ctx: "RankContext", mode: str) -> Report:
     if gpu:
         torch.cuda.set_device(device)
         _nccl_log_to_file(ctx)
+    node, host = node_label(ctx), socket.gethostname()
+    mine = RankResult(rank=ctx.rank, node=node, host=host)
+    if not gpu:  # before the rendezvous: a gloo interface this node lacks would fail it without naming the node
+        iface, addr, err = measure.gloo_endpoint(ctx.dist.master_addr, ctx.dist.master_port)
+        mine.transport = gloo_transport(iface, addr)
+        if err and not dist.is_initialized():
+            raise PreflightFailed(f"preflight (cluster.preflight={mode}): node {node} transport: rank {ctx.rank}: "
+                                  f"{err} (set GLOO_SOCKET_IFNAME to an interface every node has)")
+        mine.error = err
     if not dist.is_initialized():
         global _CREATED
         dist.init_process_group(ctx.dist_backend, rank=ctx.rank, world_size=ctx.dist.world_size,
                                 timeout=ctx.collective_timeout)
         _CREATED = True
     world = ctx.dist.world_size
-    node, host = node_label(ctx), socket.gethostname()
-    mine = RankResult(rank=ctx.rank, node=node, host=host)
-    if not gpu:
-        iface, addr, err = measure.gloo_endpoint(ctx.dist.master_addr, ctx.dist.master_port)
-        mine.transport = gloo_transport(iface, addr)
-        mine.error = err
     places: list[Any] = [None] * world
     dist.all_gather_object(places, (ctx.rank, node, host))
     nodes: dict[str, list[int]] = {}
