@@ -132,10 +132,27 @@ def new_run(recipe: Recipe, root: str | Path | None = None, executor: str = "loc
     site = site_path()  # the site file whose defaults the recipe took (it is already merged into `text`)
     manifest = {"name": recipe.name, "executor": executor, "source": source, "layout": layout.describe(),
                 "world_size": layout.world_size, "backend": recipe.backend.kind, "site_file": site and str(site),
-                **(extra_manifest or {})}
+                "preflight_expected_busbw_gbps": preflight_expectation(recipe), **(extra_manifest or {})}
     return RunFolder.create(runs_root(root), new_run_id(recipe.name), text, render_sbatch(recipe, source), manifest,
                             check_recipe=lambda t: dump_resolved(resolve(parse_yaml(t))),
                             mode=recipe.cluster.run_dir_mode_bits)
+
+
+def preflight_expectation(recipe: Recipe) -> dict | None:
+    """The bus bandwidth (GB/s) the planner expects of the recipe's links, for preflight to judge the job's
+    collectives by (``hpc_tools.runtime.preflight``, which may not import the planner): ``inter`` and ``intra`` node
+    and their ``source``; None for CPU ranks or a GPU the planner's table lacks (without the recipe's overrides)."""
+    if not recipe.cluster.uses_gpus:
+        return None
+    try:
+        from hpc_tools.planner.hardware import hardware_for
+    except ImportError:
+        return None
+    hw = hardware_for(recipe.cluster, recipe.training.precision, need_peak=False)
+    if hw.sources.get("inter_node_bw_gbps") == "assumed":
+        return None
+    return {"inter": hw.inter_node_bw / 1e9, "intra": hw.intra_node_bw / 1e9,
+            "source": "planner/hardware.py" if hw.sources.get("inter_node_bw_gbps") == "table" else "the recipe"}
 
 
 def launch(plan: Plan, root: str | Path | None = None, echo=None) -> tuple[RunFolder, object]:

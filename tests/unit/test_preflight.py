@@ -275,3 +275,29 @@ def test_the_command_refuses_bad_input_in_one_line(tmp_path, args):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in out.stderr, out.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_the_planners_expected_busbw_reaches_the_ranks_through_the_manifest():
+    from types import SimpleNamespace
+
+    from hpc_tools.planner.hardware import GPUS
+    from hpc_tools.recipe.load import resolve
+    from hpc_tools.runtime.preflight.run import expected_busbw
+    from hpc_tools.submission import preflight_expectation
+
+    gpu = resolve(small_recipe(nodes=2, gpus_per_node=8, gpu_type="H100-SXM"))
+    recorded = preflight_expectation(gpu)
+    assert recorded == {"inter": GPUS["H100-SXM"].inter_node_bw_gbps, "intra": GPUS["H100-SXM"].intra_node_bw_gbps,
+                        "source": "planner/hardware.py"}
+    assert preflight_expectation(resolve(small_recipe())) is None  # CPU ranks
+    assert preflight_expectation(resolve(small_recipe(gpu_type="XPU-9000"))) is None  # not in the table
+    over = preflight_expectation(resolve(small_recipe(gpu_type="H100-SXM", inter_node_bw_gbps=12.5)))
+    assert over["inter"] == 12.5 and over["source"] == "the recipe"
+
+    def ctx(recipe, manifest):
+        return SimpleNamespace(recipe=recipe, run=SimpleNamespace(manifest=lambda: manifest))
+
+    assert expected_busbw(ctx(gpu, {"preflight_expected_busbw_gbps": recorded}))[:2] == (45.0, 360.0)
+    plain = resolve(small_recipe(nodes=2, gpu_type="H100-SXM", inter_node_bw_gbps=20.0))
+    assert expected_busbw(ctx(plain, {}))[:2] == (20.0, None)  # a plain sbatch: the recipe's overrides only
+    assert expected_busbw(ctx(gpu, {}))[:2] == (None, None)

@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hpc_tools")
 RANKS_PER_NODE_ENV = "HPC_TOOLS_PREFLIGHT_RANKS_PER_NODE"  # local executor: ranks that stand for one node
-EXPECT_ENV = "HPC_TOOLS_PREFLIGHT_EXPECT"  # "INTER,INTRA" GB/s: the planner's expected busbw (the command sets it)
 NCCL_DIR = "preflight"
 _CREATED = False  # this process's default group was made by preflight (``close`` ends it)
 # Message sizes: one micro-batch's activations (b x s x h at the precision's bytes), what a TP all-reduce or an SP
@@ -86,19 +85,22 @@ def message_bytes(recipe, device_type: str) -> int:
     return int(min(max(act * BYTES.get(recipe.training.precision, 4), lo), hi))
 
 
-def expected_busbw(recipe) -> tuple[float | None, float | None, str]:
-    """(inter-node, intra-node) busbw GB/s the planner expects, and where from: ``HPC_TOOLS_PREFLIGHT_EXPECT`` (the
-    command computes it from the planner's hardware table), else the recipe's overrides; CPU ranks: none."""
-    c = recipe.cluster
+def expected_busbw(ctx: "RankContext") -> tuple[float | None, float | None, str]:
+    """(inter-node, intra-node) busbw GB/s the planner expects, and where from: the run's manifest (``submit`` and
+    ``hpc_tools preflight`` record the planner's figures there: ``submission.preflight_expectation``), else the
+    recipe's overrides (a plain ``sbatch`` of a rendered script); CPU ranks: none."""
+    c = ctx.recipe.cluster
     if not c.uses_gpus:
         return None, None, "CPU ranks: no table figure"
-    raw = os.environ.get(EXPECT_ENV, "")
-    if raw:
-        inter, intra = (float(x) if x else None for x in (raw.split(",") + [""])[:2])
-        return inter, intra, "the planner's hardware table"
+    try:
+        recorded = ctx.run.manifest().get("preflight_expected_busbw_gbps")
+    except (OSError, ValueError):
+        recorded = None
+    if isinstance(recorded, dict) and recorded.get("inter"):
+        return recorded.get("inter"), recorded.get("intra"), str(recorded.get("source") or "the planner")
     if c.inter_node_bw_gbps or c.intra_node_bw_gbps:
         return c.inter_node_bw_gbps, c.intra_node_bw_gbps, "cluster.inter_node_bw_gbps / intra_node_bw_gbps"
-    return None, None, "none given (run `hpc_tools preflight` for the planner's figures)"
+    return None, None, "none recorded (submit through `hpc_tools submit` for the planner's figures)"
 
 
 def run_in_job(ctx: "RankContext") -> Report | None:
@@ -211,7 +213,7 @@ def check(ctx: "RankContext", mode: str) -> Report:
             intra[n] = busbw_gbps("all_reduce", _bytes_moved(nbytes, len(rs)), max(agreed[r] for r in rs), len(rs))
 
     # 5. the slow-link search over the nodes
-    inter_exp, intra_exp, exp_source = expected_busbw(recipe)
+    inter_exp, intra_exp, exp_source = expected_busbw(ctx)
     node_names = list(nodes)
     figures: dict[frozenset, float | None] = {}
     if "all_reduce" in collectives:
