@@ -4,7 +4,8 @@ healthy node reaches its speed in at least one of them, a slow one in none.
 
 Faults for tests, from the environment: ``HPC_TOOLS_PREFLIGHT_SLOW_RANK=R`` makes rank R's GEMM sleep four times as
 long as each multiplication took (a fifth of its speed); ``HPC_TOOLS_PREFLIGHT_SLOW_LINK=R`` makes rank R sleep
-``SLOW_LINK_S`` inside every timed collective it joins (its group waits for it, as for a throttled link).
+``SLOW_LINK_S`` inside every timed collective it joins (its group waits for it, as for a throttled link);
+``HPC_TOOLS_PREFLIGHT_IFNAME_RANK=R:NAME`` gives rank R ``GLOO_SOCKET_IFNAME=NAME`` (one node set differently).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 SLOW_RANK_ENV = "HPC_TOOLS_PREFLIGHT_SLOW_RANK"
 SLOW_LINK_ENV = "HPC_TOOLS_PREFLIGHT_SLOW_LINK"
 SLOW_LINK_S = 0.1
+IFNAME_RANK_ENV = "HPC_TOOLS_PREFLIGHT_IFNAME_RANK"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -148,6 +150,9 @@ def gloo_endpoint(master_addr: str, master_port: int) -> tuple[str | None, str |
     import socket
 
     wanted = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    rank, _, name = os.environ.get(IFNAME_RANK_ENV, "").partition(":")
+    if rank.strip() == os.environ.get("RANK") and name:  # a test's node-specific setting
+        wanted = name.strip()
     if wanted:
         addr = address_of(wanted)
         if addr is None:

@@ -144,16 +144,18 @@ def check(ctx: "RankContext", mode: str) -> Report:
         _nccl_log_to_file(ctx)
     node, host = node_label(ctx), socket.gethostname()
     mine = RankResult(rank=ctx.rank, node=node, host=host)
-    if not gpu:  # before the rendezvous: a gloo interface this node lacks would fail it without naming the node
+    if not gpu:
         iface, addr, err = measure.gloo_endpoint(ctx.dist.master_addr, ctx.dist.master_port)
-        mine.transport = gloo_transport(iface, addr)
-        if err and not dist.is_initialized():
-            raise PreflightFailed(f"preflight (cluster.preflight={mode}): node {node} transport: rank {ctx.rank}: "
-                                  f"{err} (set GLOO_SOCKET_IFNAME to an interface every node has)")
-        mine.error = err
+        mine.transport, mine.error = gloo_transport(iface, addr), err
     if not dist.is_initialized():
         global _CREATED
-        dist.init_process_group(ctx.dist_backend, rank=ctx.rank, world_size=ctx.dist.world_size,
+        store = _store(ctx)
+        line = None if gpu else _endpoints_agree(ctx, store, mine, mode, budget)
+        if line and mode == "strict":
+            raise PreflightFailed(line)
+        if line:  # auto: told on every rank (the rendezvous may fail next, and then says why in its own words)
+            log.warning("%s; training goes on (cluster.preflight=auto)", line)
+        dist.init_process_group(ctx.dist_backend, store=store, rank=ctx.rank, world_size=ctx.dist.world_size,
                                 timeout=ctx.collective_timeout)
         _CREATED = True
     world = ctx.dist.world_size
@@ -267,6 +269,38 @@ def check(ctx: "RankContext", mode: str) -> Report:
                  report.seconds, budget, ctx.run_dir / "preflight.json")
         preflight_event(ctx, report.seconds)
     return report
+
+
+def _store(ctx: "RankContext"):
+    """The rendezvous store the process group would make from MASTER_ADDR/PORT (env://), made here first so that
+    the ranks can compare their gloo endpoints before the group connects them."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(ctx.dist.master_addr, ctx.dist.master_port, ctx.dist.world_size, ctx.rank == 0,
+                         timeout=ctx.collective_timeout or timedelta(minutes=30), wait_for_workers=False)
+
+
+def _endpoints_agree(ctx: "RankContext", store, mine: RankResult, mode: str, budget: float) -> str | None:
+    """Before the rendezvous (gloo connects every pair as the group starts, and a rank on a wrong or missing interface
+    makes it fail or wait without naming the node): every rank's node, host, interface and error through the store;
+    a node whose interface is missing or differs from the others' (``transport_reasons``) is named on every rank,
+    in the one line returned (None: they agree), which ``strict`` stops on and ``auto`` tells."""
+    import json
+
+    store.set(f"preflight/endpoint/{ctx.rank}", json.dumps([mine.node, mine.host, mine.transport, mine.error]))
+    keys = [f"preflight/endpoint/{r}" for r in range(ctx.dist.world_size)]
+    store.wait(keys, timedelta(seconds=max(budget, 5.0)))
+    seen = [json.loads(store.get(k)) for k in keys]
+    failed = {n: f"rank {r}: {e}" for r, (n, _, _, e) in enumerate(seen) if e}
+    transports = {n: t for n, _, t, _ in seen}
+    expected, _ = expected_transport(False, ctx.recipe.cluster.setup.env, len(transports) > 1)
+    wrong = transport_reasons(transports, expected, False, {n: h for n, h, _, _ in seen})
+    named_nodes = {**wrong, **failed}
+    if not named_nodes:
+        return None
+    return (f"preflight (cluster.preflight={mode}): " + " | ".join(f"node {n} transport: {why}" for n, why in
+                                                                    named_nodes.items()) +
+            " (set GLOO_SOCKET_IFNAME to an interface every node has)")
 
 
 def close() -> None:
