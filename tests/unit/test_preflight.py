@@ -301,3 +301,28 @@ def test_the_planners_expected_busbw_reaches_the_ranks_through_the_manifest():
     plain = resolve(small_recipe(nodes=2, gpu_type="H100-SXM", inter_node_bw_gbps=20.0))
     assert expected_busbw(ctx(plain, {}))[:2] == (20.0, None)  # a plain sbatch: the recipe's overrides only
     assert expected_busbw(ctx(gpu, {}))[:2] == (None, None)
+
+
+def test_ranks_that_never_reach_the_rendezvous_are_named_within_the_budget():
+    import time
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from hpc_tools.runtime.distenv import free_port
+    from hpc_tools.runtime.preflight.run import _endpoints_agree
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 3, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    ctx = SimpleNamespace(rank=0, dist=SimpleNamespace(world_size=3, master_addr="127.0.0.1", master_port=port),
+                          recipe=SimpleNamespace(cluster=SimpleNamespace(setup=SimpleNamespace(env={}))))
+    store.set("preflight/endpoint/2", '["n2", "h2", "gloo:eth0 10.0.0.3", null]')  # rank 2 came, rank 1 did not
+    t0 = time.monotonic()
+    line = _endpoints_agree(ctx, store, RankResult(0, "n0", "h0", transport="gloo:eth0 10.0.0.1"), "strict", 1)
+    assert time.monotonic() - t0 < 10
+    assert line.startswith("preflight (cluster.preflight=strict): rank(s) 1 did not reach the rendezvous within 1 s")
+    store.set("preflight/endpoint/1", '["n1", "h1", "gloo:eth1 10.1.0.2", null]')  # now all: n1's interface differs
+    line = _endpoints_agree(ctx, store, RankResult(0, "n0", "h0", transport="gloo:eth0 10.0.0.1"), "strict", 1)
+    assert line.startswith("preflight (cluster.preflight=strict): node n1 transport: gloo uses interface eth1, not "
+                           "eth0"), line

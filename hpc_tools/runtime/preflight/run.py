@@ -289,7 +289,16 @@ def _endpoints_agree(ctx: "RankContext", store, mine: RankResult, mode: str, bud
 
     store.set(f"preflight/endpoint/{ctx.rank}", json.dumps([mine.node, mine.host, mine.transport, mine.error]))
     keys = [f"preflight/endpoint/{r}" for r in range(ctx.dist.world_size)]
-    store.wait(keys, timedelta(seconds=max(budget, 5.0)))
+    wait_s = max(budget, 1.0)
+    try:
+        store.wait(keys, timedelta(seconds=wait_s))
+    except (RuntimeError, TimeoutError) as exc:  # torch's DistStoreError is a RuntimeError
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        if not missing:
+            raise
+        return (f"preflight (cluster.preflight={mode}): rank(s) {', '.join(map(str, missing))} did not reach the "
+                f"rendezvous within {wait_s:g} s ({type(exc).__name__}; their nodes did not start them, or cannot "
+                f"reach {ctx.dist.master_addr}:{ctx.dist.master_port})")
     seen = [json.loads(store.get(k)) for k in keys]
     failed = {n: f"rank {r}: {e}" for r, (n, _, _, e) in enumerate(seen) if e}
     transports = {n: t for n, _, t, _ in seen}
