@@ -8,7 +8,10 @@ earlier ``restarts`` entries, and returns the class, the decision and one line w
    memory"), or the kernel's OOM killer ended the step (slurmstepd's ``oom_kill`` note). Stop, with a fix line.
 2. **infrastructure**: the rank's node was lost, the rank was killed by a signal or ended without an exit record,
    the hang watchdog named it, or its exception is a communication error (NCCL, gloo, the rendezvous store, a
-   connection closed or reset). Restart, leaving the node out when a spare can take its place.
+   connection closed or reset). Restart, leaving the node out when a spare can take its place. A ``strict``
+   preflight failure (``PreflightFailed``) is infrastructure too, but stops: it names the node, and the rank program
+   raises it only when nothing could replace that node (a replaceable node ends the step through
+   ``hpc_tools.runtime.preflight.leave_out``, which the controller handles before classifying).
 3. **user error**: a Python exception that is none of the above, except the operating system's (2 below). A
    deterministic program raises it again from the same checkpoint, so it stops at once with the traceback's last
    line. An operating-system error (``OSError`` other than a missing or forbidden path) raised again with the same
@@ -105,6 +108,8 @@ def classify(cause: str, record: dict | None, previous: list[dict], kernel_oom: 
     if types & OOM_TYPES or (types and OOM_TEXT.search(error)) or kernel_oom:
         why = last_line(record) if types else "the kernel's OOM killer ended a rank (slurmstepd: oom_kill)"
         return Verdict(OOM, STOP, why, oom_fix(record))
+    if "PreflightFailed" in types:  # strict preflight named a node nothing could replace (or a job-level problem)
+        return Verdict(INFRA, STOP, error.strip().splitlines()[0][:600] if error.strip() else "preflight failed")
     if cause in INFRA_CAUSES:
         return Verdict(INFRA, RESTART, INFRA_CAUSES[cause])
     if types & COMM_TYPES or (types and COMM_TEXT.search(error)):

@@ -12,6 +12,10 @@ What ``next`` does, in order:
 1. Nothing to recover: the step succeeded, the ranks completed or were stopped by a signal (time limit: they
    checkpointed and requeued the job; scancel), or the budget is spent (``cluster.restarts`` in-job restarts per
    run, counted in the manifest's ``restarts``): exit 1.
+   A step that preflight ended to leave named nodes out (``hpc_tools.runtime.preflight.leave_out``'s marker of
+   this start) is no failure: ``leave_out_step`` starts the next step without them on spare nodes, or requeues the
+   job excluding them, or (nothing can replace them) starts the step again told to train on them (``auto``) or stops
+   (``strict``); ``begin`` and every new step export what could replace a node (``preflight_hints``).
 2. The culprit of the step, from the same evidence as the epilogue (srun's reports of this step in the batch log,
    the heartbeats of this start, the hang watchdog's verdict): its rank, node and cause (``killed``, ``exited``,
    ``hang``, ``node failure``, ``cancelled``).
@@ -45,11 +49,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_tools.job.failure_class import KERNEL_OOM, RESTART, STOP, classify, no_progress, signature
+from hpc_tools.job.failure_class import INFRA, KERNEL_OOM, RESTART, STOP, classify, no_progress, signature
 from hpc_tools.registry import RunFolder
 from hpc_tools.runstate import HANG_EXIT_CODE, HANG_MARKER
 from hpc_tools.runtime import heartbeat
 from hpc_tools.runtime.distenv import PORT_BASE, PORT_SPAN, RESTART_BASE_ENV, restart_count
+from hpc_tools.runtime.preflight import leave_out
 
 PROBE_WAIT_S = 180.0  # how long a restart waits for a node's slurmd to answer (a crashed node coming back)
 PROBE_TIMEOUT_S = 20.0  # one probe step
@@ -128,13 +133,58 @@ def begin(run_dir: Path, env: dict[str, str], policy: Policy | None = None) -> s
     run = RunFolder(run_dir)
     policy = policy or Policy.of_run(run)
     job_id = env.get("SLURM_JOB_ID")
-    n = life_number(run.manifest(), env)
-    nodes = allocation_nodes(job_id, env)[:policy.nodes]
+    manifest = run.manifest()
+    n = life_number(manifest, env)
+    allocation = allocation_nodes(job_id, env)
+    # nodes an earlier life's preflight left out by a requeue (should Slurm not have kept them out of this allocation)
+    excluded = [x for x in preflight_excluded(manifest) if x in allocation]
+    if len(allocation) - len(excluded) < policy.nodes:
+        excluded = []
+    nodes = [x for x in allocation if x not in excluded][:policy.nodes]
     values: dict[str, str | int] = {RESTART_BASE_ENV: n - int(env.get("SLURM_RESTART_COUNT", "0") or 0),
-                                    "HPC_TOOLS_NODELIST": ",".join(nodes), "HPC_TOOLS_EXCLUDED": ""}
+                                    "HPC_TOOLS_NODELIST": ",".join(nodes), "HPC_TOOLS_EXCLUDED": ",".join(excluded),
+                                    **preflight_hints(allocation, nodes, excluded, policy, manifest, job_id)}
     if nodes:
         values.update(MASTER_ADDR=nodes[0], MASTER_PORT=step_port(job_id, n))
     return exports(values)
+
+
+def preflight_requeues(manifest: dict) -> list[dict]:
+    return [e for e in manifest.get("restarts", []) if e.get("cause") == "preflight" and e.get("kind") == "requeue"]
+
+
+def preflight_excluded(manifest: dict) -> list[str]:
+    """The nodes earlier lives' preflight requeued the job without."""
+    return list(dict.fromkeys(x for e in preflight_requeues(manifest) for x in e.get("nodes_named") or []))
+
+
+def restarts_left(manifest: dict, policy: Policy) -> int:
+    """What is left of ``cluster.restarts``: in-job restarts and the requeues that left a preflight-named node out
+    both spend it (a requeue after a lost node does not: ``cluster.requeue`` governs that one)."""
+    done = [r for r in manifest.get("restarts", []) if r.get("kind", "in-job") == "in-job"]
+    return policy.budget - len(done) - len(preflight_requeues(manifest))
+
+
+def preflight_hints(allocation: list[str], nodes: list[str], excluded: list[str], policy: Policy, manifest: dict,
+                    job_id: str | None, accept: list[str] | None = None) -> dict[str, str | int]:
+    """What could replace a node the step's preflight names (``hpc_tools.runtime.preflight.leave_out``): the spare
+    nodes (outside the step, not excluded) and whether a requeue may leave it out, both only while a restart is left;
+    ``accept``: nodes nothing could replace before (the step trains on them)."""
+    left = restarts_left(manifest, policy) > 0
+    spares = len([x for x in allocation if x not in nodes and x not in excluded]) if left else 0
+    return {leave_out.SPARES_ENV: spares, leave_out.REQUEUE_ENV: int(left and policy.requeue and bool(job_id)),
+            leave_out.ACCEPT_ENV: ",".join(accept or [])}
+
+
+def exclude_from_job(job_id: str, nodes: list[str]) -> str | None:
+    """``scontrol update JobId=J ExcNodeList=...`` (so the requeued job is not given ``nodes`` again): None when
+    Slurm took it, else its words."""
+    out = subprocess.run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"],
+                         capture_output=True, text=True, timeout=30)
+    if out.returncode == 0:
+        return None
+    words = (out.stderr or out.stdout).strip().splitlines()
+    return words[-1] if words else f"exit {out.returncode}"
 
 
 def _recipe(run: RunFolder):
@@ -230,6 +280,9 @@ def next_step(run_dir: Path, exit_code: int, env: dict[str, str], prober=probe, 
         return None
     done = [r for r in manifest.get("restarts", []) if r.get("kind", "in-job") == "in-job"]
     start = restart_count(env)
+    marker = leave_out.read(run.path, start)
+    if marker is not None:  # preflight named nodes that a spare or a requeue can replace: no failure to classify
+        return leave_out_step(run, manifest, marker, env, policy, at, prober=prober, wait_s=wait_s, requeue=requeue)
     found = culprit(run, exit_code, start)
     if len(done) >= budget:
         say(f"no restart: the budget of {budget} in-job restart(s) (cluster.restarts) is spent")
@@ -273,7 +326,91 @@ def next_step(run_dir: Path, exit_code: int, env: dict[str, str], prober=probe, 
         "resumes from the newest complete checkpoint", restart=True)
     return exports({RESTART_BASE_ENV: n - int(env.get("SLURM_RESTART_COUNT", "0") or 0),
                     "HPC_TOOLS_NODELIST": ",".join(nodes), "HPC_TOOLS_EXCLUDED": ",".join(excluded),
-                    "MASTER_ADDR": nodes[0], "MASTER_PORT": step_port(job_id, n)})
+                    "MASTER_ADDR": nodes[0], "MASTER_PORT": step_port(job_id, n),
+                    **preflight_hints(allocation, nodes, excluded, policy, run.manifest(), job_id,
+                                      leave_out.accepted(env))})
+
+
+def named_words(marker: dict) -> str:
+    """"n2 slow (GEMM 0.1 TFLOP/s is 0.2x the node median ...)": each named node with its verdict and reasons."""
+    about = marker.get("details") or {}
+    return "; ".join(f"{x} {about.get(x, {}).get('verdict', 'named')}" +
+                     (f" ({'; '.join(about[x]['reasons'])})" if about.get(x, {}).get("reasons") else "")
+                     for x in marker["nodes"])
+
+
+def leave_out_step(run: RunFolder, manifest: dict, marker: dict, env: dict[str, str], policy: Policy, at: str,
+                   prober=probe, wait_s: float = PROBE_WAIT_S, requeue=None) -> str | None:
+    """After a step whose preflight named nodes (``leave_out``'s marker): a new step without them on spare nodes
+    (an in-job restart), else the job requeued excluding them (``scontrol update ExcNodeList``, then ``scontrol
+    requeue``), both while ``cluster.restarts`` has one left; else ``auto`` starts the step again on the same nodes,
+    told to train on them, and ``strict`` stops. Each is a ``restarts`` entry of class infrastructure, cause
+    ``preflight``, with the nodes, their figures and reasons."""
+    job_id = env.get("SLURM_JOB_ID")
+    named, mode = list(marker["nodes"]), marker.get("mode", "auto")
+    start = restart_count(env)
+    step_nodes = [x for x in env.get("HPC_TOOLS_NODELIST", "").split(",") if x]
+    excluded = [x for x in env.get("HPC_TOOLS_EXCLUDED", "").split(",") if x]
+    accept = leave_out.accepted(env)
+    allocation = allocation_nodes(job_id, env)
+    need = policy.nodes
+    seen = [int(e.get("restart_count") or 0) for e in manifest.get("events", []) if e.get("event") == "started"]
+    n = max([start, *seen]) + 1
+    them = ", ".join(named)
+    words = named_words(marker)
+    entry = {"at": at, "cause": "preflight", "rank": None, "node": named[0], "nodes_named": named,
+             "reason": f"preflight named {words}", "job_id": job_id, "restart": None, "from_iteration": None,
+             "time_to_first_step_s": None, "class": INFRA, "signature": None, "preflight": marker.get("details") or {}}
+    done = [r for r in manifest.get("restarts", []) if r.get("kind", "in-job") == "in-job"]
+    base = n - int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    if restarts_left(manifest, policy) > 0:
+        nodes, out = choose_nodes(allocation, excluded + named, None, need, wait_s=wait_s, prober=prober, say=_say)
+        if len(nodes) >= need:
+            entry.update(kind="in-job", restart=n, nodes=nodes, decision="leave out",
+                         why=f"a spare node takes the place of {them}")
+            _set_aside_hang(run, n)
+            run.update(event="restarting", state="STARTING", restart_count=n,
+                       restarts=[*manifest.get("restarts", []), entry], reason=None, failed_ranks=None,
+                       failed_nodes=None, exit_code=None, error=None)
+            _say(f"{len(done) + 1} of {policy.budget} in this run (preflight named {words}; infrastructure): {them} "
+                 f"left out, a new step on {','.join(nodes)}", restart=True)
+            return exports({RESTART_BASE_ENV: base, "HPC_TOOLS_NODELIST": ",".join(nodes),
+                            "HPC_TOOLS_EXCLUDED": ",".join(out), "MASTER_ADDR": nodes[0],
+                            "MASTER_PORT": step_port(job_id, n),
+                            **preflight_hints(allocation, nodes, out, policy, run.manifest(), job_id, accept)})
+        if policy.requeue and job_id:
+            keep_out = list(dict.fromkeys([*preflight_excluded(manifest), *named]))
+            refused = exclude_from_job(job_id, keep_out)
+            if (requeue or requeue_job)(job_id):
+                entry.update(kind="requeue", nodes=None, decision="requeue",
+                             why=f"no spare node for {them}: the job is requeued without "
+                                 f"{'it' if len(named) == 1 else 'them'}")
+                run.update(event="requeued", state="REQUEUED", restarts=[*manifest.get("restarts", []), entry],
+                           requeued_after=entry["reason"])
+                _say(f"preflight named {words}; no spare node can take the place of {them}: job requeued with "
+                     + (f"ExcNodeList={','.join(keep_out)}" if refused is None else
+                        f"Slurm refusing ExcNodeList ({refused}): its next life leaves {them} out of its steps "
+                        "when its allocation holds enough other nodes"))
+                return None
+    nothing = "nothing could replace " + ("it" if len(named) == 1 else "them") + \
+        " (no spare node outside the step, no in-job restart or requeue left)"
+    if mode == "strict":
+        entry.update(kind="stop", decision=STOP, why=f"preflight (cluster.preflight=strict) named {words}; {nothing}")
+        stop(run, manifest, entry)
+        return None
+    nodes = step_nodes or [x for x in allocation if x not in excluded][:need]
+    if not nodes:
+        _say(f"no restart: preflight named {words}; {nothing}, and the step's nodes are not known")
+        return None
+    entry.update(kind="preflight", restart=n, nodes=nodes, decision="train on", why=nothing)
+    run.update(event="restarting", state="STARTING", restart_count=n, restarts=[*manifest.get("restarts", []), entry],
+               reason=None, failed_ranks=None, failed_nodes=None, exit_code=None, error=None)
+    _say(f"preflight named {words}; {nothing}: training goes on with {them} (cluster.preflight=auto)", restart=True)
+    return exports({RESTART_BASE_ENV: base, "HPC_TOOLS_NODELIST": ",".join(nodes),
+                    "HPC_TOOLS_EXCLUDED": ",".join(excluded), "MASTER_ADDR": nodes[0],
+                    "MASTER_PORT": step_port(job_id, n),
+                    **preflight_hints(allocation, nodes, excluded, policy, run.manifest(), job_id,
+                                      list(dict.fromkeys([*accept, *named])))})
 
 
 def kernel_oom(run: RunFolder) -> bool:

@@ -24,6 +24,7 @@ from hpc_tools.runstate import HANG_EXIT_CODE, note_restart
 from hpc_tools.runtime.context import RankContext
 from hpc_tools.runtime.distenv import DistEnv
 from hpc_tools.runtime.preemption import StopFlag
+from hpc_tools.runtime.preflight import leave_out
 from hpc_tools.runtime.preflight import run as preflight
 from hpc_tools.runtime.preflight.verdict import PreflightFailed
 from hpc_tools.runtime.ranklog import DATEFMT, FORMAT, RankLog
@@ -97,9 +98,16 @@ def _run_rank(run_dir: str, dist: DistEnv) -> int:
         checked = preflight.run_in_job(ctx)  # cluster.preflight: the allocation checked before step 1
         backends.load(backends.of(ctx.recipe).trainer)(ctx)
         code = 0
+    except leave_out.LeaveOut as exc:  # preflight named nodes a spare or a requeue can replace: the controller does
+        code, error = exc.exit_code, str(exc)
+        detail = {"types": ["PreflightLeaveOut"], "where": "preflight", "step": None, "started": False}
+        if ctx.is_rank0:
+            ctx.run.update(event="preflight leave-out", reason=error, soft=True)
+        logging.getLogger("hpc_tools").warning("%s", error)
+        return code
     except PreflightFailed as exc:  # strict: one line naming the node, no traceback; the job stops
-        error = str(exc)
-        detail = {"types": ["PreflightFailed", "UserError"], "where": "preflight", "step": None, "started": False}
+        error = str(exc)  # classified as infrastructure (hpc_tools.job.failure_class): the node is named, no restart
+        detail = {"types": ["PreflightFailed"], "where": "preflight", "step": None, "started": False}
         if ctx.is_rank0:
             ctx.run.update(event="failed", state="FAILED", ended=now_iso(), error=error, soft=True)
         logging.getLogger("hpc_tools").error("%s", error)

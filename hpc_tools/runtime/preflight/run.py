@@ -13,7 +13,9 @@ The steps, within ``cluster.preflight_budget_s`` (each time slice is a share of 
    parallelism), as bus bandwidth; one all-reduce inside each node with several ranks, all nodes at once;
 5. the search for a slow link (``bisect.find_slow``): all-reduces over halves of the nodes, both halves at once;
 6. the verdicts (``verdict.judge``), ``preflight.json`` and the table on rank 0, a ``preflight`` event for the
-   goodput report; ``strict`` raises ``PreflightFailed`` on every rank with one line, ``auto`` logs it and goes on.
+   goodput report; named nodes that a spare or a requeue can replace end the step for the restart controller
+   (``leave_out``), else ``strict`` raises ``PreflightFailed`` on every rank with one line and ``auto`` logs it
+   and goes on.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from hpc_tools.runtime.preflight import measure
+from hpc_tools.runtime.preflight import leave_out, measure
 from hpc_tools.runtime.preflight.bisect import find_slow
 from hpc_tools.runtime.preflight.verdict import (
     EXPECTED_FLOOR,
@@ -121,11 +123,34 @@ def run_in_job(ctx: "RankContext") -> Report | None:
                         ctx.rank, type(exc).__name__, exc)
             return None
     if not report.healthy:
-        line = failure_line(report.rows, report.problems, mode)
-        if mode == "strict":
-            raise PreflightFailed(line)
-        ctx.info("%s; training goes on (cluster.preflight=auto: leaving the node out is not done yet)", line)
+        decide(ctx, report, mode)
     return report
+
+
+def decide(ctx: "RankContext", report: Report, mode: str) -> None:
+    """What a report that names nodes or problems does to this step, the same on every rank: named nodes that a spare
+    or a requeue can replace (``leave_out.replacement``, from what the restart controller exported) end the step
+    (``LeaveOut``; rank 0 writes the marker first); else ``strict`` raises ``PreflightFailed`` and ``auto`` trains on,
+    each with one line."""
+    import torch.distributed as dist
+
+    line = failure_line(report.rows, report.problems, mode)
+    nodes = [r.node for r in named(report.rows)]
+    how = leave_out.replacement(nodes, os.environ) if nodes else None
+    if how:
+        if ctx.is_rank0:
+            leave_out.write(ctx.run_dir, ctx.dist.restart_count, nodes, mode, line, how,
+                            leave_out.details(report.rows, nodes))
+        if dist.is_initialized():
+            dist.barrier()  # the marker is written before any rank ends the step
+        raise leave_out.LeaveOut(f"{line}; leaving {', '.join(nodes)} out of the run: {how}")
+    again = [n for n in nodes if n in leave_out.accepted(os.environ)]
+    why = ("named before, and nothing could replace " + ("them" if len(again) > 1 else "it")) if again else \
+        "nothing can replace " + ("them" if len(nodes) > 1 else "it") + \
+        " (no spare node outside the step, no in-job restart or requeue left)"
+    if mode == "strict":
+        raise PreflightFailed(f"{line}; {why}" if nodes else line)
+    ctx.info("%s; training goes on (cluster.preflight=auto%s)", line, f": {why}" if nodes else "")
 
 
 def check(ctx: "RankContext", mode: str) -> Report:
