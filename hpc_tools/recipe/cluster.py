@@ -168,9 +168,10 @@ class ClusterConfig(Section):
     preflight: Literal["auto", "off", "strict"] = "auto"
     """Check the allocation on every rank before step 1 (docs/preflight.md): a GEMM at the training precision and a
     memory copy per rank, collectives at the layout's message size as bus bandwidth, a search for a slow link, and
-    the transport each node uses; a per-node table goes into the run folder (preflight.json). `strict` fails the job
-    naming the node, the figure and the reason; `auto` (the default) runs it for multi-node jobs only and logs a
-    named node without stopping; `off` skips it."""
+    the transport each node uses; a per-node table goes into the run folder (preflight.json). A named node is left
+    out when a spare node (`spare_nodes`) or a requeue without it can replace it (needs `restarts` > 0); otherwise
+    `strict` fails the job naming the node, the figure and the reason, and `auto` (the default, multi-node jobs only)
+    says so in one line and trains on; `off` skips it."""
     preflight_budget_s: int = Field(default=60, gt=0, le=3600)
     """Seconds preflight may take (its time slices are shares of it); a run over it is named as a problem. The time
     shows as the goodput report's `preflight` bucket."""
