@@ -157,7 +157,7 @@ def test_the_rank_side_ends_the_step_trains_on_or_stops(tmp_path, monkeypatch, m
 
     names = [f"node{i}" for i in range(nodes)]
     hints = {k: (names[bad] if v == "BAD" else v) for k, v in hints.items()}
-    for k in (leave_out.SPARES_ENV, leave_out.REQUEUE_ENV, leave_out.ACCEPT_ENV):
+    for k in (leave_out.SPARES_ENV, leave_out.REQUEUE_ENV, leave_out.ACCEPT_ENV, "HPC_TOOLS_EXECUTOR"):
         monkeypatch.delenv(k, raising=False)
     for k, v in hints.items():
         monkeypatch.setenv(k, v)
@@ -183,6 +183,18 @@ def test_the_rank_side_ends_the_step_trains_on_or_stops(tmp_path, monkeypatch, m
         assert f"node {names[bad]} slow: {REASON}" in line and "training goes on" in line
         assert ("nothing could replace it" if hints else "nothing can replace it") in line
         assert not (tmp_path / leave_out.MARKER).exists()
+
+
+def test_local_ranks_are_never_left_out(tmp_path, monkeypatch):
+    from hpc_tools.runtime.preflight import run as preflight
+
+    monkeypatch.setenv(leave_out.SPARES_ENV, "2")
+    monkeypatch.setenv("HPC_TOOLS_EXECUTOR", "local")  # what the local executor gives its ranks
+    infos: list[str] = []
+    ctx = context(tmp_path, "auto", infos)
+    preflight.decide(ctx, Report(mode="auto", budget_s=60, seconds=1.0, rows=rows(["local0", "local1"], "local1")),
+                     "auto")
+    assert len(infos) == 1 and "training goes on" in infos[0] and not (tmp_path / leave_out.MARKER).exists()
 
 
 def test_job_level_problems_name_no_node_to_leave_out(tmp_path, monkeypatch):

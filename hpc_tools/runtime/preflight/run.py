@@ -136,7 +136,9 @@ def decide(ctx: "RankContext", report: Report, mode: str) -> None:
 
     line = failure_line(report.rows, report.problems, mode)
     nodes = [r.node for r in named(report.rows)]
-    how = leave_out.replacement(nodes, os.environ) if nodes else None
+    # the local executor's ranks stand in for nodes: nothing replaces them (the hints come from a Slurm job's loop)
+    how = leave_out.replacement(nodes, os.environ) if nodes and os.environ.get("HPC_TOOLS_EXECUTOR") != "local" \
+        else None
     if how:
         if ctx.is_rank0:
             leave_out.write(ctx.run_dir, ctx.dist.restart_count, nodes, mode, line, how,
