@@ -127,7 +127,8 @@ def classify(cause: str, record: dict | None, previous: list[dict], kernel_oom: 
 
 def no_progress(previous: list[dict]) -> int | None:
     """The checkpoint iteration the last two in-job restarts both resumed from (the guard stops), else None."""
-    done = [e for e in previous if e.get("kind", "in-job") == "in-job"]
+    # a step preflight ended to leave a node out was no fault from its checkpoint
+    done = [e for e in previous if e.get("kind", "in-job") == "in-job" and e.get("cause") != "preflight"]
     if len(done) < 2:
         return None
     a, b = done[-2].get("from_iteration"), done[-1].get("from_iteration")

@@ -140,6 +140,15 @@ def test_a_strict_preflight_failure_is_infrastructure_and_stops_naming_the_node(
     assert (verdict.cls, verdict.decision, verdict.why) == (INFRA, STOP, line)
 
 
+def test_leaving_a_node_out_is_no_fault_for_the_no_progress_guard():
+    from hpc_tools.job.failure_class import no_progress
+
+    left = {"kind": "in-job", "cause": "preflight", "from_iteration": 10}
+    fault = {"kind": "in-job", "cause": "killed", "from_iteration": 10}
+    assert no_progress([left, fault]) is None and no_progress([fault, left]) is None
+    assert no_progress([left, fault, fault]) == 10  # two faults from one checkpoint still stop
+
+
 # -- the rank side -----------------------------------------------------------------------------------------------
 
 
