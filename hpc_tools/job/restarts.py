@@ -40,10 +40,13 @@ What ``next`` does, in order:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -176,9 +179,23 @@ def preflight_hints(allocation: list[str], nodes: list[str], excluded: list[str]
             leave_out.ACCEPT_ENV: ",".join(accept or [])}
 
 
+@contextlib.contextmanager
+def _sigterm_ignored():
+    """SIGTERM ignored inside (the main thread only): Slurm's end of the batch step after a requeue signals this
+    process too, and the exclusion must still reach slurmctld."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def exclude_from_job(job_id: str, nodes: list[str]) -> str | None:
-    """``scontrol update JobId=J ExcNodeList=...`` (so the requeued job is not given ``nodes`` again): None when
-    Slurm took it, else its words."""
+    """``scontrol update JobId=J ExcNodeList=...`` on the requeued (pending) job, so that Slurm does not give it
+    ``nodes`` again: None when Slurm took it, else its words."""
     out = subprocess.run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"],
                          capture_output=True, text=True, timeout=30)
     if out.returncode == 0:
@@ -342,8 +359,8 @@ def named_words(marker: dict) -> str:
 def leave_out_step(run: RunFolder, manifest: dict, marker: dict, env: dict[str, str], policy: Policy, at: str,
                    prober=probe, wait_s: float = PROBE_WAIT_S, requeue=None) -> str | None:
     """After a step whose preflight named nodes (``leave_out``'s marker): a new step without them on spare nodes
-    (an in-job restart), else the job requeued excluding them (``scontrol update ExcNodeList``, then ``scontrol
-    requeue``), both while ``cluster.restarts`` has one left; else ``auto`` starts the step again on the same nodes,
+    (an in-job restart), else the job requeued excluding them (``scontrol requeue``, then ``scontrol update
+    ExcNodeList`` on the pending job), both while ``cluster.restarts`` has one left; else ``auto`` starts the step again on the same nodes,
     told to train on them, and ``strict`` stops. Each is a ``restarts`` entry of class infrastructure, cause
     ``preflight``, with the nodes, their figures and reasons."""
     job_id = env.get("SLURM_JOB_ID")
@@ -380,8 +397,12 @@ def leave_out_step(run: RunFolder, manifest: dict, marker: dict, env: dict[str, 
                             **preflight_hints(allocation, nodes, out, policy, run.manifest(), job_id, accept)})
         if policy.requeue and job_id:
             keep_out = list(dict.fromkeys([*preflight_excluded(manifest), *named]))
-            refused = exclude_from_job(job_id, keep_out)
-            if (requeue or requeue_job)(job_id):
+            with _sigterm_ignored():  # the requeue ends this batch script: SIGTERM now, SIGKILL after KillWait
+                requeued = (requeue or requeue_job)(job_id)
+                # Slurm takes ExcNodeList for a pending job only (job_mgr.c: ESLURM_JOB_NOT_PENDING), and a job
+                # requeued is pending (and completing) at once: so the exclusion follows the requeue
+                refused = exclude_from_job(job_id, keep_out) if requeued else None
+            if requeued:
                 entry.update(kind="requeue", nodes=None, decision="requeue",
                              why=f"no spare node for {them}: the job is requeued without "
                                  f"{'it' if len(named) == 1 else 'them'}")

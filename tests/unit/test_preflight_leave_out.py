@@ -115,6 +115,26 @@ def test_the_controller_leaves_a_named_node_out(tmp_path, monkeypatch, need, spa
             assert leave_out.replacement([named], out) is None  # the next step trains on
 
 
+def test_the_exclusion_follows_the_requeue_with_sigterm_ignored(tmp_path, monkeypatch):
+    """Slurm takes ExcNodeList for a pending job only, and the requeue ends the batch script (SIGTERM first): the
+    update comes after the requeue, while SIGTERM is ignored, and the handler is restored after."""
+    import signal
+
+    run = run_folder(tmp_path)
+    monkeypatch.setattr(restarts, "allocation_nodes", lambda job, env: ["n1", "n2"])
+    order = []
+    monkeypatch.setattr(restarts, "exclude_from_job",
+                        lambda job, nodes: order.append(("update", nodes, signal.getsignal(signal.SIGTERM))))
+    marker(run, "n2", ["n1", "n2"])
+    before = signal.getsignal(signal.SIGTERM)
+    env = {"SLURM_JOB_ID": "77", "HPC_TOOLS_NODELIST": "n1,n2"}
+    restarts.next_step(run.path, leave_out.EXIT_CODE, env, prober=lambda n: True, wait_s=0.0,
+                       requeue=lambda job: order.append(("requeue", job, signal.getsignal(signal.SIGTERM))) or True,
+                       policy=restarts.Policy(nodes=2, budget=1, requeue=True))
+    assert order == [("requeue", "77", signal.SIG_IGN), ("update", ["n2"], signal.SIG_IGN)]
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_a_marker_of_an_earlier_start_is_not_this_steps(tmp_path):
     run = run_folder(tmp_path)
     marker(run, "n2", ["n1", "n2"], start=0)
@@ -293,7 +313,7 @@ def test_the_rendered_loop_moves_to_the_spare(tmp_path):
 def test_the_rendered_loop_requeues_without_the_node(tmp_path):
     rc, log, made, manifest = run_job(tmp_path, nodes=2, restarts=1)
     scontrol = [c["argv"] for c in made if c["cmd"] == "scontrol" and c["argv"][0] in ("update", "requeue")]
-    assert scontrol == [["update", "JobId=4343", "ExcNodeList=node1"], ["requeue", "4343"]], log[-3000:]
+    assert scontrol == [["requeue", "4343"], ["update", "JobId=4343", "ExcNodeList=node1"]], log[-3000:]
     [entry] = manifest["restarts"]
     assert (entry["kind"], entry["decision"], manifest["state"]) == ("requeue", "requeue", "REQUEUED")
     assert json.dumps(entry["preflight"]["node1"]["reasons"]) == '["GEMM 0.1 TFLOP/s"]'
