@@ -360,9 +360,9 @@ def leave_out_step(run: RunFolder, manifest: dict, marker: dict, env: dict[str, 
                    prober=probe, wait_s: float = PROBE_WAIT_S, requeue=None) -> str | None:
     """After a step whose preflight named nodes (``leave_out``'s marker): a new step without them on spare nodes
     (an in-job restart), else the job requeued excluding them (``scontrol requeue``, then ``scontrol update
-    ExcNodeList`` on the pending job), both while ``cluster.restarts`` has one left; else ``auto`` starts the step again on the same nodes,
-    told to train on them, and ``strict`` stops. Each is a ``restarts`` entry of class infrastructure, cause
-    ``preflight``, with the nodes, their figures and reasons."""
+    ExcNodeList`` on the pending job), both while ``cluster.restarts`` has one left; else ``auto`` starts the step
+    again on the same nodes, told to train on them, and ``strict`` stops. Each is a ``restarts`` entry of class
+    infrastructure, cause ``preflight``, with the nodes, their figures and reasons."""
     job_id = env.get("SLURM_JOB_ID")
     named, mode = list(marker["nodes"]), marker.get("mode", "auto")
     start = restart_count(env)
@@ -397,22 +397,22 @@ def leave_out_step(run: RunFolder, manifest: dict, marker: dict, env: dict[str, 
                             **preflight_hints(allocation, nodes, out, policy, run.manifest(), job_id, accept)})
         if policy.requeue and job_id:
             keep_out = list(dict.fromkeys([*preflight_excluded(manifest), *named]))
-            with _sigterm_ignored():  # the requeue ends this batch script: SIGTERM now, SIGKILL after KillWait
-                requeued = (requeue or requeue_job)(job_id)
-                # Slurm takes ExcNodeList for a pending job only (job_mgr.c: ESLURM_JOB_NOT_PENDING), and a job
-                # requeued is pending (and completing) at once: so the exclusion follows the requeue
-                refused = exclude_from_job(job_id, keep_out) if requeued else None
-            if requeued:
-                entry.update(kind="requeue", nodes=None, decision="requeue",
-                             why=f"no spare node for {them}: the job is requeued without "
-                                 f"{'it' if len(named) == 1 else 'them'}")
-                run.update(event="requeued", state="REQUEUED", restarts=[*manifest.get("restarts", []), entry],
-                           requeued_after=entry["reason"])
-                _say(f"preflight named {words}; no spare node can take the place of {them}: job requeued with "
-                     + (f"ExcNodeList={','.join(keep_out)}" if refused is None else
-                        f"Slurm refusing ExcNodeList ({refused}): its next life leaves {them} out of its steps "
-                        "when its allocation holds enough other nodes"))
-                return None
+            # The requeue ends this batch script (SIGTERM now, SIGKILL after KillWait): the exclusion and the record
+            # are made with SIGTERM ignored. Slurm takes ExcNodeList for a pending job only (job_mgr.c:
+            # ESLURM_JOB_NOT_PENDING), and a requeued job is pending (and completing) at once: the exclusion follows.
+            with _sigterm_ignored():
+                if (requeue or requeue_job)(job_id):
+                    refused = exclude_from_job(job_id, keep_out)
+                    entry.update(kind="requeue", nodes=None, decision="requeue",
+                                 why=f"no spare node for {them}: the job is requeued without "
+                                     f"{'it' if len(named) == 1 else 'them'}")
+                    run.update(event="requeued", state="REQUEUED", restarts=[*manifest.get("restarts", []), entry],
+                               requeued_after=entry["reason"])
+                    _say(f"preflight named {words}; no spare node can take the place of {them}: job requeued with "
+                         + (f"ExcNodeList={','.join(keep_out)}" if refused is None else
+                            f"Slurm refusing ExcNodeList ({refused}): its next life leaves {them} out of its steps "
+                            "when its allocation holds enough other nodes"))
+                    return None
     nothing = "nothing could replace " + ("it" if len(named) == 1 else "them") + \
         " (no spare node outside the step, no in-job restart or requeue left)"
     if mode == "strict":
