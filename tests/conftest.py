@@ -45,6 +45,8 @@ def pytest_collection_modifyitems(config, items) -> None:
         elif on_slurm:
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.xdist_group("slurm"))
+        if item.get_closest_marker("slurm") and not fake and "_settled_slurm_cluster" not in item.fixturenames:
+            item.fixturenames.insert(0, "_settled_slurm_cluster")  # set up before the module's own fixtures
     # The Slurm tests that also read a shared local run last: by then the other worker has usually made it, so the
     # Slurm worker (the longest group) does not.
     items.sort(key=lambda item: "main_command" in item.fixturenames and item.get_closest_marker("slurm") is not None)
@@ -68,15 +70,16 @@ def _no_slurm_unless_asked(request, monkeypatch) -> None:
         monkeypatch.setenv("HPC_TOOLS_SLURM", "off")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _settled_slurm_cluster(request) -> None:
-    """Before a module with real Slurm tests (not the fake side of ``slurm_cluster``), the test cluster is settled
+@pytest.fixture(scope="module")
+def _settled_slurm_cluster() -> None:
+    """Before a module's first real Slurm test (not the fake side of ``slurm_cluster``), the test cluster is settled
     (tests/helpers.py ``settle_cluster``): what an earlier module's faults and jobs left behind is not this module's
-    to meet. Once per module, before its own fixtures submit anything."""
-    path = request.node.path
-    if any(item.path == path and item.get_closest_marker("slurm") and not item.get_closest_marker("fake_slurm")
-           for item in request.session.items):
-        settle_cluster()
+    to meet. Once per module, before its own fixtures submit anything: ``pytest_collection_modifyitems`` puts it
+    first in every real Slurm test's fixtures, and in no other test's. Under xdist the Slurm tests are one group,
+    so it runs on the worker that submits them; a module that also has tests of other groups (test_resume.py: a
+    local resume beside a Slurm one) never settles on the other worker, where its cancel of "leftover" jobs killed
+    the Slurm worker's running ones."""
+    settle_cluster()
 
 
 @pytest.fixture(autouse=True, scope="session")

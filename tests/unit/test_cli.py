@@ -160,6 +160,7 @@ BAD_INPUT = {
                                                                                 "{tmp}/model"],
     "tensorboard": ["tensorboard", "no-such-run"], "list": ["list", "--limit", "many"],
     "data": ["data", "prepare", "{tmp}/nope.txt", "--out", "{tmp}/prepared"],
+    "preflight": ["preflight", "nope.yaml"],
 }
 
 
