@@ -146,7 +146,7 @@ def begin(run_dir: Path, env: dict[str, str], policy: Policy | None = None) -> s
     nodes = [x for x in allocation if x not in excluded][:policy.nodes]
     values: dict[str, str | int] = {RESTART_BASE_ENV: n - int(env.get("SLURM_RESTART_COUNT", "0") or 0),
                                     "HPC_TOOLS_NODELIST": ",".join(nodes), "HPC_TOOLS_EXCLUDED": ",".join(excluded),
-                                    **preflight_hints(allocation, nodes, excluded, policy, manifest, job_id)}
+                                    **preflight_hints(allocation, nodes, excluded, policy, manifest, job_id, env=env)}
     if nodes:
         values.update(MASTER_ADDR=nodes[0], MASTER_PORT=step_port(job_id, n))
     return exports(values)
@@ -168,14 +168,36 @@ def restarts_left(manifest: dict, policy: Policy) -> int:
     return policy.budget - len(done) - len(preflight_requeues(manifest))
 
 
+def partition_nodes(env: dict[str, str]) -> list[str]:
+    """The nodes of the job's partition (``sinfo``), whatever their state; [] when Slurm does not answer."""
+    partition = env.get("SLURM_JOB_PARTITION")
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N", *(["-p", partition] if partition else [])],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return list(dict.fromkeys(out.stdout.split())) if out.returncode == 0 else []
+
+
+def requeue_room(policy: Policy, manifest: dict, env: dict[str, str]) -> int:
+    """How many nodes a requeued job could take instead of named ones: the partition's nodes beyond the job's own
+    count, less those earlier lives' preflight already excluded. A requeue that excludes more than this would leave
+    the job pending for ever (a 2-node job on a 2-node partition)."""
+    return max(0, len(partition_nodes(env)) - policy.nodes - len(preflight_excluded(manifest)))
+
+
 def preflight_hints(allocation: list[str], nodes: list[str], excluded: list[str], policy: Policy, manifest: dict,
-                    job_id: str | None, accept: list[str] | None = None) -> dict[str, str | int]:
+                    job_id: str | None, accept: list[str] | None = None,
+                    env: dict[str, str] | None = None) -> dict[str, str | int]:
     """What could replace a node the step's preflight names (``hpc_tools.runtime.preflight.leave_out``): the spare
-    nodes (outside the step, not excluded) and whether a requeue may leave it out, both only while a restart is left;
-    ``accept``: nodes nothing could replace before (the step trains on them)."""
+    nodes (outside the step, not excluded) and whether a requeue may leave it out and for how many nodes (the
+    partition's room: ``requeue_room``), both only while a restart is left; ``accept``: nodes nothing could replace
+    before (the step trains on them)."""
     left = restarts_left(manifest, policy) > 0
     spares = len([x for x in allocation if x not in nodes and x not in excluded]) if left else 0
-    return {leave_out.SPARES_ENV: spares, leave_out.REQUEUE_ENV: int(left and policy.requeue and bool(job_id)),
+    room = requeue_room(policy, manifest, dict(os.environ) if env is None else env) \
+        if left and policy.requeue and job_id else 0
+    return {leave_out.SPARES_ENV: spares, leave_out.REQUEUE_ENV: int(room > 0), leave_out.ROOM_ENV: room,
             leave_out.ACCEPT_ENV: ",".join(accept or [])}
 
 
@@ -345,7 +367,7 @@ def next_step(run_dir: Path, exit_code: int, env: dict[str, str], prober=probe, 
                     "HPC_TOOLS_NODELIST": ",".join(nodes), "HPC_TOOLS_EXCLUDED": ",".join(excluded),
                     "MASTER_ADDR": nodes[0], "MASTER_PORT": step_port(job_id, n),
                     **preflight_hints(allocation, nodes, excluded, policy, run.manifest(), job_id,
-                                      leave_out.accepted(env))})
+                                      leave_out.accepted(env), env=env)})
 
 
 def named_words(marker: dict) -> str:
@@ -394,7 +416,7 @@ def leave_out_step(run: RunFolder, manifest: dict, marker: dict, env: dict[str, 
             return exports({RESTART_BASE_ENV: base, "HPC_TOOLS_NODELIST": ",".join(nodes),
                             "HPC_TOOLS_EXCLUDED": ",".join(out), "MASTER_ADDR": nodes[0],
                             "MASTER_PORT": step_port(job_id, n),
-                            **preflight_hints(allocation, nodes, out, policy, run.manifest(), job_id, accept)})
+                            **preflight_hints(allocation, nodes, out, policy, run.manifest(), job_id, accept, env=env)})
         if policy.requeue and job_id:
             keep_out = list(dict.fromkeys([*preflight_excluded(manifest), *named]))
             # The requeue ends this batch script (SIGTERM now, SIGKILL after KillWait): the exclusion and the record
@@ -431,7 +453,7 @@ def leave_out_step(run: RunFolder, manifest: dict, marker: dict, env: dict[str, 
                     "HPC_TOOLS_EXCLUDED": ",".join(excluded), "MASTER_ADDR": nodes[0],
                     "MASTER_PORT": step_port(job_id, n),
                     **preflight_hints(allocation, nodes, excluded, policy, run.manifest(), job_id,
-                                      list(dict.fromkeys([*accept, *named])))})
+                                      list(dict.fromkeys([*accept, *named])), env=env)})
 
 
 def kernel_oom(run: RunFolder) -> bool:

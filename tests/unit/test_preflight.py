@@ -138,6 +138,19 @@ def test_a_node_at_half_the_median_is_named_and_nodes_within_0_9x_are_not(seed):
     assert f"below {SLOW_FACTOR}x" in row.reasons[0]
 
 
+@pytest.mark.parametrize("ratio", [0.05, 0.3, 0.5, 0.69])
+def test_two_nodes_are_never_judged_by_their_median_but_by_the_peak(ratio):
+    """Which of two is abnormal their median (their mean) cannot tell: a loaded host measured two healthy nodes 2x
+    apart. Two nodes are judged against the hardware peak only; three against their median again."""
+    from hpc_tools.runtime.preflight.verdict import MIN_NODES_FOR_MEDIAN, PEAK_FLOOR
+
+    assert MIN_NODES_FOR_MEDIAN == 3
+    assert named(judge(_ranks([10.0 * ratio, 10.0], [100.0 * ratio, 100.0]))) == []
+    peak = 10.0 / PEAK_FLOOR * 0.99  # the healthy node just above the floor, the other below it
+    assert [r.node for r in named(judge(_ranks([10.0 * ratio, 10.0]), peak_tflops=peak))] == ["n0"]
+    assert [r.node for r in named(judge(_ranks([10.0 * ratio, 10.0, 10.0])))] == ["n0"]
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_memory_bandwidth_and_the_slowest_rank_of_a_node(seed):
     rng = random.Random(seed)

@@ -29,6 +29,13 @@ from tests.unit.test_restarts import exported, run_folder
 from tests.unit.test_restarts_pyxis import RECORD, SCANCEL, SQUEUE, _script, calls
 
 REASON = "GEMM 0.1 TFLOP/s is 0.2x the node median 0.5 (below 0.7x)"
+PARTITION = [f"n{i}" for i in range(1, 9)]  # the stand-in partition: room for a requeue to leave nodes out
+
+
+@pytest.fixture(autouse=True)
+def _partition(monkeypatch):
+    """In-process controller calls see an 8-node partition (``restarts.partition_nodes``: sinfo)."""
+    monkeypatch.setattr(restarts, "partition_nodes", lambda env: list(PARTITION))
 
 
 def rows(nodes: list[str], bad: str) -> list[NodeRow]:
@@ -269,13 +276,21 @@ sys.exit(0)
 """
 
 
-def run_job(tmp_path, **cluster):
+# sinfo -N -o %N: the partition's nodes, one a line (FAKE_PARTITION, comma-separated)
+SINFO = RECORD + """
+record(cmd="sinfo", argv=sys.argv[1:])
+print("\\n".join(os.environ["FAKE_PARTITION"].split(",")))
+"""
+
+
+def run_job(tmp_path, partition="node1,node2,node3", **cluster):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("scontrol", SCONTROL), ("srun", SRUN), ("squeue", SQUEUE), ("scancel", SCANCEL)):
+    for name, text in (("scontrol", SCONTROL), ("srun", SRUN), ("squeue", SQUEUE), ("scancel", SCANCEL),
+                       ("sinfo", SINFO)):
         _script(bin_dir / name, text)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_CALLS": str(tmp_path / "calls"),
-           "FAKE_BATCH_LOG": str(tmp_path / "batch.out"), "FAKE_NAMED": "node1",
+           "FAKE_BATCH_LOG": str(tmp_path / "batch.out"), "FAKE_NAMED": "node1", "FAKE_PARTITION": partition,
            "SLURM_JOB_ID": "4343", "SLURM_JOB_NODELIST": "node[1-2]", "SLURMD_NODENAME": "node1",
            "SLURM_JOB_NUM_NODES": "2", "SLURM_SUBMIT_DIR": str(tmp_path), "HPC_TOOLS_RUNS_DIR": str(tmp_path / "runs"),
            "PYTHONPATH": str(REPO)}
@@ -310,6 +325,17 @@ def test_the_rendered_loop_moves_to_the_spare(tmp_path):
 
 
 @pytest.mark.slurm_client
+def test_the_rendered_loop_never_requeues_a_job_its_partition_cannot_hold_without_the_node(tmp_path):
+    """A 2-node job on a 2-node partition (the test cluster): excluding the named node would leave it pending for
+    ever, so no requeue is offered and auto trains on."""
+    rc, log, made, manifest = run_job(tmp_path, partition="node1,node2", nodes=2, restarts=1)
+    ranks = [c for c in made if c.get("step") == "rank"]
+    assert rc == 0 and len(ranks) == 1, log[-3000:]
+    assert not [c for c in made if c["cmd"] == "scontrol" and c["argv"][0] in ("update", "requeue")]
+    assert manifest["state"] == "COMPLETED" and not manifest.get("restarts")
+
+
+@pytest.mark.slurm_client
 def test_the_rendered_loop_requeues_without_the_node(tmp_path):
     rc, log, made, manifest = run_job(tmp_path, nodes=2, restarts=1)
     scontrol = [c["argv"] for c in made if c["cmd"] == "scontrol" and c["argv"][0] in ("update", "requeue")]
@@ -317,3 +343,24 @@ def test_the_rendered_loop_requeues_without_the_node(tmp_path):
     [entry] = manifest["restarts"]
     assert (entry["kind"], entry["decision"], manifest["state"]) == ("requeue", "requeue", "REQUEUED")
     assert json.dumps(entry["preflight"]["node1"]["reasons"]) == '["GEMM 0.1 TFLOP/s"]'
+
+
+@pytest.mark.parametrize("named", [1, 2, 3])
+@pytest.mark.parametrize("room", [0, 1, 2, 3])
+def test_a_requeue_leaves_out_no_more_nodes_than_the_partition_has_room_for(named, room):
+    nodes = [f"n{i}" for i in range(named)]
+    env = {leave_out.REQUEUE_ENV: "1", leave_out.ROOM_ENV: str(room)}
+    assert leave_out.replacement(nodes, env) == (leave_out.REQUEUE if room >= named else None)
+
+
+@pytest.mark.parametrize("partition,job_nodes,excluded,room", [
+    (8, 2, 0, 6), (2, 2, 0, 0), (3, 2, 0, 1), (3, 2, 1, 0), (4, 4, 0, 0), (0, 2, 0, 0)])
+def test_the_requeue_room_is_the_partition_beyond_the_job_less_earlier_exclusions(monkeypatch, partition, job_nodes,
+                                                                                 excluded, room):
+    monkeypatch.setattr(restarts, "partition_nodes", lambda env: [f"n{i}" for i in range(partition)])
+    manifest = {"restarts": [{"cause": "preflight", "kind": "requeue", "nodes_named": [f"n{i}"]}
+                             for i in range(excluded)]}
+    policy = restarts.Policy(nodes=job_nodes, budget=3, requeue=True)
+    assert restarts.requeue_room(policy, manifest, {}) == room
+    hints = restarts.preflight_hints([], [], [], policy, manifest, "77", env={})
+    assert (hints[leave_out.REQUEUE_ENV], hints[leave_out.ROOM_ENV]) == (int(room > 0), room)

@@ -25,6 +25,7 @@ EXIT_CODE = 85  # every rank of a step that ends so its named nodes can be left 
 MARKER = "preflight-leave-out.json"
 SPARES_ENV = "HPC_TOOLS_PREFLIGHT_SPARES"
 REQUEUE_ENV = "HPC_TOOLS_PREFLIGHT_REQUEUE"
+ROOM_ENV = "HPC_TOOLS_PREFLIGHT_REQUEUE_ROOM"  # nodes a requeued job could take instead (absent: no limit known)
 ACCEPT_ENV = "HPC_TOOLS_PREFLIGHT_ACCEPT"
 SPARE, REQUEUE = "a spare node takes its place", "the job is requeued without it"
 
@@ -45,7 +46,11 @@ def replacement(nodes: list[str], env: Mapping[str, str]) -> str | None:
         spares = 0
     if spares >= len(new):
         return SPARE
-    return REQUEUE if env.get(REQUEUE_ENV) == "1" else None
+    try:
+        room = int(env.get(ROOM_ENV) or len(new))
+    except ValueError:
+        room = 0
+    return REQUEUE if env.get(REQUEUE_ENV) == "1" and room >= len(new) else None
 
 
 def details(rows: list[Any], nodes: list[str]) -> dict[str, dict]:

@@ -177,9 +177,15 @@ def _min(values: Iterable[float | None]) -> float | None:
     return min(vals) if vals else None
 
 
+MIN_NODES_FOR_MEDIAN = 3
+"""Nodes a comparison with the node median needs: the median of two is their mean, and which of two is abnormal
+(one slow, or the other fast) it cannot tell; on a loaded host two healthy nodes differed by 2x. With two nodes the
+hardware peak and the planner's figures still judge."""
+
+
 def _relative(rows: list[NodeRow], attr: str, label: str, unit: str, factor: float = SLOW_FACTOR) -> None:
     values = [getattr(r, attr) for r in rows if getattr(r, attr) is not None]
-    if len(values) < 2:
+    if len(values) < MIN_NODES_FOR_MEDIAN:
         return
     med = statistics.median(values)
     for r in rows:
