@@ -21,6 +21,7 @@ Standard library only: the batch shell's placement step (``hpc_tools.job.placeme
 from __future__ import annotations
 
 import re
+import subprocess
 from dataclasses import dataclass, field
 
 from hpc_tools.layout import ParallelLayout
@@ -345,3 +346,18 @@ def node_order(nodes: list[str], topology: Topology, layout: ParallelLayout) -> 
 def hostfile_lines(order: list[str], ranks_per_node: int) -> list[str]:
     """srun's arbitrary distribution file (``SLURM_HOSTFILE``): one line per task, task i on line i."""
     return [node for node in order for _ in range(ranks_per_node)]
+
+
+def read_live(timeout_s: float) -> "Topology | str":
+    """The live cluster's network (``scontrol show topology``), or why there is none (a string): no answer within
+    ``timeout_s``, scontrol's own error (no topology plugin), or text that is not topology output."""
+    try:
+        out = subprocess.run(["scontrol", "show", "topology"], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"scontrol show topology did not answer within {timeout_s:g} s ({type(exc).__name__})"
+    if out.returncode != 0:
+        return f"scontrol show topology failed ({(out.stderr or out.stdout).strip()[:120] or out.returncode})"
+    try:
+        return parse_topology(out.stdout)
+    except TopologyError as exc:
+        return str(exc)

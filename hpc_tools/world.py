@@ -112,21 +112,12 @@ def slurm_view(timeout_s: float = SLURM_TIMEOUT_S) -> SlurmView:
 def live_topology(timeout_s: float = SLURM_TIMEOUT_S) -> "Topology | str":
     """The live cluster's network (``scontrol show topology``, tree or block plugin; asked once per process), or
     why there is none (a string: no Slurm here, no answer, no topology plugin)."""
-    from hpc_tools.topology import TopologyError, parse_topology
+    from hpc_tools.topology import read_live
 
     absent = absent_reason("scontrol")
     if absent:
         return f"no Slurm here ({absent})"
-    try:
-        out = subprocess.run(["scontrol", "show", "topology"], capture_output=True, text=True, timeout=timeout_s)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"scontrol show topology did not answer within {timeout_s:g} s ({type(exc).__name__})"
-    if out.returncode != 0:
-        return f"scontrol show topology failed ({(out.stderr or out.stdout).strip()[:120] or out.returncode})"
-    try:
-        return parse_topology(out.stdout)
-    except TopologyError as exc:
-        return str(exc)
+    return read_live(timeout_s)
 
 
 def parse_sinfo(text: str) -> tuple[Partition, ...]:

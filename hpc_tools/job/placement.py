@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,11 +33,10 @@ from hpc_tools.layout import ParallelLayout
 from hpc_tools.topology import (
     CHECKED,
     Topology,
-    TopologyError,
     expand_hostlist,
     hostfile_lines,
     node_order,
-    parse_topology,
+    read_live,
     spans,
 )
 
@@ -49,16 +47,7 @@ SIZE_KEYS = ("tensor", "context", "expert", "expert_tensor", "pipeline", "data")
 
 def read_topology(timeout_s: float = SCONTROL_TIMEOUT_S) -> Topology | str:
     """The live topology, or why there is none (a string)."""
-    try:
-        out = subprocess.run(["scontrol", "show", "topology"], capture_output=True, text=True, timeout=timeout_s)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"scontrol show topology did not answer ({type(exc).__name__})"
-    if out.returncode != 0:
-        return f"scontrol show topology failed: {(out.stderr or out.stdout).strip()[:160]}"
-    try:
-        return parse_topology(out.stdout)
-    except TopologyError as exc:
-        return str(exc)
+    return read_live(timeout_s)
 
 
 def layout_from(sizes: dict[str, int], nodes: int, ranks_per_node: int) -> ParallelLayout:
