@@ -36,7 +36,9 @@ def test_preflight_command_names_a_slow_gemm_and_a_slow_link(tmp_path):
 
 
 def test_strict_job_stops_before_step_1_naming_the_node(tmp_path):
-    out = run_cli("submit", COMM, "--executor", "local", "--set", "local.cluster.nodes=2",
+    # three nodes: a node is compared with the median of its peers only from three on (two nodes are judged by the
+    # device's peak alone, and a CPU has none)
+    out = run_cli("submit", COMM, "--executor", "local", "--set", "local.cluster.nodes=3",
                   "--set", "local.cluster.gpus_per_node=1", "--set", "local.cluster.preflight=strict",
                   "--runs-dir", str(tmp_path), env={"HPC_TOOLS_PREFLIGHT_SLOW_RANK": "1"}, timeout=300)
     assert out.returncode == 1, out.stdout + out.stderr

@@ -339,3 +339,42 @@ def test_ranks_that_never_reach_the_rendezvous_are_named_within_the_budget():
     line = _endpoints_agree(ctx, store, RankResult(0, "n0", "h0", transport="gloo:eth0 10.0.0.1"), "strict", 1)
     assert line.startswith("preflight (cluster.preflight=strict): node n1 transport: gloo uses interface eth1, not "
                            "eth0"), line
+
+
+class _SimulatedRunner:
+    """The rank side's round function with its collective replaced: a group's busbw is 1.0, or 0.2 when it holds
+    the bad node or both ends of the bad link; a figure over three nodes is off by a factor (rank counts differ)."""
+
+    def __new__(cls, bad_node=None, bad_link=(), whole_factor=1.0):
+        from hpc_tools.runtime.preflight.run import _RoundRunner
+
+        class Runner(_RoundRunner):
+            def measure(self, measured):
+                self.rounds_measured.append(list(measured))
+                figs = {g: (0.2 if bad_node in g or (bad_link and set(bad_link) <= set(g)) else 1.0) for g in measured}
+                self.figures.update({frozenset(g): v for g, v in figs.items()})
+                return figs
+
+        runner = Runner(None, {}, 0, None, None, {}, None, {})
+        runner.rounds_measured = []
+        return runner
+
+
+@pytest.mark.parametrize("bad", [None, "a", "b", "c"])
+@pytest.mark.parametrize("whole", [0.1, 1.0, 3.0])
+def test_three_nodes_without_an_expected_figure_are_judged_from_their_pairs(bad, whole):
+    """Three candidates split into a pair and a lone node with no healthy reference: every pair is measured and the
+    slow node named, whatever the figure over all three was (it is over three ranks, not comparable with a pair's)."""
+    runner = _SimulatedRunner(bad)
+    runner.figures[frozenset("abc")] = whole
+    found = find_slow(["a", "b", "c"], runner)
+    assert found.culprits == ((bad,) if bad else ()), found
+    assert found.rounds <= max_rounds(3)
+    assert all(len(g) == 2 for rnd in runner.rounds_measured for g in rnd)  # pairs only, never three against two
+
+
+def test_a_slow_link_among_three_nodes_names_both_of_its_ends():
+    runner = _SimulatedRunner(bad_link=("a", "c"))
+    runner.figures[frozenset("abc")] = 0.2  # measured before the search; no expected figure to judge it by
+    found = find_slow(["a", "b", "c"], runner)
+    assert {"a", "c"} <= set(found.culprits), found

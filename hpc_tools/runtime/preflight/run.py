@@ -402,16 +402,36 @@ def _timed_groups(ctx, measured, ranks, pgs, mine, nbytes, device, hosts_of) -> 
 
 
 class _RoundRunner:
-    """The search's cost function on the ranks: one round's groups measured at once (an all-reduce each; a group of
-    one node is not a link test and answers from its parent and sibling), slow = below ``SLOW_FACTOR`` x the other
-    group's busbw or the expected figure."""
+    """The search's cost function on the ranks: one round's groups measured at once (an all-reduce each), slow =
+    below ``SLOW_FACTOR`` x the other group's busbw or the expected figure.
+
+    A group of one node has no link of its own to test. The search pairs it with a node already found healthy when
+    there is one; where there is none (a round of a pair and a lone node: three candidates, the first split), the
+    runner measures every pair of the three, one after another, and judges the nodes from the pairs alone (pairs
+    of the same size: a figure over three ranks is not comparable with one over two): a node is slow when every
+    pair holding it is slow and a pair without it is not; a single slow pair names both of its ends (a slow link
+    cannot be pinned on one of them). Later rounds over those nodes answer from the same pairs."""
 
     def __init__(self, ctx, nodes, nbytes, device, group, figures, expected, hosts_of):
         self.ctx, self.nodes, self.nbytes, self.device, self.group = ctx, nodes, nbytes, device, group
         self.figures, self.expected, self.hosts_of = figures, expected, hosts_of
+        self.by_pairs: dict[str, bool] = {}
 
     def timed(self, measured, ranks, pgs, mine) -> list[float]:
         return _timed_groups(self.ctx, measured, ranks, pgs, mine, self.nbytes, self.device, self.hosts_of)
+
+    def measure(self, measured: list[tuple[str, ...]]) -> dict[tuple[str, ...], float | None]:
+        """One collective round over ``measured`` (disjoint groups of nodes); the figures, also kept for the table."""
+        ranks = {g: [r for n in g for r in self.nodes[n]] for g in measured}
+        pgs = {g: self.group(ranks[g]) for g in measured}
+        mine = next((g for g in measured if self.ctx.rank in ranks[g]), None)
+        agreed = self.timed(measured, ranks, pgs, mine)
+        figs: dict[tuple[str, ...], float | None] = {}
+        for g in measured:
+            figs[g] = busbw_gbps("all_reduce", _bytes_moved(self.nbytes, len(ranks[g])),
+                                 max(agreed[r] for r in ranks[g]), len(ranks[g]))
+            self.figures[frozenset(g)] = figs[g]
+        return figs
 
     def __call__(self, groups: list[tuple[str, ...]]) -> list[bool | None]:
         if len(groups) == 1 and frozenset(groups[0]) in self.figures:  # the whole group: measured already
@@ -419,28 +439,36 @@ class _RoundRunner:
             if self.expected and fig is not None:
                 return [fig < SLOW_FACTOR * self.expected]
             return [None]
+        if self.by_pairs and all(n in self.by_pairs for g in groups for n in g):  # judged from the pairs already
+            return [any(self.by_pairs[n] for n in g) for g in groups]
+        if all(len(g) == 1 for g in groups):
+            return [None] * len(groups)
         measured = [g for g in groups if len(g) > 1]
-        ranks = {g: [r for n in g for r in self.nodes[n]] for g in measured}
-        pgs = {g: self.group(ranks[g]) for g in measured}
-        mine = next((g for g in measured if self.ctx.rank in ranks[g]), None)
-        agreed = self.timed(measured, ranks, pgs, mine)
-        figs: dict[tuple, float | None] = {}
-        for g in measured:
-            figs[g] = busbw_gbps("all_reduce", _bytes_moved(self.nbytes, len(ranks[g])),
-                                 max(agreed[r] for r in ranks[g]), len(ranks[g]))
-            self.figures[frozenset(g)] = figs[g]
+        figs = self.measure(measured)
         ref = max([v for v in figs.values() if v is not None] + [self.expected or 0.0])
         out: list[bool | None] = [figs[g] < SLOW_FACTOR * ref if figs.get(g) is not None else None for g in groups]
-        if len(measured) == 1 and len(groups) == 2:  # a lone node: slow when its parent was slow and its sibling not
+        if len(groups) == 2 and [len(g) for g in groups if len(g) == 1] == [1] and len(measured[0]) == 2:
             lone = next(i for i, g in enumerate(groups) if len(g) == 1)
-            sibling = figs[measured[0]]
-            union = frozenset(n for g in groups for n in g)
-            parents = [g for g, v in self.figures.items() if union < g or (union == g and v is not None)]
-            parents = [g for g in parents if self.figures[g] is not None and g != frozenset(measured[0])]
-            if parents and sibling is not None:
-                parent_slow = self.figures[min(parents, key=len)] < SLOW_FACTOR * sibling
-                out[lone] = parent_slow and not out[1 - lone]
+            self.by_pairs = self.judge_triangle(measured[0], groups[lone][0], figs[measured[0]])
+            out[lone] = self.by_pairs.get(groups[lone][0])
+            out[1 - lone] = any(self.by_pairs.get(n) for n in measured[0]) if self.by_pairs else out[1 - lone]
         return out
+
+    def judge_triangle(self, pair: tuple[str, ...], lone: str, pair_fig: float | None) -> dict[str, bool]:
+        """Every pair of the three nodes measured (one at a time: they share nodes); each node's verdict."""
+        a, b = pair
+        figs = {frozenset(pair): pair_fig}
+        for other in ((a, lone), (b, lone)):
+            figs[frozenset(other)] = self.measure([other])[other]
+        if any(v is None for v in figs.values()):
+            return {}
+        ref = max(max(figs.values()), self.expected or 0.0)
+        slow = {p for p, v in figs.items() if v < SLOW_FACTOR * ref}
+        verdict = {n: all(p in slow for p in figs if n in p) and any(p not in slow for p in figs if n not in p)
+                   for n in (a, b, lone)}
+        if len(slow) == 1:  # one slow link: both of its ends
+            verdict.update({n: True for n in next(iter(slow))})
+        return verdict
 
 
 def _peak(recipe) -> float | None:
