@@ -63,6 +63,37 @@ def install() -> bool:
     return True
 
 
+def import_megatron() -> None:
+    """Import megatron-core on a torch without CUDA, leaving out two imports only a GPU or inference uses: its fusion
+    functions are decorated with ``torch.compile`` at import (``megatron.core.jit.jit_fuser``), which loads
+    TorchDynamo and Inductor, and its inference context imports ``wandb``. For that one import ``torch.compile``
+    returns the function itself (the fusions are off on CPU: ``config.transformer_config``; should one run, it runs
+    eagerly) and ``wandb`` reads as absent to megatron-core (a recipe's ``tracking.wandb`` imports it later as
+    usual). A no-op where CUDA is available or megatron-core is imported already (``benchmarks/bench_cli_speed.py``
+    times the import both ways)."""
+    import torch
+
+    if torch.cuda.is_available() or "megatron.core" in sys.modules:
+        return
+    compile_, hid_wandb = torch.compile, "wandb" not in sys.modules
+    torch.compile = _eager_compile
+    if hid_wandb:
+        sys.modules["wandb"] = None  # type: ignore[assignment]  # `import wandb` raises ImportError meanwhile
+    try:
+        import megatron.core  # noqa: F401
+        import megatron.core.models.gpt  # noqa: F401  # the fusions' modules
+    finally:
+        torch.compile = compile_
+        if hid_wandb and sys.modules.get("wandb", 0) is None:
+            del sys.modules["wandb"]
+
+
+def _eager_compile(model=None, **_kwargs):
+    """``torch.compile``'s signature, compiling nothing: the function itself (or, as a decorator factory, a
+    decorator returning it)."""
+    return model if model is not None else (lambda fn: fn)
+
+
 def _is_cuda(device) -> bool:
     import torch
 

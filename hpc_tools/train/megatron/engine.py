@@ -93,6 +93,11 @@ class Engine:
     def __init__(self, recipe: "Recipe", layout: "ParallelLayout", device: "torch.device | str" = "cpu", *,
                  timeout: "timedelta | None" = None):
         import torch
+
+        if torch.device(device).type == "cpu":
+            from hpc_tools.train.megatron import cpu_compat
+
+            cpu_compat.import_megatron()  # first: without the GPU-only imports it would pull in
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.pipeline_parallel import get_forward_backward_func
