@@ -1,0 +1,123 @@
+"""``eval``'s work: check everything (target, checkpoints, tasks, include path), then evaluate each model in turn
+(the local executor) or render and submit one Slurm job array for them. Nothing is written before every check has
+passed."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from hpc_tools.errors import UserError
+from hpc_tools.evaluate import results as res
+from hpc_tools.evaluate.target import Model, Target, ensure_exported, models, resolve
+from hpc_tools.evaluate.tasks import check_include_path, check_tasks, parse_tasks
+from hpc_tools.registry import atomic_write
+
+log = logging.getLogger("hpc_tools.evaluate")
+
+
+@dataclass
+class EvalRequest:
+    ref: str
+    tasks: str
+    include_path: str | None = None
+    limit: int | None = None
+    iterations: list[int] | None = None
+    executor: str = "local"
+    batch_size: int = 1
+    runs_dir: str | None = None
+    render_only: bool = False
+
+
+@dataclass
+class Plan:
+    request: EvalRequest
+    target: Target
+    models: list[Model]
+    tasks: list[str]
+    include_path: str | None
+
+
+def plan(req: EvalRequest) -> Plan:
+    """Every check, nothing written: the target, its checkpoints, the tasks, the executor."""
+    tasks = parse_tasks(req.tasks)
+    include = check_include_path(req.include_path)
+    target = resolve(req.ref, req.runs_dir)
+    chosen = models(target, req.iterations)
+    if req.executor == "slurm":
+        if target.run is None or target.folder is not None:
+            raise UserError(f"--executor slurm evaluates a run's checkpoints as a job array, but {req.ref} is a "
+                            "model folder (evaluate it with --executor local, or give its run)")
+        if not req.render_only:
+            from hpc_tools.executors.slurm import slurm_available
+
+            ok, why = slurm_available()
+            if not ok:
+                raise UserError(f"--executor slurm: no Slurm here ({why}) (run with --executor local, or add "
+                                "--render to write the job array's script only)")
+    elif req.render_only:
+        raise UserError("--render writes a Slurm job array's script (add --executor slurm, or leave --render out)")
+    check_tasks(tasks, include)
+    return Plan(req, target, chosen, tasks, include)
+
+
+def run_local(p: Plan) -> list[dict[str, Any]]:
+    """Each model in turn: export when needed, lm-eval, its results JSON under the target's eval/."""
+    from hpc_tools.evaluate.harness import evaluate_folder
+
+    done = []
+    for model in p.models:
+        folder = ensure_exported(model, p.target.run) if p.target.run is not None else model.folder
+        out = evaluate_folder(folder, p.tasks, p.include_path, p.request.limit, p.request.batch_size)
+        out[res.META_KEY] = {"iteration": model.iteration, "tokens": model.tokens, "scheme": model.scheme,
+                             "model_folder": str(folder), "tasks": p.tasks, "limit": p.request.limit,
+                             "include_path": p.include_path, "finished": _now()}
+        path = p.target.eval_dir / res.results_name(model.iteration, model.scheme)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps(out, indent=2, sort_keys=True))
+        done.append({"file": str(path), "iteration": model.iteration, "scheme": model.scheme,
+                     "results": out.get("results", {})})
+    return done
+
+
+def eval_args(p: Plan) -> list[str]:
+    """The options an array task passes on to its own ``eval``."""
+    args = ["--tasks", ",".join(p.tasks), "--batch-size", str(p.request.batch_size)]
+    if p.include_path:
+        args += ["--include-path", p.include_path]
+    if p.request.limit is not None:
+        args += ["--limit", str(p.request.limit)]
+    return args
+
+
+def submit_array(p: Plan) -> dict[str, Any]:
+    """Render the job array into ``<run>/eval/eval-<stamp>.sbatch``; submit it unless ``render_only``."""
+    from hpc_tools.evaluate.jobarray import render_array
+    from hpc_tools.hf.export import run_recipe
+
+    run = p.target.run
+    iterations = [m.iteration for m in p.models]
+    text = render_array(run_recipe(run), run.path, iterations, eval_args(p))
+    script = p.target.eval_dir / f"eval-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%d-%H%M%S')}.sbatch"
+    (p.target.eval_dir / "logs").mkdir(parents=True, exist_ok=True)
+    atomic_write(script, text)
+    job_id = None
+    if not p.request.render_only:
+        import subprocess
+
+        from hpc_tools.executors.slurm import sbatch_script
+
+        try:
+            job_id = sbatch_script(script, {}, cwd=run.path)
+        except subprocess.CalledProcessError as exc:
+            said = (exc.stderr or exc.stdout or "").strip().splitlines()
+            raise UserError(f"sbatch refused the evaluation array {script}: {said[-1] if said else exc} (fix the "
+                            "recipe's cluster section, or run with --executor local)") from None
+    return {"script": str(script), "job_id": job_id, "iterations": iterations}
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,129 @@
+"""``quantize``: a Hugging Face folder (a run's newest verified checkpoint, exported first) -> a smaller folder with
+torchao's weight-only schemes, written through transformers' ``TorchAoConfig`` (config.json carries the
+``quantization_config``; ``from_pretrained`` and vLLM's torchao support load it).
+
+Schemes (``SCHEMES``): ``int8`` (torchao ``Int8WeightOnlyConfig``: int8 weights, one scale per output row) and
+``fp8`` (``Float8WeightOnlyConfig``: float8 e4m3 weights, one scale per row). Both quantize every ``nn.Linear``
+but the embedding and output layers' tied weights, and both run on CPU (the matmul dequantizes); fp8's speed-up
+needs a GPU with float8 units (compute capability 8.9+). GPT-2 folders (what Megatron ``model.family: gpt`` runs
+export) keep their weights in ``Conv1D`` layers, which these schemes leave untouched: they are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from hpc_tools.errors import UserError
+from hpc_tools.evaluate.results import EVAL_DIR, QUANTIZE_META, quantize_name
+from hpc_tools.evaluate.target import EXPORT_META, Target, ensure_exported, models
+from hpc_tools.registry import atomic_write
+
+SCHEMES = {"int8": "Int8WeightOnlyConfig", "fp8": "Float8WeightOnlyConfig"}
+UNQUANTIZABLE = {"gpt2": "GPT-2 keeps its weights in Conv1D layers, which torchao's weight-only schemes do not "
+                         "quantize"}
+MODEL_FILES = ("config.json", "generation_config.json", EXPORT_META, QUANTIZE_META)
+
+
+def check(target: Target, scheme: str) -> None:
+    """Refusals before anything is exported or written."""
+    if scheme not in SCHEMES:
+        raise UserError(f"--scheme {scheme!r} is not one of {', '.join(SCHEMES)} (int8: weight-only int8, any "
+                        "machine; fp8: weight-only float8, fast on GPUs of compute capability 8.9+)")
+    if target.folder is not None:
+        if target.meta.get("kind") == QUANTIZE_META:
+            raise UserError(f"{target.ref} is already quantized ({target.meta.get('scheme')}) (quantize the "
+                            "unquantized export or its run)")
+        model_type = _config(target.folder).get("model_type")
+    else:
+        from hpc_tools.hf.export import run_recipe
+
+        model_type = "gpt2" if run_recipe(target.run).model.family == "gpt" else None
+    if model_type in UNQUANTIZABLE:
+        raise UserError(f"{target.ref}: model_type {model_type}: {UNQUANTIZABLE[model_type]} (quantize a "
+                        "llama-family run or folder, e.g. recipes/llama_fsdp.yaml)")
+
+
+def quantize(target: Target, scheme: str, out: str | Path, overwrite: bool = False) -> dict[str, Any]:
+    """Write the quantized folder ``out``; returns what quantize measured (also beside the model, and in the run's
+    eval/ folder)."""
+    from hpc_tools.hf.folder import check_out, staged
+
+    out = Path(out).absolute()
+    check_out(out, overwrite)
+    check(target, scheme)
+    (model,) = models(target, None)
+    src = ensure_exported(model, target.run) if target.run is not None and target.folder is None else model.folder
+    import torch
+    import torchao
+    import torchao.quantization as tq
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    config = getattr(tq, SCHEMES[scheme])()
+    qmodel = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16, device_map="cpu",
+                                                  quantization_config=TorchAoConfig(config))
+    with staged(out, overwrite) as tmp:
+        for f in src.iterdir():  # the tokenizer files (the model files are written by save_pretrained)
+            if f.is_file() and not f.name.startswith("model") and f.name not in MODEL_FILES:
+                shutil.copy2(f, tmp / f.name)
+        qmodel.save_pretrained(str(tmp))
+        sizes = linear_bytes(src, tmp)
+        if not sizes["linear_modules"]:
+            raise UserError(f"{target.ref}: {scheme} quantized no linear layer of this model (quantize a "
+                            "llama-family model)")
+        summary = {"scheme": scheme, "library": f"torchao {torchao.__version__}", "torchao_config": SCHEMES[scheme],
+                   "folder": str(out), "source_folder": str(src),
+                   "run_dir": str(target.run.path) if target.run is not None else None,
+                   "iteration": model.iteration, "tokens": model.tokens, **sizes,
+                   "folder_bytes_before": folder_bytes(src), "folder_bytes_after": folder_bytes(tmp)}
+        atomic_write(tmp / QUANTIZE_META, json.dumps(summary, indent=2, sort_keys=True))
+    if target.run is not None:
+        record = target.run.path / EVAL_DIR / quantize_name(scheme, model.iteration)
+        record.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(record, json.dumps(summary, indent=2, sort_keys=True))
+    return summary
+
+
+def linear_bytes(before: Path, after: Path) -> dict[str, Any]:
+    """Bytes of the quantized linear layers' weights: as exported, as bf16 (2 bytes a weight), and quantized (data,
+    scales and zero points), from the safetensors headers."""
+    old, new = _tensors(before), _tensors(after)
+    modules = sorted({name.rsplit("._weight_", 1)[0] for name in new if "._weight_" in name})
+    stored = sum(old[f"{m}.weight"][0] for m in modules)
+    bf16 = sum(2 * old[f"{m}.weight"][1] for m in modules)
+    quant = sum(size for name, (size, _) in new.items() if name.rsplit("._weight_", 1)[0] in modules)
+    return {"linear_modules": len(modules), "linear_bytes_before": stored, "linear_bytes_bf16": bf16,
+            "linear_bytes_after": quant, "ratio_vs_bf16": quant / bf16 if bf16 else None,
+            "ratio_vs_before": quant / stored if stored else None}
+
+
+def _tensors(folder: Path) -> dict[str, tuple[int, int]]:
+    """name -> (bytes, elements) of every tensor in the folder's safetensors files (headers only)."""
+    import math
+    import struct
+
+    found = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        for name, info in header.items():
+            if name != "__metadata__":
+                start, end = info["data_offsets"]
+                found[name] = (end - start, math.prod(info["shape"]))
+    return found
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the model folder's files (its own eval/ left out)."""
+    return sum(f.stat().st_size for f in Path(folder).rglob("*")
+               if f.is_file() and EVAL_DIR not in f.relative_to(folder).parts)
+
+
+def _config(folder: Path) -> dict[str, Any]:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        raise UserError(f"{folder}/config.json is not readable JSON (give a folder written by `python -m "
+                        "hpc_tools export`)") from None
