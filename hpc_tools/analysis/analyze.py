@@ -31,6 +31,8 @@ class Analysis:
     goodput: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per run (profiling.goodput)
     goodput_total: dict[str, Any] = field(default_factory=dict)  # summed over the runs (a sweep's goodput)
     goodput_buckets: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # run id -> bucket rows
+    evaluation: pd.DataFrame = field(default_factory=pd.DataFrame)  # eval's scores (analysis.evaluation)
+    quantized: pd.DataFrame = field(default_factory=pd.DataFrame)  # quantize's sizes and score deltas
 
     @property
     def stragglers(self) -> pd.DataFrame:
@@ -143,10 +145,14 @@ def analyse(refs: list[str], warmup: int | None = None, root: str | Path | None 
         runs = runs.sort_values(["world_size", "cell", "repeat", "run_id"], na_position="last", kind="stable")
         runs = runs.reset_index(drop=True)
     requested = scaling or _sweep_scaling(refs) or "auto"
+    from hpc_tools.analysis.eval_tables import tables as evaluation_tables
+
+    evaluation, quantized = evaluation_tables([inp.run for inp in inputs])
     return Analysis(runs=runs, ranks=_concat(rank_frames), steps=_concat(step_frames),
                     scaling=analyse_scaling(runs, requested) if len(runs) > 1 else [], heatmaps=heatmaps,
                     sweeps=sweeps, goodput=goodput_table(inputs, goodputs), goodput_total=goodput_mod.total(goodputs),
-                    goodput_buckets={inp.run_id: g.table() for inp, g in zip(inputs, goodputs)})
+                    goodput_buckets={inp.run_id: g.table() for inp, g in zip(inputs, goodputs)},
+                    evaluation=evaluation, quantized=quantized)
 
 
 # The figures that are floats (counts, labels and text stay as they are).

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from hpc_tools.analysis import evaluation
 from hpc_tools.analysis.analyze import Analysis
 from hpc_tools.analysis.metrics import GOODPUT_COLUMNS, STRAGGLER_COLUMNS
 from hpc_tools.analysis.plots import all_plots
@@ -248,6 +249,7 @@ def render_markdown(a: Analysis, images: list[Path], title: str) -> str:
     goodput = numbered_goodput(a)
     parts += ["## Goodput\n", GOODPUT_TEXT + "\n", *(markdown_table(goodput, cols) for cols in GOODPUT_SHOWN),
               _goodput_total_line(a) + "\n"]
+    parts += evaluation.markdown(a, markdown_table)
     parts += ["## Plots\n"] + [f"![{p.stem}]({p.name})\n\n_{caption(p)}_\n" for p in images]
     parts += ["## Method\n", "```\n" + method_text() + "\n```\n"]
     return "\n".join(parts)
@@ -276,6 +278,7 @@ CAPTIONS = {
     "memory_timeline": "Memory per step: maximum over ranks, band: the range over ranks (and repeats).",
     "memory_per_rank": "Peak memory per rank, one line per configuration.",
     "heatmap": "Step time per rank and step (binned); a slow rank or a slow phase shows as a stripe.",
+    "eval_score_vs_tokens": evaluation.CAPTION,
 }
 
 
@@ -319,6 +322,7 @@ def render_html(a: Analysis, images: list[Path], title: str) -> str:
     parts += ["<h2>Goodput</h2>", f"<p>{html.escape(GOODPUT_TEXT)}</p>",
               *(_scroll(html_table(numbered_goodput(a), cols)) for cols in GOODPUT_SHOWN),
               f"<p>{html.escape(_goodput_total_line(a))}</p>",
+              *evaluation.html_parts(a, lambda df, cols: _scroll(html_table(df, cols))),
               "<h2>Plots</h2>"]
     for p in images:
         data = base64.b64encode(p.read_bytes()).decode("ascii")
@@ -332,7 +336,7 @@ def write_report(a: Analysis, out: str | Path, title: str = "hpc_tools report") 
     """Write every artefact into ``out``; returns {kind: [paths]}."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    images = all_plots(a, out)
+    images = all_plots(a, out) + evaluation.score_vs_tokens(a, out)
     tables = write_tables(a, out)
     (out / "report.md").write_text(render_markdown(a, images, title))
     (out / "report.html").write_text(render_html(a, images, title))

@@ -31,9 +31,10 @@ def run(args: argparse.Namespace) -> int:
     progress = read_progress(r.path)
     health = _health(r)
     saves = _checkpoints(r)
+    evaluation = _evaluation(r)
     if args.json:
         emit_json({"run_dir": str(r.path), **manifest, **verdict.as_dict(), "last_step": step, "progress": progress,
-                   **health, "checkpoints": saves})
+                   **health, "checkpoints": saves, "eval": evaluation})
         return 0
     keys = ("state", "slurm_state", "executor", "job_id", "layout", "nodelist", "created", "started", "ended",
             "restart_count", "exit_code", "failed_ranks", "failed_nodes")
@@ -80,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
         fix = f"; {again['fix']}" if again.get("fix") else ""
         print(f"restart {i} ({again.get('kind', 'in-job')}{where}) at {again.get('at')}: {again.get('cause')}: "
               f"{again.get('reason') or '?'}{start}{judged}{why}{fix}")
+    if evaluation["results"] or evaluation["quantized"]:  # eval / quantize (hpc_tools.evaluate.results)
+        from hpc_tools.evaluate.results import table_lines
+
+        print("\n".join(table_lines(r.path)))
     if manifest.get("error"):
         print(f"error    {manifest['error']}")
     for marker in hang_markers(r):  # the hang verdict with every rank's stacks
@@ -95,6 +100,16 @@ def _checkpoints(r) -> list:
         return checkpoint_saves(r)
     except Exception:  # noqa: BLE001 - status reports the state whatever the records hold
         return []
+
+
+def _evaluation(r) -> dict:
+    """The run's eval/ folder (scores, quantized models, score deltas); empty lists when there is none."""
+    from hpc_tools.evaluate.results import summary
+
+    try:
+        return summary(r.path)
+    except Exception:  # noqa: BLE001 - status reports the state whatever the folder holds
+        return {"results": [], "quantized": [], "score_deltas": []}
 
 
 def _health(r) -> dict:

@@ -46,8 +46,8 @@ def eval_rows(folder: str | Path) -> list[dict[str, Any]]:
         meta = data.get(META_KEY) or {}
         for task, metrics in (data.get("results") or {}).items():
             for key, value in metrics.items():
-                name, _, _filter = key.partition(",")
-                if name.endswith("_stderr") or not isinstance(value, (int, float)) or isinstance(value, bool):
+                name, comma, _filter = key.partition(",")  # lm-eval's "metric,filter" keys (not sample_len)
+                if not comma or name.endswith("_stderr") or _number(value) is None:
                     continue
                 err = metrics.get(f"{name}_stderr,{_filter}")
                 rows.append({"iteration": meta.get("iteration"), "tokens": meta.get("tokens"),
