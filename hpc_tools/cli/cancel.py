@@ -1,4 +1,5 @@
-"""cancel: stop a run (scancel on Slurm; SIGTERM to the rank processes of a local run)."""
+"""cancel: stop a run (scancel on Slurm; SIGTERM to the rank processes of a local run) and its serving job (``serve``:
+scancel, or its local process group; it returns once the server is gone)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hpc_tools.errors import UserError
 
 NAME = "cancel"
 ORDER = 60
-HELP = "cancel a run (Slurm job or local processes)"
+HELP = "cancel a run (Slurm job or local processes) and the server `serve` started for it"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,6 +28,16 @@ def run(args: argparse.Namespace) -> int:
 
     r = resolve_run(args.run, args.runs_dir)
     manifest = refresh(r)
+    server = _stop_server(r)
+    if server and (end_state(manifest) or manifest.get("kind") == "serve"):  # only the server was live
+        if args.json:
+            emit_json({"ok": True, "run_dir": str(r.path), "job_id": server.get("job_id"), "serve": server})
+        else:
+            job = f" (Slurm job {server['job_id']})" if server.get("job_id") else ""
+            say(f"stopped the server of {r.run_id}{job}")
+        return 0
+    if manifest.get("kind") == "serve":
+        raise UserError(f"the server of {r.run_id} already ended; nothing to cancel")
     if end_state(manifest):
         raise UserError(f"run {r.run_id} already ended ({end_state(manifest)}); nothing to cancel")
     if manifest.get("executor") in ("slurm", "sbatch"):
@@ -53,3 +64,13 @@ def run(args: argparse.Namespace) -> int:
         job = f" (Slurm job {manifest['job_id']})" if manifest.get("job_id") else ""
         say(f"cancel requested for {r.run_id}{job}")
     return 0
+
+
+def _stop_server(r) -> dict | None:
+    """Stop the run's serving job when one is live (``hpc_tools.serving.job``); its record, else None."""
+    from hpc_tools.serving.job import LIVE, refresh, stop
+
+    record = refresh(r)
+    if not record or record.get("state") not in LIVE:
+        return None
+    return stop(r)

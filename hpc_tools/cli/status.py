@@ -25,6 +25,9 @@ def run(args: argparse.Namespace) -> int:
     from hpc_tools.runtime.progress import read_progress
 
     r = resolve_run(args.run, args.runs_dir)
+    server = _server(r)
+    if r.manifest().get("kind") == "serve":  # a Hugging Face folder served directly: no training to report
+        return _serve_only(r, server, args.json)
     ((manifest, job),) = refresh_all([r])
     verdict = classify(r, job, manifest)
     step = last_step(r)
@@ -85,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
         from hpc_tools.evaluate.results import table_lines
 
         print("\n".join(table_lines(r.path)))
+    if server:
+        print(_server_line(server, manifest.get("endpoint")))
     if manifest.get("error"):
         print(f"error    {manifest['error']}")
     for marker in hang_markers(r):  # the hang verdict with every rank's stacks
@@ -122,3 +127,28 @@ def _health(r) -> dict:
     except Exception as exc:  # noqa: BLE001 - status reports the state whatever the records hold
         return {"straggler_verdict": f"not measured: {type(exc).__name__}: {exc}"[:200],
                 "goodput": {}, "stragglers": "", "straggler_nodes": ""}
+
+
+def _server(r) -> dict | None:
+    """The run's serving record, its state read live (``serving.job.refresh``: a server gone clears the endpoint)."""
+    from hpc_tools.serving.job import refresh
+
+    return refresh(r)
+
+
+def _server_line(server: dict, endpoint: dict | None) -> str:
+    where = f"Slurm job {server['job_id']}" if server.get("job_id") else f"local, process group {server.get('pid')}"
+    if endpoint:
+        return (f"endpoint http://{endpoint['host']}:{endpoint['http_port']} (gRPC {endpoint.get('grpc_port')}), "
+                f"{server.get('engine')} serving {server.get('model_dir')} since {server.get('ready')} ({where})")
+    return f"server   {server.get('state')} ({server.get('engine')}, {where}, ended {server.get('ended')})"
+
+
+def _serve_only(r, server: dict | None, as_json: bool) -> int:
+    manifest = r.manifest()
+    if as_json:
+        emit_json({"run_dir": str(r.path), **manifest})
+        return 0
+    print(f"run      {r.run_id}\nfolder   {r.path}\nkind     serve ({manifest.get('model_dir')})")
+    print(_server_line(server, manifest.get("endpoint")) if server else "server   never started")
+    return 0

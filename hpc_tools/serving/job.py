@@ -1,0 +1,434 @@
+"""The serving job: a script that runs the server in the serving environment, started as a local process group or
+as a Slurm job on a node of its own; the readiness wait; the run folder's serving record; stopping it.
+
+Files, under ``<run>/serve/``: ``model/`` (the run's export, when a run is served), ``serve.sbatch`` (the script, for
+both executors), ``serve-<job id>.out`` / ``serve-local.out`` (its log), ``endpoint.json`` (written by the server once
+``generate`` is ready) and ``error`` (the one line of a bad start). The manifest holds ``serve`` (engine, executor,
+job id or process group, state, model folder, script, log) and ``endpoint`` ``{host, http_port, grpc_port}`` while the
+server runs (None once it stopped).
+
+A Hugging Face folder given directly gets a run folder of its own (``kind: serve``) under the runs root, so that
+``status``, ``generate`` and ``cancel`` name it like any run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc_tools.errors import UserError
+from hpc_tools.registry import RunFolder, atomic_write, find_run, new_run_id, now_iso, runs_root
+
+SERVE_DIR = "serve"
+ENV_VAR = "HPC_TOOLS_SERVE_ENV"
+REPO = Path(__file__).resolve().parents[2]
+SERVER = Path(__file__).with_name("triton_server.py")
+INSTALL = "bash environment/install-serve.sh"
+ENGINES = ("triton", "vllm")
+LIVE = ("STARTING", "RUNNING")
+GB = 1e9
+OVERHEAD = 1.2  # the framework's own memory and activations on top of weights and KV cache
+_TIME = re.compile(r"^(\d+):([0-5]\d)$")
+
+
+@dataclass
+class ServeOptions:
+    engine: str = "triton"
+    executor: str = "local"
+    time: str = "1:00"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    partition: str | None = None
+    gpus: int = 0
+    mem_gb: float | None = None
+    max_batch_size: int = 8
+    ready_timeout_s: float = 600.0
+
+
+def serve_python() -> Path:
+    """The serving environment's interpreter ($HPC_TOOLS_SERVE_ENV, else <repo>/.venv-serve)."""
+    env = Path(os.environ.get(ENV_VAR) or REPO / ".venv-serve")
+    py = env / "bin" / "python"
+    if not py.exists() or not (env / ".hpc_tools-serve-complete").is_file():
+        raise UserError(f"the serving environment {env} is missing or incomplete (install it: {INSTALL}, "
+                        f"or set {ENV_VAR} to one it made)")
+    return py
+
+
+def check_time(value: str) -> int:
+    """--time H:MM -> minutes (a UserError for anything else)."""
+    m = _TIME.match(value or "")
+    if not m or int(m[1]) * 60 + int(m[2]) == 0:
+        raise UserError(f"--time={value} is not a serving time limit H:MM above 0:00 (e.g. --time 2:00)")
+    return int(m[1]) * 60 + int(m[2])
+
+
+def check_engine(opts: ServeOptions) -> None:
+    """vLLM's wheels are CUDA builds: --engine vllm only on a GPU node."""
+    if opts.engine != "vllm":
+        return
+    if opts.executor == "slurm":
+        if opts.gpus < 1:
+            raise UserError("--engine vllm needs a GPU node (vLLM's wheels are CUDA builds): give --gpus N on a GPU "
+                            "partition, or serve with --engine triton on CPU")
+    elif not local_gpus():
+        raise UserError("--engine vllm needs a GPU (vLLM's wheels are CUDA builds) and this machine has none "
+                        "(nvidia-smi lists no GPU): serve with --engine triton on CPU")
+
+
+def local_gpus() -> int:
+    if not shutil.which("nvidia-smi"):
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
+
+
+def check_ports(opts: ServeOptions) -> None:
+    """Locally, a fixed port already in use is refused before anything starts (on a Slurm node the server checks)."""
+    if opts.http_port and opts.http_port == opts.grpc_port:
+        raise UserError(f"--http-port and --grpc-port are both {opts.http_port} (give two ports, or 0 for any free)")
+    if opts.executor != "local":
+        return
+    for flag, port in (("--http-port", opts.http_port), ("--grpc-port", opts.grpc_port)):
+        if port and not port_free(port):
+            raise UserError(f"{flag}={port} is in use on this machine (choose another port, or 0 for any free one)")
+
+
+def port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+# -- what is served ---------------------------------------------------------------------------------------------------
+def model_folder(ref: str) -> Path | None:
+    """``ref`` as a Hugging Face model folder (it has a config.json and is no run folder), else None."""
+    path = Path(ref)
+    if (path / "config.json").is_file() and not (path / "manifest.json").is_file():
+        return path.absolute()
+    return None
+
+
+def target(ref: str, runs_dir: str | None) -> tuple[RunFolder, Path | None]:
+    """The run ``ref`` names and its model folder when it has one (a folder served before); None: export the run."""
+    try:
+        run = find_run(ref, runs_root(runs_dir))
+    except UserError as exc:
+        raise UserError(f"{ref} is neither a Hugging Face model folder (no config.json) nor a run: {exc}") from None
+    manifest = run.manifest()
+    if manifest.get("kind") == "serve":  # a folder served before: served again from its run folder
+        return run, Path(manifest["model_dir"])
+    return run, None
+
+
+def serve_run(model_dir: Path, root: Path) -> RunFolder:
+    """A run folder of its own (``kind: serve``) for a Hugging Face folder served directly."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", model_dir.absolute().name)[:40] or "model"
+    run_id = new_run_id(f"serve-{name}")
+    folder = root / run_id
+    folder.mkdir(parents=True)
+    atomic_write(folder / "manifest.json", json.dumps({"run_id": run_id, "kind": "serve", "created": now_iso(),
+                                                       "model_dir": str(model_dir.absolute()), "events": []},
+                                                      indent=2, sort_keys=True))
+    return RunFolder(folder)
+
+
+def run_weight_bytes(run: RunFolder) -> float:
+    """The run's model in fp32 (what ``export`` writes) by the planner's parameter count."""
+    from hpc_tools.hf.export import run_recipe
+    from hpc_tools.planner.arch import arch_for, total_parameters
+
+    return 4.0 * total_parameters(arch_for(run_recipe(run)))
+
+
+def folder_weight_bytes(model_dir: Path) -> float:
+    """Bytes of the tensors in a folder's safetensors files (their headers), else the files' sizes."""
+    total = 0.0
+    for f in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
+        if f.suffix == ".safetensors":
+            try:
+                with open(f, "rb") as fh:
+                    header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+                total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
+                             if k != "__metadata__")
+                continue
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        total += f.stat().st_size
+    return total
+
+
+def kv_cache_bytes(config: dict, batch: int) -> float:
+    """fp32 keys and values of ``batch`` sequences of the model's full context."""
+    layers = config.get("num_hidden_layers") or config.get("n_layer") or 0
+    heads = config.get("num_attention_heads") or config.get("n_head") or 1
+    hidden = config.get("hidden_size") or config.get("n_embd") or 0
+    kv_heads = config.get("num_key_value_heads") or heads
+    context = config.get("max_position_embeddings") or config.get("n_positions") or 0
+    return 2.0 * layers * kv_heads * (hidden // heads) * context * batch * 4
+
+
+def node_memory_bytes(opts: ServeOptions) -> tuple[float | None, str]:
+    """(memory of the node the server gets, where the figure comes from); None when unknown."""
+    if opts.mem_gb is not None:
+        return opts.mem_gb * GB, f"--mem {opts.mem_gb:g} GB"
+    if opts.executor == "local":
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024.0, "this machine's available memory"
+        except OSError:
+            return None, ""
+        return None, ""
+    cmd = ["sinfo", "-h", "-N", "-o", "%m"] + (["-p", opts.partition] if opts.partition else [])
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+        sizes = [int(x) for x in out.stdout.split() if x.isdigit()]
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None, ""
+    return (max(sizes) * 1e6, "the largest node's memory (sinfo %m)") if sizes else (None, "")
+
+
+def check_memory(weights: float, config: dict, opts: ServeOptions) -> None:
+    need = OVERHEAD * weights + kv_cache_bytes(config, opts.max_batch_size)
+    have, source = node_memory_bytes(opts)
+    if have is not None and need > have:
+        raise UserError(f"the model needs about {need / GB:.3g} GB to serve ({weights / GB:.3g} GB of fp32 weights "
+                        f"x {OVERHEAD} + the KV cache of {opts.max_batch_size} full-context sequences) and the node "
+                        f"has {have / GB:.3g} GB ({source}): serve it on a node with more memory (--mem, "
+                        "--partition), or quantize it first")
+
+
+def hf_config(model_dir: Path) -> dict:
+    try:
+        return json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def export_for_serving(run: RunFolder, out: Path) -> Path:
+    """The run's newest verified checkpoint as a Hugging Face folder ``out`` (kept when it is that checkpoint's)."""
+    import sys
+
+    from hpc_tools.hf.export import EXPORT_META, checkpoint_root, run_recipe, verified_checkpoint
+
+    ckpt = verified_checkpoint(run, checkpoint_root(run_recipe(run), run), None)
+    try:
+        if json.loads((out / EXPORT_META).read_text()).get("checkpoint") == str(ckpt):
+            return out
+    except (OSError, ValueError):
+        pass
+    with contextlib.redirect_stdout(sys.stderr):
+        from hpc_tools.hf.export import export_run
+
+        export_run(run.path, out, overwrite=True)
+    return out
+
+
+# -- the script -------------------------------------------------------------------------------------------------------
+def render_script(run: RunFolder, model_dir: Path, opts: ServeOptions, python: Path) -> str:
+    """The serving job's script: #SBATCH lines (a node of its own) for Slurm; the same body runs locally."""
+    folder = run.path / SERVE_DIR
+    minutes = check_time(opts.time)
+    q = shlex.quote
+    lines = ["#!/bin/bash", f"# hpc_tools serve: {opts.engine} over {model_dir}",
+             f"#SBATCH --job-name=serve-{re.sub(r'[^A-Za-z0-9_.-]', '_', run.run_id)[:60]}",
+             "#SBATCH --nodes=1", "#SBATCH --ntasks=1", "#SBATCH --exclusive",
+             f"#SBATCH --time={minutes // 60}:{minutes % 60:02d}:00",
+             f"#SBATCH --output={folder}/serve-%j.out"]
+    if opts.partition:
+        lines.append(f"#SBATCH --partition={opts.partition}")
+    if opts.gpus:
+        lines.append(f"#SBATCH --gpus-per-node={opts.gpus}")
+    if opts.mem_gb is not None:
+        lines.append(f"#SBATCH --mem={max(int(opts.mem_gb * 1000), 1)}M")
+    host = 'HOST="${HPC_TOOLS_SERVE_HOST:-$(hostname)}"'
+    endpoint, error = q(str(folder / "endpoint.json")), q(str(folder / "error"))
+    limit = '"${LIMIT[@]}"'
+    lines += ["set -u", "export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1", host,
+              "LIMIT=()  # locally there is no Slurm time limit: coreutils timeout stands in for it",
+              f'[ -n "${{SLURM_JOB_ID:-}}" ] || LIMIT=(timeout --kill-after=30 {minutes * 60})']
+    if opts.engine == "triton":
+        lines.append(f"exec {limit} {q(str(python))} {q(str(SERVER))} --model {q(str(model_dir))} "
+                     f"--http-port {opts.http_port} --grpc-port {opts.grpc_port} --host \"$HOST\" "
+                     f"--endpoint-file {endpoint} --error-file {error} --max-batch-size {opts.max_batch_size} "
+                     f"--ready-timeout-s {opts.ready_timeout_s:.0f}")
+    else:  # vLLM's OpenAI-compatible server (HTTP only), in $HPC_TOOLS_VLLM_PYTHON's environment
+        port = opts.http_port or 8000
+        lines += [f'{limit} "${{HPC_TOOLS_VLLM_PYTHON:-python3}}" -m vllm.entrypoints.openai.api_server '
+                  f"--model {q(str(model_dir))} --host 0.0.0.0 --port {port} "
+                  f"--tensor-parallel-size {max(opts.gpus, 1)} &",
+                  "PID=$!",
+                  f'until curl -sf "http://127.0.0.1:{port}/health" > /dev/null; do',
+                  '    kill -0 "$PID" 2>/dev/null || { wait "$PID"; exit $?; }',
+                  "    sleep 2",
+                  "done",
+                  f"printf '{{\"host\": \"%s\", \"http_port\": {port}, \"grpc_port\": null, \"engine\": \"vllm\", "
+                  f"\"model\": \"%s\", \"pid\": %s}}' \"$HOST\" {q(str(model_dir))} \"$$\" > {endpoint}.tmp",
+                  f"mv {endpoint}.tmp {endpoint}",
+                  'wait "$PID"']
+    return "\n".join(lines) + "\n"
+
+
+# -- starting, waiting, recording ----------------------------------------------------------------------------------
+def start(run: RunFolder, model_dir: Path, opts: ServeOptions, python: Path) -> dict:
+    """Write the script, start the job, wait until the server is ready; returns the endpoint. A start that fails
+    is stopped (nothing left running) and raised as one line."""
+    folder = run.path / SERVE_DIR
+    folder.mkdir(exist_ok=True)
+    for stale in ("endpoint.json", "error"):
+        (folder / stale).unlink(missing_ok=True)
+    script = folder / "serve.sbatch"
+    atomic_write(script, render_script(run, model_dir, opts, python))
+    record = {"engine": opts.engine, "executor": opts.executor, "model_dir": str(model_dir), "script": str(script),
+              "state": "STARTING", "submitted": now_iso(), "time": opts.time}
+    if opts.executor == "local":
+        log = folder / "serve-local.out"
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(["bash", str(script)], stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    env={**os.environ, "HPC_TOOLS_SERVE_HOST": "127.0.0.1"})
+        record.update(pid=proc.pid, log=str(log))
+    else:
+        from hpc_tools.executors.slurm import sbatch_script
+
+        try:
+            job_id = sbatch_script(script, {}, cwd=folder)
+        except subprocess.CalledProcessError as exc:
+            raise UserError(f"sbatch {script} failed: {(exc.stderr or '').strip() or exc}") from None
+        record.update(job_id=job_id, log=str(folder / f"serve-{job_id}.out"))
+    run.update(event="serve submitted", serve=record, endpoint=None)
+    try:
+        endpoint = wait_ready(run, record, opts.ready_timeout_s)
+    except BaseException:
+        stop(run, "FAILED")
+        raise
+    record.update(state="RUNNING", ready=now_iso(), endpoint=endpoint)
+    run.update(event="serving", serve=record, endpoint=public(endpoint))
+    return endpoint
+
+
+def public(endpoint: dict) -> dict:
+    return {k: endpoint.get(k) for k in ("host", "http_port", "grpc_port")}
+
+
+def wait_ready(run: RunFolder, record: dict, timeout_s: float) -> dict:
+    folder = run.path / SERVE_DIR
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (folder / "error").is_file():
+            raise UserError((folder / "error").read_text().strip().splitlines()[0])
+        if (folder / "endpoint.json").is_file():
+            endpoint = json.loads((folder / "endpoint.json").read_text())
+            if answers(endpoint):
+                return endpoint
+        if not alive(record):
+            time.sleep(0.5)  # the error file may land right after the exit
+            if (folder / "error").is_file():
+                raise UserError((folder / "error").read_text().strip().splitlines()[0])
+            raise UserError(f"the serving job ended before the server was ready (see {record['log']})")
+        time.sleep(0.5)
+    raise UserError(f"the server was not ready within {timeout_s:.0f} s (see {record['log']}; a pending Slurm job "
+                    "waits for a free node: --ready-timeout)")
+
+
+def answers(endpoint: dict, timeout_s: float = 5.0) -> bool:
+    """Whether the endpoint's HTTP port answers readiness (Triton: the generate model; vLLM: /health)."""
+    import urllib.request
+
+    path = "/health" if endpoint.get("engine") == "vllm" else f"/v2/models/{endpoint.get('model', 'generate')}/ready"
+    try:
+        with urllib.request.urlopen(f"http://{endpoint['host']}:{endpoint['http_port']}{path}",
+                                    timeout=timeout_s) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def alive(record: dict) -> bool:
+    """Whether the serving job still runs (local: its process group; Slurm: squeue still lists the job)."""
+    if record.get("executor") == "local":
+        return group_alive(record.get("pid"))
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", str(record["job_id"]), "-o", "%T"], capture_output=True,
+                             text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return True  # unknown: not declared dead
+    state = out.stdout.strip()
+    return out.returncode == 0 and state not in ("", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+
+
+def group_alive(pid) -> bool:
+    if not pid:
+        return False
+    try:
+        os.waitpid(int(pid), os.WNOHANG)  # reap our own child (a test that served in-process)
+    except ChildProcessError:
+        pass
+    try:
+        os.killpg(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def refresh(run: RunFolder) -> dict | None:
+    """The run's serving record with its state read live: a server that is gone is recorded ENDED (endpoint None)."""
+    manifest = run.manifest()
+    record = manifest.get("serve")
+    if not record or record.get("state") not in LIVE or alive(record):
+        return record
+    record = {**record, "state": "ENDED", "ended": now_iso()}
+    run.update(event="serve ended", serve=record, endpoint=None, soft=True)
+    return record
+
+
+def stop(run: RunFolder, state: str = "CANCELLED", grace_s: float = 20.0) -> dict:
+    """Stop the serving job and wait until it is gone (local: SIGTERM to its process group, SIGKILL after
+    ``grace_s``; Slurm: scancel, then until squeue no longer lists it)."""
+    record = dict(run.manifest().get("serve") or {})
+    if record.get("executor") == "local" and record.get("pid"):
+        pid = int(record["pid"])
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while group_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if group_alive(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while group_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+    elif record.get("job_id"):
+        from hpc_tools.executors.slurm import cancel
+
+        try:
+            cancel(str(record["job_id"]))
+        except subprocess.CalledProcessError as exc:
+            raise UserError(f"scancel {record['job_id']} failed: {(exc.stderr or '').strip() or exc}") from None
+        deadline = time.monotonic() + 60
+        while alive(record) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    record.update(state=state, ended=now_iso())
+    run.update(event=f"serve {state.lower()}", serve=record, endpoint=None, soft=True)
+    return record
+
