@@ -108,8 +108,9 @@ class Backend:
     sharding: str = ""
     """How model states are sharded across data-parallel ranks, for the planner's memory and communication model:
     ``distributed_optimizer`` (Megatron's: fp32 grads reduce-scattered, optimizer states sharded when on), ``zero``
-    (ZeRO stages 0-3 with optional offload) or ``fsdp`` (PyTorch FSDP2: parameters, gradients and optimizer states
-    sharded over the shard group, replicated across HSDP's replica groups; or plain DDP); "" without a model. Each
+    (ZeRO stages 0-3 with optional offload), ``fsdp`` (PyTorch FSDP2: parameters, gradients and optimizer states
+    sharded over the shard group, replicated across HSDP's replica groups; or plain DDP) or ``horovod`` (every rank a
+    full copy, gradients ring-all-reduced in Horovod's fusion buffer); "" without a model. Each
     scheme is one class in ``hpc_tools/planner/sharding.py``: a new backend names an existing one here."""
     packages: tuple[str, ...] = ()
     """The distributions a job of this kind imports beyond every job's set (``doctor``)."""
@@ -148,6 +149,14 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
             hf_model_classes=True, reads_init_from_hf=True, async_save=True,
             hf_export="hpc_tools.train.fsdp.export:export_checkpoint",
             layers="huggingface", sharding="fsdp", packages=("transformers", "accelerate"), compiled=_fsdp_compiled),
+    Backend(kind="horovod", summary="the fsdp backend's Hugging Face causal LM, a full copy on every rank, its "
+            "gradients ring-all-reduced by Horovod's DistributedOptimizer (gloo on CPU, NCCL on GPU), checkpoints "
+            "through torch Distributed Checkpoint",
+            trainer="hpc_tools.train.horovod.trainer", trains_model=True, options="horovod", pipeline_parallel=False,
+            hf_model_classes=True, reads_init_from_hf=True,
+            no_async_save_why="the Horovod backend writes its checkpoints synchronously",
+            hf_export="hpc_tools.train.fsdp.export:export_checkpoint",
+            layers="huggingface", sharding="horovod", packages=("transformers", "accelerate", "horovod")),
     Backend(kind="comm_check", summary="no model: every rank joins the process group and times all-reduces "
             "(a cluster smoke test)",
             trainer="hpc_tools.train.comm_check", trains_model=False),

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from hpc_tools import backends
+from hpc_tools.world import HOROVOD_INSTALL
 
 if TYPE_CHECKING:
     from hpc_tools.recipe.schema import Recipe
@@ -59,7 +60,7 @@ def pins(folder: Path = ENVIRONMENT) -> dict[str, str]:
     """Pinned versions (normalised package name -> version) from ``environment/requirements-*.txt`` and
     ``install.sh`` (torch and deepspeed are pinned there: they are installed apart); the first pin seen wins."""
     found: dict[str, str] = {}
-    files = sorted(folder.glob("requirements-*.txt")) + [folder / "install.sh"]
+    files = sorted(folder.glob("requirements-*.txt")) + [folder / "install.sh", folder / "install-horovod.sh"]
     for path in files:
         if not path.is_file():
             continue
@@ -115,6 +116,8 @@ def package_checks(backend: str | None = None, pinned: dict[str, str] | None = N
         install = f"pip install {name}=={pin}" if pin else f"pip install {name}"
         if name in ("torch", "deepspeed"):
             install = "bash environment/install.sh (it installs torch and deepspeed the right way)"
+        if name == "horovod":
+            install = f"{HOROVOD_INSTALL} (builds it once against this torch and caches the wheel)"
         try:
             have = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -166,6 +169,47 @@ def torch_checks(wants_gpus: bool | None) -> list[Check]:
         rows.append(Check("nccl", "fail" if wants_gpus else "warn", f"NCCL not usable ({type(exc).__name__})",
                           "install a torch build with NCCL (the CUDA wheels ship it)"))
     return rows
+
+
+def horovod_wheel_dir(version: str | None = None, torch_version: str | None = None) -> Path:
+    """Where ``environment/install-horovod.sh`` keeps the Horovod wheel it built for this Python and torch (and the
+    log of a build that failed, ``build-failed.log``): ``$HPC_TOOLS_WHEEL_CACHE`` (default
+    ``~/.cache/hpc_tools/wheels``) / ``horovod-<version>-py<XY>-torch<torch version>``; the script asks this
+    function."""
+    version = version or pins().get("horovod", "unpinned")
+    torch_version = torch_version or _installed("torch") or "none"
+    root = os.environ.get("HPC_TOOLS_WHEEL_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
+                                                           "hpc_tools", "wheels")
+    return Path(root, f"horovod-{version}-py{sys.version_info[0]}{sys.version_info[1]}-torch{torch_version}")
+
+
+def horovod_check(backend: str | None, timeout_s: float = 120) -> Check | None:
+    """Whether ``import horovod.torch`` works with this torch (a fresh interpreter: a C extension built against
+    another torch fails to load), or why the build against this torch failed; None where Horovod is neither
+    installed nor tried (its package row says so)."""
+    needed = backend in (None, "horovod")
+    level = "fail" if backend == "horovod" else "warn"
+    have, torch_version = _installed("horovod"), _installed("torch")
+    failed = horovod_wheel_dir(torch_version=torch_version) / "build-failed.log"
+    if have is None:
+        if not failed.is_file():
+            return None
+        return Check("horovod.torch", level if needed else "warn",
+                     f"the build of Horovod against torch {torch_version} failed (its log: {failed})",
+                     "Horovod 0.28.1 is its last release and may not build against a newer torch: train with "
+                     "backend.kind: fsdp and backend.fsdp.strategy: ddp, or pin the torch it built with")
+    try:
+        out = subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True, text=True,
+                             timeout=timeout_s)
+        error = (out.stderr.strip().splitlines() or ["exit status " + str(out.returncode)])[-1] if out.returncode \
+            else ""
+    except subprocess.TimeoutExpired:
+        error = f"the import took over {timeout_s:.0f} s"
+    if not error:
+        return Check("horovod.torch", "pass", f"horovod {have} imports with torch {torch_version}")
+    return Check("horovod.torch", level, f"horovod {have} does not load with torch {torch_version} (built against "
+                 f"another torch?): {error[:200]}",
+                 f"{HOROVOD_INSTALL} (rebuilds it against this torch)")
 
 
 def _installed(*names: str) -> str | None:
@@ -459,7 +503,7 @@ def run_doctor(recipe: Recipe | None = None, executor: str = "local", runs_dir: 
     rows = [python_check(), *pins_check(), *package_checks(backend, data_source=recipe and recipe.data.source)]
     if with_torch:
         rows += torch_checks(wants_gpus)
-        rows += [row for row in [_fp8_recipe_row(recipe), te_import_check()] if row]
+        rows += [row for row in [_fp8_recipe_row(recipe), te_import_check(), horovod_check(backend)] if row]
     rows += gpu_library_checks(recipe, capability=_gpu_capability() if with_torch else None)
     if with_torch and recipe is not None:
         rows += [row for row in [nvme_offload_check(recipe)] if row]

@@ -172,7 +172,7 @@ def _int(text: str) -> int:
 
 def world_violations(recipe: Recipe, slurm: bool = True, view: SlurmView | None = None) -> list[Violation]:
     """Every way ``recipe`` does not fit this machine's files and (with ``slurm``) the live Slurm cluster."""
-    found = path_violations(recipe)
+    found = path_violations(recipe) + package_violations(recipe)
     if slurm:
         view = view or slurm_view()
         if view.checked:
@@ -212,6 +212,42 @@ def path_violations(recipe: Recipe) -> list[Violation]:
                                "give the path of the .sqsh/.sif file, or a registry reference (e.g. "
                                "nvcr.io#nvidia/pytorch:24.05-py3 for pyxis, docker://... for apptainer)"))
     return found
+
+
+HOROVOD_INSTALL = "bash environment/install-horovod.sh"
+"""Builds Horovod once against the installed torch and caches the wheel (the package index has only its source)."""
+
+
+def horovod_problem() -> str | None:
+    """Why ``import horovod.torch`` cannot work in this Python, found without importing it (torch stays unloaded):
+    Horovod is not installed, or without its PyTorch extension; None when both are there (whether the extension
+    loads with this torch is doctor's question)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("horovod")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return "Horovod is not installed in this Python"
+    if not any(next(Path(where, "torch").glob("mpi_lib_v2*.so"), None) for where in spec.submodule_search_locations):
+        return "Horovod is installed without its PyTorch extension (horovod/torch/mpi_lib_v2*.so)"
+    return None
+
+
+def package_violations(recipe: Recipe) -> list[Violation]:
+    """A package the recipe's backend needs that no install step brings: Horovod (environment/install.sh leaves it
+    out: it builds for minutes). Checked in this Python only when the job runs in it (no venv, conda_env or
+    container in cluster.setup)."""
+    setup = recipe.cluster.setup
+    if recipe.backend.kind != "horovod" or setup.venv or setup.conda_env or setup.container:
+        return []
+    why = horovod_problem()
+    if why is None:
+        return []
+    return [Violation("backend.kind", "horovod", f"needs Horovod with its PyTorch extension: {why}",
+                      f"run {HOROVOD_INSTALL} (builds it once against this torch, about 10 minutes on 2 cores; "
+                      "the wheel is cached)")]
 
 
 def indexed_violations(recipe: Recipe) -> list[Violation]:

@@ -1,4 +1,4 @@
-"""``export RUN --out DIR``: a trained Megatron, DeepSpeed or FSDP run -> a plain Hugging Face model folder."""
+"""``export RUN --out DIR``: a trained Megatron, DeepSpeed, FSDP or Horovod run -> a plain Hugging Face model folder."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from hpc_tools.cli._common import add_json, add_run_ref, add_runs_dir, emit_json
 NAME = "export"
 # Read from the source for the command list: a literal (tests/unit/test_cli_help.py checks it names every backend
 # kind whose row has an exporter).
-HELP = "write a trained megatron, deepspeed or fsdp run as a Hugging Face model folder (from_pretrained loads it)"
+HELP = ("write a trained megatron, deepspeed, fsdp or horovod run as a Hugging Face model folder (from_pretrained "
+        "loads it)")
 EXPORTERS = ", ".join(backends.with_feature("hf_export"))
 DESCRIPTION = """\
 Writes the run's newest verified checkpoint (or --step) as a folder that
@@ -20,9 +21,9 @@ transformers.AutoModelForCausalLM.from_pretrained(DIR) and AutoTokenizer.from_pr
 generation_config.json, fp32 model.safetensors and the run's tokenizer (a local tokenizer folder is copied; the byte
 tokenizer is written as an equivalent byte-level tokenizer.json). Megatron runs of any TP/PP/VPP layout become
 GPT2LMHeadModel (model.family: gpt) or LlamaForCausalLM (family: llama); DeepSpeed runs are consolidated through
-zero_to_fp32 (ZeRO 0-3) or layer by layer (pipeline); FSDP runs (full_shard, hybrid_shard, ddp) are assembled from
-their torch Distributed Checkpoint, whatever rank count saved it. The folder is written beside --out and renamed at
-the end. Mapping and tolerances: docs/hf-conversion.md.
+zero_to_fp32 (ZeRO 0-3) or layer by layer (pipeline); FSDP runs (full_shard, hybrid_shard, ddp) and Horovod runs
+are assembled from their torch Distributed Checkpoint, whatever rank count saved it. The folder is written beside
+--out and renamed at the end. Mapping and tolerances: docs/hf-conversion.md.
 """ + f"Backend kinds with an exporter (the backend table's hf_export): {EXPORTERS}."
 ORDER = 60
 

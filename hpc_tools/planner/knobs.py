@@ -44,6 +44,8 @@ class Knobs:
     fsdp_strategy: str = "full_shard"  # FSDP: full_shard | hybrid_shard | ddp
     fsdp_shard_size: int | None = None  # FSDP hybrid_shard: ranks per shard group (None: GPUs per node)
     fsdp_reshard: bool = True  # FSDP reshard_after_forward
+    hvd_compression: str = "none"  # Horovod: none | fp16
+    hvd_fusion_mb: int = 128  # Horovod's fusion buffer (MiB)
     flash: bool = True  # fused attention: no s^2 activations stored
     on_gpu: bool = True  # CUDA kernels (1-byte dropout masks, fused norms); False: the CPU build's kernels
     fp8: str | None = None  # training.fp8 (e4m3 | hybrid) where the backend runs it; None: 16-bit GEMMs
@@ -73,7 +75,8 @@ class Knobs:
                    ds_overlap_comm=bool(ds_zero.get("overlap_comm", stage == 3)),
                    ds_bucket_elems=int(ds_zero.get("reduce_bucket_size", DS_DEFAULT_BUCKET_ELEMS)),
                    fsdp_strategy=be.fsdp.strategy, fsdp_shard_size=be.fsdp.shard_size,
-                   fsdp_reshard=be.fsdp.reshard_after_forward, flash=flash, on_gpu=recipe.cluster.uses_gpus,
+                   fsdp_reshard=be.fsdp.reshard_after_forward, hvd_compression=be.horovod.compression,
+                   hvd_fusion_mb=be.horovod.fusion_threshold_mb, flash=flash, on_gpu=recipe.cluster.uses_gpus,
                    fp8=t.fp8 if row.fp8 else None, dispatcher=recipe.model.moe_token_dispatcher_type,
                    moe=recipe.model.num_experts is not None,
                    recompute_modules=tuple(t.recompute_modules) if t.recompute_modules is not None else None,

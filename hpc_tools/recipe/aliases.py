@@ -93,6 +93,13 @@ TABLE: tuple[Alias, ...] = (
     Alias("parallelism", "parallel", (_tt("[parallelism]"),), "its *_degree keys are the *_size fields there"),
     Alias("sharding_strategy", "backend.fsdp.strategy", ("PyTorch FSDP's sharding_strategy",),
           "FULL_SHARD = full_shard, HYBRID_SHARD = hybrid_shard, NO_SHARD = ddp"),
+    # --- Horovod ----------------------------------------------------------------------------------------------------
+    Alias("horovod_fusion_threshold", "backend.horovod.fusion_threshold_mb", ("Horovod's HOROVOD_FUSION_THRESHOLD",),
+          "bytes there, MiB here (134217728 bytes = 128)"),
+    Alias("fusion_threshold_mb", "backend.horovod.fusion_threshold_mb", ("horovodrun's --fusion-threshold-mb",)),
+    Alias("backward_passes_per_step", None, ("Horovod's DistributedOptimizer(backward_passes_per_step)",),
+          "the microbatches of a step, global_batch_size / (micro_batch_size x data-parallel size); set "
+          "training.global_batch_size"),
     # --- optimizer sharding -----------------------------------------------------------------------------------------
     Alias("use_distributed_optimizer", "backend.megatron.distributed_optimizer",
           (_lm("use-distributed-optimizer"), _mc("DistributedDataParallelConfig.use_distributed_optimizer"))),

@@ -57,14 +57,26 @@ class FSDPOptions(Section):
     minutes on CPU ranks, where it is rarely worth it)."""
 
 
+class HorovodOptions(Section):
+    compression: Literal["none", "fp16"] = "none"
+    """Gradients on the wire: `none` (fp32, as the backward computed them) or `fp16` (Horovod's Compression.fp16:
+    half the all-reduce bytes; the sum is taken in fp16, so the losses drift from DDP's)."""
+    fusion_threshold_mb: int = Field(default=128, ge=0, le=1 << 16)
+    """Horovod's tensor fusion buffer in MiB (HOROVOD_FUSION_THRESHOLD, which is in bytes): gradients ready in the
+    same cycle are all-reduced together, up to this size; 0 turns fusion off. 128 is Horovod's own default."""
+
+
 class BackendConfig(Section):
     kind: BackendKind = "megatron"
     """Training program: `megatron` (Megatron-core GPT, 3D parallel), `deepspeed` (Hugging Face causal LM under ZeRO),
-    `fsdp` (Hugging Face causal LM under PyTorch FSDP2 or DDP), or `comm_check` (no model: every rank joins the
-    process group and times all-reduces; a cluster smoke test)."""
+    `fsdp` (Hugging Face causal LM under PyTorch FSDP2 or DDP), `horovod` (the same model under Horovod's
+    DistributedOptimizer; needs `bash environment/install-horovod.sh`), or `comm_check` (no model: every rank joins
+    the process group and times all-reduces; a cluster smoke test)."""
     megatron: MegatronOptions = Field(default_factory=MegatronOptions)
     """Options for kind: megatron."""
     deepspeed: DeepSpeedOptions = Field(default_factory=DeepSpeedOptions)
     """Options for kind: deepspeed."""
     fsdp: FSDPOptions = Field(default_factory=FSDPOptions)
     """Options for kind: fsdp."""
+    horovod: HorovodOptions = Field(default_factory=HorovodOptions)
+    """Options for kind: horovod."""

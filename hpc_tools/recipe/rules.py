@@ -830,6 +830,14 @@ def fsdp_mesh(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
 
 
 @rule
+def horovod_precision(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """Horovod: fp32, or bf16 autocast (no loss scaler for fp16)."""
+    if backends.of(r).options == "horovod" and r.training.precision == "fp16":
+        yield Violation("training.precision", "fp16", "is not available with backend.kind=horovod (no loss scaler)",
+                        "use bf16 (autocast, as DDP) or fp32")
+
+
+@rule
 def megatron_overlap(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """overlap_param_gather needs the distributed optimizer and overlap_grad_reduce."""
     mg = r.backend.megatron

@@ -58,7 +58,7 @@ def test_search_turns_only_its_schemes_knobs(kind):
     seen = set()
     for k in enumerate_knobs(r, base):
         seen |= {a for a in own | others if getattr(k, a) != getattr(base, a)}
-    assert seen and seen <= own
+    assert seen <= own and (seen or not scheme.dimension[1])  # Horovod's scheme turns nothing
     section = f"backend.{base.row.options}."
     written = {o.split("=")[0][len(section):] for o in base.overrides() if o.startswith(section)}
     assert written and written <= set(type(getattr(r.backend, base.row.options)).model_fields)

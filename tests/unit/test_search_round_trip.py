@@ -28,7 +28,8 @@ FULL_RECOMPUTE_KEYS = {"training.recompute_method", "training.recompute_num_laye
 OPTION_KEYS = {"megatron": {"backend.megatron.distributed_optimizer"},
                "deepspeed": {"backend.deepspeed.zero_stage", "backend.deepspeed.offload_optimizer",
                              "backend.deepspeed.offload_param"},
-               "fsdp": {"backend.fsdp.strategy", "backend.fsdp.reshard_after_forward", "backend.fsdp.shard_size"}}
+               "fsdp": {"backend.fsdp.strategy", "backend.fsdp.reshard_after_forward", "backend.fsdp.shard_size"},
+               "horovod": {"backend.horovod.compression", "backend.horovod.fusion_threshold_mb"}}
 
 
 def cli(capsys, *args: str) -> tuple[int, str]:
