@@ -76,7 +76,11 @@ def run(args: argparse.Namespace) -> int:
             say(f"{what}: {len(out['iterations'])} checkpoint(s) ({', '.join(map(str, out['iterations']))}) -> "
                 f"{out['script']}")
         return 0
-    done = run_local(p)
+    import contextlib
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed, transformers and lm-eval print; stdout is for --json
+        done = run_local(p)
     if args.json:
         emit_json({"ok": True, "evaluated": done})
         return 0

@@ -54,13 +54,13 @@ def task_manager(tasks: list[str], include_path: str | None):
         local = local_manager(include_path)
         if all(t in local.all_tasks for t in tasks):
             return local
-    return TaskManager(include_path=include_path, verbosity="ERROR")
+    return TaskManager(include_path=include_path)
 
 
 def local_manager(include_path: str):
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=include_path, include_defaults=False, verbosity="ERROR")
+    return TaskManager(include_path=include_path, include_defaults=False)
 
 
 def default_task_names() -> set[str]:
@@ -79,7 +79,7 @@ def default_task_names() -> set[str]:
         pass
     from lm_eval.tasks import TaskManager
 
-    names = sorted(TaskManager(verbosity="ERROR").all_tasks)
+    names = sorted(TaskManager().all_tasks)
     try:
         from hpc_tools.registry import atomic_write
 
