@@ -161,6 +161,8 @@ BAD_INPUT = {
     "tensorboard": ["tensorboard", "no-such-run"], "list": ["list", "--limit", "many"],
     "data": ["data", "prepare", "{tmp}/nope.txt", "--out", "{tmp}/prepared"],
     "preflight": ["preflight", "nope.yaml"],
+    "eval": ["eval", "no-such-run", "--tasks", "arc_easy"],
+    "quantize": ["quantize", "no-such-run", "--scheme", "int8", "--out", "{tmp}/quantized"],
     "serve": ["serve", "no-such-run", "--http-port", "0", "--grpc-port", "0"],
     "generate": ["generate", "no-such-run", "--prompt", "x"],
 }
