@@ -77,6 +77,7 @@ def run_local(p: Plan) -> list[dict[str, Any]]:
                              "include_path": p.include_path, "finished": _now()}
         path = p.target.eval_dir / res.results_name(model.iteration, model.scheme)
         path.parent.mkdir(parents=True, exist_ok=True)
+        out = res.keep_other_tasks(path, out)
         atomic_write(path, json.dumps(out, indent=2, sort_keys=True))
         done.append({"file": str(path), "iteration": model.iteration, "scheme": model.scheme,
                      "results": out.get("results", {})})

@@ -31,6 +31,22 @@ def quantize_name(scheme: str, iteration: int | None) -> str:
     return f"quantize-{scheme}-{results_name(iteration)}"
 
 
+PER_TASK = ("results", "configs", "versions", "n-shot", "higher_is_better", "n-samples")
+
+
+def keep_other_tasks(path: Path, new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` (lm-eval's results for one checkpoint) with the tasks an earlier file of the same checkpoint scored
+    and ``new`` did not (each per-task table of lm-eval's JSON); a task scored again is replaced."""
+    try:
+        old = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return new
+    for key in PER_TASK:
+        if isinstance(old.get(key), dict) and isinstance(new.get(key), dict):
+            new[key] = {**{t: v for t, v in old[key].items() if t not in new[key]}, **new[key]}
+    return new
+
+
 def eval_rows(folder: str | Path) -> list[dict[str, Any]]:
     """One row per (results file, task, metric) under ``folder/eval``: iteration, tokens, model ("bf16/fp32 export"
     or the scheme), task, metric, value, stderr, file; sorted by model, task, metric, iteration. Unreadable files

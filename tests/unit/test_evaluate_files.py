@@ -63,3 +63,14 @@ def test_linear_bytes_from_headers(tmp_path):
     got = linear_bytes(tmp_path / "a", tmp_path / "b")
     assert got == {"linear_modules": 1, "linear_bytes_before": 512, "linear_bytes_bf16": 256,
                    "linear_bytes_after": 128 + 32, "ratio_vs_bf16": 160 / 256, "ratio_vs_before": 160 / 512}
+
+
+def test_a_later_eval_of_the_same_checkpoint_keeps_the_other_tasks(tmp_path):
+    path = tmp_path / "iter.json"
+    path.write_text(json.dumps({"results": {"a": {"acc,none": 0.1}, "b": {"acc,none": 0.2}},
+                                "versions": {"a": 1, "b": 1}}))
+    merged = results.keep_other_tasks(path, {"results": {"b": {"acc,none": 0.9}, "c": {"acc,none": 0.3}},
+                                             "versions": {"b": 2, "c": 1}})
+    assert merged["results"] == {"a": {"acc,none": 0.1}, "b": {"acc,none": 0.9}, "c": {"acc,none": 0.3}}
+    assert merged["versions"] == {"a": 1, "b": 2, "c": 1}
+    assert results.keep_other_tasks(tmp_path / "none.json", {"results": {}}) == {"results": {}}
