@@ -13,7 +13,8 @@ DESCRIPTION = """\
 Sends each prompt to the generate model of a Triton server started by `hpc_tools serve` (KServe v2 REST over HTTP)
 and prints the generated token ids and text; greedy decoding unless --temperature is above 0. --file sends the
 prompts of a JSON-lines file ({"prompt": TEXT} or {"input_ids": [...]}, optional "max_tokens" each) concurrently,
-so that Triton's dynamic batcher batches them; answers are printed in the file's order.
+so that Triton's dynamic batcher batches them; answers are printed in the file's order (--json: each with the
+number of requests the server decoded it with, batch_size).
 """
 
 
@@ -82,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         shown.append(args.prompt)
     endpoint = client.resolve(args.endpoint, args.runs_dir)
     answers = client.infer_many(endpoint, bodies, args.concurrency)
-    results = [{"prompt": p, "output_ids": a["ids"], "text": a["text"]} for p, a in zip(shown, answers)]
+    results = [{"prompt": p, "output_ids": a["ids"], "text": a["text"], "batch_size": a["batch_size"]}
+               for p, a in zip(shown, answers)]
     if args.json:
         emit_json(results[0] if len(results) == 1 and not args.file else {"results": results})
     else:

@@ -66,7 +66,8 @@ def request_body(prompt: str | None, ids: list[int] | None, max_tokens: int, tem
 
 
 def infer(endpoint: Endpoint, body: dict, timeout_s: float = 300.0) -> dict:
-    """One request -> ``{"ids": [...], "text": str}``; a refused or failed request is a UserError (one line)."""
+    """One request -> ``{"ids": [...], "text": str, "batch_size": n}`` (n: requests decoded together with it); a
+    refused or failed request is a UserError (one line)."""
     req = urllib.request.Request(endpoint.url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     try:
@@ -87,7 +88,8 @@ def infer(endpoint: Endpoint, body: dict, timeout_s: float = 300.0) -> dict:
                         "(`python -m hpc_tools status RUN` shows the endpoint)") from None
     outputs = {o["name"]: o for o in answer.get("outputs", [])}
     text = outputs.get("text", {}).get("data") or [""]
-    return {"ids": [int(t) for t in outputs["output_ids"]["data"]], "text": text[0]}
+    batch = outputs.get("batch_size", {}).get("data") or [None]
+    return {"ids": [int(t) for t in outputs["output_ids"]["data"]], "text": text[0], "batch_size": batch[0]}
 
 
 def infer_many(endpoint: Endpoint, bodies: list[dict], concurrency: int = 8) -> list[dict]:

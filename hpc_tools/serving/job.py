@@ -109,6 +109,7 @@ def check_ports(opts: ServeOptions) -> None:
 
 def port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no use
         try:
             s.bind(("0.0.0.0", port))
         except OSError:

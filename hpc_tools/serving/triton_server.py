@@ -9,7 +9,8 @@ Model ``generate`` (KServe v2 over HTTP and gRPC, Triton's dynamic batcher in fr
 - inputs: ``input_ids`` INT64 [-1] or ``text`` BYTES [1] (one of them), ``max_tokens`` INT32 [1], optional
   ``temperature`` FP32 [1] (0, the default: greedy decoding; above 0: sampling at that temperature);
 - outputs: ``output_ids`` INT64 [-1] (the generated ids, up to and including an end-of-sequence id, without the
-  prompt) and ``text`` BYTES [1] (their decoding; empty without a tokenizer).
+  prompt), ``text`` BYTES [1] (their decoding; empty without a tokenizer) and ``batch_size`` INT32 [1] (how many
+  requests were decoded together with this one).
 
 The requests of one dynamic batch that share prompt length, ``max_tokens`` and temperature are decoded together as one
 ``model.generate`` batch (no padding, so no position or mask changes); the others one group after another.
@@ -50,6 +51,7 @@ def fail(args: argparse.Namespace, line: str) -> None:
 
 def port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no use
         try:
             s.bind(("0.0.0.0", port))
         except OSError:
@@ -111,7 +113,8 @@ def make_infer(model, tokenizer, torch, np):
             for i, ids in zip(members, generated):
                 text = tokenizer.decode(ids) if tokenizer is not None else ""
                 out[i] = {"output_ids": np.asarray([ids], dtype=np.int64).reshape(1, -1),
-                          "text": np.asarray([[text.encode("utf-8")]], dtype=object)}
+                          "text": np.asarray([[text.encode("utf-8")]], dtype=object),
+                          "batch_size": np.asarray([[len(members)]], dtype=np.int32)}
         return out
 
     return infer
@@ -183,7 +186,8 @@ def main(argv=None) -> int:
                     Tensor(name="max_tokens", dtype=np.int32, shape=(1,)),
                     Tensor(name="temperature", dtype=np.float32, shape=(1,), optional=True)],
             outputs=[Tensor(name="output_ids", dtype=np.int64, shape=(-1,)),
-                     Tensor(name="text", dtype=bytes, shape=(1,))],
+                     Tensor(name="text", dtype=bytes, shape=(1,)),
+                     Tensor(name="batch_size", dtype=np.int32, shape=(1,))],
             config=ModelConfig(max_batch_size=args.max_batch_size,
                                batcher=DynamicBatcher(max_queue_delay_microseconds=args.queue_delay_us)),
             strict=False,
