@@ -112,7 +112,7 @@ def submit_array(p: Plan) -> dict[str, Any]:
         from hpc_tools.executors.slurm import sbatch_script
 
         try:
-            job_id = sbatch_script(script, {}, cwd=run.path)
+            job_id = sbatch_script(script, {})  # from here, as `submit` does: the tasks start where hpc_tools is
         except subprocess.CalledProcessError as exc:
             said = (exc.stderr or exc.stdout or "").strip().splitlines()
             raise UserError(f"sbatch refused the evaluation array {script}: {said[-1] if said else exc} (fix the "
