@@ -19,8 +19,10 @@ link in at most ceil(log2 N) + 1 rounds, and each node's transport (gloo's inter
 compared with what the recipe says. A node below 0.7x the node median, or with the wrong transport, is named with
 the figure and the reason. The table is printed and kept in the run folder (preflight.json).
 
---executor local (the default; the only one so far) runs the recipe's ranks on this machine (its local profile when
-it has one), each rank standing for a node of its own so that the table has a row per rank. GPU ranks judge the
+--executor local (the default) runs the recipe's ranks on this machine (its local profile when it has one), each
+rank standing for a node of its own so that the table has a row per rank. --executor slurm submits the checks as a
+job on the recipe's Slurm resources (its nodes, set-up and container; no in-job restarts) and waits for it: a row per
+Slurm node. GPU ranks judge the
 job's all-reduce by the planner's expected bus bandwidth for the link (its hardware table, or the recipe's
 cluster.inter_node_bw_gbps / intra_node_bw_gbps), which `submit` and this command record in the run's manifest.
 Exit 0 when every node is healthy, 1 when a node or the job is named, 2 for bad input."""
@@ -28,8 +30,9 @@ Exit 0 when every node is healthy, 1 when a node or the job is named, 2 for bad 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_recipe_args(p)
-    p.add_argument("--executor", choices=["local"], default="local",
-                   help="where to run the checks (local: one process per rank on this machine)")
+    p.add_argument("--executor", choices=["local", "slurm"], default="local",
+                   help="where to run the checks (local: one process per rank on this machine, each standing for a "
+                        "node; slurm: a job on the recipe's nodes, waited for)")
     add_runs_dir(p)
     add_json(p)
 
@@ -45,14 +48,24 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_submission(args.recipe, args.overrides, args.profile, args.executor, check_fit=False)
     recipe = plan.recipe
     world = ParallelLayout.from_recipe(recipe).world_size
-    run = new_run(recipe, args.runs_dir, "local", plan.source, {"profile": plan.profile, "kind": "preflight"})
-    code = run_local(run, world, echo=None, extra_env={RANKS_PER_NODE_ENV: "1"}, rank_args=("--preflight-only",))
+    run = new_run(recipe, args.runs_dir, plan.executor, plan.source, {"profile": plan.profile, "kind": "preflight"})
+    if plan.executor == "slurm":
+        from hpc_tools.executors.slurm import submit_preflight
+        from hpc_tools.runstate import wait
+
+        job = submit_preflight(run, recipe)
+        if not args.json:
+            say(f"preflight: Slurm job {job.job_id} on {recipe.cluster.nodes} node(s); waiting for it")
+        state = wait(run)["slurm_state"]
+        code = 0 if state == "COMPLETED" else 1
+    else:
+        code = run_local(run, world, echo=None, extra_env={RANKS_PER_NODE_ENV: "1"}, rank_args=("--preflight-only",))
     data = read_report(run.path)
     if data is None:
         told = [ln.split("ERROR hpc_tools: ", 1)[-1] for p in sorted(run.logs_dir.glob("rank*.out"))
                 for ln in p.read_text(errors="replace").splitlines() if "preflight (cluster.preflight=" in ln]
         line = told[0] if told else (f"preflight ran no checks to the end (ranks exit {code}); see "
-                                     f"{run.logs_dir}/rank00000.out")
+                                     f"{run.logs_dir}")
         if args.json:
             emit_json({"ok": False, "run_dir": str(run.path), "error": line})
         else:

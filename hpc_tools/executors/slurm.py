@@ -129,6 +129,24 @@ def rank_task(run_dir: str) -> int:
     return run_rank(run_dir)
 
 
+def preflight_task(run_dir: str) -> int:
+    """What each submitit task of ``hpc_tools preflight --executor slurm`` runs: the checks, no training."""
+    from hpc_tools.runtime.rank import preflight_only
+
+    return preflight_only(run_dir)
+
+
+def submit_preflight(run: RunFolder, recipe: Recipe):
+    """Submit ``hpc_tools preflight``'s job: the recipe's resources and set-up, every rank running the checks only
+    (no in-job restarts: a check that fails is the finding). Returns the submitit job."""
+    folder = run.path / "submitit"
+    once = recipe.model_copy(update={"cluster": recipe.cluster.model_copy(update={"restarts": 0})})
+    job = make_executor(once, folder, run_dir=run.path).submit(preflight_task, str(run.path))
+    run.update(event="submitted", executor="slurm", job_id=str(job.job_id), submitted=now_iso(), state="PENDING",
+               log_glob=str(folder / f"{job.job_id}_*_log.*"))
+    return job
+
+
 def submit_run(run: RunFolder, recipe: Recipe, exclude: str | None = None, env: dict[str, str] | None = None,
                event: str = "submitted", **fields):
     """Submit one run (a new one, or, from ``hpc_tools resume``, an ended one in its own folder); records the job id
