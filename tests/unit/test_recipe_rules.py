@@ -85,6 +85,10 @@ CASES = {
                    "backend.fsdp.strategy=hybrid_shard", "backend.fsdp.shard_size=3"],
                   "backend.fsdp.shard_size=3 must divide the 8 ranks into 2 or more replica groups",
                   "set backend.fsdp.shard_size to one of 1, 2, 4"),
+    "horovod_precision": (["backend.kind=horovod", "parallel.tensor_size=1", "parallel.pipeline_size=1",
+                           "training.precision=fp16"],
+                          "training.precision=fp16 is not available with backend.kind=horovod (no loss scaler)",
+                          "use bf16 (autocast, as DDP) or fp32"),
     "experts_divisible_by_expert_size": (["model.num_experts=6", "parallel.expert_size=4",
                                           "parallel.sequence_parallel=true"],
                                          "parallel.expert_size=4 must divide model.num_experts=6", "try 1, 2, 3, 6"),
@@ -126,7 +130,7 @@ CASES = {
                          "parallel.overlap_moe_expert_parallel_comm=true needs parallel.virtual_pipeline_size > 1 "
                          "with pipeline_size=2", "set virtual_pipeline_size"),
     "backend_features": (["backend.kind=deepspeed", "checkpoint.init_from_hf=hf"],
-                              "checkpoint.init_from_hf=hf is read by backend.kind=megatron or fsdp only",
+                              "checkpoint.init_from_hf=hf is read by backend.kind=megatron or fsdp or horovod only",
                               "set backend.deepspeed.pretrained_path"),
 }
 
