@@ -181,3 +181,17 @@ def test_doctor_names_the_install_script_for_a_missing_horovod(monkeypatch):
     assert row.fix.startswith("bash environment/install-horovod.sh")
     (other,) = [r for r in doctor.package_checks("fsdp") if r.name == "horovod"]
     assert other.status == "warn"
+
+
+def test_install_script_builds_the_source_release_with_cxx17_and_caches_the_wheel():
+    from tests.helpers import REPO
+
+    text = (REPO / "environment" / "install-horovod.sh").read_text()
+    assert doctor.pins()["horovod"] == "0.28.1"  # the script's spec is the pin doctor compares with
+    assert "--no-binary :all:" in text and "--no-build-isolation" in text  # the source release, against this torch
+    assert ("sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \"$src/CMakeLists.txt\" "
+            "\"$src/horovod/torch/CMakeLists.txt\"") in text
+    for flag in ("HOROVOD_WITH_PYTORCH=1", "HOROVOD_WITH_GLOO=1", "HOROVOD_WITHOUT_MPI=1",
+                 "HOROVOD_WITHOUT_TENSORFLOW=1", "HOROVOD_WITHOUT_MXNET=1"):
+        assert flag in text, flag
+    assert "horovod_wheel_dir" in text and "build-failed.log" in text  # doctor's cache folder and failure log
