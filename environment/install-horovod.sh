@@ -21,11 +21,16 @@ spec="horovod==0.28.1"  # doctor reads this pin
 version="${spec#*==}"
 start=$SECONDS
 
+cache="$(PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$py" -c \
+  'from hpc_tools.doctor import horovod_wheel_dir; print(horovod_wheel_dir())')"
+# One install at a time: environment/test.sh starts this beside the first tests, and the Horovod tests' set-up runs
+# it again, which waits here for the first to finish and then finds Horovod importable.
+mkdir -p "$cache"
+exec 9>"$cache/.install.lock"
+flock 9
 if "$py" -c "import horovod, horovod.torch, sys; sys.exit(horovod.__version__ != '$version')" 2>/dev/null; then
   echo "hpc_tools: horovod $version already imports with this torch: kept"; exit 0
 fi
-cache="$(PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$py" -c \
-  'from hpc_tools.doctor import horovod_wheel_dir; print(horovod_wheel_dir())')"
 
 wheel="$(ls "$cache"/horovod-"$version"-*.whl 2>/dev/null | head -n 1 || true)"
 if [ -z "$wheel" ]; then

@@ -16,6 +16,11 @@ base="${SERVE_PYTHON:-/usr/bin/python3}"
 stamp="$env_dir/.hpc_tools-serve-complete"
 want="$(cat "$here/requirements-serve.txt")${HPC_TOOLS_SERVE_TORCH:-torch==2.13.0}"
 
+# One install at a time: environment/test.sh starts this beside the first tests, and the serving tests' set-up runs
+# it again, which waits here for the first to finish and then finds the environment complete.
+mkdir -p "$(dirname "$env_dir")"
+exec 9>"$env_dir.lock"
+flock 9
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$env_dir/bin/python" -c "import importlib.util as u; assert all(map(u.find_spec, ('pytriton', 'torch', 'transformers')))" 2>/dev/null; then
   echo "hpc_tools: serving environment $env_dir already complete"; exit 0
 fi

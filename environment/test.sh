@@ -19,6 +19,16 @@ if ! command -v chromium >/dev/null 2>&1; then
 fi
 t_tools=$((SECONDS - t0 - t_install))
 
+# The serving environment (a venv with Triton) and Horovod (a C++ build) take minutes on a fresh machine: they install
+# beside the first tests. Each script holds a lock while it installs; the tests that need them run the script again
+# in their set-up (tests/integration/serving_setup.py, test_horovod_train.py), which waits for the lock and then
+# finds the install complete. Both are quick when already there (the Horovod wheel is cached, install-horovod.sh).
+extras_log="$(mktemp -d)"
+bash "$here/install-serve.sh" > "$extras_log/serve.log" 2>&1 &
+serve_pid=$!
+bash "$here/install-horovod.sh" > "$extras_log/horovod.log" 2>&1 &
+horovod_pid=$!
+
 started_cluster=0
 cleanup() {
   if [ "$started_cluster" = 1 ]; then
@@ -51,5 +61,10 @@ rc=$?
 t_tests=$((SECONDS - t))
 [ "$rc" = 5 ] && { echo "hpc_tools test: pytest collected no tests" >&2; rc=1; }
 
+for extra in serve horovod; do  # how the installs beside the tests ended (their tests fail if they did not)
+  pid_var="${extra}_pid"
+  wait "${!pid_var}" || echo "hpc_tools test: install-$extra.sh failed: $(tail -n 3 "$extras_log/$extra.log")" >&2
+  echo "hpc_tools test: beside the tests: $(tail -n 1 "$extras_log/$extra.log")"
+done
 phase install "$t_install"; phase tools "$t_tools"; phase cluster-up "$t_up"; phase tests "$t_tests"
 exit "$rc"

@@ -13,8 +13,10 @@ launch runs once; a launch that tests of several modules read runs once per sess
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -48,11 +50,31 @@ def pytest_collection_modifyitems(config, items) -> None:
         if item.get_closest_marker("slurm") and not fake and "_settled_slurm_cluster" not in item.fixturenames:
             item.fixturenames.insert(0, "_settled_slurm_cluster")  # set up before the module's own fixtures
     # The Slurm tests that also read a shared local run last: by then the other worker has usually made it, so the
-    # Slurm worker (the longest group) does not.
-    items.sort(key=lambda item: "main_command" in item.fixturenames and item.get_closest_marker("slurm") is not None)
+    # Slurm worker (the longest group) does not. After them, the tests of an environment that environment/test.sh
+    # installs beside the first tests (marker extra_env): by then it is there.
+    items.sort(key=lambda item: (item.get_closest_marker("extra_env") is not None,
+                                 "main_command" in item.fixturenames and item.get_closest_marker("slurm") is not None))
 
 
 SLURM_FIXTURES = {"slurm", "slurm_multinode", "slurm_cluster"}
+EXTRA_ENV_SCRIPTS = ("install-serve.sh", "install-horovod.sh")
+
+
+@pytest.fixture(autouse=True)
+def _extra_envs_installed(request) -> None:
+    """A test marked ``extra_env`` needs the serving venv and Horovod: their install scripts run first, once per
+    test process. Under environment/test.sh they are already installing beside the tests: each script then waits
+    for the other's lock and finds the install complete (seconds); on a fresh checkout this is the install."""
+    if request.node.get_closest_marker("extra_env") is not None:
+        _install_extra_envs()
+
+
+@functools.cache
+def _install_extra_envs() -> None:
+    for script in EXTRA_ENV_SCRIPTS:
+        out = subprocess.run(["bash", str(REPO / "environment" / script)], capture_output=True, text=True,
+                             timeout=3600)
+        assert out.returncode == 0, f"environment/{script} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
 
 
 @pytest.fixture(autouse=True)

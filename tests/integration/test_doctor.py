@@ -21,6 +21,7 @@ def rows(out) -> dict[str, list[dict]]:
 
 
 @pytest.mark.slurm
+@pytest.mark.extra_env  # the horovod row: Horovod installs beside the first tests (environment/test.sh)
 def test_doctor_passes_on_this_machine_against_the_test_cluster(slurm):
     out = run_cli("doctor", "--json", timeout=300)  # with torch: the CUDA row reads torch's build
     table = rows(out)

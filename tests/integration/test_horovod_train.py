@@ -4,8 +4,9 @@ backend.fsdp.strategy=ddp``) over 20 steps within 1e-5; its checkpoint (step 10,
 under Horovod to the uninterrupted losses; and on the Slurm test cluster a Horovod run across both nodes (srun ranks,
 Horovod's gloo rendezvous, no ssh) trains with DDP's losses.
 
-Horovod must be installed (``bash environment/install-horovod.sh``; CI runs it first): without it the runs are
-refused in one line and these tests fail, they do not skip."""
+Horovod is installed by ``environment/install-horovod.sh`` (environment/test.sh starts it beside the first tests;
+the marker ``extra_env`` runs it again before these tests, which waits for it): should it fail, the runs are refused
+in one line and these tests fail, they do not skip."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import pytest
 from hpc_tools.registry import RunFolder, list_runs
 from tests.helpers import loss_curve, run_cli, shared_once, step_records
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extra_env]  # Horovod installs beside the first tests
 
 RECIPE = "recipes/llama_fsdp.yaml"
 STEPS = 20

@@ -17,7 +17,7 @@ import pytest
 from tests.helpers import run_cli
 from tests.integration.serving_setup import reference_ids, serving_env, trained_run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extra_env]
 MAX_TOKENS = 10
 
 

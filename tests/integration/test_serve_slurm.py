@@ -14,7 +14,7 @@ import pytest
 from tests.helpers import need_slurm, run_cli
 from tests.integration.serving_setup import reference_ids, serving_env, trained_run
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.extra_env]
 MAX_TOKENS = 8
 
 
