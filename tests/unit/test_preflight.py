@@ -378,3 +378,98 @@ def test_a_slow_link_among_three_nodes_names_both_of_its_ends():
     runner.figures[frozenset("abc")] = 0.2  # measured before the search; no expected figure to judge it by
     found = find_slow(["a", "b", "c"], runner)
     assert {"a", "c"} <= set(found.culprits), found
+
+
+class _Nvml:
+    """pynvml's surface that ``measure.nvml_findings`` reads, with the answers a test sets (a GPU is needed for the
+    real one; the driver's codes are nvml.h's). ``unsupported``: queries that raise as NVML's NotSupported does."""
+
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC = 1, 0
+
+    def __init__(self, ecc=0, rows=(0, 0, 0, 0), pending=0, reasons=0, unsupported=()):
+        self.answers = {"ecc": ecc, "rows": rows, "pending": pending, "reasons": reasons}
+        self.unsupported, self.calls = set(unsupported), []
+
+    def _answer(self, name):
+        self.calls.append(name)
+        if name in self.unsupported:
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+        return self.answers[name]
+
+    def nvmlInit(self):
+        self.calls.append("init")
+
+    def nvmlShutdown(self):
+        self.calls.append("shutdown")
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        assert uuid.startswith("GPU-")
+        return uuid
+
+    def nvmlDeviceGetTotalEccErrors(self, handle, kind, counter):
+        assert (kind, counter) == (1, 0)  # uncorrected, volatile
+        return self._answer("ecc")
+
+    def nvmlDeviceGetRemappedRows(self, handle):
+        return self._answer("rows")
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle):
+        return self._answer("pending")
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle):
+        return self._answer("reasons")
+
+
+@pytest.fixture
+def cuda_device(monkeypatch):
+    """A CUDA device as nvml_findings sees it: its UUID from torch's device properties."""
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid="1234-abcd"))
+    return types.SimpleNamespace(type="cuda", index=0)
+
+
+@pytest.mark.parametrize("answers, kinds, words", [
+    ({}, [], []),
+    ({"reasons": 0x1 | 0x4}, [], []),  # idle and software power cap: not faults
+    ({"ecc": 3}, ["failed"], ["3 uncorrected ECC"]),
+    ({"rows": (0, 2, 1, 0)}, ["failed"], ["pending a GPU reset", "2 row(s)"]),
+    ({"rows": (0, 0, 0, 1)}, ["failed"], ["remapping failed"]),
+    ({"pending": 1}, ["failed"], ["retired memory pages"]),
+    ({"reasons": 0x40 | 0x8}, ["slow"], ["hardware slowdown", "hardware thermal slowdown"]),
+    ({"ecc": 1, "reasons": 0x80}, ["failed", "slow"], ["ECC", "power brake"]),
+])
+def test_nvml_findings_name_what_the_driver_counts(cuda_device, answers, kinds, words):
+    from hpc_tools.runtime.preflight.measure import nvml_findings
+
+    nvml = _Nvml(**answers)
+    found = nvml_findings(cuda_device, nvml)
+    assert [k for k, _ in found] == kinds, found
+    text = " ".join(r for _, r in found)
+    assert all(w in text for w in words), found
+    assert nvml.calls[0] == "init" and nvml.calls[-1] == "shutdown"
+
+
+def test_nvml_queries_a_gpu_lacks_are_skipped_and_a_cpu_rank_asks_nothing(cuda_device):
+    import types
+
+    from hpc_tools.runtime.preflight.measure import nvml_findings
+
+    nvml = _Nvml(ecc=2, unsupported={"rows", "pending", "reasons"})
+    assert [k for k, _ in nvml_findings(cuda_device, nvml)] == ["failed"]
+    untouched = _Nvml(ecc=5)
+    assert nvml_findings(types.SimpleNamespace(type="cpu", index=None), untouched) == [] and untouched.calls == []
+
+
+def test_a_gpu_the_driver_reports_is_named_in_the_table():
+    from hpc_tools.runtime.preflight.verdict import RankResult, failure_line, judge
+
+    ecc = "3 uncorrected ECC error(s) since the driver loaded (NVML volatile count)"
+    ranks = [RankResult(rank=0, node="g1", gemm_tflops=700.0),
+             RankResult(rank=1, node="g2", gemm_tflops=710.0, health=[("failed", ecc)])]
+    rows = judge(ranks)
+    assert [r.verdict for r in rows] == ["ok", "failed"]
+    line = failure_line(rows, [], "strict")
+    assert line == f"preflight (cluster.preflight=strict): node g2 failed: rank 1 GPU: {ecc}"

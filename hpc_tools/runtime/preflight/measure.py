@@ -165,3 +165,69 @@ def gloo_endpoint(master_addr: str, master_port: int) -> tuple[str | None, str |
     except OSError as exc:
         return None, None, f"no route to the rendezvous host {master_addr}: {exc.strerror or exc}"
     return interface_of(addr), addr, None
+
+
+# NVML's clock event ("throttle") reason bits that mean the hardware holds the clocks down (nvml.h:
+# nvmlClocksEventReasonHwSlowdown 0x8, SwThermalSlowdown 0x20, HwThermalSlowdown 0x40, HwPowerBrakeSlowdown 0x80);
+# idle, application-clock and software power-cap reasons are not faults.
+CLOCK_FAULTS = {0x8: "hardware slowdown", 0x20: "software thermal slowdown", 0x40: "hardware thermal slowdown",
+                0x80: "hardware power brake"}
+
+
+def nvml_findings(device, nvml=None) -> list[tuple[str, str]]:
+    """What NVML says is wrong with this rank's GPU, as (kind, reason): "failed" for uncorrected ECC errors since
+    the driver loaded (volatile count), row remapping pending or failed (A100 and later) and retired pages pending
+    (earlier GPUs); "slow" for clocks held down by the hardware (``CLOCK_FAULTS``). A query the GPU does not support
+    is skipped. ``nvml``: the pynvml module (nvidia-ml-py; a stand-in in tests). The GPU is found by its UUID, so
+    CUDA_VISIBLE_DEVICES renumbering does not matter. Empty when NVML is absent or the device is not a GPU."""
+    if getattr(device, "type", None) != "cuda":
+        return []
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError:
+            return []
+    try:
+        nvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no driver library: nothing to read, the GEMM still judges the GPU
+        return []
+    try:
+        handle = _nvml_handle(device, nvml)
+        out: list[tuple[str, str]] = []
+        ecc = _ask(lambda: nvml.nvmlDeviceGetTotalEccErrors(handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                                                             nvml.NVML_VOLATILE_ECC))
+        if ecc:
+            out.append(("failed", f"{ecc} uncorrected ECC error(s) since the driver loaded (NVML volatile count)"))
+        rows = _ask(lambda: nvml.nvmlDeviceGetRemappedRows(handle))
+        if rows and (rows[2] or rows[3]):
+            out.append(("failed", "memory row remapping " + ("failed" if rows[3] else "pending a GPU reset")
+                        + f" ({rows[1]} row(s) remapped for uncorrectable errors)"))
+        pending = _ask(lambda: nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle))
+        if pending:
+            out.append(("failed", "retired memory pages pending a GPU reset (NVML)"))
+        reasons = _ask(lambda: nvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle))
+        held = [why for bit, why in CLOCK_FAULTS.items() if reasons and reasons & bit]
+        if held:
+            out.append(("slow", "clocks held down: " + ", ".join(held) + " (NVML clock event reasons)"))
+        return out
+    finally:
+        _ask(nvml.nvmlShutdown)
+
+
+def _nvml_handle(device, nvml):
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    if uuid is not None:
+        text = str(uuid)
+        return nvml.nvmlDeviceGetHandleByUUID(text if text.startswith("GPU-") else f"GPU-{text}")
+    return nvml.nvmlDeviceGetHandleByIndex(index)
+
+
+def _ask(query):
+    """One NVML query; None where the GPU or driver does not support it (NVMLError_NotSupported and the like)."""
+    try:
+        return query()
+    except Exception:  # noqa: BLE001 - pynvml raises one class per NVML return code
+        return None

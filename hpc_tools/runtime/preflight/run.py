@@ -212,6 +212,9 @@ def check(ctx: "RankContext", mode: str) -> Report:
         if turns > 1:
             dist.barrier()
 
+    if gpu:  # what the driver knows: uncorrected ECC errors, rows to remap, clocks held down
+        mine.health = measure.nvml_findings(device)
+
     # 4. collectives over all ranks, at the layout's size, within what is left of the budget
     nbytes = message_bytes(recipe, dev)
     timeout = timedelta(seconds=max(deadline - time.perf_counter(), 5.0))

@@ -149,6 +149,8 @@ class RankResult:
     mem_gbps: float | None = None
     transport: str | None = None
     error: str | None = None
+    health: list[tuple[str, str]] = field(default_factory=list)
+    """NVML's findings on this rank's GPU, (kind, reason) (``measure.nvml_findings``)."""
 
 
 @dataclass
@@ -214,6 +216,8 @@ def judge(ranks: list[RankResult], *, busbw: Mapping[str, float | None] | None =
         for r in rs:
             if r.error:
                 row.name(FAILED, f"rank {r.rank} failed: {r.error}")
+            for kind, reason in r.health:
+                row.name(kind, f"rank {r.rank} GPU: {reason}")
         rows.append(row)
     _relative(rows, "gemm_tflops", "GEMM", "TFLOP/s")
     _relative(rows, "mem_gbps", "memory bandwidth", "GB/s")
