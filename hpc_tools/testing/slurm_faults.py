@@ -61,3 +61,47 @@ def restart_slurmd(node: str) -> int:
 def node_state(node: str) -> str:
     out = subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%T"], capture_output=True, text=True, timeout=10)
     return out.stdout.strip()
+
+
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller (cpu.cfs_quota_us)
+
+
+def slow_node(node: str, cpu_share: float = 0.2, root: Path = CPU_CGROUP) -> Path:
+    """Make ``node`` slow: every process of its namespace (its slurmd, and so everything slurmd starts later) moved
+    into a cgroup v1 ``cpu`` group whose quota is ``cpu_share`` of one CPU (``cpu.cfs_quota_us`` over a 100 ms
+    period). Returns the group; ``unslow_node`` undoes it."""
+    group = root / f"hpc_tools_slow_{node}"
+    group.mkdir(exist_ok=True)
+    (group / "cpu.cfs_period_us").write_text("100000")
+    (group / "cpu.cfs_quota_us").write_text(str(max(int(100000 * cpu_share), 1000)))
+    for pid in node_pids(node):
+        try:
+            (group / "cgroup.procs").write_text(str(pid))
+        except OSError:  # a process that ended meanwhile
+            pass
+    return group
+
+
+def unslow_node(node: str, root: Path = CPU_CGROUP) -> None:
+    """Move ``node``'s processes back to the root cpu group and remove the slow group."""
+    group = root / f"hpc_tools_slow_{node}"
+    if not group.is_dir():
+        return
+    for pid in (group / "cgroup.procs").read_text().split():
+        try:
+            (root / "cgroup.procs").write_text(pid)
+        except OSError:
+            pass
+    group.rmdir()
+
+
+def throttle_link(node: str, rate: str = "20mbit", device: str = "eth0") -> None:
+    """Rate-limit ``node``'s link: a token-bucket filter (``tc qdisc ... tbf``) on its ``eth0`` inside its network
+    namespace (every byte it sends). ``unthrottle_link`` removes it."""
+    subprocess.run(["ip", "netns", "exec", NS_PREFIX + node, "tc", "qdisc", "replace", "dev", device, "root", "tbf",
+                    "rate", rate, "burst", "32kbit", "latency", "400ms"], check=True, capture_output=True, timeout=10)
+
+
+def unthrottle_link(node: str, device: str = "eth0") -> None:
+    subprocess.run(["ip", "netns", "exec", NS_PREFIX + node, "tc", "qdisc", "del", "dev", device, "root"],
+                   capture_output=True, timeout=10)
