@@ -36,8 +36,8 @@ def test_preflight_command_names_a_slow_gemm_and_a_slow_link(tmp_path):
 
 
 def test_strict_job_stops_before_step_1_naming_the_node(tmp_path):
-    # three nodes: a node is compared with the median of its peers only from three on (two nodes are judged by the
-    # device's peak alone, and a CPU has none)
+    # three nodes: each is compared with the median of all three (two would be compared with each other, only
+    # across a gap of 0.35x: verdict.TWO_NODE_FACTOR)
     out = run_cli("submit", COMM, "--executor", "local", "--set", "local.cluster.nodes=3",
                   "--set", "local.cluster.gpus_per_node=1", "--set", "local.cluster.preflight=strict",
                   "--runs-dir", str(tmp_path), env={"HPC_TOOLS_PREFLIGHT_SLOW_RANK": "1"}, timeout=300)

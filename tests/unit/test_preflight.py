@@ -138,16 +138,26 @@ def test_a_node_at_half_the_median_is_named_and_nodes_within_0_9x_are_not(seed):
     assert f"below {SLOW_FACTOR}x" in row.reasons[0]
 
 
-@pytest.mark.parametrize("ratio", [0.05, 0.3, 0.5, 0.69])
-def test_two_nodes_are_never_judged_by_their_median_but_by_the_peak(ratio):
-    """Which of two is abnormal their median (their mean) cannot tell: a loaded host measured two healthy nodes 2x
-    apart. Two nodes are judged against the hardware peak only; three against their median again."""
-    from hpc_tools.runtime.preflight.verdict import MIN_NODES_FOR_MEDIAN, PEAK_FLOOR
+@pytest.mark.parametrize("ratio", [0.05, 0.2, 0.34, 0.36, 0.5, 0.69])
+def test_two_nodes_are_compared_with_each_other_only_across_a_large_gap(ratio):
+    """Which of two is abnormal their median (their mean) cannot tell from a small gap: a loaded host measured two
+    healthy nodes 2x apart. Two nodes: the slower is named below TWO_NODE_FACTOR x the other (GEMM and memory alike),
+    and the hardware peak still judges; three are judged against their median again."""
+    from hpc_tools.runtime.preflight.verdict import MIN_NODES_FOR_MEDIAN, PEAK_FLOOR, TWO_NODE_FACTOR
 
-    assert MIN_NODES_FOR_MEDIAN == 3
-    assert named(judge(_ranks([10.0 * ratio, 10.0], [100.0 * ratio, 100.0]))) == []
-    peak = 10.0 / PEAK_FLOOR * 0.99  # the healthy node just above the floor, the other below it
-    assert [r.node for r in named(judge(_ranks([10.0 * ratio, 10.0]), peak_tflops=peak))] == ["n0"]
+    assert MIN_NODES_FOR_MEDIAN == 3 and TWO_NODE_FACTOR == 0.35
+    for order in (1, -1):  # the slow node first or second
+        gemm, mem = [10.0 * ratio, 10.0][::order], [100.0 * ratio, 100.0][::order]
+        slow = "n0" if order == 1 else "n1"
+        rows = judge(_ranks(gemm, mem))
+        if ratio < TWO_NODE_FACTOR:
+            [row] = named(rows)
+            assert row.node == slow and len(row.reasons) == 2 and "the other node's" in row.reasons[0]
+            assert f"below {TWO_NODE_FACTOR}x" in row.reasons[0] and row.reasons[1].startswith("memory bandwidth")
+        else:
+            assert named(rows) == []
+        peak = 10.0 / PEAK_FLOOR * 0.99  # the healthy node just above the floor, the other below it
+        assert [r.node for r in named(judge(_ranks(gemm), peak_tflops=peak))] == [slow]
     assert [r.node for r in named(judge(_ranks([10.0 * ratio, 10.0, 10.0])))] == ["n0"]
 
 

@@ -181,12 +181,24 @@ def _min(values: Iterable[float | None]) -> float | None:
 
 MIN_NODES_FOR_MEDIAN = 3
 """Nodes a comparison with the node median needs: the median of two is their mean, and which of two is abnormal
-(one slow, or the other fast) it cannot tell; on a loaded host two healthy nodes differed by 2x. With two nodes the
-hardware peak and the planner's figures still judge."""
+(one slow, or the other fast) it cannot tell from a small gap; on a loaded host two healthy nodes differed by 2x.
+Two nodes are compared with each other by ``TWO_NODE_FACTOR`` instead (and the hardware peak still judges)."""
+TWO_NODE_FACTOR = 0.35
+"""Two nodes: the slower is named when below 0.35x the other. A gap that large is a fault (a node throttled, a
+fifth of its speed), not the 2x two healthy nodes of a loaded host measured; the slower one is the abnormal one,
+since no fault makes a node faster."""
 
 
 def _relative(rows: list[NodeRow], attr: str, label: str, unit: str, factor: float = SLOW_FACTOR) -> None:
     values = [getattr(r, attr) for r in rows if getattr(r, attr) is not None]
+    if len(values) == 2:
+        low, high = sorted(values)
+        for r in rows:
+            if getattr(r, attr) == low and high > 0 and low < TWO_NODE_FACTOR * high:
+                r.name(SLOW, f"{label} {low:.3g} {unit} is {low / high:.2f}x the other node's {high:.3g} (two "
+                             f"nodes: below {TWO_NODE_FACTOR}x)")
+                break
+        return
     if len(values) < MIN_NODES_FOR_MEDIAN:
         return
     med = statistics.median(values)
@@ -281,7 +293,8 @@ class Report:
                 "healthy": self.healthy, "named": [r.node for r in named(self.rows)], "problems": self.problems,
                 "nodes": [asdict(r) for r in self.rows], "collectives": self.collectives, "search": self.search,
                 "notes": self.notes, "thresholds": {"slow_factor": SLOW_FACTOR, "peak_floor": PEAK_FLOOR,
-                                                    "expected_floor": EXPECTED_FLOOR}}
+                                                    "expected_floor": EXPECTED_FLOOR,
+                                                    "two_node_factor": TWO_NODE_FACTOR}}
 
     def write(self, run_dir: Path) -> Path:
         path = Path(run_dir) / REPORT_NAME
