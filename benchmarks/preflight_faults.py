@@ -5,7 +5,10 @@ profile, one rank per node), and what it printed: the per-node table, the verdic
 - healthy: nothing done;
 - slow node: every process of n3 in a cgroup v1 ``cpu`` group with a fifth of a CPU (``cpu.cfs_quota_us``);
 - throttled link: a ``tc ... tbf`` rate limit (20 mbit) on n3's ``eth0`` inside its network namespace;
-- wrong interface: n3's rank given ``GLOO_SOCKET_IFNAME=nope0`` (a name no node has).
+- wrong interface: n3's rank given ``GLOO_SOCKET_IFNAME=nope0`` (a name no node has);
+- spare: a training job (comm_check, 2 nodes and ``cluster.spare_nodes=1``, ``restarts=1``, preflight ``auto``)
+  with its second node slowed as above: preflight names it, the step ends, the next step trains on the first node
+  and the spare; printed: the job's state, the nodes each start ran on, the leave-out event.
 
     PYTHONPATH=. python benchmarks/preflight_faults.py [--node n3] [--cases healthy,slow,link,interface]
 
@@ -24,7 +27,7 @@ import time
 from hpc_tools.runtime.preflight.measure import IFNAME_RANK_ENV
 from hpc_tools.testing import slurm_faults
 
-CASES = ("healthy", "slow", "link", "interface")
+CASES = ("healthy", "slow", "link", "interface", "spare")
 
 
 def preflight(runs: str, env: dict[str, str] | None = None) -> tuple[int, dict | None, str, float]:
@@ -59,6 +62,38 @@ def show(case: str, code: int, data: dict | None, err: str, wall: float) -> None
           f"problems: {data.get('problems')}")
 
 
+def spare_job(runs: str) -> None:
+    """The spare case: slow the job's second node, submit, wait, print how the run went."""
+    import os
+
+    slurm_faults.slow_node("n2", 0.2)
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "hpc_tools", "submit", "recipes/comm_check.yaml", "--profile", "local",
+                          "--executor", "slurm", "--wait", "--json", "--runs-dir", runs, "--set", "cluster.nodes=2",
+                          "--set", "cluster.gpus_per_node=1", "--set", "cluster.spare_nodes=1", "--set",
+                          "cluster.restarts=1", "--set", "training.train_iters=20"], capture_output=True, text=True,
+                         timeout=900, env=dict(os.environ))
+    wall = time.monotonic() - t0
+    print(f"\n== spare: exit {out.returncode}, submit to end {wall:.1f} s")
+    try:
+        run_dir = json.loads(out.stdout)["run_dir"]
+    except (json.JSONDecodeError, KeyError):
+        print(out.stdout[-1500:], out.stderr[-1500:])
+        return
+    from pathlib import Path
+
+    from hpc_tools.registry import RunFolder
+
+    m = RunFolder(run_dir).manifest()
+    print(f"  state {m.get('state')}; events: {[e.get('event') for e in m.get('events', [])]}")
+    for e in m.get("restarts") or []:
+        print(f"  restart {e.get('restart')}: cause {e.get('cause')}, nodes {e.get('nodes') or e.get('nodelist')}")
+    records = [json.loads(line) for p in sorted(Path(run_dir, "records").glob("rank*.jsonl"))
+               for line in p.read_text().splitlines() if line.strip()]
+    nodes = sorted({(r.get("restart"), r.get("node")) for r in records if "step" in r})
+    print(f"  (start, node) of the step records: {nodes}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--node", default="n3")
@@ -76,9 +111,13 @@ def main() -> None:
                     slurm_faults.throttle_link(node, "20mbit")
                 elif case == "interface":
                     env = {IFNAME_RANK_ENV: f"{rank}:nope0"}
+                if case == "spare":
+                    spare_job(runs)
+                    continue
                 show(case, *preflight(runs, env))
             finally:
-                slurm_faults.unslow_node(node)
+                for n in {node, "n2"}:
+                    slurm_faults.unslow_node(n)
                 slurm_faults.unthrottle_link(node)
 
 
