@@ -331,7 +331,7 @@ SchedulerParameters=batch_sched_delay=0,sched_min_interval=0,bf_interval=1,sched
 # submitit ignores SIGTERM, so every cancel waits KillWait out (30 s by default).
 KillWait=5
 OverTimeLimit=0
-# `sbatch --wait` polls after 2 s, then sleeps 4x longer each time while the sleep is under MinJobAge/2 (Slurm's
+# sbatch --wait polls after 2 s, then sleeps 4x longer each time while the sleep is under MinJobAge/2 (Slurm's
 # src/sbatch/sbatch.c, _job_wait): with 30 it polled at 2, 10 and 42 s, so a job done in 15 s returned after 42 s.
 # With 4 it polls every 2 s; a finished job leaves slurmctld after 4 s (sacct keeps it; Slurm's floor is 2).
 MinJobAge=4
