@@ -88,10 +88,15 @@ def spare_job(runs: str) -> None:
     print(f"  state {m.get('state')}; events: {[e.get('event') for e in m.get('events', [])]}")
     for e in m.get("restarts") or []:
         print(f"  restart {e.get('restart')}: cause {e.get('cause')}, nodes {e.get('nodes') or e.get('nodelist')}")
-    records = [json.loads(line) for p in sorted(Path(run_dir, "records").glob("rank*.jsonl"))
-               for line in p.read_text().splitlines() if line.strip()]
-    nodes = sorted({(r.get("restart"), r.get("node")) for r in records if "step" in r})
-    print(f"  (start, node) of the step records: {nodes}")
+    events = [json.loads(line) for p in sorted(Path(run_dir, "records").glob("events_rank*.jsonl"))
+              for line in p.read_text().splitlines() if line.strip()]
+    starts = sorted({(e.get("restart"), e.get("node")) for e in events if e.get("event") == "start"})
+    print(f"  (start, node) of every rank that reached step 1: {starts}")
+    marker = Path(run_dir, "preflight-leave-out.json")
+    for path in Path(run_dir).glob("preflight-leave-out*.json"):
+        print(f"  {path.name}: {json.loads(path.read_text()).get('line')}")
+    if not marker.exists():
+        print("  (no preflight-leave-out.json at the run folder's top)")
 
 
 def main() -> None:

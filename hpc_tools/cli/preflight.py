@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from hpc_tools.cli._common import add_json, add_recipe_args, add_runs_dir, emit_json, say
 
@@ -62,7 +63,11 @@ def run(args: argparse.Namespace) -> int:
         code = run_local(run, world, echo=None, extra_env={RANKS_PER_NODE_ENV: "1"}, rank_args=("--preflight-only",))
     data = read_report(run.path)
     if data is None:
-        told = [ln.split("ERROR hpc_tools: ", 1)[-1] for p in sorted(run.logs_dir.glob("rank*.out"))
+        import glob
+
+        logs = sorted(run.logs_dir.glob("rank*.out")) + sorted(  # a Slurm job's: submitit's files (log_glob)
+            Path(p) for p in glob.glob(run.manifest().get("log_glob") or ""))
+        told = [ln.split("ERROR hpc_tools: ", 1)[-1] for p in logs
                 for ln in p.read_text(errors="replace").splitlines() if "preflight (cluster.preflight=" in ln]
         line = told[0] if told else (f"preflight ran no checks to the end (ranks exit {code}); see "
                                      f"{run.logs_dir}")

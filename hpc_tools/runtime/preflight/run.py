@@ -5,13 +5,14 @@ and process group as the training (no second rendezvous), and by ``--preflight-o
 The steps, within ``cluster.preflight_budget_s`` (each time slice is a share of it):
 
 1. the process group (gloo on CPU, NCCL on GPU), left up for the trainer; every rank's node and host;
-2. per rank a GEMM at the recipe's precision and a memory copy (ranks of one host on CPU take turns: they share
+2. per rank a GEMM at the recipe's precision and a memory copy (ranks of one machine on CPU take turns: they share
    its cores; GPU ranks measure at once, each on its own GPU);
 3. the transport: gloo's interface and address on CPU; on GPU NCCL's own INFO lines (``NCCL_DEBUG=INFO`` into
    ``preflight/nccl-<host>-<pid>.log`` of the run folder, unless the user set ``NCCL_DEBUG``);
 4. collectives over all ranks at the layout's message size (all-reduce, all-gather, all-to-all with expert
    parallelism), as bus bandwidth; one all-reduce inside each node with several ranks, all nodes at once;
-5. the search for a slow link (``bisect.find_slow``): all-reduces over halves of the nodes, both halves at once;
+5. the search for a slow link (``bisect.find_slow``): all-reduces over halves of the nodes, both halves at once,
+   over the nodes not named already by their own figures (a node slow to compute is slow in every collective);
 6. the verdicts (``verdict.judge``), ``preflight.json`` and the table on rank 0, a ``preflight`` event for the
    goodput report; named nodes that a spare or a requeue can replace end the step for the restart controller
    (``leave_out``), else ``strict`` raises ``PreflightFailed`` on every rank with one line and ``auto`` logs it
@@ -25,6 +26,7 @@ import os
 import socket
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_tools.runtime.preflight import leave_out, measure
@@ -62,6 +64,10 @@ BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Ranks sharing a host (local ranks standing for nodes) measure in turn, this many times round (a third of it for
 # GEMM and memory), the best kept: another process of the host may take the cores during any one turn.
 SHARED_REPEATS = 9
+SHARED_LINK_FACTOR = 0.25
+"""The link search's factor where the nodes share one machine (``machine_id``: the test cluster's namespace nodes):
+their collectives are timed on the same cores, and healthy pairs measured up to 1.5x apart there (so 0.7 named
+healthy nodes in 3 of 6 runs on 3 healthy namespace nodes), while a throttled link measured 100x slower."""
 
 
 def enabled(recipe) -> bool:
@@ -187,16 +193,16 @@ def check(ctx: "RankContext", mode: str) -> Report:
         _CREATED = True
     world = ctx.dist.world_size
     places: list[Any] = [None] * world
-    dist.all_gather_object(places, (ctx.rank, node, host))
+    dist.all_gather_object(places, (ctx.rank, node, host, machine_id()))
     nodes: dict[str, list[int]] = {}
-    for r, n, _ in places:
+    for r, n, _, _ in places:
         nodes.setdefault(n, []).append(r)
-    hosts = {n: h for _, n, h in places}
-    host_of = {r: h for r, _, h in places}
+    hosts = {n: h for _, n, h, _ in places}
+    host_of = {r: m for r, _, _, m in places}  # the machine: who shares cores (and takes turns with whom)
 
-    # 2. GEMM and memory: ranks of one host take turns on CPU (several times round, the best kept: a turn that another
-    # process of the host disturbed is not the node's speed)
-    turn_of = {r: [p[0] for p in places if p[2] == places[r][2]].index(r) for r in range(world)}
+    # 2. GEMM and memory: ranks of one machine take turns on CPU (several times round, the best kept: a turn that
+    # another process of the machine disturbed is not the node's speed)
+    turn_of = {r: [p[0] for p in places if p[3] == places[r][3]].index(r) for r in range(world)}
     turns = max(turn_of.values()) + 1 if not gpu else 1
     passes = SHARED_REPEATS // 3 if turns > 1 else 1
     local_s = max(budget * 0.25 / turns / passes, 0.05)
@@ -244,21 +250,31 @@ def check(ctx: "RankContext", mode: str) -> Report:
         for n, rs in multi.items():
             intra[n] = busbw_gbps("all_reduce", _bytes_moved(nbytes, len(rs)), max(agreed[r] for r in rs), len(rs))
 
-    # 5. the slow-link search over the nodes
+    # 5. the slow-link search over the nodes whose own figures are sound: a node already named by its GEMM, memory,
+    # device or error is slow in every collective it joins, and would make the search name the halves it sits in
     inter_exp, intra_exp, exp_source = expected_busbw(ctx)
     node_names = list(nodes)
     figures: dict[frozenset, float | None] = {}
     if "all_reduce" in collectives:
         figures[frozenset(node_names)] = collectives["all_reduce"]["busbw_gbps"]
+    own: list[Any] = [None] * world
+    dist.all_gather_object(own, mine)
+    named_alone = {r.node for r in named(judge(own, peak_tflops=_peak(recipe)))}
+    linked = [n for n in node_names if n not in named_alone]
     search = None
-    if len(node_names) > 1 and time.perf_counter() < deadline:
-        search = find_slow(node_names, _RoundRunner(ctx, nodes, nbytes, device, group, figures, inter_exp, host_of))
+    # nodes that share a machine (namespace nodes of a test cluster) time their links through its shared cores:
+    # healthy pairs there differ by 1.5x, so only a far larger gap names a link
+    shared = len({host_of[nodes[n][0]] for n in linked}) < len(linked)
+    factor = SHARED_LINK_FACTOR if shared else SLOW_FACTOR
+    if len(linked) > 1 and time.perf_counter() < deadline:
+        search = find_slow(linked, _RoundRunner(ctx, nodes, nbytes, device, group, figures, inter_exp, host_of,
+                                                factor))
     busbw = {n: _smallest_figure(n, figures) for n in node_names}
     link_reasons: dict[str, str] = {}
     if search is not None and search.culprits:
         for n in search.culprits:
             link_reasons[n] = (f"all-reduce busbw {busbw.get(n) or 0:.3g} GB/s over a group holding it, below "
-                               f"{SLOW_FACTOR}x the other half's (search over halves, {search.rounds} rounds: "
+                               f"{factor}x the other half's (search over halves, {search.rounds} rounds: "
                                f"{search.note})")
 
     # 6. verdicts, on every rank alike
@@ -362,6 +378,16 @@ def _bytes_moved(nbytes: int, n: int) -> int:
     return max(nbytes // 4 // n * n, n) * 4
 
 
+def machine_id() -> str:
+    """Which machine (kernel) this rank runs on: its boot id, the same in every container and namespace of one
+    kernel, so ranks that share cores are known to share them even where each has a host name of its own (the test
+    cluster's nodes are network and UTS namespaces of one machine); else the host name."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or socket.gethostname()
+    except OSError:
+        return socket.gethostname()
+
+
 def _agreed_seconds(secs: float, world: int) -> list[float]:
     """Every rank's time, on every rank (one all-gather over the default group)."""
     import torch
@@ -382,9 +408,9 @@ def _smallest_figure(node: str, figures: dict[frozenset, float | None]) -> float
 
 
 def _timed_groups(ctx, measured, ranks, pgs, mine, nbytes, device, hosts_of) -> list[float]:
-    """Every rank's all-reduce time over its group of this round, on every rank. Groups on separate hosts run at
-    once; groups that share a host (local ranks standing for nodes) run one after another, so that they do not
-    share its cores while they are timed."""
+    """Every rank's all-reduce time over its group of this round, on every rank. Groups on separate machines run
+    at once; groups that share a machine (``machine_id``: local ranks standing for nodes, namespace nodes) run one
+    after another, so that they do not share its cores while they are timed."""
     import torch.distributed as dist
 
     world = ctx.dist.world_size
@@ -415,9 +441,9 @@ class _RoundRunner:
     pair holding it is slow and a pair without it is not; a single slow pair names both of its ends (a slow link
     cannot be pinned on one of them). Later rounds over those nodes answer from the same pairs."""
 
-    def __init__(self, ctx, nodes, nbytes, device, group, figures, expected, hosts_of):
+    def __init__(self, ctx, nodes, nbytes, device, group, figures, expected, hosts_of, factor=SLOW_FACTOR):
         self.ctx, self.nodes, self.nbytes, self.device, self.group = ctx, nodes, nbytes, device, group
-        self.figures, self.expected, self.hosts_of = figures, expected, hosts_of
+        self.figures, self.expected, self.hosts_of, self.factor = figures, expected, hosts_of, factor
         self.by_pairs: dict[str, bool] = {}
 
     def timed(self, measured, ranks, pgs, mine) -> list[float]:
@@ -437,10 +463,12 @@ class _RoundRunner:
         return figs
 
     def __call__(self, groups: list[tuple[str, ...]]) -> list[bool | None]:
-        if len(groups) == 1 and frozenset(groups[0]) in self.figures:  # the whole group: measured already
+        if len(groups) == 1:  # the whole group (measured already, or now: the nodes a node named alone left)
+            if frozenset(groups[0]) not in self.figures:
+                self.measure([groups[0]])
             fig = self.figures[frozenset(groups[0])]
             if self.expected and fig is not None:
-                return [fig < SLOW_FACTOR * self.expected]
+                return [fig < self.factor * self.expected]
             return [None]
         if self.by_pairs and all(n in self.by_pairs for g in groups for n in g):  # judged from the pairs already
             return [any(self.by_pairs[n] for n in g) for g in groups]
@@ -449,7 +477,7 @@ class _RoundRunner:
         measured = [g for g in groups if len(g) > 1]
         figs = self.measure(measured)
         ref = max([v for v in figs.values() if v is not None] + [self.expected or 0.0])
-        out: list[bool | None] = [figs[g] < SLOW_FACTOR * ref if figs.get(g) is not None else None for g in groups]
+        out: list[bool | None] = [figs[g] < self.factor * ref if figs.get(g) is not None else None for g in groups]
         if len(groups) == 2 and [len(g) for g in groups if len(g) == 1] == [1] and len(measured[0]) == 2:
             lone = next(i for i, g in enumerate(groups) if len(g) == 1)
             self.by_pairs = self.judge_triangle(measured[0], groups[lone][0], figs[measured[0]])
@@ -458,15 +486,21 @@ class _RoundRunner:
         return out
 
     def judge_triangle(self, pair: tuple[str, ...], lone: str, pair_fig: float | None) -> dict[str, bool]:
-        """Every pair of the three nodes measured (one at a time: they share nodes); each node's verdict."""
+        """Every pair of the three nodes measured twice (one at a time: they share nodes), the better figure of each
+        kept; each node's verdict."""
         a, b = pair
         figs = {frozenset(pair): pair_fig}
         for other in ((a, lone), (b, lone)):
             figs[frozenset(other)] = self.measure([other])[other]
+        for again in (pair, (a, lone), (b, lone)):  # each pair twice, the better kept: one disturbed measurement of
+            fig = self.measure([again])[again]      # a healthy pair on a shared host is not a slow link
+            old = figs[frozenset(again)]
+            figs[frozenset(again)] = self.figures[frozenset(again)] = None if fig is None or old is None else max(
+                fig, old)
         if any(v is None for v in figs.values()):
             return {}
         ref = max(max(figs.values()), self.expected or 0.0)
-        slow = {p for p, v in figs.items() if v < SLOW_FACTOR * ref}
+        slow = {p for p, v in figs.items() if v < self.factor * ref}
         verdict = {n: all(p in slow for p in figs if n in p) and any(p not in slow for p in figs if n not in p)
                    for n in (a, b, lone)}
         if len(slow) == 1:  # one slow link: both of its ends
