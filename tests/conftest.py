@@ -60,6 +60,14 @@ SLURM_FIXTURES = {"slurm", "slurm_multinode", "slurm_cluster"}
 EXTRA_ENV_SCRIPTS = ("install-serve.sh", "install-horovod.sh")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _extra_envs_for_the_module(request) -> None:
+    """A module marked ``extra_env`` (its pytestmark): the installs before its module-scoped fixtures, which already
+    run what they need (autouse fixtures come first within their scope)."""
+    if request.node.get_closest_marker("extra_env") is not None:
+        _install_extra_envs()
+
+
 @pytest.fixture(autouse=True)
 def _extra_envs_installed(request) -> None:
     """A test marked ``extra_env`` needs the serving venv and Horovod: their install scripts run first, once per
