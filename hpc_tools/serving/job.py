@@ -20,7 +20,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from hpc_tools.errors import UserError
 from hpc_tools.registry import RunFolder, atomic_write, find_run, new_run_id, now_iso, runs_root
+from hpc_tools.serving.triton_server import port_free  # the server's own check (standard library only)
 
 SERVE_DIR = "serve"
 ENV_VAR = "HPC_TOOLS_SERVE_ENV"
@@ -105,16 +105,6 @@ def check_ports(opts: ServeOptions) -> None:
     for flag, port in (("--http-port", opts.http_port), ("--grpc-port", opts.grpc_port)):
         if port and not port_free(port):
             raise UserError(f"{flag}={port} is in use on this machine (choose another port, or 0 for any free one)")
-
-
-def port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no use
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
 
 
 # -- what is served ---------------------------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ class FSDPJob:
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         n = len(batches)
         for i, mb in enumerate(batches):
-            with parallel.gradient_sync(self.model, i == n - 1):
+            with self._microbatch_sync(i == n - 1):
                 loss = self._forward_loss(mb)
                 if poison:  # loop.INJECT_NONFINITE_ENV (tests only)
                     loss = loss * float("nan")
@@ -114,13 +114,28 @@ class FSDPJob:
             total += loss.detach().double()
         dist.all_reduce(total)  # every rank saw its own share of the global batch
         mean = total.item() / n / self.world
+        self._gradients_reduced()
         norm = parallel.grad_norm(self.model, self.recipe.training.clip_grad)
         nonfinite = not (math.isfinite(mean) and math.isfinite(norm))
         if not nonfinite:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            self._optimizer_step()
+        self._zero_grad()
         return StepResult(loss=mean, lr=lr, grad_norm=norm, skipped=True if nonfinite else False,
                                nonfinite=nonfinite)
+
+    # The step's hooks: how gradients are reduced and applied (HorovodJob reduces them through Horovod's optimizer).
+    def _microbatch_sync(self, last: bool):
+        """Around one microbatch's forward and backward: gradients reduced only after the step's last."""
+        return parallel.gradient_sync(self.model, last)
+
+    def _gradients_reduced(self) -> None:
+        """After every backward, before the gradient norm: FSDP and DDP have reduced them already."""
+
+    def _optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
 
     def evaluate(self, batches: list[list[dict[str, Any]]]) -> float:
         """Validation loss: forward only over each of this rank's microbatches, the mean over microbatches and ranks

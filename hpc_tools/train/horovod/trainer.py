@@ -17,21 +17,18 @@ the same parameter names, so a Horovod checkpoint resumes under fsdp (any strate
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
 from hpc_tools.runtime.context import RankContext
 from hpc_tools.train import loop
 from hpc_tools.train.data import build_samples
-from hpc_tools.train.engine import StepResult
 from hpc_tools.train.fsdp import parallel
 from hpc_tools.train.fsdp.model import build_empty, full_values
 from hpc_tools.train.fsdp.trainer import FSDPJob, param_groups
 from hpc_tools.train.hf_causal_lm import causal_lm_loss
 from hpc_tools.train.horovod import rendezvous
 from hpc_tools.train.prefetch import BatchPrefetcher, to_device
-from hpc_tools.train.schedule import lr_at
 
 
 def run(ctx: RankContext) -> None:
@@ -93,35 +90,22 @@ class HorovodJob(FSDPJob):
             logits = self.model(input_ids=to_device(mb["tokens"], self.device)).logits
         return causal_lm_loss(logits, to_device(mb["labels"], self.device))
 
-    def step(self, step: int, batches: list[dict[str, Any]]) -> StepResult:
-        """Forward/backward every microbatch (Horovod all-reduces each gradient after the last), wait for the
-        all-reduces, clip, one AdamW step; a step whose loss or gradient norm is not finite updates nothing."""
-        import torch
-        import torch.distributed as dist
+    # -- the fsdp engine's step, its gradients through Horovod's optimizer -------------------------------------------
+    def _microbatch_sync(self, last: bool):
+        """Horovod all-reduces each gradient after the step's last backward (``backward_passes_per_step``)."""
+        import contextlib
 
-        lr = lr_at(self.recipe.training, step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        poison = loop.nonfinite_injected(step, self.ctx.rank)
-        self.model.train()
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        n = len(batches)
-        for mb in batches:
-            loss = self._forward_loss(mb)
-            if poison:  # loop.INJECT_NONFINITE_ENV (tests only)
-                loss = loss * float("nan")
-            (loss / n).backward()
-            total += loss.detach().double()
-        dist.all_reduce(total)
-        mean = total.item() / n / self.world
-        self.optimizer.synchronize()  # the averaged gradients, the same on every rank
-        norm = parallel.grad_norm(self.model, self.recipe.training.clip_grad)
-        nonfinite = not (math.isfinite(mean) and math.isfinite(norm))
-        if not nonfinite:
-            with self.optimizer.skip_synchronize():
-                self.optimizer.step()
+        return contextlib.nullcontext()
+
+    def _gradients_reduced(self) -> None:
+        self.optimizer.synchronize()  # wait for the averaged gradients, the same on every rank
+
+    def _optimizer_step(self) -> None:
+        with self.optimizer.skip_synchronize():
+            self.optimizer.step()
+
+    def _zero_grad(self) -> None:
         self.optimizer.zero_grad()  # Horovod's takes no set_to_none (torch's default: True)
-        return StepResult(loss=mean, lr=lr, grad_norm=norm, skipped=nonfinite, nonfinite=nonfinite)
 
     # -- checkpoints: the fsdp engine's Distributed Checkpoint, written synchronously --------------------------------
     def write_checkpoint(self, folder, step: int, background: bool):
