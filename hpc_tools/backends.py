@@ -97,6 +97,11 @@ class Backend:
     """``checkpoint.async_save``: it can write a checkpoint in the background while training goes on."""
     no_async_save_why: str = ""
     """Why a row without ``async_save`` has none (the rule's one-line refusal says it)."""
+    elastic: bool = False
+    """``cluster.min_nodes``: a checkpoint resumes, optimizer state included, into the layout the planner picks for
+    fewer nodes (``hpc_tools.planner.elastic``)."""
+    no_elastic_why: str = ""
+    """Why a row without ``elastic`` cannot continue on fewer nodes (the rule's one-line refusal says it)."""
     hf_export: str | None = None
     """``"module:function"``: (run, recipe, verified checkpoint, out, overwrite) -> summary; None: nothing to export."""
     rank_setup: str | None = None
@@ -129,7 +134,7 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
             tensor_parallel=True, sequence_parallel=True, interleaved_pipeline=True, uneven_pipeline=True,
             selective_recompute=True, recompute_modules=True, moe_comm_overlap=True,
             experts=True, expert_parallel=True, context_parallel=True, fp8=True, multi_latent_attention=True,
-            pads_vocab=True, async_save=True,
+            pads_vocab=True, async_save=True, elastic=True,
             reads_init_from_hf=True, hf_export="hpc_tools.train.megatron.hf_export:export_checkpoint",
             rank_setup="hpc_tools.train.megatron.config:rank_environment", layers="megatron",
             sharding="distributed_optimizer", packages=("megatron-core",),
@@ -140,26 +145,30 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
             hf_model_classes=True, hf_export="hpc_tools.train.deepspeed.export:export_checkpoint", layers="huggingface",
             no_async_save_why="DeepSpeed 0.19's only background writer (its decoupled checkpoint engine) waits for "
             "the write before the next optimizer step, so at most one forward/backward overlaps it",
+            no_elastic_why="its ZeRO checkpoints hold each data-parallel rank's optimizer partition, and loading "
+            "them at another data-parallel size needs DeepSpeed's universal checkpoint conversion (ds_to_universal), "
+            "which a restart does not run",
             sharding="zero",
             packages=("deepspeed", "transformers"), zero_config=_deepspeed_zero_config),
     Backend(kind="fsdp", summary="a Hugging Face causal LM under PyTorch FSDP2 (full_shard, hybrid_shard; with "
             "tensor parallelism: FSDP x TP) or DDP, checkpoints through torch Distributed Checkpoint",
             trainer="hpc_tools.train.fsdp.trainer", trains_model=True, options="fsdp", pipeline_parallel=False,
             tensor_parallel=True,
-            hf_model_classes=True, reads_init_from_hf=True, async_save=True,
+            hf_model_classes=True, reads_init_from_hf=True, async_save=True, elastic=True,
             hf_export="hpc_tools.train.fsdp.export:export_checkpoint",
             layers="huggingface", sharding="fsdp", packages=("transformers", "accelerate"), compiled=_fsdp_compiled),
     Backend(kind="horovod", summary="the fsdp backend's Hugging Face causal LM, a full copy on every rank, its "
             "gradients ring-all-reduced by Horovod's DistributedOptimizer (gloo on CPU, NCCL on GPU), checkpoints "
             "through torch Distributed Checkpoint",
             trainer="hpc_tools.train.horovod.trainer", trains_model=True, options="horovod", pipeline_parallel=False,
-            hf_model_classes=True, reads_init_from_hf=True,
+            hf_model_classes=True, reads_init_from_hf=True, elastic=True,
             no_async_save_why="the Horovod backend writes its checkpoints synchronously",
             hf_export="hpc_tools.train.fsdp.export:export_checkpoint",
             layers="huggingface", sharding="horovod", packages=("transformers", "accelerate", "horovod")),
     Backend(kind="comm_check", summary="no model: every rank joins the process group and times all-reduces "
             "(a cluster smoke test)",
-            trainer="hpc_tools.train.comm_check", trains_model=False),
+            trainer="hpc_tools.train.comm_check", trains_model=False,
+            no_elastic_why="it trains no model and keeps no checkpoint to continue from"),
 )}
 KINDS = tuple(BACKENDS)
 

@@ -158,6 +158,10 @@ def preflight_expectation(recipe: Recipe) -> dict | None:
 def launch(plan: Plan, root: str | Path | None = None, echo=None) -> tuple[RunFolder, object]:
     """Make the run folder and start the job: (run, submitit job) on Slurm, (run, exit code) locally."""
     run = new_run(plan.recipe, root, plan.executor, plan.source, {"profile": plan.profile})
+    if plan.recipe.cluster.elastic and plan.recipe.cluster.restarts:  # the layouts on fewer nodes (the rendered
+        from hpc_tools.planner.elastic import plan_elastic, write  # script writes its own before its first step)
+
+        write(run.path, plan_elastic(plan.recipe))
     if plan.executor == "slurm":
         from hpc_tools.executors.slurm import submit_run
 

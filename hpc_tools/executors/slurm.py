@@ -21,6 +21,7 @@ from hpc_tools.render.envsetup import (
     rank_srun_args,
     restart_policy_args,
     srun_args,
+    step_count_args,
 )
 from hpc_tools.render.slurm_params import SlurmSpec
 from hpc_tools.slurm_client import absent_reason
@@ -72,7 +73,7 @@ def make_executor(recipe: Recipe, folder: Path, exclude: str | None = None, env:
         policy = restart_policy_args(recipe.cluster)
         setup += restart_setup_lines(recipe.cluster.python, run_dir, policy)
         teardown = restart_lines(python, recipe.cluster.python, run_dir, Path(folder).absolute(), srun,
-                                 policy) + teardown
+                                 policy, step_count_args(recipe.cluster)) + teardown
     executor.update_parameters(**params, setup=setup, srun_args=srun, **({"teardown": teardown} if teardown else {}))
     return executor
 
@@ -89,7 +90,7 @@ def restart_setup_lines(python: str, run_dir: Path, policy: str) -> list[str]:
 
 
 def restart_lines(rank_python: str, python: str, run_dir: Path, folder: Path, srun_args: list[str],
-                  policy: str) -> list[str]:
+                  policy: str, counts: str = "") -> list[str]:
     """In-job restarts (``cluster.restarts``) in submitit's teardown, right after its srun line: while the rank step
     failed and ``hpc_tools.job.restarts next`` decides on a new step, run submitit's task again in a new step of
     this job on the nodes it names (submitit's own command, so the task finds its pickled function and writes its
@@ -106,7 +107,7 @@ def restart_lines(rank_python: str, python: str, run_dir: Path, folder: Path, sr
             "    HPC_TOOLS_SRUN_EXIT=0",
             f"    {watch}",
             "    HPC_TOOLS_WATCH=$!",
-            f'    {step} --overlap "--nodelist=$HPC_TOOLS_NODELIST" {rank_python} -u -m submitit.core._submit '
+            f'    {step} --overlap "--nodelist=$HPC_TOOLS_NODELIST"{counts} {rank_python} -u -m submitit.core._submit '
             f'{shlex.quote(str(folder))} || HPC_TOOLS_SRUN_EXIT=$?',
             '    kill "$HPC_TOOLS_WATCH" 2>/dev/null',
             "done",

@@ -25,8 +25,12 @@ What ``next`` does, in order:
 4. The nodes of the new step: the allocation's nodes (as Slurm holds them now: a node Slurm removed is gone) minus
    those excluded before, minus the culprit's node when a spare can take its place (``cluster.spare_nodes``); the
    first ``cluster.nodes`` of them that answer a probe step (``srun true`` on each; a crashed node's slurmd may be
-   coming back: the probe is retried for up to ``PROBE_WAIT_S``). When the allocation cannot hold the layout, the job
-   is requeued (``scontrol requeue``, with ``cluster.requeue``) and this exits 1.
+   coming back: the probe is retried for up to ``PROBE_WAIT_S``). An elastic job (``cluster.min_nodes``) waits
+   ``ELASTIC_WAIT_S`` only, then goes on with the most nodes that answer among the counts the planner found a layout
+   for (``elastic.json``, written by ``hpc_tools.planner.elastic``), at least ``min_nodes``: the step's counts are
+   exported (``HPC_TOOLS_STEP_NODES``/``_TASKS``) and its ranks train in that count's layout. When the allocation
+   cannot hold the layout (or the fewest nodes of an elastic one), the job is requeued (``scontrol requeue``, with
+   ``cluster.requeue``; its next allocation has every node again: the run regrows) and this exits 1.
 5. The record: the manifest's ``restarts`` gets ``{at, cause, rank, node, reason, job_id, restart, nodes,
    from_iteration, time_to_first_step_s, class, decision, why, signature}`` (``from_iteration`` and
    ``time_to_first_step_s`` filled by rank 0 of the new start: the step it resumed from and the seconds from ``at``
@@ -55,11 +59,13 @@ from pathlib import Path
 from hpc_tools.job.failure_class import INFRA, KERNEL_OOM, RESTART, STOP, classify, no_progress, signature
 from hpc_tools.registry import RunFolder
 from hpc_tools.runstate import HANG_EXIT_CODE, HANG_MARKER
-from hpc_tools.runtime import heartbeat
+from hpc_tools.runtime import elastic, heartbeat
 from hpc_tools.runtime.distenv import PORT_BASE, PORT_SPAN, RESTART_BASE_ENV, restart_count
 from hpc_tools.runtime.preflight import leave_out
 
 PROBE_WAIT_S = 180.0  # how long a restart waits for a node's slurmd to answer (a crashed node coming back)
+# An elastic job (cluster.min_nodes) waits this long for a lost node to answer before it goes on with fewer nodes.
+ELASTIC_WAIT_S = 30.0
 PROBE_TIMEOUT_S = 20.0  # one probe step
 STUCK_STEP_S = 20.0  # a rank exited with an error this long ago and the step still runs: cancel it (``watch``)
 RESTART_LINE = "hpc_tools: restart "  # begins a new step's part of the batch log (the epilogue reads from there)
@@ -124,11 +130,34 @@ class Policy:
     nodes: int
     budget: int
     requeue: bool
+    min_nodes: int | None = None  # cluster.min_nodes of an elastic job (fewer than nodes); None: not elastic
+    ranks_per_node: int = 1  # cluster.gpus_per_node: the task count of a step on fewer nodes
 
     @classmethod
     def of_run(cls, run: RunFolder) -> "Policy":
         cluster = _recipe(run).cluster
-        return cls(nodes=cluster.nodes, budget=cluster.restarts, requeue=cluster.requeue)
+        return cls(nodes=cluster.nodes, budget=cluster.restarts, requeue=cluster.requeue,
+                   min_nodes=cluster.fewest_nodes if cluster.elastic else None, ranks_per_node=cluster.gpus_per_node)
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes is not None and self.min_nodes < self.nodes
+
+
+def step_counts(policy: Policy, nodes: list[str]) -> dict[str, str | int]:
+    """The node and task counts of an elastic job's step (``render.envsetup.STEP_COUNTS`` reads them); {} for a job
+    that is not elastic (its steps keep the rendered counts)."""
+    if not policy.elastic:
+        return {}
+    return {"HPC_TOOLS_STEP_NODES": len(nodes), "HPC_TOOLS_STEP_TASKS": len(nodes) * policy.ranks_per_node}
+
+
+def elastic_counts(run_dir: Path, policy: Policy) -> list[int]:
+    """The node counts below ``cluster.nodes`` an elastic job may continue on, most first: those the planner found a
+    layout for (``elastic.json``), at least ``min_nodes``."""
+    if not policy.elastic:
+        return []
+    return sorted((k for k in elastic.planned(run_dir) if policy.min_nodes <= k < policy.nodes), reverse=True)
 
 
 def begin(run_dir: Path, env: dict[str, str], policy: Policy | None = None) -> str:
@@ -148,7 +177,7 @@ def begin(run_dir: Path, env: dict[str, str], policy: Policy | None = None) -> s
                                     "HPC_TOOLS_NODELIST": ",".join(nodes), "HPC_TOOLS_EXCLUDED": ",".join(excluded),
                                     **preflight_hints(allocation, nodes, excluded, policy, manifest, job_id, env=env)}
     if nodes:
-        values.update(MASTER_ADDR=nodes[0], MASTER_PORT=step_port(job_id, n))
+        values.update(MASTER_ADDR=nodes[0], MASTER_PORT=step_port(job_id, n), **step_counts(policy, nodes))
     return exports(values)
 
 
@@ -248,7 +277,10 @@ def culprit(run: RunFolder, exit_code: int, start: int, failures: list | None = 
         # no exit record: that one died first, with its node or by a signal (a peer's death makes the others raise)
         from hpc_tools.job.epilogue import TaskFailure
 
-        failures = [TaskFailure(ranks=silent, node=beats[silent[0]].node, text="ended without an exit record")]
+        # The first to go stopped beating first (a peer srun killed after it beat on): its node, and its ranks there.
+        node = beats[min(silent, key=lambda r: (beats[r].time, r))].node
+        ranks = [r for r in silent if beats[r].node == node]
+        failures = [TaskFailure(ranks=ranks, node=node, text="ended without an exit record")]
     ending = decide(exit_code, failures, beats, {**manifest, "state": "RUNNING"})
     hang = manifest.get("state") == "HANG" or exit_code == HANG_EXIT_CODE
     first = failures[0] if failures else None
@@ -336,15 +368,24 @@ def next_step(run_dir: Path, exit_code: int, env: dict[str, str], prober=probe, 
     allocation = allocation_nodes(job_id, env)
     need = policy.nodes
     silent: set[str] = set()
-    nodes, excluded = choose_nodes(allocation, excluded, found["node"], need, wait_s=wait_s, prober=prober, say=say,
-                                   unanswered=silent)
+    before = list(excluded)
+    nodes, excluded = choose_nodes(allocation, before, found["node"], need,
+                                   wait_s=min(wait_s, ELASTIC_WAIT_S) if policy.elastic else wait_s, prober=prober,
+                                   say=say, unanswered=silent)
+    fewer = None  # an elastic job's node count below the layout's
+    for k in (elastic_counts(run.path, policy) if len(nodes) < need else []):
+        nodes, excluded = choose_nodes(allocation, before + sorted(silent), found["node"], k, wait_s=0.0,
+                                       prober=prober, say=say, unanswered=silent)
+        if len(nodes) >= k:
+            fewer = k
+            break
     if found["node"] in silent and found["cause"] in ("lost", "killed", "failed"):
         found["cause"] = "node failure"  # its slurmd did not answer either: the node went down with the rank
     seen = [int(e.get("restart_count") or 0) for e in manifest.get("events", []) if e.get("event") == "started"]
     n = max([start, *seen]) + 1  # the next start's number: above every start the run has had
     entry = {"at": at, **found, "job_id": job_id, "restart": n, "from_iteration": None,
              "time_to_first_step_s": None, **verdict}
-    if len(nodes) < need:
+    if len(nodes) < (fewer or need):
         if policy.requeue and (requeue or requeue_job)(job_id):
             entry.update(kind="requeue", nodes=None)
             run.update(event="requeued", state="REQUEUED", restarts=[*manifest.get("restarts", []), entry],
@@ -356,16 +397,22 @@ def next_step(run_dir: Path, exit_code: int, env: dict[str, str], prober=probe, 
                 "the layout needs")
         return None
     entry.update(kind="in-job", nodes=nodes)
+    if fewer is not None:
+        entry.update(layout_nodes=fewer, decision="fewer nodes",
+                     why=f"{need - fewer} of {need} node(s) lost and no spare: training goes on with {fewer} "
+                         f"(cluster.min_nodes={policy.min_nodes}) in the layout the planner chose for them")
     _set_aside_hang(run, n)
     run.update(event="restarting", state="STARTING", restart_count=n, restarts=[*manifest.get("restarts", []), entry],
                reason=None, failed_ranks=None, failed_nodes=None, exit_code=None, error=None)
     why = found["reason"] or f"exit code {exit_code}"
     say(f"{len(done) + 1} of {budget} in this run ({found['cause']}: {why}; {verdict['class']}); a new step on "
         f"{','.join(nodes)} "
-        "resumes from the newest complete checkpoint", restart=True)
+        + (f"(elastic: {len(nodes)} of {need} nodes, cluster.min_nodes={policy.min_nodes}; the layout for them in "
+           f"{elastic.ELASTIC_FILE}) " if fewer is not None else "")
+        + "resumes from the newest complete checkpoint", restart=True)
     return exports({RESTART_BASE_ENV: n - int(env.get("SLURM_RESTART_COUNT", "0") or 0),
                     "HPC_TOOLS_NODELIST": ",".join(nodes), "HPC_TOOLS_EXCLUDED": ",".join(excluded),
-                    "MASTER_ADDR": nodes[0], "MASTER_PORT": step_port(job_id, n),
+                    "MASTER_ADDR": nodes[0], "MASTER_PORT": step_port(job_id, n), **step_counts(policy, nodes),
                     **preflight_hints(allocation, nodes, excluded, policy, run.manifest(), job_id,
                                       leave_out.accepted(env), env=env)})
 
@@ -415,7 +462,7 @@ def leave_out_step(run: RunFolder, manifest: dict, marker: dict, env: dict[str, 
                  f"left out, a new step on {','.join(nodes)}", restart=True)
             return exports({RESTART_BASE_ENV: base, "HPC_TOOLS_NODELIST": ",".join(nodes),
                             "HPC_TOOLS_EXCLUDED": ",".join(out), "MASTER_ADDR": nodes[0],
-                            "MASTER_PORT": step_port(job_id, n),
+                            "MASTER_PORT": step_port(job_id, n), **step_counts(policy, nodes),
                             **preflight_hints(allocation, nodes, out, policy, run.manifest(), job_id, accept, env=env)})
         if policy.requeue and job_id:
             keep_out = list(dict.fromkeys([*preflight_excluded(manifest), *named]))
@@ -451,7 +498,7 @@ def leave_out_step(run: RunFolder, manifest: dict, marker: dict, env: dict[str, 
     _say(f"preflight named {words}; {nothing}: training goes on with {them} (cluster.preflight=auto)", restart=True)
     return exports({RESTART_BASE_ENV: base, "HPC_TOOLS_NODELIST": ",".join(nodes),
                     "HPC_TOOLS_EXCLUDED": ",".join(excluded), "MASTER_ADDR": nodes[0],
-                    "MASTER_PORT": step_port(job_id, n),
+                    "MASTER_PORT": step_port(job_id, n), **step_counts(policy, nodes),
                     **preflight_hints(allocation, nodes, excluded, policy, run.manifest(), job_id,
                                       list(dict.fromkeys([*accept, *named])), env=env)})
 
@@ -579,12 +626,15 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--nodes", type=int, default=None, help="cluster.nodes")
         p.add_argument("--budget", type=int, default=None, help="cluster.restarts")
         p.add_argument("--requeue", action=argparse.BooleanOptionalAction, default=None, help="cluster.requeue")
+        p.add_argument("--min-nodes", type=int, default=None, help="cluster.min_nodes (elastic)")
+        p.add_argument("--ranks-per-node", type=int, default=1, help="cluster.gpus_per_node (elastic)")
     w = sub.add_parser("watch", help="beside a rank step: cancel it when it outlives a failed rank (a lost node)")
     w.add_argument("--run-dir", required=True, type=Path)
     args = parser.parse_args(argv)
     env = dict(os.environ)
     given = [getattr(args, k, None) for k in ("nodes", "budget", "requeue")]
-    policy = Policy(*given) if None not in given else None
+    policy = Policy(*given, min_nodes=getattr(args, "min_nodes", None),
+                    ranks_per_node=getattr(args, "ranks_per_node", 1)) if None not in given else None
     try:
         if args.what == "begin":
             print(begin(args.run_dir, env, policy))

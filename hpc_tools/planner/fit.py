@@ -23,6 +23,15 @@ if TYPE_CHECKING:
 
 
 def fit_violations(recipe: "Recipe") -> list[Violation]:
+    """[] when the predicted peak memory per GPU fits (or there is no GPU memory to check: CPU ranks, comm_check)
+    and an elastic recipe (``cluster.min_nodes``) has a layout on its fewest nodes that its checkpoints resume into;
+    else one violation (``memory_violations``, then ``hpc_tools.planner.elastic.elastic_violations``)."""
+    from hpc_tools.planner.elastic import elastic_violations
+
+    return memory_violations(recipe) or elastic_violations(recipe)
+
+
+def memory_violations(recipe: "Recipe") -> list[Violation]:
     """[] when the predicted peak memory per GPU fits (or there is no GPU memory to check: CPU ranks, comm_check);
     else one violation naming the total, the GPU memory, the biggest terms and changes that would fit."""
     if not recipe.cluster.uses_gpus or not backends.of(recipe).trains_model:

@@ -148,6 +148,15 @@ class ClusterConfig(Section):
     """Extra nodes allocated beside `nodes` (the layout still uses `nodes`): an in-job restart leaves a failed node
     out and takes a spare. Needs `restarts` > 0; the job is submitted with --no-kill, so that Slurm keeps it running
     when a node fails."""
+    min_nodes: int | None = Field(default=None, gt=0, le=1 << 20)
+    """Elastic training: the fewest nodes the run may continue on. When a node is lost and no spare answers, the
+    in-job restart continues on the nodes that remain (at least `min_nodes`) with the layout the planner picks for
+    them, keeping the global batch (more gradient accumulation), the model and the data order, from the newest
+    checkpoint resharded into it; a later restart or requeue with the nodes back regrows to the recipe's layout
+    (docs/elastic.md). Needs `restarts` > 0; the job is submitted with --no-kill. null = `nodes` (off)."""
+    launcher: Literal["srun", "ray"] = "srun"
+    """What starts the ranks: `srun` (one task per GPU, the default) or `ray` (a Ray cluster over the allocation
+    drives the training loop as Ray Train's per-worker loop; the PyTorch-native backends; docs/ray.md)."""
     hang_timeout_min: float = Field(default=30.0, ge=0.0)
     """Abort with stack traces when no step completes for this long (a float: 0.25 = 15 s; 10 minutes more before
     the first step of a start), naming the rank that stopped in HANG.txt and the manifest; 0 = off. The process
@@ -255,6 +264,16 @@ class ClusterConfig(Section):
     @property
     def time_limit_min(self) -> float:
         return time_limit_minutes(self.time_limit)
+
+    @property
+    def fewest_nodes(self) -> int:
+        """The fewest nodes the run may continue on (`min_nodes`, else `nodes`: not elastic)."""
+        return min(self.nodes, self.min_nodes) if self.min_nodes is not None else self.nodes
+
+    @property
+    def elastic(self) -> bool:
+        """Whether an in-job restart may continue on fewer nodes than `nodes` (`min_nodes` below it)."""
+        return self.fewest_nodes < self.nodes
 
     @property
     def uses_gpus(self) -> bool:

@@ -997,6 +997,35 @@ def spares_beyond_nodes(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
 
 
 @rule
+def min_nodes_within_nodes(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """Elastic training continues on fewer nodes than the layout's, never more."""
+    c = r.cluster
+    if c.min_nodes is not None and c.min_nodes > c.nodes:
+        yield Violation("cluster.min_nodes", c.min_nodes, f"exceeds cluster.nodes={c.nodes}: it is the fewest nodes "
+                        "the run may continue on after losing some", f"set min_nodes <= {c.nodes} (null: off)")
+
+
+@rule
+def elastic_needs_restarts(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """Continuing on fewer nodes is a kind of in-job restart."""
+    c = r.cluster
+    if c.elastic and not c.restarts:
+        yield Violation("cluster.min_nodes", c.min_nodes, f"continues on fewer than cluster.nodes={c.nodes} nodes at "
+                        "an in-job restart, and cluster.restarts is 0", "set cluster.restarts (e.g. 2) or "
+                        f"min_nodes: {c.nodes}")
+
+
+@rule
+def elastic_backend(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """A backend whose checkpoint cannot be resharded into fewer nodes cannot be elastic."""
+    c, row = r.cluster, backends.of(r)
+    if c.elastic and c.restarts and not row.elastic:
+        yield Violation("cluster.min_nodes", c.min_nodes, f"backend.kind={r.backend.kind} cannot continue on fewer "
+                        f"nodes: {row.no_elastic_why}", f"set min_nodes: {c.nodes}, or use backend.kind "
+                        f"{' or '.join(backends.with_feature('elastic'))}")
+
+
+@rule
 def switch_wait_needs_switches(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """cluster.switch_wait_min is the wait for cluster.switches, which must be set."""
     c = r.cluster

@@ -75,6 +75,16 @@ def step_node_args(cluster: ClusterConfig) -> list[str]:
         if cluster.spare_nodes else []
 
 
+# An elastic job's rank step (``cluster.min_nodes``): the node and task counts the restart controller decided
+# (``hpc_tools.job.restarts`` exports them for every step; fewer after a node is lost), after any fixed ones.
+STEP_COUNTS = '${HPC_TOOLS_STEP_NODES:+"--nodes=$HPC_TOOLS_STEP_NODES" "--ntasks=$HPC_TOOLS_STEP_TASKS"}'
+
+
+def step_count_args(cluster: ClusterConfig) -> str:
+    """Shell text (unquoted: it expands the controller's exports) of the rank step's counts of an elastic job."""
+    return f" {STEP_COUNTS}" if cluster.elastic and cluster.restarts else ""
+
+
 def is_pyxis(cluster: ClusterConfig) -> bool:
     c = cluster.setup.container
     return c is not None and c.kind == "pyxis"
@@ -162,7 +172,9 @@ def host_python(cluster: ClusterConfig) -> str | None:
 def restart_policy_args(cluster: ClusterConfig) -> str:
     """The restart controller's options (``hpc_tools.job.restarts``' ``Policy``): the recipe's ``cluster.nodes``,
     ``cluster.restarts`` and ``cluster.requeue``, so it reads no recipe (no pydantic or yaml on a batch host)."""
-    return f"--nodes {cluster.nodes} --budget {cluster.restarts} {'--requeue' if cluster.requeue else '--no-requeue'}"
+    elastic = f" --min-nodes {cluster.fewest_nodes} --ranks-per-node {cluster.gpus_per_node}" if cluster.elastic else ""
+    return (f"--nodes {cluster.nodes} --budget {cluster.restarts} {'--requeue' if cluster.requeue else '--no-requeue'}"
+            + elastic)
 
 
 def launch_prefix(cluster: ClusterConfig) -> list[str]:

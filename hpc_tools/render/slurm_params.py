@@ -36,6 +36,13 @@ class SlurmSpec:
     spare_nodes: int = 0
     switches: int | None = None
     switch_wait_min: int | None = None
+    elastic: bool = False  # cluster.min_nodes below nodes: the job goes on after a node failure, on fewer nodes
+
+    @property
+    def no_kill(self) -> bool:
+        """A node failure leaves the job running on the others: an in-job restart takes a spare, or goes on with
+        fewer nodes (elastic)."""
+        return bool(self.spare_nodes) or self.elastic
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> "SlurmSpec":
@@ -47,7 +54,7 @@ class SlurmSpec:
                    partition=c.partition, account=c.account, qos=c.qos, constraint=c.constraint,
                    reservation=c.reservation, exclusive=c.exclusive, signal_delay_s=c.signal_delay_s,
                    requeue=c.requeue, extra=tuple(c.sbatch_extra), switches=c.switches,
-                   switch_wait_min=c.switch_wait_min)
+                   switch_wait_min=c.switch_wait_min, elastic=c.elastic and c.restarts > 0)
 
     @property
     def step_nodes(self) -> int:
@@ -78,7 +85,7 @@ class SlurmSpec:
             opts.append(("switches", self.switches_value))
         opts.append(("signal", f"{STOP_SIGNAL}@{self.signal_delay_s}"))
         opts.append(("requeue", None) if self.requeue else ("no-requeue", None))
-        if self.spare_nodes:  # a node failure leaves the job running on the others: an in-job restart takes a spare
+        if self.no_kill:
             opts.append(("no-kill", None))
         opts.append(("open-mode", "append"))  # a requeued job appends to its log
         return opts
@@ -90,7 +97,7 @@ class SlurmSpec:
     def submitit_parameters(self) -> dict:
         """Keyword arguments for submitit.SlurmExecutor.update_parameters (submitit adds --signal=USR2@delay)."""
         extra: dict = {"requeue": True} if self.requeue else {"no-requeue": True}
-        if self.spare_nodes:
+        if self.no_kill:
             extra["no-kill"] = True
         if self.reservation:
             extra["reservation"] = self.reservation

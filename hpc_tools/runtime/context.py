@@ -64,6 +64,7 @@ class RankContext:
     run: RunFolder
     stop: StopFlag = field(default_factory=StopFlag)
     watchdog: Watchdog | None = None
+    full_nodes: int = 0  # cluster.nodes of the run's own recipe (an elastic step on fewer nodes has fewer in recipe)
     _stop_pending: tuple | None = field(default=None, init=False, repr=False)  # agree_stop's all-reduce in flight
 
     @property

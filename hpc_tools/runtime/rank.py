@@ -21,6 +21,7 @@ from hpc_tools.recipe.load import resolve
 from hpc_tools.recipe.yamlfile import parse_yaml
 from hpc_tools.registry import RunFolder, now_iso
 from hpc_tools.runstate import HANG_EXIT_CODE, note_restart
+from hpc_tools.runtime import elastic
 from hpc_tools.runtime.context import RankContext
 from hpc_tools.runtime.distenv import DistEnv
 from hpc_tools.runtime.preemption import StopFlag
@@ -44,10 +45,15 @@ def build_context(run_dir: str) -> RankContext:
     dist = DistEnv.from_environ()
     dist.export()
     layout = ParallelLayout.from_recipe(recipe)
+    full_nodes = recipe.cluster.nodes
     if layout.world_size != dist.world_size:
-        raise SystemExit(f"the launcher started {dist.world_size} ranks but {run.recipe_path} needs "
-                         f"{layout.world_size} (cluster.nodes x cluster.gpus_per_node); resubmit the recipe")
-    ctx = RankContext(recipe=recipe, layout=layout, dist=dist, run=run, stop=StopFlag().install())
+        fewer = elastic.for_world(run, recipe, dist.world_size)  # an elastic run's step on fewer nodes
+        if fewer is None:
+            raise SystemExit(f"the launcher started {dist.world_size} ranks but {run.recipe_path} needs "
+                             f"{layout.world_size} (cluster.nodes x cluster.gpus_per_node); resubmit the recipe")
+        recipe, layout = fewer, ParallelLayout.from_recipe(fewer)
+    ctx = RankContext(recipe=recipe, layout=layout, dist=dist, run=run, stop=StopFlag().install(),
+                      full_nodes=full_nodes)
     if recipe.cluster.uses_gpus:
         nccl_flight_recorder(run.path)
     ctx.watchdog = Watchdog(recipe.cluster.hang_timeout_min * 60, run.path, dist.rank, world_size=dist.world_size,

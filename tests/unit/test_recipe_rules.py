@@ -74,6 +74,14 @@ CASES = {
                             "lower it or raise the time limit"),
     "spares_need_restarts": (["cluster.spare_nodes=1"], "cluster.spare_nodes=1 are only used by in-job restarts, and "
                              "cluster.restarts is 0", "set cluster.restarts (e.g. 2) or spare_nodes: 0"),
+    "min_nodes_within_nodes": (["cluster.min_nodes=3", "cluster.restarts=2"], "cluster.min_nodes=3 exceeds "
+                               "cluster.nodes=2", "set min_nodes <= 2 (null: off)"),
+    "elastic_needs_restarts": (["cluster.min_nodes=1"], "cluster.min_nodes=1 continues on fewer than cluster.nodes=2 "
+                               "nodes at an in-job restart, and cluster.restarts is 0", "set cluster.restarts"),
+    "elastic_backend": (["cluster.min_nodes=1", "cluster.restarts=2", "backend.kind=deepspeed",
+                         "parallel.tensor_size=1", "parallel.pipeline_size=1"],
+                        "cluster.min_nodes=1 backend.kind=deepspeed cannot continue on fewer nodes: its ZeRO "
+                        "checkpoints", "or use backend.kind megatron or fsdp or horovod"),
     "switch_wait_needs_switches": (["cluster.switch_wait_min=30"], "cluster.switch_wait_min=30 is the wait for "
                                    "cluster.switches, which is not set", "set cluster.switches"),
     "profiler_ranks_exist": (["profiling.torch_profiler.enabled=true", "profiling.torch_profiler.ranks=[0, 8]"],
