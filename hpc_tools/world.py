@@ -200,6 +200,8 @@ def path_violations(recipe: Recipe) -> list[Violation]:
     if ck.load_path and not _path(ck.load_path).exists():
         found.append(Violation("checkpoint.load_path", ck.load_path, "does not exist",
                                "give an iter_N checkpoint folder or a folder of them, or remove load_path"))
+    elif ck.load_path:
+        found += load_path_violations(recipe)
     if ck.init_from_hf and not _path(ck.init_from_hf).is_dir():
         found.append(Violation("checkpoint.init_from_hf", ck.init_from_hf, "is not an existing folder",
                                "give a local Hugging Face model folder (config.json and weights); nothing is "
@@ -212,6 +214,41 @@ def path_violations(recipe: Recipe) -> list[Violation]:
                                "give the path of the .sqsh/.sif file, or a registry reference (e.g. "
                                "nvcr.io#nvidia/pytorch:24.05-py3 for pyxis, docker://... for apptainer)"))
     return found
+
+
+def load_path_violations(recipe: Recipe) -> list[Violation]:
+    """A Megatron checkpoint at ``checkpoint.load_path`` whose optimizer state this recipe's layout cannot load
+    (``hpc_tools.checkpoints.reshard``): refused here, before a job is queued, rather than on the ranks."""
+    from hpc_tools.checkpoints.dirs import CheckpointDirs
+    from hpc_tools.checkpoints.reshard import MEGATRON_FORMAT, layout_sizes, size, why_not
+    from hpc_tools.layout import ParallelLayout
+
+    if recipe.backend.kind != "megatron":
+        return []
+    given = _path(recipe.checkpoint.load_path)
+    source = given if CheckpointDirs(given.parent).is_complete(given) else CheckpointDirs(given).newest()
+    try:
+        meta = CheckpointDirs.read_meta(source) if source is not None else {}
+    except (OSError, ValueError):
+        return []
+    saved = meta.get("layout")
+    if not isinstance(saved, dict) or meta.get("model_only") or meta.get("format") != MEGATRON_FORMAT:
+        return []
+    here = layout_sizes(ParallelLayout.from_recipe(recipe), recipe.backend.megatron.distributed_optimizer,
+                        recipe.training.precision)
+    try:
+        why = why_not(saved, here)
+    except (KeyError, TypeError):  # a meta without the layout record: the loader decides
+        return []
+    if why is None:
+        return []
+    keep = ", ".join(f"parallel.{k}={size(saved, k)}" for k in ("tensor_size", "pipeline_size", "context_size",
+                                                                 "expert_size") if size(saved, k) != here.get(k))
+    return [Violation("checkpoint.load_path", recipe.checkpoint.load_path, f"holds {source.name}, whose optimizer "
+                      f"state cannot be loaded into this layout: {why}",
+                      f"train in the layout it was saved under ({keep or 'its sizes'}; "
+                      f"distributed_optimizer {str(saved['distributed_optimizer']).lower()}), or export it with "
+                      "`hpc_tools export` and start from its weights with checkpoint.init_from_hf")]
 
 
 HOROVOD_INSTALL = "bash environment/install-horovod.sh"

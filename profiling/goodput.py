@@ -22,7 +22,11 @@ Per life, in seconds of wall time (x world size = GPU-seconds, or rank-seconds o
   ``hpc_tools.runtime.preflight``), the slowest rank's per life; taken out of the life's start-up;
 - recovery: the ``recovery`` events' seconds (a restart inside the allocation: from the fault to the new life's first
   step, recorded by the restart machinery); taken out of the life's start-up;
-- productive: the step time of every step whose record is final (no later life recorded that step again);
+- productive: the step time of every step whose record is final (no later life recorded that step again), trained
+  in the recipe's layout;
+- degraded: the same for the steps an elastic run (``cluster.min_nodes``) trained on fewer nodes, in the layout the
+  planner chose for them (the manifest's ``layouts``: each from the step it resumed at), with the throughput ratio
+  (the median final step time in the recipe's layout over the median on fewer nodes; the global batch is the same);
 - lost work: the step time of the steps a later life recomputed (recorded again after a failure lost them), with
   their count;
 - evaluation: the ``eval_time_s`` of the lowest rank's records (validation loss after a step, never part of its
@@ -32,7 +36,8 @@ Per life, in seconds of wall time (x world size = GPU-seconds, or rank-seconds o
 - requeue wait (outside the allocation): from a life's end to the next life's start (queue time after a requeue,
   or the pause before a ``resume``).
 
-goodput = productive / allocation. Step times are the lowest rank's (every rank ends a synchronous step together).
+goodput = (productive + degraded) / allocation. Step times are the lowest rank's (every rank ends a synchronous step
+together).
 Manifest times have one-second resolution; the collector's times are exact.
 """
 
@@ -48,8 +53,8 @@ import numpy as np
 
 START_EVENTS = ("launched", "batch started", "started")
 LIVE_STATES = ("CREATED", "PENDING", "STARTING", "RUNNING")
-BUCKETS = ("productive", "startup", "preflight", "checkpoint_load", "checkpoint_blocked", "recovery", "lost_work",
-           "evaluation", "other")
+BUCKETS = ("productive", "degraded", "startup", "preflight", "checkpoint_load", "checkpoint_blocked", "recovery",
+           "lost_work", "evaluation", "other")
 ALIASES = {"checkpoint_save": "checkpoint_blocked"}
 """Older names of buckets, still given in ``summary()`` and ``total()`` (same values)."""
 
@@ -73,6 +78,7 @@ class Life:
     first_step_start: float | None = None
     steps: int = 0
     productive_s: float = 0.0
+    degraded_s: float = 0.0
     lost_work_s: float = 0.0
     recomputed_steps: int = 0
     checkpoint_load_s: float = 0.0
@@ -103,10 +109,12 @@ class Goodput:
     lives: list[Life] = field(default_factory=list)
     requeue_wait_s: float = 0.0
     live: bool = False
+    degraded_ratio: float | None = None  # throughput on fewer nodes / in the recipe's layout (None: never degraded)
 
     def seconds(self) -> dict[str, float]:
         """Wall seconds per bucket (``BUCKETS``), summed over lives; ``other`` closes the allocation."""
         out = {"productive": sum(life.productive_s for life in self.lives),
+               "degraded": sum(life.degraded_s for life in self.lives),
                "startup": sum(life.startup_s for life in self.lives),
                "preflight": sum(life.preflight_s for life in self.lives),
                "checkpoint_load": sum(life.checkpoint_load_s for life in self.lives),
@@ -124,7 +132,8 @@ class Goodput:
     @property
     def goodput(self) -> float | None:
         alloc = self.allocation_s
-        return self.seconds()["productive"] / alloc if alloc > 0 else None
+        secs = self.seconds()
+        return (secs["productive"] + secs["degraded"]) / alloc if alloc > 0 else None
 
     def summary(self) -> dict[str, Any]:
         """One flat row: allocation and bucket hours (x world size), shares, goodput, lives, recomputed steps."""
@@ -134,7 +143,8 @@ class Goodput:
                                "allocation_hours": alloc * self.world_size / 3600, "goodput": self.goodput,
                                "recomputed_steps": sum(life.recomputed_steps for life in self.lives),
                                "checkpoint_saves": sum(life.saves for life in self.lives),
-                               "requeue_wait_s": self.requeue_wait_s, "allocation_s": alloc, "live": self.live}
+                               "requeue_wait_s": self.requeue_wait_s, "allocation_s": alloc, "live": self.live,
+                               "degraded_ratio": self.degraded_ratio}
         for name, s in secs.items():
             row[f"{name}_s"] = s
             row[f"{name}_hours"] = s * self.world_size / 3600
@@ -224,7 +234,7 @@ def measure(records_dir: Path, manifest: dict[str, Any], world_size: int, gpu: b
             life.end = last_activity
         lives.append(life)
     if have_steps:
-        _productive_and_lost(cols, life_of_step, lives)
+        out.degraded_ratio = _productive_and_lost(cols, life_of_step, lives, fewer_nodes_steps(manifest))
     out.lives = lives
     out.requeue_wait_s = float(sum(max(b.start - a.end, 0.0) for a, b in zip(lives, lives[1:])))
     return out
@@ -275,8 +285,25 @@ def _anchors(events: dict[int, list[dict[str, Any]]], manifest: dict[str, Any],
     return ([float(step_start.min())] if step_start.size else []), {}
 
 
-def _productive_and_lost(cols: dict[str, np.ndarray], life_of_step: np.ndarray, lives: list[Life]) -> None:
-    """Final records are productive; a record whose step a later life recorded again is lost work."""
+def fewer_nodes_steps(manifest: dict[str, Any]) -> list[tuple[int, float]]:
+    """The step ranges (first, last] an elastic run trained on fewer nodes than its recipe's (the manifest's
+    ``layouts``: each layout from the step it resumed at to the next one's)."""
+    layouts = [e for e in manifest.get("layouts") or [] if isinstance(e, dict)]
+    if not layouts:
+        return []
+    full = max(int(e.get("nodes") or 0) for e in layouts)
+    out = []
+    for e, nxt in zip(layouts, [*layouts[1:], None]):
+        if int(e.get("nodes") or 0) < full:
+            out.append((int(e.get("from_iteration") or 0),
+                        float(nxt.get("from_iteration") or 0) if nxt is not None else np.inf))
+    return out
+
+
+def _productive_and_lost(cols: dict[str, np.ndarray], life_of_step: np.ndarray, lives: list[Life],
+                         fewer: list[tuple[int, float]] = ()) -> float | None:
+    """Final records are productive (degraded: those of the steps in ``fewer``'s ranges); a record whose step a later
+    life recorded again is lost work. Returns the throughput ratio on fewer nodes (None without such steps)."""
     steps, st = cols["step"], cols["step_time_s"]
     life = np.asarray(life_of_step, dtype=np.int64)
     if steps.size == 0:
@@ -292,11 +319,20 @@ def _productive_and_lost(cols: dict[str, np.ndarray], life_of_step: np.ndarray, 
     lost_s = np.bincount(life[lost], weights=st[lost], minlength=n)
     recomputed = np.bincount(life[lost], minlength=n)
     kept = counted & ~lost
-    productive_s = np.bincount(life[kept], weights=st[kept], minlength=n)
+    on_fewer = np.zeros(steps.shape, dtype=bool)
+    for first, last in fewer:
+        on_fewer |= (steps > first) & (steps <= last)
+    full, degraded = kept & ~on_fewer, kept & on_fewer
+    productive_s = np.bincount(life[full], weights=st[full], minlength=n)
+    degraded_s = np.bincount(life[degraded], weights=st[degraded], minlength=n)
     for k, item in enumerate(lives):
         item.lost_work_s += float(lost_s[k])
         item.recomputed_steps += int(recomputed[k])
         item.productive_s += float(productive_s[k])
+        item.degraded_s += float(degraded_s[k])
+    if not degraded.any() or not full.any():
+        return None
+    return float(np.median(st[full]) / np.median(st[degraded]))
 
 
 def total(goodputs: list[Goodput]) -> dict[str, Any]:
@@ -311,4 +347,4 @@ def total(goodputs: list[Goodput]) -> dict[str, Any]:
             "allocation_hours": alloc, **hours,
             "requeue_wait_hours": sum(g.requeue_wait_s * g.world_size / 3600 for g in goodputs),
             "recomputed_steps": sum(g.summary()["recomputed_steps"] for g in goodputs),
-            "goodput": hours["productive_hours"] / alloc if alloc > 0 else None}
+            "goodput": (hours["productive_hours"] + hours["degraded_hours"]) / alloc if alloc > 0 else None}

@@ -107,6 +107,7 @@ def straggler_table(ranks: pd.DataFrame) -> pd.DataFrame:
 STRAGGLER_COLUMNS = ("run_id", "rank", "node", "pp_rank", "straggler_cause", "excess_s", "excess_share",
                      "steps_slower", "steps_compared", "straggler_p", "straggler_z", "step_time_median_s", "late_s",
                      "late_share", "late_unexplained_s", "cpu_excess_s", "switches_excess", "stall_excess_s")
-GOODPUT_COLUMNS = ("run_id", "unit", "lives", "allocation_hours", "goodput", "productive_hours", "startup_hours",
+GOODPUT_COLUMNS = ("run_id", "unit", "lives", "allocation_hours", "goodput", "productive_hours", "degraded_hours",
+                   "degraded_ratio", "startup_hours",
                    "preflight_hours", "checkpoint_load_hours", "checkpoint_blocked_hours", "recovery_hours",
                    "lost_work_hours", "recomputed_steps", "evaluation_hours", "other_hours", "requeue_wait_s")

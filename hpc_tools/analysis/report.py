@@ -86,7 +86,8 @@ def _goodput_total_line(a: Analysis) -> str:
     if not t:
         return ""
     return (f"All {t['runs']} run(s): {t['allocation_hours']:.4g} {t['unit']}-hours allocated, goodput "
-            f"{100 * (t['goodput'] or 0):.1f} %, productive {t['productive_hours']:.4g} h, start-up "
+            f"{100 * (t['goodput'] or 0):.1f} %, productive {t['productive_hours']:.4g} h"
+            + (f", on fewer nodes {t['degraded_hours']:.4g} h" if t.get("degraded_hours") else "") + ", start-up "
             f"{t['startup_hours']:.4g} h, preflight {t.get('preflight_hours') or 0:.4g} h, checkpoint load "
             f"{t['checkpoint_load_hours']:.4g} h, checkpoint blocked "
             f"{t['checkpoint_blocked_hours']:.4g} h, recovery {t['recovery_hours']:.4g} h, "

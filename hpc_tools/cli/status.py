@@ -56,8 +56,10 @@ def run(args: argparse.Namespace) -> int:
         g = health["goodput"]
         print(f"stragglers {health['straggler_verdict']}")
         if g.get("allocation_hours"):
+            fewer = (f"on fewer nodes {g['degraded_s']:.1f} s at {g['degraded_ratio']:.2f}x the throughput, "
+                     if g.get("degraded_s") and g.get("degraded_ratio") else "")
             print(f"goodput  {100 * (g['goodput'] or 0):.1f} % of {g['allocation_hours']:.4g} {g['unit']}-hours "
-                  f"(start-up {g['startup_s']:.0f} s, preflight {g.get('preflight_s') or 0:.1f} s, "
+                  f"({fewer}start-up {g['startup_s']:.0f} s, preflight {g.get('preflight_s') or 0:.1f} s, "
                   f"checkpoint load {g['checkpoint_load_s']:.1f} s, checkpoint "
                   f"blocked {g['checkpoint_blocked_s']:.1f} s, recovery {g.get('recovery_s') or 0:.1f} s, "
                   f"evaluation {g.get('evaluation_s') or 0:.1f} s, lost work {g['lost_work_s']:.1f} s / "
@@ -73,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
                      f"{sum(c['write_s'] for c in bg) / len(bg):.2f} s written, on average")
         failed = len(saves) - len(done)
         print(line + (f"; {failed} failed (not committed)" if failed else ""))
+    layouts = manifest.get("layouts") or []
+    if len(layouts) > 1:  # elastic (cluster.min_nodes): every layout the run trained in, from the step it resumed at
+        for entry in layouts:
+            print(f"layout   from step {entry.get('from_iteration')}: {entry.get('layout')} ({entry.get('cause')})")
     for i, again in enumerate(manifest.get("restarts") or [], 1):  # in-job restarts (cluster.restarts) and requeues
         after = f", first new step {again['time_to_first_step_s']} s later" \
             if again.get("time_to_first_step_s") is not None else ""

@@ -6,10 +6,8 @@ the recipe on that many nodes, and the fastest one whose checkpoint the run can 
 the global batch, the model and the data order stay (the search holds them fixed); the optimizer state must come
 along, so a candidate keeps what the backend's checkpoint cannot reshard:
 
-- Megatron: the distributed optimizer (on or off, as the recipe has it); with it on, the tensor, pipeline (and
-  virtual and uneven stages), context and expert sizes too (Megatron-core's ``dp_reshardable`` format reshards across
-  a change of the data-parallel size only); a model with experts keeps its expert sizes (Megatron-core chains a dense
-  and an expert optimizer whose keys change with them).
+- Megatron: what ``hpc_tools.checkpoints.reshard`` lets its loader carry (the same optimizer kind; expert
+  parallelism on or off as before; with the distributed optimizer, the model-parallel sizes).
 - FSDP and Horovod: the FSDP strategy (DCP reshards parameters and optimizer state across any world size).
 - DeepSpeed: refused before this (``hpc_tools.recipe.rules``): its ZeRO checkpoints hold each data-parallel rank's
   optimizer partition.
@@ -30,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc_tools import backends
+from hpc_tools.checkpoints.reshard import layout_sizes, why_not
 from hpc_tools.errors import UserError, Violation
 from hpc_tools.planner.knobs import Knobs
 from hpc_tools.runtime.elastic import ELASTIC_FILE
@@ -69,17 +68,10 @@ def counts(nodes: int, min_nodes: int) -> list[int]:
 
 def carries(recipe: "Recipe", base: Knobs, cand: Knobs) -> bool:
     """Whether a checkpoint saved under the recipe's configuration ``base`` resumes with its optimizer state into
-    candidate ``cand`` (the rules in the module docstring)."""
-    a, b = base.layout, cand.layout
+    candidate ``cand``: for Megatron ``hpc_tools.checkpoints.reshard`` (the loader's own rule), for FSDP and Horovod
+    the same FSDP strategy."""
     if base.backend == "megatron":
-        if cand.distributed_optimizer != base.distributed_optimizer:
-            return False
-        fixed = ["expert_size", "expert_tensor_size"] if cand.moe else []
-        if base.distributed_optimizer:
-            fixed += ["tensor_size", "pipeline_size", "context_size", "first_stage_layers", "last_stage_layers"]
-            if (a.virtual_pipeline_size or 1) != (b.virtual_pipeline_size or 1):
-                return False
-        return all(getattr(a, k) == getattr(b, k) for k in fixed)
+        return why_not(*(layout_sizes(k.layout, k.distributed_optimizer, k.precision) for k in (base, cand))) is None
     return cand.fsdp_strategy == base.fsdp_strategy
 
 

@@ -71,6 +71,15 @@ class RankContext:
     def rank(self) -> int:
         return self.dist.rank
 
+    def note_layout(self, from_iteration: int) -> None:
+        """Rank 0: the manifest's ``layouts`` get this start's layout when it differs from the last one recorded (an
+        elastic run on fewer nodes, or regrown; ``hpc_tools.runtime.elastic``)."""
+        if self.is_rank0:
+            from hpc_tools.runtime import elastic
+
+            full = self.full_nodes or self.recipe.cluster.nodes
+            elastic.note(self.run, self.recipe, self.layout, from_iteration, full)
+
     @property
     def is_rank0(self) -> bool:
         return self.dist.rank == 0

@@ -33,7 +33,6 @@ import os
 import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from hpc_tools.runtime import elastic
 from hpc_tools.train.checkpointing.resume import resume
 from hpc_tools.train.checkpointing.saver import Saver
 from hpc_tools.train.engine import Collector, Engine, StepResult
@@ -198,8 +197,7 @@ def train(ctx: "RankContext", engine: Engine, collector_for: Callable[..., Colle
         first = resume(ctx, engine) + 1
         startup.done("checkpoint load", time.perf_counter() - t_load,
                      f"resumed at step {first - 1}" if first > 1 else "fresh start")
-        if ctx.is_rank0:  # the manifest's layouts: each one this run trained in, from the step it resumed at
-            elastic.note(ctx.run, ctx.recipe, ctx.layout, first - 1, ctx.full_nodes or ctx.recipe.cluster.nodes)
+        ctx.note_layout(first - 1)
         last = ctx.recipe.training.train_iters
         ctx.info("%s; steps %d..%d", engine.describe(), first, last)
         collector = collector_for(ctx, **engine.coords())

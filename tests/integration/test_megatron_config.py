@@ -8,7 +8,6 @@ import pytest
 
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe
-from hpc_tools.train.megatron.checkpoint import optimizer_reshardable
 from hpc_tools.train.schedule import lr_at
 from tests.helpers import REPO
 
@@ -60,23 +59,6 @@ def test_transformer_config_llama_and_full_recompute():
     assert (c.num_query_groups, c.ffn_hidden_size) == (2, 176)
     assert (c.recompute_granularity, c.recompute_method, c.recompute_num_layers) == ("full", "block", 2)
     assert c.batch_p2p_comm is True
-
-
-def test_optimizer_resharding_rule():
-    base = {"tensor_size": 2, "pipeline_size": 2, "virtual_pipeline_size": None, "data_size": 1,
-            "distributed_optimizer": True, "precision": "fp32"}
-    assert optimizer_reshardable(base, {**base, "data_size": 2})
-    assert not optimizer_reshardable(base, {**base, "tensor_size": 1})
-    plain = {**base, "distributed_optimizer": False}
-    assert optimizer_reshardable(plain, {**plain, "tensor_size": 1, "pipeline_size": 4})
-    assert not optimizer_reshardable(plain, base)
-    assert not optimizer_reshardable(base, {**base, "precision": "bf16"})
-    # experts and context: the distributed optimizer's shards follow the buffers (EP/CP change them), the plain
-    # optimizer's state reshards like the model; a checkpoint without the sizes was saved at EP1/CP1
-    assert not optimizer_reshardable({**base, "expert_size": 2}, {**base, "expert_size": 4})
-    assert not optimizer_reshardable(base, {**base, "context_size": 2})
-    assert optimizer_reshardable(base, {**base, "expert_size": 1, "context_size": 1, "expert_tensor_size": 1})
-    assert optimizer_reshardable({**plain, "expert_size": 2}, {**plain, "expert_size": 4})
 
 
 def test_vocab_padding_mismatch_is_a_one_line_user_error(tmp_path):

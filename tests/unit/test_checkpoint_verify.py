@@ -170,6 +170,9 @@ class Ctx:
     def agree_stop(self, final=False):
         return False
 
+    def note_layout(self, from_iteration):  # the manifest's layouts (RankContext): no run folder here
+        pass
+
     def finish_preempted(self, step):
         raise AssertionError("no stop in these tests")
 

@@ -66,8 +66,9 @@ def test_buckets_of_a_run_with_a_failure_and_a_restart(tmp_path):
     secs = g.seconds()
     # Life 0: 0..20; start-up 10; save 0.5; steps 1-3 productive, 4-5 recomputed later (lost). Life 1: 30..50;
     # load 1.5, start-up 40 - 30 - 1.5; saves 0.7 + 0.7 (the slowest rank's); steps 4-8 productive.
-    expected = {"productive": 3 + 5, "startup": 10 + 8.5 - 1.2, "preflight": 1.2, "checkpoint_load": 1.5,
-                "checkpoint_blocked": 0.5 + 1.4, "recovery": 0.0, "lost_work": 2.0, "evaluation": 0.0}
+    expected = {"productive": 3 + 5, "degraded": 0.0, "startup": 10 + 8.5 - 1.2, "preflight": 1.2,
+                "checkpoint_load": 1.5, "checkpoint_blocked": 0.5 + 1.4, "recovery": 0.0, "lost_work": 2.0,
+                "evaluation": 0.0}
     expected["other"] = 40 - sum(expected.values())
     assert secs == pytest.approx(expected)
     s = g.summary()
@@ -76,6 +77,38 @@ def test_buckets_of_a_run_with_a_failure_and_a_restart(tmp_path):
     assert s["allocation_hours"] == pytest.approx(40 * WORLD / 3600)
     assert s["goodput"] == pytest.approx(8 / 40)
     assert sum(row["share"] for row in g.table() if row["share"] is not None) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("layouts, degraded", [
+    ([(2, 0), (1, 3)], [4, 5, 6, 7, 8]),  # life 1 continued on 1 of 2 nodes from step 3
+    ([(2, 0), (1, 3), (2, 6)], [4, 5, 6]),  # ... and regrew at step 6
+    ([(4, 0), (2, 3), (3, 5)], [4, 5, 6, 7, 8]),  # two shrinks: both below the recipe's 4 nodes
+    ([(2, 0)], []),  # never elastic
+])
+def test_steps_on_fewer_nodes_are_the_degraded_bucket(tmp_path, layouts, degraded):
+    """An elastic run's steps trained on fewer nodes (the manifest's layouts) move from productive to degraded;
+    goodput counts both; the throughput ratio is the median step time in the recipe's layout over the one on fewer
+    nodes."""
+    run = write_run(tmp_path)
+    manifest = run.manifest()
+    manifest["layouts"] = [{"nodes": n, "from_iteration": k, "layout": f"x{n}"} for n, k in layouts]
+    slower = 1.0
+    for r in range(WORLD):  # the steps on fewer nodes take 4 s instead of 1 s
+        path = jsonl_path(run.records_dir, r)
+        recs = [json.loads(line) for line in path.read_text().splitlines()]
+        for rec in recs:
+            if rec["step"] in degraded and rec["restart"] == 1:
+                rec["step_time_s"] = 4.0
+                slower = 4.0
+        path.write_text("".join(json.dumps(rec) + "\n" for rec in recs))
+    g = goodput.measure(run.records_dir, manifest, WORLD, gpu=False)
+    secs = g.seconds()
+    kept = {1: 1.0, 2: 1.0, 3: 1.0, **{s: (4.0 if s in degraded else 1.0) for s in range(4, 9)}}
+    assert secs["degraded"] == pytest.approx(sum(v for s, v in kept.items() if s in degraded))
+    assert secs["productive"] == pytest.approx(sum(v for s, v in kept.items() if s not in degraded))
+    assert g.goodput == pytest.approx((secs["productive"] + secs["degraded"]) / g.allocation_s)
+    assert g.degraded_ratio == (pytest.approx(1.0 / slower) if degraded else None)
+    assert g.summary()["degraded_ratio"] == g.degraded_ratio
 
 
 def test_analyze_carries_goodput_per_run_and_in_total(tmp_path):

@@ -38,6 +38,9 @@ class FakeContext:
         self.events.append(("agree_stop",))
         return self.stop_at is not None and self.events[-2] == ("heartbeat", self.stop_at)
 
+    def note_layout(self, from_iteration: int) -> None:  # the manifest's layouts (RankContext): no run folder here
+        pass
+
     def finish_preempted(self, step: int) -> None:
         self.events.append(("finish_preempted", step))
 

@@ -166,6 +166,9 @@ class _Ctx:
     def heartbeat(self, step):
         pass
 
+    def note_layout(self, from_iteration):
+        pass
+
     def agree_stop(self, final=False):
         self.finals.append(final)
         return False

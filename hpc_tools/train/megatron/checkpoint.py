@@ -6,10 +6,11 @@ in the meta file the step, the number of optimizer steps taken, the layout it wa
 of the files it saved with sizes and checksums (``hpc_tools.train.checkpointing``: the saver commits every save, the
 resume verifies them before ``load``). The data position is the step.
 
-Loading under another layout always restores the model; the optimizer state comes along when it can be resharded:
-always for the plain optimizer (its state is stored per parameter, like the model), for the distributed optimizer
-only across a change of data-parallel size (Megatron's dp_reshardable format). Otherwise the optimizer starts fresh
-and a warning says so.
+Loading under another layout always restores the model; the optimizer state comes along when it can be resharded
+(``hpc_tools.checkpoints.reshard``: the plain optimizer across any change that keeps expert parallelism on or off,
+the distributed optimizer across a change of the data-parallel size only). Otherwise the load is refused in one line
+before anything is read (``validate`` and ``submit`` refuse such a ``checkpoint.load_path`` first; the elastic planner
+never picks such a layout).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_tools.checkpoints.dirs import CheckpointDirs
+from hpc_tools.checkpoints.reshard import DEFAULT_SIZES, layout_sizes, why_not
+from hpc_tools.checkpoints.reshard import MEGATRON_FORMAT as FORMAT
+from hpc_tools.checkpoints.reshard import size as _size
 from hpc_tools.train import rng
 
 if TYPE_CHECKING:
@@ -31,24 +35,14 @@ log = logging.getLogger("hpc_tools.megatron")
 # The distributed optimizer needs its sharding type named: "fully_reshardable" saves but then fails to load
 # (KeyError: 'step'; docs/megatron-on-cpu.md), "dp_reshardable" reloads across a change of data-parallel size.
 SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
-FORMAT = "megatron-dist-torch_dist"
 
 
 def layout_meta(engine: "Engine") -> dict[str, Any]:
     lay, mg = engine.layout, engine.recipe.backend.megatron
-    return {"tensor_size": lay.tensor_size, "pipeline_size": lay.pipeline_size,
-            "virtual_pipeline_size": lay.virtual_pipeline_size if lay.interleaved else None,
-            "data_size": lay.data_size, "distributed_optimizer": mg.distributed_optimizer,
-            "context_size": lay.context_size, "expert_size": lay.expert_size,
-            "expert_tensor_size": lay.expert_tensor_size, "first_stage_layers": lay.first_stage_layers,
-            "last_stage_layers": lay.last_stage_layers,
-            "precision": engine.recipe.training.precision,
+    return {**layout_sizes(lay, mg.distributed_optimizer, engine.recipe.training.precision),
             "padded_vocab_size": engine.recipe.model.padded_vocab_size(lay.tensor_size), "layers": engine.plan.layers}
 
 
-DEFAULT_SIZES = {"context_size": 1, "expert_size": 1, "expert_tensor_size": 1, "first_stage_layers": None,
-                 "last_stage_layers": None}
-"""The sizes a checkpoint written before they were recorded was saved under (uneven stages: None, equal ones)."""
 
 
 def inner_optimizers(optimizer) -> list:
@@ -356,7 +350,6 @@ def _in_process_results_queue() -> None:
 
 def load(engine: "Engine", path: str | Path) -> int:
     """Restore what the checkpoint at ``path`` allows under this engine's layout; returns its step."""
-    import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -369,7 +362,14 @@ def load(engine: "Engine", path: str | Path) -> int:
     saved, here = meta["layout"], layout_meta(engine)
     check_vocab(path, saved, here, engine.recipe.model.vocab_size)
     check_layers(path, saved, here)
-    with_optimizer = not meta["model_only"] and optimizer_reshardable(saved, here)
+    why = None if meta["model_only"] else why_not(saved, here)
+    if why is not None:  # refused before anything is loaded (validate and submit say so for checkpoint.load_path)
+        from hpc_tools.errors import UserError
+
+        raise UserError(f"checkpoint {path} cannot carry its optimizer state into this layout: {why} (train in the "
+                        "layout it was saved under, or export it with `hpc_tools export` and start from its weights "
+                        "with checkpoint.init_from_hf)")
+    with_optimizer = not meta["model_only"]
     with_rng = with_optimizer and all(_size(saved, k) == _size(here, k) for k in
                                       ("tensor_size", "pipeline_size", "virtual_pipeline_size", "data_size",
                                        *DEFAULT_SIZES))
@@ -396,10 +396,6 @@ def load(engine: "Engine", path: str | Path) -> int:
         _reload_main_params(engine)
     if with_rng:
         set_rng_state(loaded["rng_state"])
-    if not with_optimizer and not meta["model_only"] and dist.get_rank() == 0:
-        log.warning("checkpoint %s was saved under %s; the optimizer state cannot be resharded into %s "
-                    "(distributed optimizer across a TP/PP/EP/CP change): model weights loaded, optimizer starts fresh",
-                    path, saved, here)
     return int(meta["step"])
 
 
@@ -428,23 +424,6 @@ def check_layers(path: Path, saved: dict[str, Any], here: dict[str, Any]) -> Non
         impl = "local" if old == "local" else "transformer_engine"
         raise UserError(f"checkpoint {path} holds {old} layers but this run builds {new} layers (see the start line; "
                         f"set backend.megatron.transformer_impl: {impl} to resume it on this node)")
-
-
-def optimizer_reshardable(saved: dict[str, Any], here: dict[str, Any]) -> bool:
-    """Whether optimizer state saved under layout ``saved`` can be loaded under ``here``."""
-    if saved["distributed_optimizer"] != here["distributed_optimizer"] or saved["precision"] != here["precision"]:
-        return False
-    if not here["distributed_optimizer"]:
-        return True
-    # The distributed optimizer's dp_reshardable shards follow the gradient buffers, whose contents change with the
-    # expert (EP/ETP) and context sizes as with TP/PP: only a change of the data-parallel size reshards.
-    return all(_size(saved, k) == _size(here, k) for k in
-               ("tensor_size", "pipeline_size", "virtual_pipeline_size", *DEFAULT_SIZES))
-
-
-def _size(meta: dict[str, Any], key: str):
-    """A layout size of a checkpoint's meta; one it does not record is the default it was saved under."""
-    return meta.get(key, DEFAULT_SIZES.get(key))
 
 
 def step_in_param_state(inner) -> bool:
