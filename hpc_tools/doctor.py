@@ -43,6 +43,8 @@ for _row in backends.BACKENDS.values():
     for _name in _row.packages:
         PACKAGES[_name] = PACKAGES.get(_name, ()) + (_row.kind,)
 PACKAGES.update({name: () for name in EVERY_JOB[1:] + FILE_INPUTS})
+RAY = "ray"  # cluster.launcher: ray only (docs/ray.md): missing is a warning
+PACKAGES[RAY] = ()
 _PIN = re.compile(r"(?<![\w.-])([A-Za-z0-9][A-Za-z0-9_.-]*)(?:\[[\w,.-]*\])?==([0-9][0-9A-Za-z.+!-]*)")
 
 
@@ -125,6 +127,8 @@ def package_checks(backend: str | None = None, pinned: dict[str, str] | None = N
             why = "every job" if not kinds else f"backend.kind: {' or '.join(kinds)}"
             if name in FILE_INPUTS:
                 needed, why = data_source == "files", FILE_INPUTS_WHY
+            if name == RAY:
+                needed, why, install = False, "cluster.launcher: ray", f"pip install 'ray[default,train]=={pin}'"
             rows.append(Check(name, "fail" if needed else "warn", f"not installed (needed by {why})", install))
             continue
         if pin is None or have.split("+")[0] == pin:

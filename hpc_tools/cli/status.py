@@ -45,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
     for key in keys:
         if manifest.get(key) not in (None, ""):
             print(f"{key:<8} {manifest[key]}" if len(key) <= 8 else f"{key} {manifest[key]}")
+    if manifest.get("launcher") == "ray" or manifest.get("ray_dashboard"):  # cluster.launcher: ray (docs/ray.md)
+        print(f"ray      {manifest.get('ray_nodes') or '?'} node(s), started in {manifest.get('ray_start_s') or '?'} "
+              f"s, dashboard {manifest.get('ray_dashboard') or 'off'} (while the job runs), logs {r.path / 'ray'}")
     if step:
         loss = f", loss {step['loss']:.4f}" if step.get("loss") is not None else ""
         print(f"last step {step['step']}{loss}, {step['step_time_s']:.3f} s/step, {step['tokens_per_s']:.0f} tok/s")

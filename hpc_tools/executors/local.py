@@ -65,6 +65,8 @@ def run_local(run: RunFolder, world_size: int, echo: IO[bytes] | None = None, ex
     from hpc_tools.job.restarts import local_restart
     from hpc_tools.runtime.distenv import RESTART_BASE_ENV
 
+    if launcher(run) == "ray" and not rank_args:
+        return run_ray_local(run, world_size, echo, extra_env)
     extra_env = dict(extra_env or {})
     while True:
         code, first_failed = _run_ranks(run, world_size, echo, extra_env, poll_s, rank_args)
@@ -81,6 +83,51 @@ def run_local(run: RunFolder, world_size: int, echo: IO[bytes] | None = None, ex
         from hpc_tools.job.epilogue import failures_from_exit_codes, record_end
 
         record_end(run, _shell_status(code), failures_from_exit_codes(first_failed))
+    return code
+
+
+def launcher(run: RunFolder) -> str:
+    """The run's ``cluster.launcher`` (its resolved recipe names every field)."""
+    from hpc_tools.recipe.yamlfile import parse_yaml
+
+    cluster = parse_yaml(run.recipe_path.read_text(), str(run.recipe_path)).get("cluster") or {}
+    return cluster.get("launcher") or "srun"
+
+
+def run_ray_local(run: RunFolder, world_size: int, echo: IO[bytes] | None = None,
+                  extra_env: dict[str, str] | None = None) -> int:
+    """``cluster.launcher: ray`` on this machine: the Ray driver (``hpc_tools.job.ray_launch``) in a process of its
+    own, which starts a one-node Ray (``cluster.cpus_per_task`` CPUs per rank) and runs every rank under Ray Train;
+    its output goes to the console and ``logs/ray_driver.out``. Ray Train restarts failed ranks
+    (``cluster.restarts``), so no local restart loop runs here. The control plane never imports Ray: only that
+    process does."""
+    from hpc_tools.job.epilogue import record_end
+
+    run.update(event="launched", state="RUNNING", executor="local", launcher="ray", launched=now_iso(),
+               world_size=world_size)
+    env = rank_env(0, world_size, free_port(), extra_env)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key)  # Ray Train gives each worker its own
+    cmd = [sys.executable, "-m", "hpc_tools.job.ray_launch", "drive", "--run-dir", str(run.path)]
+    with open(run.logs_dir / "ray_driver.out", "ab") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        run.update(pids=[proc.pid])  # `hpc_tools cancel` signals this process group
+        pump = threading.Thread(target=_pump, args=(proc.stdout, [log] + ([echo] if echo is not None else [])),
+                                daemon=True)
+        pump.start()
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:
+            stop_ranks([proc])
+            code = 130
+        finally:
+            end_groups([proc])
+            pump.join(timeout=5)
+    if code == 130:
+        run.update(event="failed", state="CANCELLED", ended=now_iso(), exit_code=code, soft=True)
+    else:
+        record_end(run, _shell_status(code), [])
     return code
 
 

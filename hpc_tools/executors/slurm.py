@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_tools.recipe.schema import Recipe
@@ -152,7 +153,9 @@ def submit_run(run: RunFolder, recipe: Recipe, exclude: str | None = None, env: 
                event: str = "submitted", **fields):
     """Submit one run (a new one, or, from ``hpc_tools resume``, an ended one in its own folder); records the job id
     and log locations in its manifest with ``event`` and ``fields`` (state PENDING unless ``fields`` names one).
-    Returns the submitit job."""
+    Returns the submitit job (``cluster.launcher: ray``: the rendered script's, ``submit_script``)."""
+    if recipe.cluster.launcher == "ray":
+        return submit_script(run, recipe, exclude, env, event, **fields)
     folder = run.path / "submitit"
     job = make_executor(recipe, folder, exclude, env, run_dir=run.path).submit(rank_task, str(run.path))
     record = {"state": "PENDING", **fields}
@@ -161,6 +164,29 @@ def submit_run(run: RunFolder, recipe: Recipe, exclude: str | None = None, env: 
     run.update(event=event, executor="slurm", job_id=str(job.job_id), submitted=now_iso(),
                log_glob=str(folder / f"{job.job_id}_*_log.*"), **record)
     return job
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptJob:
+    """A job submitted as the run's rendered batch script (what ``submit`` reads of a submitit job: its id)."""
+
+    job_id: str
+
+
+def submit_script(run: RunFolder, recipe: Recipe, exclude: str | None = None, env: dict[str, str] | None = None,
+                  event: str = "submitted", **fields) -> ScriptJob:
+    """``cluster.launcher: ray``: the run's rendered batch script (``job.sbatch``: a Ray cluster over the allocation,
+    the driver on the batch host; docs/ray.md) submitted with sbatch into the run's folder, since submitit starts one
+    task per rank, which Ray Train does here instead."""
+    options = [f"--exclude={exclude}"] if exclude else []
+    job_id = sbatch_script(run.path / "job.sbatch", {"HPC_TOOLS_RUN_DIR": str(run.path), **(env or {})}, options,
+                           cwd=run.path)
+    record = {"state": "PENDING", **fields}
+    if record["state"] is None:
+        del record["state"]
+    run.update(event=event, executor="slurm", launcher="ray", job_id=job_id, submitted=now_iso(),
+               log_glob=str(run.path / f"{recipe.name}-{job_id}.out"), **record)
+    return ScriptJob(job_id)
 
 
 def sbatch_script(script: Path, env: dict[str, str], options: list[str] = (), cwd: Path | None = None) -> str:

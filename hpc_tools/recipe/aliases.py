@@ -100,6 +100,16 @@ TABLE: tuple[Alias, ...] = (
     Alias("backward_passes_per_step", None, ("Horovod's DistributedOptimizer(backward_passes_per_step)",),
           "the microbatches of a step, global_batch_size / (micro_batch_size x data-parallel size); set "
           "training.global_batch_size"),
+    # --- Ray Train (cluster.launcher: ray) --------------------------------------------------------------------------
+    Alias("max_failures", "cluster.restarts", ("Ray Train's FailureConfig(max_failures)",),
+          "the same count: worker-group restarts over the run"),
+    Alias("failure_config.max_failures", "cluster.restarts", ("Ray Train's RunConfig(failure_config=...)",),
+          "the same count: worker-group restarts over the run"),
+    Alias("scaling_config.num_workers", None, ("Ray Train's ScalingConfig(num_workers)",),
+          "the ranks, cluster.nodes x cluster.gpus_per_node; a (min, max) pair is cluster.min_nodes..cluster.nodes "
+          "nodes; set those"),
+    Alias("scaling_config.use_gpu", "cluster.gpu_type", ("Ray Train's ScalingConfig(use_gpu)",),
+          "false = gpu_type: cpu"),
     # --- optimizer sharding -----------------------------------------------------------------------------------------
     Alias("use_distributed_optimizer", "backend.megatron.distributed_optimizer",
           (_lm("use-distributed-optimizer"), _mc("DistributedDataParallelConfig.use_distributed_optimizer"))),

@@ -1025,6 +1025,20 @@ def elastic_backend(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
                         f"{' or '.join(backends.with_feature('elastic'))}")
 
 
+RAY_BACKENDS = ("fsdp",)
+"""The backends Ray Train launches (cluster.launcher: ray): the PyTorch-native one, any strategy (its rank program
+makes its own process group; docs/ray.md)."""
+
+
+@rule
+def ray_launcher_backend(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """Ray Train launches the PyTorch-native backend only (FSDP2, HSDP, DDP)."""
+    if r.cluster.launcher == "ray" and r.backend.kind not in RAY_BACKENDS:
+        yield Violation("cluster.launcher", "ray", f"launches backend.kind={' or '.join(RAY_BACKENDS)} only "
+                        f"(PyTorch-native: FSDP2, HSDP, DDP), not backend.kind={r.backend.kind}",
+                        f"use cluster.launcher: srun, or backend.kind: {RAY_BACKENDS[0]}")
+
+
 @rule
 def switch_wait_needs_switches(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """cluster.switch_wait_min is the wait for cluster.switches, which must be set."""

@@ -62,7 +62,20 @@ def render_sbatch(recipe: Recipe, source: str = "a recipe") -> str:
         policy=restart_policy_args(recipe.cluster), recipe_yaml=recipe_yaml, delimiter=delimiter,
         signal_delay_s=recipe.cluster.signal_delay_s, stop_signal=STOP_SIGNAL, launch=launch,
         restarts=recipe.cluster.restarts, placement=placement_lines(recipe) if placed else [],
-        srun=PLACED_SRUN if placed else "srun")
+        srun=PLACED_SRUN if placed else "srun", ray=ray_nodes_step(recipe))
+
+
+def ray_nodes_step(recipe: Recipe) -> dict | None:
+    """``cluster.launcher: ray``: the step that runs one Ray node per node of the allocation (``hpc_tools.job.
+    ray_launch node``: ``ray start --block``, the head on the first node) with every CPU and GPU of the node's ranks,
+    and the driver's node count; None for srun."""
+    c = recipe.cluster
+    if c.launcher != "ray":
+        return None
+    cpus = c.gpus_per_node * c.cpus_per_task
+    step = ["--overlap", f"--nodes={c.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={cpus}", "--mem=0"]
+    node = ["--num-cpus", str(cpus), "--num-gpus", str(c.gpus_per_node if c.uses_gpus else 0)]
+    return {"srun": shlex.join(step), "node": shlex.join(node), "nodes": c.nodes}
 
 
 STEP_NODELIST = '${HPC_TOOLS_NODELIST:+"--nodelist=$HPC_TOOLS_NODELIST"}'

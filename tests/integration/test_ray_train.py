@@ -1,0 +1,116 @@
+"""cluster.launcher: ray through the real CLI: the FSDP recipe (recipes/llama_fsdp.yaml, its local profile on 2 CPU
+ranks, fp32) switched with one ``--set cluster.launcher=ray`` runs under Ray Train's TorchTrainer on a one-node Ray
+and trains to the natively launched run's losses over 20 steps within 1e-5; the Ray run writes the native run's
+checkpoints, records and logs, and its manifest holds the dashboard's address; a rank killed mid-run is restarted by
+Ray Train (FailureConfig(max_failures=cluster.restarts)) from the newest verified checkpoint to the same losses; and
+on the Slurm test cluster the rendered batch script starts Ray over both nodes (head and worker) and trains with the
+native losses.
+
+One Ray run is shared by the assertions on it (a Ray start costs 20-40 s here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpc_tools.registry import RunFolder
+from tests.helpers import REPO, run_cli, shared_once, step_records, wait_for
+from tests.integration.test_horovod_train import RECIPE, SIZE, TOL, curve, submit
+
+pytestmark = [pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory) -> dict:
+    """FSDP full_shard on 2 local ranks launched natively: the reference (once per session)."""
+    return shared_once(tmp_path_factory, "ray-native-fsdp-reference", lambda folder: submit(folder))
+
+
+@pytest.fixture(scope="module")
+def ray_run(tmp_path_factory) -> dict:
+    return submit(tmp_path_factory.mktemp("ray"), "cluster.launcher=ray")
+
+
+def test_ray_trains_to_the_native_losses(native, ray_run):
+    reference, got = curve(native), curve(ray_run)
+    np.testing.assert_allclose(got, reference, rtol=0, atol=TOL)
+    assert got[-1] < got[0] - 0.3, got  # it trained
+    driver = (Path(ray_run["run_dir"]) / "logs" / "ray_driver.out").read_text(errors="replace")
+    assert "Ray 2.60.0: 1 node(s)" in driver and "Ray Train starts 2 worker(s)" in driver, driver[-2000:]
+
+
+def test_ray_run_writes_what_a_native_run_writes(native, ray_run):
+    run, ref = Path(ray_run["run_dir"]), Path(native["run_dir"])
+    for step in (10, 20):  # the project's saver: verified, committed torch DCP checkpoints
+        saved = run / "checkpoints" / f"iter_{step:07d}"
+        assert (saved / "dcp" / ".metadata").is_file(), sorted(p.name for p in saved.parent.iterdir())
+        meta = json.loads(next(saved.glob("*.json")).read_text())
+        assert meta["backend"] == "fsdp" and meta["step"] == step
+    assert sorted(p.name for p in (run / "records").iterdir()) == sorted(p.name for p in (ref / "records").iterdir())
+    per_rank = step_records(run)
+    assert sorted(per_rank) == [0, 1] and all(len(r) == 20 for r in per_rank.values())
+    logs = {p.name: p.read_text(errors="replace") for p in (run / "logs").glob("rank*.out")}
+    assert sorted(logs) == ["rank00000.out", "rank00001.out"] and "step 20/20" in logs["rank00000.out"]
+    manifest = RunFolder(run).manifest()
+    assert manifest["state"] == "COMPLETED" and manifest["launcher"] == "ray", manifest
+    assert manifest["ray_dashboard"].startswith("http://127.0.0.1:"), manifest.get("ray_dashboard")
+    assert manifest["ray_start_s"] > 0 and manifest["ray_nodes"] == 1
+    assert any((run / "ray" / "local").glob("raylet*")), "Ray's session logs are not in RUN/ray/local"
+    status = run_cli("status", str(run), "--runs-dir", str(run.parent))
+    assert status.returncode == 0 and manifest["ray_dashboard"] in status.stdout, status.stdout + status.stderr
+
+
+def test_a_killed_rank_is_restarted_by_ray_train(native, tmp_path):
+    """Rank 1's process killed with SIGKILL after step 12: its worker fails, Ray Train starts the worker group again
+    (cluster.restarts=1), the ranks resume from step 10's checkpoint and steps 11-20 have the native losses."""
+    cmd = [sys.executable, "-m", "hpc_tools", "submit", RECIPE, "--profile", "local", "--executor", "local", "--json",
+           "--runs-dir", str(tmp_path), *[x for s in [*SIZE, "cluster.gpus_per_node=2", "cluster.launcher=ray",
+                                                      "cluster.restarts=1"] for x in ("--set", s)]]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        def rank1_past_12():
+            beat = next(tmp_path.glob("*/heartbeats/rank00001.json"), None)
+            data = json.loads(beat.read_text()) if beat else {}
+            return data if data.get("restart") == 0 and (data.get("step") or 0) >= 12 else None
+
+        victim = wait_for(rank1_past_12, timeout_s=600, what="rank 1 past step 12", poll_s=0.1)
+        os.kill(victim["pid"], signal.SIGKILL)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    result = json.loads(out)
+    manifest = RunFolder(result["run_dir"]).manifest()
+    assert manifest["state"] == "COMPLETED", manifest
+    (restart,) = manifest["restarts"]
+    assert restart["kind"] == "ray" and restart["restart"] == 1, restart
+    resumed = {r["step"] for recs in step_records(Path(result["run_dir"])).values() for r in recs
+               if r.get("restart") == 1}
+    assert min(resumed) == 11, sorted(resumed)  # from step 10's checkpoint, not from scratch
+    np.testing.assert_allclose(curve(result), curve(native), rtol=0, atol=TOL)
+
+
+@pytest.mark.slurm
+@pytest.mark.multinode
+def test_ray_across_two_nodes_trains_with_the_native_losses(slurm_multinode, native, tmp_path):
+    """One rank on each node of the test cluster, through `submit --executor slurm`, which submits the run's rendered
+    batch script (submitit starts one task per rank; Ray Train does that here): a Ray head on the first node and a
+    Ray worker on the second (srun --overlap, `ray start --block`), the driver on the batch host, then Ray stopped."""
+    result = submit(tmp_path, "cluster.launcher=ray", "cluster.nodes=2", executor="slurm", ranks_per_node=1)
+    run = RunFolder(result["run_dir"])
+    manifest = run.manifest()
+    assert manifest["ray_nodes"] == 2 and manifest["ray_dashboard"].startswith("http://"), manifest
+    nodes = {rank: recs[0]["node"] for rank, recs in step_records(run.path).items()}
+    assert sorted(nodes) == [0, 1] and len(set(nodes.values())) == 2, nodes
+    assert sorted(p.name for p in (run.path / "ray").iterdir() if p.name in nodes.values()) == sorted(nodes.values())
+    assert any((run.path / "ray" / nodes[0]).glob("raylet*"))  # each node's Ray logs, copied when Ray stopped
+    np.testing.assert_allclose(curve(result), curve(native), rtol=0, atol=TOL)
