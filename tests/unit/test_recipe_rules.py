@@ -85,6 +85,10 @@ CASES = {
     "ray_launcher_backend": (["cluster.launcher=ray"], "cluster.launcher=ray launches backend.kind=fsdp only "
                              "(PyTorch-native: FSDP2, HSDP, DDP), not backend.kind=megatron",
                              "use cluster.launcher: srun, or backend.kind: fsdp"),
+    "ray_launcher_container": (["backend.kind=fsdp", "cluster.launcher=ray", "cluster.setup.container.kind=pyxis",
+                                "cluster.setup.container.image=img.sqsh"],
+                               "cluster.setup.container=pyxis is not started around the Ray nodes",
+                               "or use cluster.launcher: srun"),
     "switch_wait_needs_switches": (["cluster.switch_wait_min=30"], "cluster.switch_wait_min=30 is the wait for "
                                    "cluster.switches, which is not set", "set cluster.switches"),
     "profiler_ranks_exist": (["profiling.torch_profiler.enabled=true", "profiling.torch_profiler.ranks=[0, 8]"],
