@@ -131,3 +131,23 @@ def test_the_control_plane_never_imports_ray():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_submit_to_slurm_sends_the_rendered_script(tmp_path, monkeypatch):
+    """submitit starts one task per rank, which Ray Train does here: `submit --executor slurm` sbatches the run's
+    rendered script into its folder and records the job like submitit's."""
+    from hpc_tools.executors import slurm
+    from hpc_tools.submission import new_run
+
+    r = recipe("cluster.partition=null")
+    run = new_run(r, tmp_path, "slurm")
+    calls = []
+    monkeypatch.setattr(slurm, "sbatch_script", lambda script, env, options=(), cwd=None:
+                        calls.append((script, env, list(options), cwd)) or "42")
+    job = slurm.submit_run(run, r, exclude="n3", env={"HPC_TOOLS_RESTART_BASE": "1"})
+    assert job.job_id == "42"
+    ((script, env, options, cwd),) = calls
+    assert script == run.path / "job.sbatch" and "ray_launch drive" in script.read_text()
+    assert env == {"HPC_TOOLS_RUN_DIR": str(run.path), "HPC_TOOLS_RESTART_BASE": "1"} and options == ["--exclude=n3"]
+    manifest = run.manifest()
+    assert (manifest["job_id"], manifest["state"], manifest["launcher"], cwd) == ("42", "PENDING", "ray", run.path)
