@@ -175,7 +175,8 @@ def begin(run_dir: Path, env: dict[str, str], policy: Policy | None = None) -> s
     nodes = [x for x in allocation if x not in excluded][:policy.nodes]
     values: dict[str, str | int] = {RESTART_BASE_ENV: n - int(env.get("SLURM_RESTART_COUNT", "0") or 0),
                                     "HPC_TOOLS_NODELIST": ",".join(nodes), "HPC_TOOLS_EXCLUDED": ",".join(excluded),
-                                    **preflight_hints(allocation, nodes, excluded, policy, manifest, job_id, env=env)}
+                                    **preflight_hints(allocation, nodes, excluded, policy, manifest, job_id, env=env,
+                                                     run_dir=run.path)}
     if nodes:
         values.update(MASTER_ADDR=nodes[0], MASTER_PORT=step_port(job_id, n), **step_counts(policy, nodes))
     return exports(values)
@@ -217,17 +218,20 @@ def requeue_room(policy: Policy, manifest: dict, env: dict[str, str]) -> int:
 
 def preflight_hints(allocation: list[str], nodes: list[str], excluded: list[str], policy: Policy, manifest: dict,
                     job_id: str | None, accept: list[str] | None = None,
-                    env: dict[str, str] | None = None) -> dict[str, str | int]:
+                    env: dict[str, str] | None = None, run_dir: Path | None = None) -> dict[str, str | int]:
     """What could replace a node the step's preflight names (``hpc_tools.runtime.preflight.leave_out``): the spare
-    nodes (outside the step, not excluded) and whether a requeue may leave it out and for how many nodes (the
-    partition's room: ``requeue_room``), both only while a restart is left; ``accept``: nodes nothing could replace
-    before (the step trains on them)."""
+    nodes (outside the step, not excluded), how many of the step's nodes an elastic job may go on without (down to
+    the fewest node count its ``elastic.json`` in ``run_dir`` has a layout for), and whether a requeue may leave it out
+    and for how many nodes (the partition's room: ``requeue_room``), all only while a restart is left; ``accept``:
+    nodes nothing could replace before (the step trains on them)."""
     left = restarts_left(manifest, policy) > 0
     spares = len([x for x in allocation if x not in nodes and x not in excluded]) if left else 0
+    counts = elastic_counts(run_dir, policy) if left and run_dir is not None else []
+    fewer = max(0, len(nodes) - min(counts)) if counts else 0
     room = requeue_room(policy, manifest, dict(os.environ) if env is None else env) \
         if left and policy.requeue and job_id else 0
-    return {leave_out.SPARES_ENV: spares, leave_out.REQUEUE_ENV: int(room > 0), leave_out.ROOM_ENV: room,
-            leave_out.ACCEPT_ENV: ",".join(accept or [])}
+    return {leave_out.SPARES_ENV: spares, leave_out.FEWER_ENV: fewer, leave_out.REQUEUE_ENV: int(room > 0),
+            leave_out.ROOM_ENV: room, leave_out.ACCEPT_ENV: ",".join(accept or [])}
 
 
 @contextlib.contextmanager
@@ -414,7 +418,7 @@ def next_step(run_dir: Path, exit_code: int, env: dict[str, str], prober=probe, 
                     "HPC_TOOLS_NODELIST": ",".join(nodes), "HPC_TOOLS_EXCLUDED": ",".join(excluded),
                     "MASTER_ADDR": nodes[0], "MASTER_PORT": step_port(job_id, n), **step_counts(policy, nodes),
                     **preflight_hints(allocation, nodes, excluded, policy, run.manifest(), job_id,
-                                      leave_out.accepted(env), env=env)})
+                                      leave_out.accepted(env), env=env, run_dir=run.path)})
 
 
 def named_words(marker: dict) -> str:
@@ -463,7 +467,26 @@ def leave_out_step(run: RunFolder, manifest: dict, marker: dict, env: dict[str, 
             return exports({RESTART_BASE_ENV: base, "HPC_TOOLS_NODELIST": ",".join(nodes),
                             "HPC_TOOLS_EXCLUDED": ",".join(out), "MASTER_ADDR": nodes[0],
                             "MASTER_PORT": step_port(job_id, n), **step_counts(policy, nodes),
-                            **preflight_hints(allocation, nodes, out, policy, run.manifest(), job_id, accept, env=env)})
+                            **preflight_hints(allocation, nodes, out, policy, run.manifest(), job_id, accept, env=env,
+                                              run_dir=run.path)})
+        for k in elastic_counts(run.path, policy):  # no spare: an elastic job goes on without them
+            nodes, out = choose_nodes(allocation, excluded + named, None, k, wait_s=0.0, prober=prober, say=_say)
+            if len(nodes) < k:
+                continue
+            entry.update(kind="in-job", restart=n, nodes=nodes, layout_nodes=k, decision="leave out",
+                         why=f"no spare node for {them}: training goes on with {k} of {need} node(s) "
+                             f"(cluster.min_nodes={policy.min_nodes}) in the layout the planner chose for them")
+            _set_aside_hang(run, n)
+            run.update(event="restarting", state="STARTING", restart_count=n,
+                       restarts=[*manifest.get("restarts", []), entry], reason=None, failed_ranks=None,
+                       failed_nodes=None, exit_code=None, error=None)
+            _say(f"{len(done) + 1} of {policy.budget} in this run (preflight named {words}; infrastructure): {them} "
+                 f"left out, a new step on {','.join(nodes)} (elastic: {k} of {need} nodes)", restart=True)
+            return exports({RESTART_BASE_ENV: base, "HPC_TOOLS_NODELIST": ",".join(nodes),
+                            "HPC_TOOLS_EXCLUDED": ",".join(out), "MASTER_ADDR": nodes[0],
+                            "MASTER_PORT": step_port(job_id, n), **step_counts(policy, nodes),
+                            **preflight_hints(allocation, nodes, out, policy, run.manifest(), job_id, accept, env=env,
+                                              run_dir=run.path)})
         if policy.requeue and job_id:
             keep_out = list(dict.fromkeys([*preflight_excluded(manifest), *named]))
             # The requeue ends this batch script (SIGTERM now, SIGKILL after KillWait): the exclusion and the record
@@ -500,7 +523,7 @@ def leave_out_step(run: RunFolder, manifest: dict, marker: dict, env: dict[str, 
                     "HPC_TOOLS_EXCLUDED": ",".join(excluded), "MASTER_ADDR": nodes[0],
                     "MASTER_PORT": step_port(job_id, n), **step_counts(policy, nodes),
                     **preflight_hints(allocation, nodes, excluded, policy, run.manifest(), job_id,
-                                      list(dict.fromkeys([*accept, *named])), env=env)})
+                                      list(dict.fromkeys([*accept, *named])), env=env, run_dir=run.path)})
 
 
 def kernel_oom(run: RunFolder) -> bool:

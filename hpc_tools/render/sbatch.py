@@ -22,6 +22,7 @@ from hpc_tools.render.envsetup import (
     rank_srun_args,
     restart_policy_args,
     script_python,
+    step_count_args,
     step_node_args,
 )
 from hpc_tools.render.slurm_params import STOP_SIGNAL, SlurmSpec
@@ -45,7 +46,7 @@ def render_sbatch(recipe: Recipe, source: str = "a recipe") -> str:
     placed = recipe.cluster.place_by_topology
     launch = shlex.join(rank_srun_args(recipe.cluster, step_nodes=not placed))
     if recipe.cluster.restarts:  # each step's nodes, decided by hpc_tools.job.restarts
-        launch += " --overlap" + ("" if placed else " " + STEP_NODELIST)
+        launch += " --overlap" + ("" if placed else " " + STEP_NODELIST) + step_count_args(recipe.cluster)
     if placed:  # the step's nodes and order, decided by hpc_tools.job.placement
         launch += ' "${HPC_TOOLS_PLACE[@]}"'
     launch += " --label"
@@ -61,7 +62,8 @@ def render_sbatch(recipe: Recipe, source: str = "a recipe") -> str:
         controller=host_python(recipe.cluster) or script_python(recipe.cluster),
         policy=restart_policy_args(recipe.cluster), recipe_yaml=recipe_yaml, delimiter=delimiter,
         signal_delay_s=recipe.cluster.signal_delay_s, stop_signal=STOP_SIGNAL, launch=launch,
-        restarts=recipe.cluster.restarts, placement=placement_lines(recipe) if placed else [],
+        restarts=recipe.cluster.restarts, elastic=recipe.cluster.elastic and recipe.cluster.restarts > 0,
+        placement=placement_lines(recipe) if placed else [],
         srun=PLACED_SRUN if placed else "srun", ray=ray_nodes_step(recipe))
 
 

@@ -122,6 +122,46 @@ def test_the_controller_leaves_a_named_node_out(tmp_path, monkeypatch, need, spa
             assert leave_out.replacement([named], out) is None  # the next step trains on
 
 
+def elastic_cases():
+    """(nodes in the layout, cluster.min_nodes, the node counts the elastic plan holds, index of the named node,
+    requeue)."""
+    for need in (2, 3, 4):
+        for fewest in range(1, need):
+            for planned in ({fewest}, set(range(fewest, need))):
+                for bad in range(need):
+                    yield need, fewest, sorted(planned), bad, (need + bad) % 2 == 0
+
+
+@pytest.mark.parametrize("need, fewest, planned, bad, requeue", list(elastic_cases()))
+def test_an_elastic_job_without_a_spare_goes_on_without_the_named_node(tmp_path, monkeypatch, need, fewest, planned,
+                                                                       bad, requeue):
+    """cluster.min_nodes and no spare: the named node is left out and the next step runs on the most nodes that
+    remain among the counts elastic.json plans for, before any requeue (issue 34 item 1, issue 32 item 1)."""
+    allocation = [f"n{i}" for i in range(1, need + 1)]
+    named = allocation[bad]
+    policy = restarts.Policy(nodes=need, budget=1, requeue=requeue, min_nodes=fewest, ranks_per_node=2)
+    run = run_folder(tmp_path, "cluster.restarts=2")
+    (run.path / "elastic.json").write_text(json.dumps({"layouts": {str(k): [f"cluster.nodes={k}"] for k in planned}}))
+    monkeypatch.setattr(restarts, "allocation_nodes", lambda job, env: list(allocation))
+    monkeypatch.setattr(restarts, "_say", lambda line, restart=False: None)
+    hints = restarts.preflight_hints(allocation, allocation, [], policy, run.manifest(), "77", run_dir=run.path)
+    assert hints[leave_out.SPARES_ENV] == 0 and hints[leave_out.FEWER_ENV] == need - min(planned)
+    env = {"SLURM_JOB_ID": "77", "HPC_TOOLS_NODELIST": ",".join(allocation), "HPC_TOOLS_EXCLUDED": "",
+           **{k: str(v) for k, v in hints.items()}}
+    assert leave_out.replacement([named], env) == leave_out.FEWER
+    marker(run, named, allocation)
+    line = restarts.next_step(run.path, leave_out.EXIT_CODE, env, prober=lambda n: True, wait_s=0.0,
+                              requeue=lambda job: pytest.fail("requeued although fewer nodes can train"),
+                              policy=policy)
+    k = max(c for c in planned if c <= need - 1)
+    out = exported(line)
+    assert out["HPC_TOOLS_NODELIST"].split(",") == [n for n in allocation if n != named][:k]
+    assert (out["HPC_TOOLS_STEP_NODES"], out["HPC_TOOLS_STEP_TASKS"]) == (str(k), str(2 * k))
+    [entry] = run.manifest()["restarts"]
+    assert (entry["kind"], entry["decision"], entry["layout_nodes"]) == ("in-job", "leave out", k)
+    assert named not in out["HPC_TOOLS_NODELIST"].split(",") and out[leave_out.FEWER_ENV] == "0"  # budget spent
+
+
 def test_the_exclusion_follows_the_requeue_with_sigterm_ignored(tmp_path, monkeypatch):
     """Slurm takes ExcNodeList for a pending job only, and the requeue ends the batch script (SIGTERM first): the
     update comes after the requeue, while SIGTERM is ignored, and the handler is restored after."""

@@ -5,7 +5,8 @@ controller runs on the batch host, outside the job's container).
 
 - Before each rank step the controller exports what could replace a node: ``HPC_TOOLS_PREFLIGHT_SPARES`` (nodes of
   the allocation outside the step and not excluded, while an in-job restart is left) and
-  ``HPC_TOOLS_PREFLIGHT_REQUEUE`` (1: the job may be requeued without the node), and ``HPC_TOOLS_PREFLIGHT_ACCEPT``
+  ``HPC_TOOLS_PREFLIGHT_REQUEUE`` (1: the job may be requeued without the node), ``HPC_TOOLS_PREFLIGHT_FEWER`` (how
+  many of the step's nodes an elastic job may go on without: ``cluster.min_nodes``), and ``HPC_TOOLS_PREFLIGHT_ACCEPT``
   (nodes named before that nothing could replace: the step trains on them).
 - When preflight names nodes and ``replacement`` finds a way, rank 0 writes ``preflight-leave-out.json`` (this start,
   the nodes, each node's figures and reasons, the line) and every rank ends the step with ``EXIT_CODE``; the
@@ -27,7 +28,9 @@ SPARES_ENV = "HPC_TOOLS_PREFLIGHT_SPARES"
 REQUEUE_ENV = "HPC_TOOLS_PREFLIGHT_REQUEUE"
 ROOM_ENV = "HPC_TOOLS_PREFLIGHT_REQUEUE_ROOM"  # nodes a requeued job could take instead (absent: no limit known)
 ACCEPT_ENV = "HPC_TOOLS_PREFLIGHT_ACCEPT"
+FEWER_ENV = "HPC_TOOLS_PREFLIGHT_FEWER"  # nodes an elastic job (cluster.min_nodes) may go on without
 SPARE, REQUEUE = "a spare node takes its place", "the job is requeued without it"
+FEWER = "training goes on without it (cluster.min_nodes)"
 
 
 def accepted(env: Mapping[str, str]) -> list[str]:
@@ -35,8 +38,9 @@ def accepted(env: Mapping[str, str]) -> list[str]:
 
 
 def replacement(nodes: list[str], env: Mapping[str, str]) -> str | None:
-    """How the named ``nodes`` can be left out of this run: ``SPARE``, ``REQUEUE`` or None (nothing can replace them:
-    no restart loop around the step, no spare and no requeue left, or the nodes were accepted before)."""
+    """How the named ``nodes`` can be left out of this run: ``SPARE``, ``FEWER``, ``REQUEUE`` or None (nothing can
+    replace them: no restart loop around the step, no spare, elastic room or requeue left, or the nodes were accepted
+    before)."""
     new = [n for n in nodes if n not in accepted(env)]
     if not new:
         return None
@@ -46,6 +50,12 @@ def replacement(nodes: list[str], env: Mapping[str, str]) -> str | None:
         spares = 0
     if spares >= len(new):
         return SPARE
+    try:
+        fewer = int(env.get(FEWER_ENV) or 0)
+    except ValueError:
+        fewer = 0
+    if fewer >= len(new):
+        return FEWER
     try:
         room = int(env.get(ROOM_ENV) or len(new))
     except ValueError:

@@ -155,7 +155,7 @@ def decide(ctx: "RankContext", report: Report, mode: str) -> None:
     again = [n for n in nodes if n in leave_out.accepted(os.environ)]
     why = ("named before, and nothing could replace " + ("them" if len(again) > 1 else "it")) if again else \
         "nothing can replace " + ("them" if len(nodes) > 1 else "it") + \
-        " (no spare node outside the step, no in-job restart or requeue left)"
+        " (no spare node outside the step, no room to go on with fewer nodes, no in-job restart or requeue left)"
     if mode == "strict":
         raise PreflightFailed(f"{line}; {why}" if nodes else line)
     ctx.info("%s; training goes on (cluster.preflight=auto%s)", line, f": {why}" if nodes else "")
