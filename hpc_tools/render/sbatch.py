@@ -76,6 +76,8 @@ def ray_nodes_step(recipe: Recipe) -> dict | None:
         return None
     cpus = c.gpus_per_node * c.cpus_per_task
     step = ["--overlap", f"--nodes={c.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={cpus}", "--mem=0"]
+    if c.elastic:  # a failed node must not end the other nodes' Ray: Ray Train continues on them (num_workers range)
+        step.append("--no-kill")
     node = ["--num-cpus", str(cpus), "--num-gpus", str(c.gpus_per_node if c.uses_gpus else 0)]
     return {"srun": shlex.join(step), "node": shlex.join(node), "nodes": c.nodes}
 

@@ -97,7 +97,9 @@ def test_the_shipped_ray_recipe_renders_elastic():
     r = resolve(read_yaml(REPO / "recipes" / "llama_ray.yaml"))
     assert (r.cluster.launcher, r.cluster.fewest_nodes, r.cluster.nodes, r.cluster.restarts) == ("ray", 1, 2, 2)
     assert ray_launch.num_workers(r.cluster) == (8, 16)
-    assert "ray_launch node" in render_sbatch(r)
+    script = render_sbatch(r)
+    assert "ray_launch node" in script and "--mem=0 --no-kill python3" in script  # a lost node leaves the others
+    assert "--no-kill" not in render_sbatch(recipe())
     local = resolve(read_yaml(REPO / "recipes" / "llama_ray.yaml"), profile="local")
     assert (local.cluster.launcher, local.cluster.gpu_type, local.cluster.nodes) == ("ray", "cpu", 1)
 
