@@ -1042,11 +1042,11 @@ def ray_launcher_backend(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
 @rule
 def ray_launcher_container(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """The batch script starts Ray's nodes and driver on the hosts, never inside a container."""
-    container = r.cluster.setup.container
-    if r.cluster.launcher == "ray" and container is not None:
-        yield Violation("cluster.setup.container", container.kind, "is not started around the Ray nodes and driver "
-                        "(cluster.launcher=ray runs them on the hosts)", "install Ray and hpc_tools on the nodes "
-                        "(cluster.setup.venv or conda_env) and drop the container, or use cluster.launcher: srun")
+    if r.cluster.launcher == "ray" and r.cluster.setup.container is not None:
+        yield Violation("cluster.setup.container.kind", r.cluster.setup.container.kind, "is not started around the "
+                        "Ray nodes and driver (cluster.launcher=ray runs them on the hosts)", "install Ray and "
+                        "hpc_tools on the nodes (cluster.setup.venv or conda_env) and drop the container, or use "
+                        "cluster.launcher: srun")
 
 
 @rule

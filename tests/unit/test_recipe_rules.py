@@ -87,7 +87,7 @@ CASES = {
                              "use cluster.launcher: srun, or backend.kind: fsdp"),
     "ray_launcher_container": (["backend.kind=fsdp", "cluster.launcher=ray", "cluster.setup.container.kind=pyxis",
                                 "cluster.setup.container.image=img.sqsh"],
-                               "cluster.setup.container=pyxis is not started around the Ray nodes",
+                               "cluster.setup.container.kind=pyxis is not started around the Ray nodes",
                                "or use cluster.launcher: srun"),
     "switch_wait_needs_switches": (["cluster.switch_wait_min=30"], "cluster.switch_wait_min=30 is the wait for "
                                    "cluster.switches, which is not set", "set cluster.switches"),
