@@ -8,7 +8,11 @@ profile, one rank per node), and what it printed: the per-node table, the verdic
 - wrong interface: n3's rank given ``GLOO_SOCKET_IFNAME=nope0`` (a name no node has);
 - spare: a training job (comm_check, 2 nodes and ``cluster.spare_nodes=1``, ``restarts=1``, preflight ``auto``)
   with its second node slowed as above: preflight names it, the step ends, the next step trains on the first node
-  and the spare; printed: the job's state, the nodes each start ran on, the leave-out event.
+  and the spare; printed: the job's state, the nodes each start ran on, the leave-out event;
+- fewer: a training job without a spare (recipes/llama_fsdp.yaml's local profile, all 3 nodes, one rank each,
+  ``cluster.min_nodes=2``, ``restarts=1``) with n3 slowed as above: preflight names it, the step ends, and the next
+  step trains on n1 and n2 in the layout the planner chose for two nodes (submitted through submitit); printed as
+  for the spare case, with the manifest's layouts.
 
     PYTHONPATH=. python benchmarks/preflight_faults.py [--node n3] [--cases healthy,slow,link,interface]
 
@@ -27,7 +31,14 @@ import time
 from hpc_tools.runtime.preflight.measure import IFNAME_RANK_ENV
 from hpc_tools.testing import slurm_faults
 
-CASES = ("healthy", "slow", "link", "interface", "spare")
+CASES = ("healthy", "slow", "link", "interface", "spare", "fewer")
+LEAVE_OUT_JOBS = {  # case -> (the node slowed, the submit arguments)
+    "spare": ("n2", ["recipes/comm_check.yaml", "--set", "cluster.nodes=2", "--set", "cluster.spare_nodes=1",
+                     "--set", "training.train_iters=20"]),
+    "fewer": ("n3", ["recipes/llama_fsdp.yaml", "--set", "cluster.nodes=3", "--set", "cluster.min_nodes=2",
+                     "--set", "training.train_iters=12", "--set", "checkpoint.interval_iters=4",
+                     "--set", "cluster.preflight=auto"]),
+}
 
 
 def preflight(runs: str, env: dict[str, str] | None = None) -> tuple[int, dict | None, str, float]:
@@ -62,19 +73,19 @@ def show(case: str, code: int, data: dict | None, err: str, wall: float) -> None
           f"problems: {data.get('problems')}")
 
 
-def spare_job(runs: str) -> None:
-    """The spare case: slow the job's second node, submit, wait, print how the run went."""
+def leave_out_job(runs: str, case: str) -> None:
+    """The spare and fewer cases: slow a node of the job, submit, wait, print how the run went."""
     import os
 
-    slurm_faults.slow_node("n2", 0.2)
+    node, args = LEAVE_OUT_JOBS[case]
+    slurm_faults.slow_node(node, 0.2)
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "hpc_tools", "submit", "recipes/comm_check.yaml", "--profile", "local",
-                          "--executor", "slurm", "--wait", "--json", "--runs-dir", runs, "--set", "cluster.nodes=2",
-                          "--set", "cluster.gpus_per_node=1", "--set", "cluster.spare_nodes=1", "--set",
-                          "cluster.restarts=1", "--set", "training.train_iters=20"], capture_output=True, text=True,
-                         timeout=900, env=dict(os.environ))
+    out = subprocess.run([sys.executable, "-m", "hpc_tools", "submit", *args[:1], "--profile", "local",
+                          "--executor", "slurm", "--wait", "--json", "--runs-dir", runs, *args[1:],
+                          "--set", "cluster.gpus_per_node=1", "--set", "cluster.restarts=1"], capture_output=True,
+                         text=True, timeout=900, env=dict(os.environ))
     wall = time.monotonic() - t0
-    print(f"\n== spare: exit {out.returncode}, submit to end {wall:.1f} s")
+    print(f"\n== {case}: exit {out.returncode}, submit to end {wall:.1f} s")
     try:
         run_dir = json.loads(out.stdout)["run_dir"]
     except (json.JSONDecodeError, KeyError):
@@ -87,7 +98,10 @@ def spare_job(runs: str) -> None:
     m = RunFolder(run_dir).manifest()
     print(f"  state {m.get('state')}; events: {[e.get('event') for e in m.get('events', [])]}")
     for e in m.get("restarts") or []:
-        print(f"  restart {e.get('restart')}: cause {e.get('cause')}, nodes {e.get('nodes') or e.get('nodelist')}")
+        print(f"  restart {e.get('restart')}: cause {e.get('cause')}, nodes {e.get('nodes') or e.get('nodelist')}, "
+              f"decision {e.get('decision')}: {e.get('why')}")
+    for e in m.get("layouts") or []:
+        print(f"  layout from step {e.get('from_iteration')}: {e.get('layout')} ({e.get('cause')})")
     events = [json.loads(line) for p in sorted(Path(run_dir, "records").glob("events_rank*.jsonl"))
               for line in p.read_text().splitlines() if line.strip()]
     starts = sorted({(e.get("restart"), e.get("node")) for e in events if e.get("event") == "start"})
@@ -116,12 +130,12 @@ def main() -> None:
                     slurm_faults.throttle_link(node, "20mbit")
                 elif case == "interface":
                     env = {IFNAME_RANK_ENV: f"{rank}:nope0"}
-                if case == "spare":
-                    spare_job(runs)
+                if case in LEAVE_OUT_JOBS:
+                    leave_out_job(runs, case)
                     continue
                 show(case, *preflight(runs, env))
             finally:
-                for n in {node, "n2"}:
+                for n in {node, "n2", "n3"}:
                     slurm_faults.unslow_node(n)
                 slurm_faults.unthrottle_link(node)
 
