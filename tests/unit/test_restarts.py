@@ -203,3 +203,54 @@ def test_status_lists_the_restarts(tmp_path, cluster, cli):
         in out.stdout
     js = json.loads(cli("status", str(run.path), "--json").stdout)
     assert js["restarts"][0]["from_iteration"] == 10
+
+
+def elastic_cases():
+    """(cluster.nodes, cluster.min_nodes, the counts elastic.json plans, the lost node's index, Slurm removed it)."""
+    for need in (2, 3, 4):
+        for fewest in range(1, need):
+            for planned in ([fewest], list(range(fewest, need))):
+                for lost in range(1, need):  # the batch host (index 0) going down ends the job with it
+                    yield need, fewest, planned, lost, (need + lost) % 2 == 0
+
+
+@pytest.mark.parametrize("need, fewest, planned, lost, removed", list(elastic_cases()))
+def test_an_elastic_job_goes_on_with_the_nodes_that_answer(tmp_path, cluster, need, fewest, planned, lost, removed):
+    """cluster.min_nodes and no spare: a lost node that does not answer is left out, and the next step runs on the
+    most answering nodes among the counts the planner found a layout for, with its node and task counts."""
+    nodes = [f"n{i}" for i in range(1, need + 1)]
+    dead = nodes[lost]
+    cluster["nodes"] = [n for n in nodes if not (removed and n == dead)]  # Slurm may have removed it already
+    cluster["down"] = {dead}
+    run = run_folder(tmp_path, "cluster.restarts=2")
+    (run.path / "elastic.json").write_text(json.dumps({"layouts": {str(k): [] for k in planned}}))
+    kill_report(run, node=dead, rank=lost)
+    policy = restarts.Policy(nodes=need, budget=2, requeue=True, min_nodes=fewest, ranks_per_node=4)
+    line = restarts.next_step(run.path, 137, dict(ENV), prober=lambda n: n not in cluster["down"], wait_s=0.0,
+                              requeue=lambda job: cluster["requeued"].append(job) or True, policy=policy)
+    k = max(c for c in planned if c <= need - 1)
+    env = exported(line)
+    assert env["HPC_TOOLS_NODELIST"].split(",") == [n for n in nodes if n != dead][:k]
+    assert (env["HPC_TOOLS_STEP_NODES"], env["HPC_TOOLS_STEP_TASKS"]) == (str(k), str(4 * k))
+    assert not cluster["requeued"]
+    [entry] = run.manifest()["restarts"]
+    assert (entry["kind"], entry["decision"], entry["layout_nodes"], entry["node"]) == ("in-job", "fewer nodes", k,
+                                                                                      dead)
+
+
+def test_an_elastic_job_below_its_fewest_nodes_is_requeued(tmp_path, cluster):
+    cluster["nodes"], cluster["down"] = ["n1", "n2", "n3"], {"n2", "n3"}
+    run = run_folder(tmp_path, "cluster.restarts=2")
+    (run.path / "elastic.json").write_text(json.dumps({"layouts": {"2": []}}))
+    kill_report(run, node="n2", rank=1)
+    policy = restarts.Policy(nodes=3, budget=2, requeue=True, min_nodes=2, ranks_per_node=1)
+    assert restarts.next_step(run.path, 137, dict(ENV), prober=lambda n: n not in cluster["down"], wait_s=0.0,
+                              requeue=lambda job: cluster["requeued"].append(job) or True, policy=policy) is None
+    assert cluster["requeued"] == ["77"] and run.manifest()["state"] == "REQUEUED"
+
+
+def test_a_job_that_is_not_elastic_exports_no_step_counts(tmp_path, cluster):
+    run = run_folder(tmp_path, "cluster.restarts=2")
+    kill_report(run)
+    env = exported(decide(run, cluster))
+    assert "HPC_TOOLS_STEP_NODES" not in env and "HPC_TOOLS_STEP_TASKS" not in env
