@@ -5,6 +5,7 @@ SIGSTOP, a crashed node on the 2-node test cluster) is tests/integration/test_re
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 
@@ -170,6 +171,32 @@ def test_slurm_flags_and_the_rendered_loop():
     assert '--overlap ${HPC_TOOLS_NODELIST:+"--nodelist=$HPC_TOOLS_NODELIST"}' in script
     assert "hpc_tools.job.restarts watch" in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_the_rendered_loop_of_an_elastic_job():
+    """--no-kill, elastic.json planned before the first step, the controller told min_nodes, and the rank step sized
+    by the counts the controller exports (two srun words when set, none when not)."""
+    from hpc_tools.recipe.load import load_recipe
+
+    elastic = load_recipe(REPO / "recipes" / "llama_fsdp.yaml", [*TWO_NODES, "cluster.restarts=2",
+                                                                "cluster.min_nodes=1"], profile="local")
+    spec = SlurmSpec.from_recipe(elastic)
+    assert ("no-kill", None) in spec.sbatch_options() and spec.submitit_parameters()["additional_parameters"]["no-kill"]
+    script = render_sbatch(elastic)
+    assert 'python3 -m hpc_tools.planner.elastic --run-dir "$RUN_DIR"' in script
+    assert script.index("hpc_tools.planner.elastic") < script.index("hpc_tools.job.restarts begin")
+    assert "--min-nodes 1 --ranks-per-node 1" in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    [srun] = [line for line in script.splitlines() if "-m hpc_tools.runtime.rank" in line]
+    words = srun.split(" -m hpc_tools.runtime.rank")[0].strip()
+    expand = 'for w in ' + words.split(" ", 1)[1] + '; do echo "[$w]"; done'
+    out = subprocess.run(["bash", "-c", expand], capture_output=True, text=True,
+                         env={"PATH": os.environ["PATH"], "HPC_TOOLS_STEP_NODES": "1", "HPC_TOOLS_STEP_TASKS": "4",
+                              "HPC_TOOLS_NODELIST": "n1"})
+    assert "[--nodes=1]" in out.stdout and "[--ntasks=4]" in out.stdout and "[--nodelist=n1]" in out.stdout, out
+    unset = subprocess.run(["bash", "-c", expand], capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
+    assert "--nodes" not in unset.stdout and "--ntasks" not in unset.stdout
+    assert "HPC_TOOLS_STEP_NODES" not in render_sbatch(recipe("cluster.restarts=2"))  # not elastic: no counts
 
 
 def test_spares_without_restarts_are_refused(cli):
