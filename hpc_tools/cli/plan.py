@@ -92,13 +92,29 @@ def run(args: argparse.Namespace) -> int:
 
     plan = plan_recipe(recipe, args.efficiency, args.calibration, not args.no_calibration)
     violations = fit_violations(recipe)
+    fewer = _elastic(recipe)
     if args.json:
-        emit_json({"ok": plan.fits is not False, **plan.as_dict(), "violations": [v.as_dict() for v in violations]})
+        emit_json({"ok": plan.fits is not False, **plan.as_dict(), "violations": [v.as_dict() for v in violations],
+                   **({"elastic": fewer.to_json()} if fewer else {})})
     else:
         print_plan(plan)
+        if fewer:  # cluster.min_nodes: the layouts the run would continue in (docs/elastic.md)
+            for k in sorted(fewer.layouts, reverse=True):
+                print(f"elastic: on {k} node(s): {fewer.labels[k]}")
+            for k, why in sorted(fewer.unplanned.items(), reverse=True):
+                print(f"elastic: not on {k} node(s): {why}")
         for v in violations:
             say(f"error: {args.recipe}: {v}")
     return 1 if plan.fits is False else 0
+
+
+def _elastic(recipe):
+    """The elastic plan of a recipe with ``cluster.min_nodes`` (None otherwise: also where the rules refuse it)."""
+    from hpc_tools import backends
+    from hpc_tools.planner.elastic import plan_elastic
+
+    c = recipe.cluster
+    return plan_elastic(recipe) if c.elastic and c.restarts and backends.of(recipe).elastic else None
 
 
 def _search(recipe, args: argparse.Namespace) -> int:

@@ -41,6 +41,7 @@ SEARCH_TOP = 200  # candidates ranked per node count before the first one the ch
 # CPU ranks have no peak in the hardware table; the search ranks their layouts against this nominal peak (only the
 # order of the candidates matters here, not their predicted seconds).
 CPU_NOMINAL_TFLOPS = 1.0
+CANNOT_CARRY = "keeps what the checkpoint cannot reshard"  # the end of an unplanned count's reason
 
 
 @dataclass
@@ -102,8 +103,8 @@ def plan_elastic(recipe: "Recipe") -> ElasticPlan:
             continue
         best = next((cand for cand in result.ranked if carries(recipe, base, cand.knobs)), None)
         if best is None:
-            out.unplanned[k] = (f"none of the {len(result.ranked)} layouts that fit {k} node(s) keeps what the "
-                                "checkpoint cannot reshard" if result.ranked else
+            out.unplanned[k] = (f"none of the {len(result.ranked)} layouts that fit {k} node(s) {CANNOT_CARRY}"
+                                if result.ranked else
                                 f"no layout fits {k} node(s) ({result.enumerated} tried, {result.too_big} too big)")
             continue
         out.layouts[k] = [*best.knobs.overrides(), f"cluster.nodes={k}", "cluster.spare_nodes=0"]
@@ -123,12 +124,13 @@ def elastic_violations(recipe: "Recipe") -> list[Violation]:
         return []
     why = plan.unplanned.get(c.fewest_nodes, "not planned")
     fewest = min(plan.layouts) if plan.layouts else c.nodes
+    distopt = recipe.backend.kind == "megatron" and recipe.backend.megatron.distributed_optimizer and \
+        why.endswith(CANNOT_CARRY)
     return [Violation("cluster.min_nodes", c.min_nodes, f"has no layout the run can continue in: on "
                       f"{c.fewest_nodes} node(s), {why}",
                       f"set cluster.min_nodes: {fewest}" + (", or backend.megatron.distributed_optimizer: false "
                                                              "(its checkpoint reshards across data-parallel sizes "
-                                                             "only)" if recipe.backend.kind == "megatron" and
-                                                            recipe.backend.megatron.distributed_optimizer else ""))]
+                                                             "only)" if distopt else ""))]
 
 
 def write(run_dir: Path, plan: ElasticPlan) -> Path:

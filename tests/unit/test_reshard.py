@@ -124,3 +124,35 @@ def test_validate_refuses_a_load_path_whose_optimizer_state_the_layout_cannot_ta
     if found:
         [v] = found
         assert v.path == "checkpoint.load_path" and "iter_0000010" in v.rule and "\n" not in str(v)
+
+
+@pytest.mark.parametrize("sets, words, distopt_hint", [
+    (["backend.megatron.distributed_optimizer=true"], "keeps what the checkpoint cannot reshard", True),
+    (["backend.megatron.distributed_optimizer=false", "cluster.gpu_type=H100-SXM", "cluster.gpu_mem_gb=0.001"],
+     "no layout fits 1 node(s)", False),
+])
+def test_a_min_nodes_without_a_layout_is_refused_in_one_line(sets, words, distopt_hint):
+    """validate/submit's elastic check: one violation naming the node count, why, and the fix (the distributed
+    optimizer's hint only where it is the reason)."""
+    from hpc_tools.planner.elastic import elastic_violations
+    from hpc_tools.recipe.load import load_recipe
+    from tests.helpers import REPO
+
+    recipe = load_recipe(REPO / "recipes/gpt_3d.yaml", ["cluster.nodes=2", "cluster.gpus_per_node=2",
+                                                        "cluster.min_nodes=1", "cluster.restarts=2", *sets],
+                         profile="local")
+    [v] = elastic_violations(recipe)
+    assert v.path == "cluster.min_nodes" and v.value == 1 and words in v.rule and "\n" not in str(v)
+    assert v.fix.startswith("set cluster.min_nodes: 2") and ("distributed_optimizer: false" in v.fix) == distopt_hint
+
+
+def test_plan_prints_the_layouts_on_fewer_nodes():
+    from tests.helpers import run_cli
+
+    out = run_cli("plan", "recipes/gpt_3d.yaml", "--profile", "local", "--set", "cluster.nodes=3", "--set",
+                  "cluster.gpus_per_node=2", "--set", "cluster.min_nodes=1", "--set", "cluster.restarts=2", "--set",
+                  "backend.megatron.distributed_optimizer=false", "--set", "training.global_batch_size=12", "--set",
+                  "parallel.pipeline_size=1", "--json")
+    elastic = __import__("json").loads(out.stdout)["elastic"]
+    assert set(elastic["layouts"]) | set(elastic["unplanned"]) == {"2", "1"}
+    assert elastic["layouts"]["1"] and "cluster.nodes=1" in elastic["layouts"]["1"]
