@@ -133,9 +133,14 @@ def new_run(recipe: Recipe, root: str | Path | None = None, executor: str = "loc
     manifest = {"name": recipe.name, "executor": executor, "source": source, "layout": layout.describe(),
                 "world_size": layout.world_size, "backend": recipe.backend.kind, "site_file": site and str(site),
                 "preflight_expected_busbw_gbps": preflight_expectation(recipe), **(extra_manifest or {})}
-    return RunFolder.create(runs_root(root), new_run_id(recipe.name), text, render_sbatch(recipe, source), manifest,
-                            check_recipe=lambda t: dump_resolved(resolve(parse_yaml(t))),
-                            mode=recipe.cluster.run_dir_mode_bits)
+    run = RunFolder.create(runs_root(root), new_run_id(recipe.name), text, render_sbatch(recipe, source), manifest,
+                           check_recipe=lambda t: dump_resolved(resolve(parse_yaml(t))),
+                           mode=recipe.cluster.run_dir_mode_bits)
+    if recipe.cluster.elastic and recipe.cluster.restarts:  # the layouts on fewer nodes (docs/elastic.md), for every
+        from hpc_tools.planner.elastic import plan_elastic, write  # launcher (the rendered script writes its own too)
+
+        write(run.path, plan_elastic(recipe))
+    return run
 
 
 def preflight_expectation(recipe: Recipe) -> dict | None:
@@ -158,10 +163,6 @@ def preflight_expectation(recipe: Recipe) -> dict | None:
 def launch(plan: Plan, root: str | Path | None = None, echo=None) -> tuple[RunFolder, object]:
     """Make the run folder and start the job: (run, submitit job) on Slurm, (run, exit code) locally."""
     run = new_run(plan.recipe, root, plan.executor, plan.source, {"profile": plan.profile})
-    if plan.recipe.cluster.elastic and plan.recipe.cluster.restarts:  # the layouts on fewer nodes (the rendered
-        from hpc_tools.planner.elastic import plan_elastic, write  # script writes its own before its first step)
-
-        write(run.path, plan_elastic(plan.recipe))
     if plan.executor == "slurm":
         from hpc_tools.executors.slurm import submit_run
 

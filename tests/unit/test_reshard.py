@@ -156,3 +156,21 @@ def test_plan_prints_the_layouts_on_fewer_nodes():
     elastic = __import__("json").loads(out.stdout)["elastic"]
     assert set(elastic["layouts"]) | set(elastic["unplanned"]) == {"2", "1"}
     assert elastic["layouts"]["1"] and "cluster.nodes=1" in elastic["layouts"]["1"]
+
+
+def test_every_new_run_of_an_elastic_recipe_holds_its_plan(tmp_path):
+    """submit, sweeps and preflight all make their runs with submission.new_run: the run folder holds elastic.json
+    (the restart controller and the ranks read it) for an elastic recipe, and none otherwise."""
+    import json
+
+    from hpc_tools.recipe.load import load_recipe
+    from hpc_tools.submission import new_run
+    from tests.helpers import REPO
+
+    sets = ["cluster.nodes=2", "cluster.gpus_per_node=2", "cluster.restarts=2"]
+    elastic = new_run(load_recipe(REPO / "recipes/llama_fsdp.yaml", [*sets, "cluster.min_nodes=1"], profile="local"),
+                      tmp_path)
+    plan = json.loads((elastic.path / "elastic.json").read_text())
+    assert plan["nodes"] == 2 and plan["min_nodes"] == 1 and "cluster.nodes=1" in plan["layouts"]["1"]
+    plain = new_run(load_recipe(REPO / "recipes/llama_fsdp.yaml", sets, profile="local"), tmp_path)
+    assert not (plain.path / "elastic.json").exists()
