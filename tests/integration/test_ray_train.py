@@ -4,7 +4,8 @@ and trains to the natively launched run's losses over 20 steps within 1e-5; the 
 checkpoints, records and logs, and its manifest holds the dashboard's address; a rank killed mid-run is restarted by
 Ray Train (FailureConfig(max_failures=cluster.restarts)) from the newest verified checkpoint to the same losses; and
 on the Slurm test cluster the rendered batch script starts Ray over both nodes (head and worker) and trains with the
-native losses.
+native losses, and with cluster.min_nodes=1 continues on the remaining node when every Ray process of the other is
+killed (Ray Train's num_workers=(1, 2)), to the uninterrupted run's losses.
 
 One Ray run is shared by the assertions on it (a Ray start costs 20-40 s here)."""
 
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 
 from hpc_tools.registry import RunFolder
-from tests.helpers import REPO, run_cli, shared_once, step_records, wait_for
+from tests.helpers import REPO, loss_curve, run_cli, shared_once, step_records, wait_for
 from tests.integration.test_horovod_train import RECIPE, SIZE, TOL, curve, submit
 
 pytestmark = [pytest.mark.slow]
@@ -114,3 +115,51 @@ def test_ray_across_two_nodes_trains_with_the_native_losses(slurm_multinode, nat
     assert sorted(p.name for p in (run.path / "ray").iterdir() if p.name in nodes.values()) == sorted(nodes.values())
     assert any((run.path / "ray" / nodes[0]).glob("raylet*"))  # each node's Ray logs, copied when Ray stopped
     np.testing.assert_allclose(curve(result), curve(native), rtol=0, atol=TOL)
+
+
+def ray_node_group(job_id: str, node: str) -> int | None:
+    """The process group of ``node``'s `ray start` of Slurm job ``job_id`` (the test cluster's nodes share this
+    machine's process table): its raylet, workers and their ranks."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "ray.scripts.scripts start" in cmd and f"hpct-ray-{job_id}-{node} " in cmd:
+            return os.getpgid(int(proc.name))
+    return None
+
+
+@pytest.mark.slurm
+@pytest.mark.multinode
+def test_ray_continues_on_the_remaining_node(slurm_multinode, tmp_path, tmp_path_factory):
+    """cluster.min_nodes=1 under Ray Train (num_workers=(1, 2)): every Ray process of n2 killed after step 12; Ray
+    Train starts the worker group again with one worker, the rank program takes the planner's layout for one node
+    (the global batch kept: more microbatches) and resumes from the newest checkpoint; the losses are the
+    uninterrupted native run's at every step (fp32, within 1e-4) and the manifest holds both layouts."""
+    steps = ["training.train_iters=60", "checkpoint.interval_iters=10", "training.log_interval=10"]
+    script = tmp_path / "job.sbatch"
+    sets = [*steps, "cluster.launcher=ray", "cluster.nodes=2", "cluster.gpus_per_node=1", "cluster.min_nodes=1",
+            "cluster.restarts=2"]
+    out = run_cli("render", RECIPE, "--profile", "local", *[x for s in sets for x in ("--set", s)], "-o", str(script))
+    assert out.returncode == 0, out.stderr
+    job_id = subprocess.run(["sbatch", "--parsable", str(script)], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "HPC_TOOLS_RUNS_DIR": str(tmp_path / "runs")},
+                            check=True).stdout.strip()
+
+    def past_12():
+        beat = next(tmp_path.glob("runs/*/heartbeats/rank00001.json"), None)
+        return beat and (json.loads(beat.read_text()).get("step") or 0) >= 12 and ray_node_group(job_id, "n2")
+
+    os.killpg(wait_for(past_12, timeout_s=600, what="step 12 on both nodes", poll_s=0.2), signal.SIGKILL)
+    reference = shared_once(tmp_path_factory, "ray-native-60", lambda folder: submit(folder, *steps[:1]))
+    wait_for(lambda: subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout.strip()
+             == "", timeout_s=600, what=f"job {job_id} to end", poll_s=2)
+    (run,) = [RunFolder(p) for p in (tmp_path / "runs").iterdir()]
+    manifest = run.manifest()
+    assert manifest["state"] == "COMPLETED", manifest
+    assert [x["kind"] for x in manifest["restarts"]] == ["ray"], manifest["restarts"]
+    assert [(x["nodes"], x["cause"]) for x in manifest["layouts"]] == [(2, "recipe"), (1, "fewer nodes")]
+    got, ref = loss_curve(run.path), loss_curve(Path(reference["run_dir"]))
+    assert sorted(got) == list(range(1, 61)) == sorted(ref)
+    np.testing.assert_allclose([got[s] for s in range(1, 61)], [ref[s] for s in range(1, 61)], rtol=0, atol=1e-4)
