@@ -125,10 +125,16 @@ def epilogue_lines(python: str, run_dir: Path) -> list[str]:
 
 
 def rank_task(run_dir: str) -> int:
-    """What each submitit task runs (a module-level function, so submitit pickles it by reference)."""
+    """What each submitit task runs (a module-level function, so submitit pickles it by reference). A rank that ends
+    with a non-zero code without raising (preflight leaving its node out: ``leave_out.EXIT_CODE``; a strict
+    preflight failure) exits the task with that code, as the rendered script's rank program does: submitit would
+    record a returned code as a success, srun would exit 0, and the restart loop in the teardown would not run."""
     from hpc_tools.runtime.rank import run_rank
 
-    return run_rank(run_dir)
+    code = run_rank(run_dir)
+    if code:
+        raise SystemExit(code)  # a BaseException: submitit's process_job lets it end the task with this code
+    return code
 
 
 def preflight_task(run_dir: str) -> int:

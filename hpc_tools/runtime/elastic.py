@@ -7,8 +7,8 @@ ranks than the recipe's layout. ``for_world`` then reads the run folder's ``elas
 with that count's overrides applied: every rank applies the same overrides to the same recipe, so all agree on the
 layout; the checkpoint loader reshards the newest checkpoint into it. ``note`` (rank 0, once the start has resumed)
 appends the layout to the manifest's ``layouts`` when it differs from the last one recorded:
-``{from_iteration, nodes, layout, cause}`` (cause ``recipe`` at the first start, ``fewer nodes`` below the recipe's
-node count, ``regrown`` back at it).
+``{from_iteration, nodes, layout, cause}`` (cause ``fewer nodes`` below the recipe's node count, else ``recipe`` for
+the first one recorded and ``regrown`` after fewer).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def note(run: RunFolder, recipe: "Recipe", layout: "ParallelLayout", from_iterat
     nodes = recipe.cluster.nodes
     if entries and entries[-1].get("nodes") == nodes and entries[-1].get("layout") == label:
         return
-    cause = "recipe" if not entries else ("fewer nodes" if nodes < full_nodes else "regrown")
+    cause = "fewer nodes" if nodes < full_nodes else "regrown" if entries else "recipe"
     entries.append({"from_iteration": from_iteration, "nodes": nodes, "layout": label, "cause": cause,
                     "at": now_iso()})
     run.update(layouts=entries)

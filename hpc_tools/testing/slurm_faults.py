@@ -66,14 +66,17 @@ def node_state(node: str) -> str:
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller (cpu.cfs_quota_us)
 
 
-def slow_node(node: str, cpu_share: float = 0.2, root: Path = CPU_CGROUP) -> Path:
+def slow_node(node: str, cpu_share: float = 0.2, root: Path = CPU_CGROUP, period_us: int = 100_000) -> Path:
     """Make ``node`` slow: every process of its namespace (its slurmd, and so everything slurmd starts later) moved
-    into a cgroup v1 ``cpu`` group whose quota is ``cpu_share`` of one CPU (``cpu.cfs_quota_us`` over a 100 ms
-    period). Returns the group; ``unslow_node`` undoes it."""
+    into a cgroup v1 ``cpu`` group whose quota is ``cpu_share`` of one CPU (``cpu.cfs_quota_us`` over a
+    ``period_us`` period, 100 ms by default). Work shorter than the quota (20 ms of a 100 ms period at 0.2) runs at
+    full speed once per period: a short period (1 ms, the kernel's least) slows even a sub-millisecond GEMM, as a
+    slow device would. Returns the group; ``unslow_node`` undoes it."""
     group = root / f"hpc_tools_slow_{node}"
     group.mkdir(exist_ok=True)
-    (group / "cpu.cfs_period_us").write_text("100000")
-    (group / "cpu.cfs_quota_us").write_text(str(max(int(100000 * cpu_share), 1000)))
+    (group / "cpu.cfs_quota_us").write_text("-1")  # unlimited first: the kernel refuses a quota over a shorter period
+    (group / "cpu.cfs_period_us").write_text(str(period_us))
+    (group / "cpu.cfs_quota_us").write_text(str(max(int(period_us * cpu_share), 1000)))
     for pid in node_pids(node):
         try:
             (group / "cgroup.procs").write_text(str(pid))
