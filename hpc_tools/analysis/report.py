@@ -167,10 +167,19 @@ def numbered_goodput(a: Analysis) -> pd.DataFrame:
     return runs.merge(g.drop(columns=[c for c in ("label",) if c in g]), on="run_id", how="right")
 
 
-# The goodput table in two narrower parts: the allocation and its goodput, then where the rest went.
+# The goodput table in two narrower parts: the allocation and its goodput, then where the rest went; a third with
+# the time trained on fewer nodes (elastic runs, docs/elastic.md) only where a run has some.
 _GOODPUT_HEAD = ("unit", "lives", "allocation_hours", "goodput", "productive_hours", "requeue_wait_s")
+_GOODPUT_DEGRADED = ("degraded_hours", "degraded_ratio")
 GOODPUT_SHOWN = (("#", "config", *(c for c in GOODPUT_COLUMNS if c in _GOODPUT_HEAD)),
-                 ("#", "config", *(c for c in GOODPUT_COLUMNS if c not in _GOODPUT_HEAD and c != "run_id")))
+                 ("#", "config", *(c for c in GOODPUT_COLUMNS
+                                   if c not in _GOODPUT_HEAD and c not in _GOODPUT_DEGRADED and c != "run_id")))
+
+
+def goodput_parts(goodput: pd.DataFrame | None) -> tuple[tuple[str, ...], ...]:
+    """The column sets of the goodput tables to show (``GOODPUT_SHOWN``, and the degraded part when a run has any)."""
+    degraded = goodput is not None and "degraded_hours" in goodput and bool((goodput["degraded_hours"] > 0).any())
+    return GOODPUT_SHOWN + ((("#", "config", *_GOODPUT_DEGRADED),) if degraded else ())
 
 
 def write_tables(a: Analysis, out: Path) -> list[Path]:
@@ -248,7 +257,7 @@ def render_markdown(a: Analysis, images: list[Path], title: str) -> str:
     parts += ["## Stragglers\n", STRAGGLER_TEXT + "\n", _verdict_lines(a, "- {}\n"),
               markdown_table(a.stragglers, STRAGGLER_COLUMNS)]
     goodput = numbered_goodput(a)
-    parts += ["## Goodput\n", GOODPUT_TEXT + "\n", *(markdown_table(goodput, cols) for cols in GOODPUT_SHOWN),
+    parts += ["## Goodput\n", GOODPUT_TEXT + "\n", *(markdown_table(goodput, cols) for cols in goodput_parts(goodput)),
               _goodput_total_line(a) + "\n"]
     parts += evaluation.markdown(a, markdown_table)
     parts += ["## Plots\n"] + [f"![{p.stem}]({p.name})\n\n_{caption(p)}_\n" for p in images]
@@ -321,7 +330,7 @@ def render_html(a: Analysis, images: list[Path], title: str) -> str:
               "<ul>" + _verdict_lines(a, "<li>{}</li>", html.escape) + "</ul>",
               _scroll(html_table(a.stragglers, STRAGGLER_COLUMNS))]
     parts += ["<h2>Goodput</h2>", f"<p>{html.escape(GOODPUT_TEXT)}</p>",
-              *(_scroll(html_table(numbered_goodput(a), cols)) for cols in GOODPUT_SHOWN),
+              *(_scroll(html_table(numbered_goodput(a), cols)) for cols in goodput_parts(a.goodput)),
               f"<p>{html.escape(_goodput_total_line(a))}</p>",
               *evaluation.html_parts(a, lambda df, cols: _scroll(html_table(df, cols))),
               "<h2>Plots</h2>"]

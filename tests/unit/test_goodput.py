@@ -130,3 +130,15 @@ def test_without_events_files_the_manifest_starts_anchor_the_lives(tmp_path):
     assert len(g.lives) == 2 and g.unit == "GPU"
     assert g.seconds()["lost_work"] == pytest.approx(2.0)
     assert g.seconds()["checkpoint_blocked"] == 0.0  # not measured without the events files
+
+
+def test_the_report_shows_the_degraded_part_only_where_a_run_trained_on_fewer_nodes():
+    import pandas as pd
+
+    from hpc_tools.analysis.report import GOODPUT_SHOWN, goodput_parts
+
+    assert goodput_parts(None) == GOODPUT_SHOWN
+    assert goodput_parts(pd.DataFrame({"degraded_hours": [0.0, 0.0]})) == GOODPUT_SHOWN
+    parts = goodput_parts(pd.DataFrame({"degraded_hours": [0.0, 0.2], "degraded_ratio": [None, 0.5]}))
+    assert parts[:-1] == GOODPUT_SHOWN and parts[-1] == ("#", "config", "degraded_hours", "degraded_ratio")
+    assert not any("degraded_hours" in cols for cols in GOODPUT_SHOWN)
