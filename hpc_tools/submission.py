@@ -136,7 +136,7 @@ def new_run(recipe: Recipe, root: str | Path | None = None, executor: str = "loc
     run = RunFolder.create(runs_root(root), new_run_id(recipe.name), text, render_sbatch(recipe, source), manifest,
                            check_recipe=lambda t: dump_resolved(resolve(parse_yaml(t))),
                            mode=recipe.cluster.run_dir_mode_bits)
-    if recipe.cluster.elastic and recipe.cluster.restarts:  # the layouts on fewer nodes (docs/elastic.md), for every
+    if recipe.cluster.elastic:  # the layouts on fewer nodes (docs/elastic.md), for every
         from hpc_tools.planner.elastic import plan_elastic, write  # launcher (the rendered script writes its own too)
 
         write(run.path, plan_elastic(recipe))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpc_tools.errors import Violation
+from hpc_tools.errors import UserError, Violation
 from hpc_tools.slurm_client import absent_reason
 
 if TYPE_CHECKING:
@@ -219,17 +219,17 @@ def path_violations(recipe: Recipe) -> list[Violation]:
 def load_path_violations(recipe: Recipe) -> list[Violation]:
     """A Megatron checkpoint at ``checkpoint.load_path`` whose optimizer state this recipe's layout cannot load
     (``hpc_tools.checkpoints.reshard``): refused here, before a job is queued, rather than on the ranks."""
-    from hpc_tools.checkpoints.dirs import CheckpointDirs
+    from hpc_tools.checkpoints.dirs import CheckpointDirs, resume_source
     from hpc_tools.checkpoints.reshard import MEGATRON_FORMAT, layout_sizes, size, why_not
     from hpc_tools.layout import ParallelLayout
 
     if recipe.backend.kind != "megatron":
         return []
-    given = _path(recipe.checkpoint.load_path)
-    source = given if CheckpointDirs(given.parent).is_complete(given) else CheckpointDirs(given).newest()
-    try:
+    try:  # the checkpoint the run would load (the trainer's own rule); none complete: the loader says so
+        source = resume_source(CheckpointDirs(recipe.checkpoint.load_path), resume=False,
+                               load_path=recipe.checkpoint.load_path)
         meta = CheckpointDirs.read_meta(source) if source is not None else {}
-    except (OSError, ValueError):
+    except (UserError, OSError, ValueError):
         return []
     saved = meta.get("layout")
     if not isinstance(saved, dict) or meta.get("model_only") or meta.get("format") != MEGATRON_FORMAT:

@@ -42,6 +42,20 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
                           capture_output=True, timeout=timeout, input=input)
 
 
+def sbatch_rendered(tmp: Path, name: str, recipe: str, *render_args: str) -> tuple[str, Path]:
+    """Render ``recipe`` (with ``render_args``) to ``tmp/NAME.sbatch`` and submit it with plain sbatch from ``tmp``,
+    its runs in ``tmp/runs-NAME``: (the job id, the run folder the script makes, ``<recipe stem>-j<job id>``)."""
+    script = tmp / f"{name}.sbatch"
+    out = run_cli("render", recipe, *render_args, "-o", str(script))
+    assert out.returncode == 0, out.stderr
+    runs = tmp / f"runs-{name}"
+    sub = subprocess.run(["sbatch", "--parsable", str(script)], cwd=tmp, capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "HPC_TOOLS_RUNS_DIR": str(runs)})
+    assert sub.returncode == 0, sub.stderr
+    job_id = sub.stdout.strip().split(";")[0]
+    return job_id, runs / f"{Path(recipe).stem}-j{job_id}"
+
+
 def wait_for(predicate, timeout_s: float = 120, what: str = "", poll_s: float = 0.5):
     """Poll ``predicate`` until it returns something truthy (returned), or fail after ``timeout_s``."""
     import time

@@ -113,8 +113,7 @@ def _elastic(recipe):
     from hpc_tools import backends
     from hpc_tools.planner.elastic import plan_elastic
 
-    c = recipe.cluster
-    return plan_elastic(recipe) if c.elastic and c.restarts and backends.of(recipe).elastic else None
+    return plan_elastic(recipe) if recipe.cluster.elastic and backends.of(recipe).elastic else None
 
 
 def _search(recipe, args: argparse.Namespace) -> int:

@@ -33,10 +33,9 @@ EXPORT_META = "hpc_tools_export.json"
 
 def run_recipe(run: RunFolder):
     """The resolved recipe a run was started with (its recipe.yaml)."""
-    from hpc_tools.recipe.load import resolve
-    from hpc_tools.recipe.yamlfile import parse_yaml
+    from hpc_tools.recipe.load import load_resolved
 
-    return resolve(parse_yaml(run.recipe_path.read_text(), str(run.recipe_path)), source=str(run.recipe_path))
+    return load_resolved(run.recipe_path)
 
 
 def checkpoint_root(recipe, run: RunFolder) -> Path:

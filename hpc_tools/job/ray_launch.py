@@ -87,10 +87,9 @@ def exports(run_dir: str, env: dict[str, str] | None = None) -> str:
 
 
 def _recipe(run: RunFolder):
-    from hpc_tools.recipe.load import resolve
-    from hpc_tools.recipe.yamlfile import parse_yaml
+    from hpc_tools.recipe.load import load_resolved
 
-    return resolve(parse_yaml(run.recipe_path.read_text(), str(run.recipe_path)), source=str(run.recipe_path))
+    return load_resolved(run.recipe_path)
 
 
 def num_workers(cluster) -> int | tuple[int, int]:

@@ -260,10 +260,9 @@ def exclude_from_job(job_id: str, nodes: list[str]) -> str | None:
 
 
 def _recipe(run: RunFolder):
-    from hpc_tools.recipe.load import resolve
-    from hpc_tools.recipe.yamlfile import parse_yaml
+    from hpc_tools.recipe.load import load_resolved
 
-    return resolve(parse_yaml(run.recipe_path.read_text(), str(run.recipe_path)), source=str(run.recipe_path))
+    return load_resolved(run.recipe_path)
 
 
 def culprit(run: RunFolder, exit_code: int, start: int, failures: list | None = None) -> dict:
@@ -454,34 +453,25 @@ def leave_out_step(run: RunFolder, manifest: dict, marker: dict, env: dict[str, 
     done = [r for r in manifest.get("restarts", []) if r.get("kind", "in-job") == "in-job"]
     base = n - int(env.get("SLURM_RESTART_COUNT", "0") or 0)
     if restarts_left(manifest, policy) > 0:
-        nodes, out = choose_nodes(allocation, excluded + named, None, need, wait_s=wait_s, prober=prober, say=_say)
-        if len(nodes) >= need:
-            entry.update(kind="in-job", restart=n, nodes=nodes, decision="leave out",
-                         why=f"a spare node takes the place of {them}")
-            _set_aside_hang(run, n)
-            run.update(event="restarting", state="STARTING", restart_count=n,
-                       restarts=[*manifest.get("restarts", []), entry], reason=None, failed_ranks=None,
-                       failed_nodes=None, exit_code=None, error=None)
-            _say(f"{len(done) + 1} of {policy.budget} in this run (preflight named {words}; infrastructure): {them} "
-                 f"left out, a new step on {','.join(nodes)}", restart=True)
-            return exports({RESTART_BASE_ENV: base, "HPC_TOOLS_NODELIST": ",".join(nodes),
-                            "HPC_TOOLS_EXCLUDED": ",".join(out), "MASTER_ADDR": nodes[0],
-                            "MASTER_PORT": step_port(job_id, n), **step_counts(policy, nodes),
-                            **preflight_hints(allocation, nodes, out, policy, run.manifest(), job_id, accept, env=env,
-                                              run_dir=run.path)})
-        for k in elastic_counts(run.path, policy):  # no spare: an elastic job goes on without them
-            nodes, out = choose_nodes(allocation, excluded + named, None, k, wait_s=0.0, prober=prober, say=_say)
+        # a spare takes their place; else (no spare) an elastic job goes on without them, on the most nodes left
+        for k in [need, *elastic_counts(run.path, policy)]:
+            nodes, out = choose_nodes(allocation, excluded + named, None, k, wait_s=wait_s if k == need else 0.0,
+                                      prober=prober, say=_say)
             if len(nodes) < k:
                 continue
-            entry.update(kind="in-job", restart=n, nodes=nodes, layout_nodes=k, decision="leave out",
-                         why=f"no spare node for {them}: training goes on with {k} of {need} node(s) "
-                             f"(cluster.min_nodes={policy.min_nodes}) in the layout the planner chose for them")
+            entry.update(kind="in-job", restart=n, nodes=nodes, decision="leave out",
+                         why=f"a spare node takes the place of {them}")
+            if k < need:
+                entry.update(layout_nodes=k, why=f"no spare node for {them}: training goes on with {k} of {need} "
+                                                 f"node(s) (cluster.min_nodes={policy.min_nodes}) in the layout the "
+                                                 "planner chose for them")
             _set_aside_hang(run, n)
             run.update(event="restarting", state="STARTING", restart_count=n,
                        restarts=[*manifest.get("restarts", []), entry], reason=None, failed_ranks=None,
                        failed_nodes=None, exit_code=None, error=None)
             _say(f"{len(done) + 1} of {policy.budget} in this run (preflight named {words}; infrastructure): {them} "
-                 f"left out, a new step on {','.join(nodes)} (elastic: {k} of {need} nodes)", restart=True)
+                 f"left out, a new step on {','.join(nodes)}"
+                 + (f" (elastic: {k} of {need} nodes)" if k < need else ""), restart=True)
             return exports({RESTART_BASE_ENV: base, "HPC_TOOLS_NODELIST": ",".join(nodes),
                             "HPC_TOOLS_EXCLUDED": ",".join(out), "MASTER_ADDR": nodes[0],
                             "MASTER_PORT": step_port(job_id, n), **step_counts(policy, nodes),

@@ -117,7 +117,7 @@ def elastic_violations(recipe: "Recipe") -> list[Violation]:
     ``min_nodes`` has no layout the run can resume into: then one violation, naming why and the fewest node count
     that has one."""
     c = recipe.cluster
-    if not (c.elastic and c.restarts and backends.of(recipe).elastic):
+    if not (c.elastic and backends.of(recipe).elastic):
         return []
     plan = plan_elastic(recipe)
     if c.fewest_nodes in plan.layouts:
@@ -145,12 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpc_tools.planner.elastic", description=__doc__.split("\n")[0])
     parser.add_argument("--run-dir", required=True, type=Path)
     args = parser.parse_args(argv)
-    from hpc_tools.recipe.load import resolve
-    from hpc_tools.recipe.yamlfile import parse_yaml
+    from hpc_tools.recipe.load import load_resolved
     from hpc_tools.registry import RunFolder
 
     run = RunFolder(args.run_dir)
-    recipe = resolve(parse_yaml(run.recipe_path.read_text(), str(run.recipe_path)), source=str(run.recipe_path))
+    recipe = load_resolved(run.recipe_path)
     try:
         plan = plan_elastic(recipe)
     except UserError as exc:

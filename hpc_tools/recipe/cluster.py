@@ -272,8 +272,9 @@ class ClusterConfig(Section):
 
     @property
     def elastic(self) -> bool:
-        """Whether an in-job restart may continue on fewer nodes than `nodes` (`min_nodes` below it)."""
-        return self.fewest_nodes < self.nodes
+        """Whether an in-job restart may continue on fewer nodes than `nodes` (`min_nodes` below it, and `restarts`
+        to restart with)."""
+        return self.fewest_nodes < self.nodes and self.restarts > 0
 
     @property
     def uses_gpus(self) -> bool:

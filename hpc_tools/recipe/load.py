@@ -151,6 +151,14 @@ def resolve(raw: dict[str, Any], overrides: Iterable[str] = (), profile: str | N
     return recipe
 
 
+def load_resolved(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
+    """A recipe ``dump_resolved`` wrote (a run folder's ``recipe.yaml``: site defaults and profile already merged,
+    so neither is applied again), with ``overrides`` over it, checked against the rules."""
+    from hpc_tools.recipe.yamlfile import parse_yaml
+
+    return resolve(parse_yaml(Path(path).read_text(), str(path)), overrides, source=str(path))
+
+
 def dump_resolved(recipe: Recipe) -> str:
     """The recipe as it will run: every default explicit, no profile, no sweep."""
     data = recipe.model_dump(mode="json", exclude={"local", "sweep"})

@@ -1009,7 +1009,7 @@ def min_nodes_within_nodes(r: Recipe, lay: ParallelLayout) -> Iterator[Violation
 def elastic_needs_restarts(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """Continuing on fewer nodes is a kind of in-job restart."""
     c = r.cluster
-    if c.elastic and not c.restarts:
+    if c.fewest_nodes < c.nodes and not c.restarts:
         yield Violation("cluster.min_nodes", c.min_nodes, f"continues on fewer than cluster.nodes={c.nodes} nodes at "
                         "an in-job restart, and cluster.restarts is 0", "set cluster.restarts (e.g. 2) or "
                         f"min_nodes: {c.nodes}")
@@ -1019,7 +1019,7 @@ def elastic_needs_restarts(r: Recipe, lay: ParallelLayout) -> Iterator[Violation
 def elastic_backend(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """A backend whose checkpoint cannot be resharded into fewer nodes cannot be elastic."""
     c, row = r.cluster, backends.of(r)
-    if c.elastic and c.restarts and not row.elastic:
+    if c.elastic and not row.elastic:
         yield Violation("cluster.min_nodes", c.min_nodes, f"backend.kind={r.backend.kind} cannot continue on fewer "
                         f"nodes: {row.no_elastic_why}", f"set min_nodes: {c.nodes}, or use backend.kind "
                         f"{' or '.join(backends.with_feature('elastic'))}")

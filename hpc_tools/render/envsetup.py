@@ -82,7 +82,7 @@ STEP_COUNTS = '${HPC_TOOLS_STEP_NODES:+"--nodes=$HPC_TOOLS_STEP_NODES" "--ntasks
 
 def step_count_args(cluster: ClusterConfig) -> str:
     """Shell text (unquoted: it expands the controller's exports) of the rank step's counts of an elastic job."""
-    return f" {STEP_COUNTS}" if cluster.elastic and cluster.restarts else ""
+    return f" {STEP_COUNTS}" if cluster.elastic else ""
 
 
 def is_pyxis(cluster: ClusterConfig) -> bool:

@@ -62,7 +62,7 @@ def render_sbatch(recipe: Recipe, source: str = "a recipe") -> str:
         controller=host_python(recipe.cluster) or script_python(recipe.cluster),
         policy=restart_policy_args(recipe.cluster), recipe_yaml=recipe_yaml, delimiter=delimiter,
         signal_delay_s=recipe.cluster.signal_delay_s, stop_signal=STOP_SIGNAL, launch=launch,
-        restarts=recipe.cluster.restarts, elastic=recipe.cluster.elastic and recipe.cluster.restarts > 0,
+        restarts=recipe.cluster.restarts, elastic=recipe.cluster.elastic,
         placement=placement_lines(recipe) if placed else [],
         srun=PLACED_SRUN if placed else "srun", ray=ray_nodes_step(recipe))
 

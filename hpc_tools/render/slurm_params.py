@@ -54,7 +54,7 @@ class SlurmSpec:
                    partition=c.partition, account=c.account, qos=c.qos, constraint=c.constraint,
                    reservation=c.reservation, exclusive=c.exclusive, signal_delay_s=c.signal_delay_s,
                    requeue=c.requeue, extra=tuple(c.sbatch_extra), switches=c.switches,
-                   switch_wait_min=c.switch_wait_min, elastic=c.elastic and c.restarts > 0)
+                   switch_wait_min=c.switch_wait_min, elastic=c.elastic)
 
     @property
     def step_nodes(self) -> int:

@@ -38,8 +38,7 @@ def planned(run_dir: str | Path) -> dict[int, list[str]]:
 def for_world(run: RunFolder, recipe: "Recipe", world_size: int) -> "Recipe | None":
     """The recipe of a step with ``world_size`` ranks on fewer nodes of an elastic run (None: no layout planned for
     that many ranks)."""
-    from hpc_tools.recipe.load import resolve
-    from hpc_tools.recipe.yamlfile import parse_yaml
+    from hpc_tools.recipe.load import load_resolved
 
     c = recipe.cluster
     if not c.elastic or world_size % c.gpus_per_node:
@@ -47,8 +46,7 @@ def for_world(run: RunFolder, recipe: "Recipe", world_size: int) -> "Recipe | No
     overrides = planned(run.path).get(world_size // c.gpus_per_node)
     if overrides is None:
         return None
-    return resolve(parse_yaml(run.recipe_path.read_text(), str(run.recipe_path)), overrides=overrides,
-                   source=str(run.recipe_path))
+    return load_resolved(run.recipe_path, overrides)
 
 
 def note(run: RunFolder, recipe: "Recipe", layout: "ParallelLayout", from_iteration: int, full_nodes: int) -> None:

@@ -17,8 +17,7 @@ from pathlib import Path
 
 from hpc_tools import backends
 from hpc_tools.layout import ParallelLayout
-from hpc_tools.recipe.load import resolve
-from hpc_tools.recipe.yamlfile import parse_yaml
+from hpc_tools.recipe.load import load_resolved
 from hpc_tools.registry import RunFolder, now_iso
 from hpc_tools.runstate import HANG_EXIT_CODE, note_restart
 from hpc_tools.runtime import elastic
@@ -41,7 +40,7 @@ def setup_logging(rank: int, run_dir: str | None = None) -> RankLog:
 
 def build_context(run_dir: str) -> RankContext:
     run = RunFolder(run_dir)
-    recipe = resolve(parse_yaml(run.recipe_path.read_text(), str(run.recipe_path)), source=str(run.recipe_path))
+    recipe = load_resolved(run.recipe_path)
     dist = DistEnv.from_environ()
     dist.export()
     layout = ParallelLayout.from_recipe(recipe)

@@ -13,9 +13,8 @@ from typing import Any, Callable
 from hpc_tools.errors import UserError
 from hpc_tools.executors.local import pid_alive
 from hpc_tools.layout import ParallelLayout
-from hpc_tools.recipe.load import resolve
+from hpc_tools.recipe.load import load_resolved
 from hpc_tools.recipe.schema import Recipe
-from hpc_tools.recipe.yamlfile import parse_yaml
 from hpc_tools.registry import RunFolder, now_iso
 from hpc_tools.runstate import FAILURE_STATUSES, READER, SlurmJob, Verdict, classify
 from hpc_tools.runstate import refresh as refresh_run
@@ -60,7 +59,7 @@ def create_sweep(plan: SweepPlan, source: str, executor: str, root: str | Path |
 
 
 def _recipe_of(run: RunFolder) -> Recipe:
-    return resolve(parse_yaml(run.recipe_path.read_text(), str(run.recipe_path)), source=str(run.recipe_path))
+    return load_resolved(run.recipe_path)
 
 
 def submit_cells(folder: SweepFolder, cell_ids: list[str], executor: str, say: Say, exclude: str | None = None) -> None:

@@ -15,7 +15,6 @@ end to the first step on fewer nodes) are printed with -s.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import threading
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from hpc_tools.registry import RunFolder
-from tests.helpers import loss_curve, run_cli
+from tests.helpers import loss_curve, run_cli, sbatch_rendered
 from tests.integration.test_restarts_slurm import in_queue, newest_step, sacct_lines
 
 FAULT_AT, EVERY = 12, 5
@@ -55,15 +54,8 @@ class Job:
 
 def submit(tmp: Path, name: str) -> Job:
     recipe, sets, iters = JOBS[name]
-    script = tmp / f"{name}.sbatch"
-    out = run_cli("render", recipe, *COMMON, *sets, "--set", f"training.train_iters={iters}", "-o", str(script))
-    assert out.returncode == 0, out.stderr
-    runs = tmp / f"runs-{name}"
-    sub = subprocess.run(["sbatch", "--parsable", str(script)], cwd=tmp, capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "HPC_TOOLS_RUNS_DIR": str(runs)})
-    assert sub.returncode == 0, sub.stderr
-    job_id = sub.stdout.strip().split(";")[0]
-    return Job(name, job_id, RunFolder(runs / f"{Path(recipe).stem}-j{job_id}"))
+    job_id, run = sbatch_rendered(tmp, name, recipe, *COMMON, *sets, "--set", f"training.train_iters={iters}")
+    return Job(name, job_id, RunFolder(run))
 
 
 def references(tmp: Path, box: dict) -> None:

@@ -16,7 +16,6 @@ and raises or kills at the given step. A killed node still restarts: tests/integ
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from hpc_tools.registry import RunFolder
-from tests.helpers import run_cli
+from tests.helpers import run_cli, sbatch_rendered
 from tests.integration.test_restarts_slurm import in_queue
 
 RECIPE = "recipes/llama_fsdp.yaml"
@@ -99,16 +98,9 @@ def submit(tmp: Path, fault: str) -> Job:
     hook = tmp / "hook"
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    script = tmp / f"{fault}.sbatch"
-    out = run_cli("render", RECIPE, *COMMON, "--set", f"cluster.setup.env.PYTHONPATH={hook}",
-                  "--set", f"cluster.setup.env.HPC_TOOLS_TEST_FAULT={fault}:{FAULT_AT}:1", "-o", str(script))
-    assert out.returncode == 0, out.stderr
-    runs = tmp / f"runs-{fault}"
-    sub = subprocess.run(["sbatch", "--parsable", str(script)], cwd=tmp, capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "HPC_TOOLS_RUNS_DIR": str(runs)})
-    assert sub.returncode == 0, sub.stderr
-    job_id = sub.stdout.strip().split(";")[0]
-    return Job(fault, job_id, RunFolder(runs / f"llama_fsdp-j{job_id}"), tmp / f"llama_fsdp-{job_id}.out")
+    job_id, run = sbatch_rendered(tmp, fault, RECIPE, *COMMON, "--set", f"cluster.setup.env.PYTHONPATH={hook}",
+                                  "--set", f"cluster.setup.env.HPC_TOOLS_TEST_FAULT={fault}:{FAULT_AT}:1")
+    return Job(fault, job_id, RunFolder(run), tmp / f"llama_fsdp-{job_id}.out")
 
 
 @pytest.fixture(scope="module")

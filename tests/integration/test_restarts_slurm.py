@@ -32,7 +32,7 @@ import pytest
 
 from hpc_tools.registry import RunFolder
 from hpc_tools.runtime import heartbeat
-from tests.helpers import loss_curve, run_cli, step_records
+from tests.helpers import loss_curve, run_cli, sbatch_rendered, step_records
 
 RECIPE = "recipes/gpt_zero.yaml"
 ITERS, FAULT_AT = 40, 12
@@ -66,16 +66,8 @@ def local_tier(tmp: Path) -> list[str]:
 
 
 def submit_sbatch(tmp: Path, name: str, *sets: str) -> Job:
-    script = tmp / f"{name}.sbatch"
-    out = run_cli("render", RECIPE, "--profile", "local", *COMMON, *ON_SLURM, *local_tier(tmp), *sets, "-o",
-                  str(script))
-    assert out.returncode == 0, out.stderr
-    runs = tmp / f"runs-{name}"
-    sub = subprocess.run(["sbatch", "--parsable", str(script)], cwd=tmp, capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "HPC_TOOLS_RUNS_DIR": str(runs)})
-    assert sub.returncode == 0, sub.stderr
-    job_id = sub.stdout.strip().split(";")[0]
-    return Job(name, job_id, RunFolder(runs / f"gpt_zero-j{job_id}"))
+    job_id, run = sbatch_rendered(tmp, name, RECIPE, "--profile", "local", *COMMON, *ON_SLURM, *local_tier(tmp), *sets)
+    return Job(name, job_id, RunFolder(run))
 
 
 def submit_submitit(tmp: Path, name: str, *sets: str) -> Job:

@@ -44,23 +44,19 @@ def replacement(nodes: list[str], env: Mapping[str, str]) -> str | None:
     new = [n for n in nodes if n not in accepted(env)]
     if not new:
         return None
-    try:
-        spares = int(env.get(SPARES_ENV) or 0)
-    except ValueError:
-        spares = 0
-    if spares >= len(new):
+    if _count(env, SPARES_ENV, 0) >= len(new):
         return SPARE
-    try:
-        fewer = int(env.get(FEWER_ENV) or 0)
-    except ValueError:
-        fewer = 0
-    if fewer >= len(new):
+    if _count(env, FEWER_ENV, 0) >= len(new):
         return FEWER
+    return REQUEUE if env.get(REQUEUE_ENV) == "1" and _count(env, ROOM_ENV, len(new)) >= len(new) else None
+
+
+def _count(env: Mapping[str, str], name: str, unset: int) -> int:
+    """The number a hint variable holds (``unset`` when it is absent or empty, 0 when it is not a number)."""
     try:
-        room = int(env.get(ROOM_ENV) or len(new))
+        return int(env.get(name) or unset)
     except ValueError:
-        room = 0
-    return REQUEUE if env.get(REQUEUE_ENV) == "1" and room >= len(new) else None
+        return 0
 
 
 def details(rows: list[Any], nodes: list[str]) -> dict[str, dict]:
