@@ -77,13 +77,47 @@ def live_reason(run: RunFolder, manifest: dict[str, Any]) -> str | None:
 
     job = READER.job(str(manifest["job_id"])) if on_slurm(manifest) else None
     if job is not None and job.state:
-        return None if is_terminal(job.state) else f"Slurm job {job.job_id} is {job.slurm_state}"
+        if not is_terminal(job.state):
+            return f"Slurm job {job.job_id} is {job.slurm_state}"
+        return None if processes_gone(job.job_id) else (
+            f"Slurm job {job.job_id} is {job.slurm_state} but still COMPLETING after {COMPLETING_WAIT_S:.0f} s: its "
+            "processes may still write the run folder")
     verdict = classify(run, job, manifest)
     if verdict.status not in ("pending", "running"):
         return None
     if manifest.get("executor") == "local" and not any(_pid_runs_rank(p, run.path) for p in manifest.get("pids") or []):
         return None if manifest.get("pids") else "it has not started yet"
     return f"{verdict.status}: {verdict.reason}"
+
+
+# Slurm reports a cancelled job CANCELLED at once, while its processes are still being signalled (squeue: COMPLETING,
+# up to the cluster's KillWait, 30 s by default, then its epilog): the ranks' last checkpoint and manifest writes can
+# come after that. A resume waits this long for them to be gone, so that they land in the ended life, not the new one.
+COMPLETING_WAIT_S = 90.0
+
+
+def processes_gone(job_id: str, poll_s: float = 1.0) -> bool:
+    """True once squeue no longer lists job ``job_id`` as COMPLETING (or cannot say); False after
+    ``COMPLETING_WAIT_S``."""
+    import subprocess
+    import time
+
+    from hpc_tools.slurm_client import absent_reason
+
+    if absent_reason("squeue"):
+        return True
+    deadline = time.monotonic() + COMPLETING_WAIT_S
+    while True:
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True,
+                                 timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return True
+        if out.returncode != 0 or "COMPLETING" not in out.stdout.split():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
 
 
 def newest_verified(dirs) -> tuple[Path | None, list[str]]:

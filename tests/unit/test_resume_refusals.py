@@ -5,6 +5,7 @@ tests/integration/test_resume.py)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -216,3 +217,29 @@ def test_refuses_when_the_files_the_job_reads_are_gone(tmp_path):
     corpus.unlink()
     message = refused(run)
     assert "data.paths[0]" in message and "does not exist" in message and "init_from_hf" not in message
+
+
+@pytest.mark.slurm_client
+def test_waits_for_a_cancelled_job_to_finish_completing(tmp_path, quiet_slurm, monkeypatch):
+    """Slurm says CANCELLED at once while the job's processes are still being stopped (squeue: COMPLETING); their
+    last checkpoint and manifest writes must land before the new life begins, so resume waits for them, and refuses
+    in one line when they outlast its wait."""
+    import hpc_tools.resume as resume
+
+    run = make_run(tmp_path, state="PREEMPTED", executor="slurm", job_id="4243")
+    quiet_slurm["4243"] = "4243|CANCELLED by 0|0:15|00:01:00|n1\n"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    # squeue says COMPLETING for its first two answers, then no longer lists the job
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\necho x >> {calls}\n"
+                                    f"[ $(wc -l < {calls}) -le 2 ] && echo COMPLETING\nexit 0\n")
+    (bin_dir / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    plan = plan_resume(str(run.path), executor="local")
+    assert plan.previous["state"] == "CANCELLED" and len(calls.read_text().split()) == 3
+    calls.write_text("")
+    (bin_dir / "squeue").write_text("#!/bin/sh\necho COMPLETING\n")
+    monkeypatch.setattr(resume, "COMPLETING_WAIT_S", 1.5)
+    message = refused(run, executor="local")
+    assert "Slurm job 4243 is CANCELLED but still COMPLETING" in message and "still live" in message
