@@ -56,7 +56,7 @@ unset PYTHONDONTWRITEBYTECODE
 # wait (for Slurm, a time limit, a requeue) rather than compute, so one worker trains while the other waits. The
 # Slurm tests are one group (one worker submits at a time) and each other integration module is one group (its
 # module-scoped launch runs once): tests/conftest.py sets the groups. The 15 slowest tests are printed at the end.
-python3 -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 "$@"
+python3 -m pytest -q -p no:cacheprovider --timeout=900 --durations=40 "$@"
 rc=$?
 t_tests=$((SECONDS - t))
 [ "$rc" = 5 ] && { echo "hpc_tools test: pytest collected no tests" >&2; rc=1; }
