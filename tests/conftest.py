@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,22 @@ def pytest_collection_modifyitems(config, items) -> None:
     # installs beside the first tests (marker extra_env): by then it is there.
     items.sort(key=lambda item: (item.get_closest_marker("extra_env") is not None,
                                  "main_command" in item.fixturenames and item.get_closest_marker("slurm") is not None))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With HPC_TOOLS_TEST_TIMELINE=FILE (environment/test.sh sets it), one JSON line per test: its xdist worker and
+    group, and when its setup began and its teardown ended; ``python -m tests.timeline FILE`` sums them up (which
+    worker, and which group, the suite's wall time waits for)."""
+    start = time.time()
+    yield
+    path = os.environ.get("HPC_TOOLS_TEST_TIMELINE")
+    if path:
+        group = next((m.args[0] for m in item.iter_markers("xdist_group") if m.args), None)
+        line = json.dumps({"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+                           "group": group, "start": start, "end": time.time()})
+        with open(path, "a") as f:
+            f.write(line + "\n")
 
 
 SLURM_FIXTURES = {"slurm", "slurm_multinode", "slurm_cluster"}

@@ -143,7 +143,10 @@ def test_resume_a_cancelled_slurm_job_in_its_own_folder(slurm, runs_dir):
                           timeout=900)
         result = json.loads(resumed.stdout) if resumed.stdout.strip() else {}
         jobs.append(result.get("job_id"))
-        assert resumed.returncode == 0, (result, resumed.stderr[-3000:])
+        assert resumed.returncode == 0, (result, resumed.stderr[-3000:], run.manifest().get("events", [])[-8:],
+                                         subprocess.run(["sacct", "-n", "-P", "-o", "JobID,State,ExitCode,Reason,"
+                                                         "NodeList", "-j", ",".join(filter(None, jobs))],
+                                                        capture_output=True, text=True, timeout=30).stdout)
     finally:
         for job in filter(None, jobs):
             subprocess.run(["scancel", job], timeout=30)
