@@ -45,6 +45,7 @@ from hpc_tools.runtime.distenv import RESTART_BASE_ENV, first_host, free_port
 REPO = Path(__file__).resolve().parents[2]  # the checkout (or site-packages) that holds hpc_tools
 GCS_PORT_BASE, DASHBOARD_PORT_BASE, PORT_SPAN = 41000, 51000, 8000
 NODES_TIMEOUT_S = 180.0  # how long the driver waits for every node of the allocation to join
+RANKS_STOP_S = 25.0  # after scancel's SIGTERM, how long the ranks may take to checkpoint (Slurm's KillWait is 30 s)
 STOP_FILE = "stop"  # RUN/ray/stop: written when the driver ends; each node then stops Ray and copies its logs
 
 
@@ -339,11 +340,25 @@ def node(run_dir: str, cpus: int | None, gpus: int | None) -> int:
         x for x in (str(REPO), env.get("PYTHONPATH")) if x)}, start_new_session=True)
 
     stopping = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.set())
+    job_id = env.get("SLURM_JOB_ID")
+
+    def on_signal(signum, _frame) -> None:
+        # Slurm signals this task, never the rank programs (Ray's processes have a session of their own): the
+        # time-limit signal and scancel's SIGTERM are passed on, so that the ranks checkpoint (and requeue the job),
+        # as srun's ranks do.
+        if signum != signal.SIGINT:
+            forward_to_ranks(run_dir, host, job_id, signum)
+        if signum != signal.SIGUSR2:
+            stopping.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+        signal.signal(sig, on_signal)
     stop_file = RunFolder(run_dir).path / "ray" / STOP_FILE
     while proc.poll() is None and not stopping.is_set() and not stop_file.exists():
         time.sleep(1.0)
+    deadline = time.monotonic() + RANKS_STOP_S
+    while stopping.is_set() and rank_pids(run_dir, host, job_id) and time.monotonic() < deadline:
+        time.sleep(0.5)  # the ranks' checkpoint at the agreed step, before Ray ends their workers
     if proc.poll() is None:  # the driver is done (or the step is ended): Ray's processes on this node end
         proc.send_signal(signal.SIGTERM)
         try:
@@ -357,6 +372,38 @@ def node(run_dir: str, cpus: int | None, gpus: int | None) -> int:
     copy_logs(Path(temp), RunFolder(run_dir).path / "ray" / host)
     shutil.rmtree(temp, ignore_errors=True)
     return 0 if asked or code == 0 else code
+
+
+def rank_pids(run_dir: str, host: str, job_id: str | None) -> list[int]:
+    """The rank programs of run ``run_dir`` on node ``host`` of Slurm job ``job_id``: Ray's workers start them with
+    the node's environment (SLURMD_NODENAME, SLURM_JOB_ID), which tells them apart on nodes that share a process table
+    (the test cluster's)."""
+    found = []
+    marker = ("hpc_tools.runtime.rank".encode(), str(RunFolder(run_dir).path).encode())
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            if not all(m in cmdline for m in marker):
+                continue
+            environ = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        node, job = (environ.get(key, b"").decode() for key in (b"SLURMD_NODENAME", b"SLURM_JOB_ID"))
+        if (not node or node == host) and (not job or not job_id or job == job_id):
+            found.append(int(proc.name))
+    return found
+
+
+def forward_to_ranks(run_dir: str, host: str, job_id: str | None, signum: int) -> list[int]:
+    """Send ``signum`` to this node's rank programs of the run; the pids it reached."""
+    sent = []
+    for pid in rank_pids(run_dir, host, job_id):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+            sent.append(pid)
+    print(f"hpc_tools: {host}: {signal.Signals(signum).name} passed on to rank program(s) {sent}", file=sys.stderr,
+          flush=True)
+    return sent
 
 
 def _wait_for_port(host: str, port: int, timeout_s: float = NODES_TIMEOUT_S) -> None:
