@@ -57,6 +57,14 @@ def pytest_collection_modifyitems(config, items) -> None:
                                  "main_command" in item.fixturenames and item.get_closest_marker("slurm") is not None))
 
 
+_OUTCOMES: dict[str, str] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    if report.outcome != "passed" and _OUTCOMES.get(report.nodeid) != "failed":
+        _OUTCOMES[report.nodeid] = report.outcome
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """With HPC_TOOLS_TEST_TIMELINE=FILE (environment/test.sh sets it), one JSON line per test: its xdist worker and
@@ -68,7 +76,8 @@ def pytest_runtest_protocol(item, nextitem):
     if path:
         group = next((m.args[0] for m in item.iter_markers("xdist_group") if m.args), None)
         line = json.dumps({"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
-                           "group": group, "start": start, "end": time.time()})
+                           "group": group, "start": start, "end": time.time(),
+                           "outcome": _OUTCOMES.pop(item.nodeid, "passed")})
         with open(path, "a") as f:
             f.write(line + "\n")
 

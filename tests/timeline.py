@@ -25,6 +25,9 @@ def summary(lines: list[dict], top: int = 12) -> str:
         busy = sum(x["end"] - x["start"] for x in xs)
         out.append(f"  worker {worker}: {len(xs)} tests, busy {busy:.0f} s, last test ended at "
                    f"{max(x['end'] for x in xs) - t0:.0f} s")
+    failed = [x["test"] for x in lines if x.get("outcome") == "failed"]
+    if failed:
+        out.append("  failed: " + ", ".join(failed))
     out.append("  longest groups: " + ", ".join(f"{g} {s:.0f} s" for g, s in
                                                  sorted(by_group.items(), key=lambda kv: -kv[1])[:top]))
     out.append("  longest modules: " + ", ".join(f"{m.split('/')[-1]} {s:.0f} s" for m, s in
