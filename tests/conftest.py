@@ -48,8 +48,6 @@ def pytest_collection_modifyitems(config, items) -> None:
         elif on_slurm:
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.xdist_group("slurm"))
-        if item.get_closest_marker("slurm") and not fake and "_settled_slurm_cluster" not in item.fixturenames:
-            item.fixturenames.insert(0, "_settled_slurm_cluster")  # set up before the module's own fixtures
     # The Slurm tests that also read a shared local run last: by then the other worker has usually made it, so the
     # Slurm worker (the longest group) does not. After them, the tests of an environment that environment/test.sh
     # installs beside the first tests (marker extra_env): by then it is there.
@@ -126,16 +124,25 @@ def _no_slurm_unless_asked(request, monkeypatch) -> None:
         monkeypatch.setenv("HPC_TOOLS_SLURM", "off")
 
 
-@pytest.fixture(scope="module")
-def _settled_slurm_cluster() -> None:
-    """Before a module's first real Slurm test (not the fake side of ``slurm_cluster``), the test cluster is settled
-    (tests/helpers.py ``settle_cluster``): what an earlier module's faults and jobs left behind is not this module's
-    to meet. Once per module, before its own fixtures submit anything: ``pytest_collection_modifyitems`` puts it
-    first in every real Slurm test's fixtures, and in no other test's. Under xdist the Slurm tests are one group,
-    so it runs on the worker that submits them; a module that also has tests of other groups (test_resume.py: a
-    local resume beside a Slurm one) never settles on the other worker, where its cancel of "leftover" jobs killed
-    the Slurm worker's running ones."""
-    settle_cluster()
+def real_slurm_test(item) -> bool:
+    """A test of the real Slurm test cluster: marked ``slurm`` (by itself or ``pytest_collection_modifyitems``), not
+    the fake side of ``slurm_cluster``."""
+    return item.get_closest_marker("slurm") is not None and item.get_closest_marker("fake_slurm") is None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _settled_slurm_cluster(request) -> None:
+    """Before a module's first real Slurm test (``real_slurm_test``), the test cluster is settled (tests/helpers.py
+    ``settle_cluster``): what an earlier module's faults and jobs left behind is not this module's to meet. Autouse
+    at module scope, so it is set up before the module's own fixtures submit anything, on the worker that runs the
+    test that asked for it first; it settles only when that test is a real Slurm test. Under xdist the real Slurm
+    tests are one group on one worker; the others (a module's local or fake-Slurm tests) run on another worker at the
+    same time, where a settle's cancel of "leftover" jobs killed the Slurm worker's running ones. (It used to be put
+    into each real Slurm test's fixture names, a list that parametrized tests share: the fake side of a
+    ``slurm_cluster`` test got it too, and cancelled a running job from the other worker in two CI runs.)"""
+    item = getattr(request, "_pyfuncitem", None)  # the test that set this module-scoped fixture up
+    if item is not None and real_slurm_test(item):
+        settle_cluster()
 
 
 @pytest.fixture(autouse=True, scope="session")

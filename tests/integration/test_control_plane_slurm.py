@@ -198,3 +198,24 @@ def test_twenty_concurrent_submits_give_twenty_intact_runs(slurm, runs_dir):
         manifest = run.manifest()
         assert manifest["job_id"] in jobs and manifest["executor"] == "slurm"
         assert run.recipe_path.read_text().startswith("name: comm_check")
+
+
+@pytest.mark.slurm
+def test_the_fake_side_of_a_slurm_test_leaves_the_real_clusters_jobs_alone(tmp_path):
+    """The fake side of a ``slurm_cluster`` test runs on another xdist worker while the real Slurm tests run: it must
+    not settle the real cluster (tests/conftest.py ``_settled_slurm_cluster``), whose cancel of "leftover" jobs after
+    15 s killed a running job of the Slurm worker in two CI runs. A held job stays queued through it."""
+    script = tmp_path / "held.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH --job-name=held\n#SBATCH --time=1\ntrue\n")
+    job_id, out = sbatch(script, tmp_path, "--hold")
+    assert out.returncode == 0, out.stderr
+    try:
+        # both sides collected, the real one deselected afterwards, as in the full suite
+        fake = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-m",
+                               "fake_slurm", "-k", "answer_as_the_toolkit", __file__],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert fake.returncode == 0, fake.stdout[-3000:]
+        still = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
+        assert still.stdout.split() == ["PENDING"], (still.stdout, still.stderr)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30)
