@@ -45,7 +45,6 @@ from hpc_tools.runtime.distenv import RESTART_BASE_ENV, first_host, free_port
 REPO = Path(__file__).resolve().parents[2]  # the checkout (or site-packages) that holds hpc_tools
 GCS_PORT_BASE, DASHBOARD_PORT_BASE, PORT_SPAN = 41000, 51000, 8000
 NODES_TIMEOUT_S = 180.0  # how long the driver waits for every node of the allocation to join
-RANKS_STOP_S = 25.0  # after scancel's SIGTERM, how long the ranks may take to checkpoint (Slurm's KillWait is 30 s)
 STOP_FILE = "stop"  # RUN/ray/stop: written when the driver ends; each node then stops Ray and copies its logs
 
 
@@ -113,7 +112,7 @@ def drive(run_dir: str, address: str | None = None, nodes: int = 1, num_cpus: in
     env_vars = {"PYTHONPATH": os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH")) if x)}
     if address:
         host, _, port = address.rpartition(":")
-        _wait_for_port(socket.gethostbyname(host), int(port))
+        _wait_for_head(socket.gethostbyname(host), int(port))
         info = ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
         _wait_for_nodes(ray, nodes)
     else:
@@ -334,31 +333,17 @@ def node(run_dir: str, cpus: int | None, gpus: int | None) -> int:
                 "--include-dashboard=true"]
     else:
         head_ip = socket.gethostbyname(head)
-        _wait_for_port(head_ip, gcs)
+        _wait_for_head(head_ip, gcs)
         cmd += [f"--address={head_ip}:{gcs}"]
     proc = subprocess.Popen(cmd, env={**env, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": os.pathsep.join(
         x for x in (str(REPO), env.get("PYTHONPATH")) if x)}, start_new_session=True)
 
     stopping = threading.Event()
-    job_id = env.get("SLURM_JOB_ID")
-
-    def on_signal(signum, _frame) -> None:
-        # Slurm signals this task, never the rank programs (Ray's processes have a session of their own): the
-        # time-limit signal and scancel's SIGTERM are passed on, so that the ranks checkpoint (and requeue the job),
-        # as srun's ranks do.
-        if signum != signal.SIGINT:
-            forward_to_ranks(run_dir, host, job_id, signum)
-        if signum != signal.SIGUSR2:
-            stopping.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
-        signal.signal(sig, on_signal)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
     stop_file = RunFolder(run_dir).path / "ray" / STOP_FILE
     while proc.poll() is None and not stopping.is_set() and not stop_file.exists():
         time.sleep(1.0)
-    deadline = time.monotonic() + RANKS_STOP_S
-    while stopping.is_set() and rank_pids(run_dir, host, job_id) and time.monotonic() < deadline:
-        time.sleep(0.5)  # the ranks' checkpoint at the agreed step, before Ray ends their workers
     if proc.poll() is None:  # the driver is done (or the step is ended): Ray's processes on this node end
         proc.send_signal(signal.SIGTERM)
         try:
@@ -374,39 +359,9 @@ def node(run_dir: str, cpus: int | None, gpus: int | None) -> int:
     return 0 if asked or code == 0 else code
 
 
-def rank_pids(run_dir: str, host: str, job_id: str | None) -> list[int]:
-    """The rank programs of run ``run_dir`` on node ``host`` of Slurm job ``job_id``: Ray's workers start them with
-    the node's environment (SLURMD_NODENAME, SLURM_JOB_ID), which tells them apart on nodes that share a process table
-    (the test cluster's)."""
-    found = []
-    marker = ("hpc_tools.runtime.rank".encode(), str(RunFolder(run_dir).path).encode())
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            cmdline = (proc / "cmdline").read_bytes()
-            if not all(m in cmdline for m in marker):
-                continue
-            environ = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
-        except OSError:
-            continue
-        node, job = (environ.get(key, b"").decode() for key in (b"SLURMD_NODENAME", b"SLURM_JOB_ID"))
-        if (not node or node == host) and (not job or not job_id or job == job_id):
-            found.append(int(proc.name))
-    return found
-
-
-def forward_to_ranks(run_dir: str, host: str, job_id: str | None, signum: int) -> list[int]:
-    """Send ``signum`` to this node's rank programs of the run; the pids it reached."""
-    sent = []
-    for pid in rank_pids(run_dir, host, job_id):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signum)
-            sent.append(pid)
-    print(f"hpc_tools: {host}: {signal.Signals(signum).name} passed on to rank program(s) {sent}", file=sys.stderr,
-          flush=True)
-    return sent
-
-
-def _wait_for_port(host: str, port: int, timeout_s: float = NODES_TIMEOUT_S) -> None:
+def _wait_for_head(host: str, port: int, timeout_s: float = NODES_TIMEOUT_S) -> None:
+    """Until the Ray head's GCS answers on ``host:port``; after ``timeout_s`` one line and exit 1 (``ray.init`` and
+    ``ray start --address`` would retry for ever: the head's step may have failed to start)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with socket.socket() as s:
@@ -414,6 +369,8 @@ def _wait_for_port(host: str, port: int, timeout_s: float = NODES_TIMEOUT_S) -> 
             if s.connect_ex((host, port)) == 0:
                 return
         time.sleep(1.0)
+    raise SystemExit(f"Ray: the head's GCS at {host}:{port} did not answer in {timeout_s:.0f} s (its node step may "
+                     "have failed: see the batch log's srun lines and RUN/ray/<node>/)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,7 +75,9 @@ def ray_nodes_step(recipe: Recipe) -> dict | None:
     if c.launcher != "ray":
         return None
     cpus = c.gpus_per_node * c.cpus_per_task
-    step = ["--overlap", f"--nodes={c.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={cpus}", "--mem=0"]
+    # --ntasks too: the step would otherwise take the allocation's task count (a rank per GPU) over --ntasks-per-node
+    step = ["--overlap", f"--nodes={c.nodes}", f"--ntasks={c.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={cpus}",
+            "--mem=0"]
     if c.elastic:  # a failed node must not end the other nodes' Ray: Ray Train continues on them (num_workers range)
         step.append("--no-kill")
     node = ["--num-cpus", str(cpus), "--num-gpus", str(c.gpus_per_node if c.uses_gpus else 0)]

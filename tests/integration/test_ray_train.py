@@ -156,39 +156,13 @@ def test_ray_continues_on_the_remaining_node(slurm_multinode, tmp_path, tmp_path
 
 
 @pytest.mark.slurm
-def test_ray_time_limit_signal_checkpoints_and_requeues(slurm, native, tmp_path):
-    """Slurm's time-limit signal (here `scancel --signal=USR2`, what Slurm sends cluster.signal_delay_s before the
-    limit) reaches the Ray node tasks, never the rank programs Ray's workers start; the node task passes it on, so the
-    ranks agree on a step, checkpoint it and requeue the job, which starts Ray again and resumes from that checkpoint
-    to the native losses (1 node x 2 ranks)."""
-    sets = [*SIZE, "cluster.launcher=ray", "cluster.nodes=1", "cluster.gpus_per_node=2"]
-    script = tmp_path / "job.sbatch"
-    out = run_cli("render", RECIPE, "--profile", "local", *[x for s in sets for x in ("--set", s)], "-o", str(script))
-    assert out.returncode == 0, out.stderr
-    job_id = subprocess.run(["sbatch", "--parsable", str(script)], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=60, env={**os.environ, "HPC_TOOLS_RUNS_DIR": str(tmp_path / "runs")},
-                            check=True).stdout.strip()
-    try:
-        def past_step_5():
-            beat = next(tmp_path.glob("runs/*/heartbeats/rank00001.json"), None)
-            return beat and (json.loads(beat.read_text()).get("step") or 0) >= 5
-
-        wait_for(past_step_5, timeout_s=600, what="step 5", poll_s=0.2)
-        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, capture_output=True, timeout=30)
-        (run,) = [RunFolder(p) for p in (tmp_path / "runs").iterdir()]
-        wait_for(lambda: run.manifest().get("state") == "COMPLETED" and subprocess.run(
-            ["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout.strip() == "", timeout_s=600,
-            what=f"job {job_id} to complete after its requeue", poll_s=2)
-    finally:
-        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
-    events = run.manifest()["events"]
-    preempted = next(e for e in events if e["event"] == "preempted")
-    assert preempted["state"] == "REQUEUED", preempted
-    stopped_at = preempted["last_step"]
-    assert (run.path / "checkpoints" / f"iter_{stopped_at:07d}").is_dir(), sorted(
-        p.name for p in (run.path / "checkpoints").iterdir())
-    resumed = sorted({r["step"] for recs in step_records(run.path).values() for r in recs if r.get("restart") == 1})
-    assert resumed and resumed[0] == stopped_at + 1 and resumed[-1] == 20, resumed
-    node_log = (tmp_path / f"llama_fsdp-{job_id}.out").read_text(errors="replace")
-    assert "USR2 passed on to rank program(s)" in node_log, node_log[-3000:]
-    np.testing.assert_allclose(curve({"run_dir": str(run.path)}), curve(native), rtol=0, atol=TOL)
+def test_ray_with_two_ranks_on_one_slurm_node_trains_with_the_native_losses(slurm, native, tmp_path):
+    """Two ranks on one node of the test cluster (the native reference's layout) through `submit --executor slurm`:
+    the Ray node step is one task per node whatever the ranks per node (its srun had taken the allocation's task
+    count and was refused: 'More processors requested than permitted', and the driver then waited for the head for
+    ever)."""
+    result = submit(tmp_path, "cluster.launcher=ray", "cluster.nodes=1", executor="slurm", ranks_per_node=2)
+    manifest = RunFolder(result["run_dir"]).manifest()
+    assert manifest["ray_nodes"] == 1 and manifest["ray_dashboard"].startswith("http://"), manifest
+    assert sorted(step_records(Path(result["run_dir"]))) == [0, 1]
+    np.testing.assert_allclose(curve(result), curve(native), rtol=0, atol=TOL)

@@ -82,7 +82,9 @@ def rank_steps(script: str) -> list[str]:
 
 def test_the_ray_block_of_the_batch_script():
     script = render_sbatch(recipe("cluster.cpus_per_task=4", "cluster.restarts=2"))
-    assert "srun --overlap --nodes=2 --ntasks-per-node=1 --cpus-per-task=32 --mem=0 python3 -m " \
+    # one Ray node per node: the step's own task count, not the allocation's rank per GPU (without --ntasks, srun
+    # asked for 16 tasks on 2 nodes of one CPU set each and refused the step)
+    assert "srun --overlap --nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=32 --mem=0 python3 -m " \
            "hpc_tools.job.ray_launch node" in script and "--num-cpus 32 --num-gpus 8" in script
     assert 'ray_launch drive --run-dir "$RUN_DIR" --address "$HPC_TOOLS_RAY_HEAD:$HPC_TOOLS_RAY_PORT"' in script
     assert "FailureConfig(max_failures=cluster.restarts=2)" in script
@@ -153,37 +155,3 @@ def test_submit_to_slurm_sends_the_rendered_script(tmp_path, monkeypatch):
     assert env == {"HPC_TOOLS_RUN_DIR": str(run.path), "HPC_TOOLS_RESTART_BASE": "1"} and options == ["--exclude=n3"]
     manifest = run.manifest()
     assert (manifest["job_id"], manifest["state"], manifest["launcher"], cwd) == ("42", "PENDING", "ray", run.path)
-
-
-def test_slurms_signals_reach_this_nodes_rank_programs_only(tmp_path):
-    """Slurm signals the node task (`ray start`'s parent), not the rank programs Ray's workers start in a session of
-    their own: the node task passes the time-limit signal and scancel's SIGTERM on to its node's ranks of the run, so
-    that they checkpoint as srun's ranks do; another node's ranks (the test cluster's nodes share a process table)
-    and another run's are left alone."""
-    import signal
-    import time
-
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "manifest.json").write_text("{}")
-    other = tmp_path / "other"
-    other.mkdir()
-    rank = ("import signal, sys, time\n"
-            "signal.signal(signal.SIGUSR2, lambda s, f: (open(sys.argv[1], 'w').write('USR2'), sys.exit(0)))\n"
-            "time.sleep(60)\n")
-    procs = {}
-    for name, node, run_dir in (("mine", "n1", run), ("other_node", "n2", run), ("other_run", "n1", other)):
-        procs[name] = subprocess.Popen(
-            [sys.executable, "-c", rank, str(tmp_path / name), "hpc_tools.runtime.rank", "--run-dir", str(run_dir)],
-            env={**os.environ, "SLURMD_NODENAME": node, "SLURM_JOB_ID": "77"})
-    try:
-        time.sleep(1.0)  # their handlers installed
-        assert ray_launch.rank_pids(str(run), "n1", "77") == [procs["mine"].pid]
-        assert ray_launch.rank_pids(str(run), "n1", "78") == []  # a requeued life's leftovers are another job's
-        assert ray_launch.forward_to_ranks(str(run), "n1", "77", signal.SIGUSR2) == [procs["mine"].pid]
-        assert procs["mine"].wait(timeout=30) == 0 and (tmp_path / "mine").read_text() == "USR2"
-        assert procs["other_node"].poll() is None and procs["other_run"].poll() is None
-    finally:
-        for p in procs.values():
-            p.kill()
-            p.wait()
