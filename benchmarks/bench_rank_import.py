@@ -1,9 +1,11 @@
-"""Start-up cost of a Megatron-core rank on a CPU-only torch: the import of megatron-core as a rank made it before and
-as it makes it now (``hpc_tools.train.megatron.cpu_compat.import_megatron``: no TorchDynamo/Inductor behind the
-fusion decorators, no wandb behind the inference context). Each figure is a fresh interpreter importing torch first
-(timed apart) and then the modules a Megatron rank imports; the two ways alternate, so both see the same load.
+"""Start-up cost of a rank's training library on a CPU-only torch: the import of megatron-core and of DeepSpeed as a
+rank made it before and as it makes it now (``hpc_tools.train.megatron.cpu_compat.import_megatron``: no
+TorchDynamo/Inductor behind the fusion decorators, no wandb behind the inference context, no tensorboard behind the timers;
+``hpc_tools.train.deepspeed.trainer.import_deepspeed``: no mlflow behind the autotuner). Each figure is a fresh
+interpreter importing torch first (timed apart) and then the modules a rank imports; the two ways alternate, so both
+see the same load.
 
-    PYTHONPATH=. python benchmarks/bench_rank_import.py [--repeats 5]
+    PYTHONPATH=. python benchmarks/bench_rank_import.py [--repeats 5] [--library megatron|deepspeed|all]
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import statistics
 import subprocess
 import sys
 
-CHILD = r'''
+CHILD = {
+    "megatron": r'''
 import sys, time
 import torch
 t = time.perf_counter()
@@ -21,31 +24,44 @@ if sys.argv[1] == "now":
     from hpc_tools.train.megatron import cpu_compat
     cpu_compat.import_megatron()
 import megatron.core.models.gpt, megatron.core.optimizer, megatron.core.pipeline_parallel, megatron.core.distributed
-print(time.perf_counter() - t, "torch._dynamo" in sys.modules, "wandb" in sys.modules)
-'''
+print(time.perf_counter() - t, *(m in sys.modules for m in ("torch._dynamo", "wandb", "torch.utils.tensorboard")))
+''',
+    "deepspeed": r'''
+import sys, time
+import torch
+t = time.perf_counter()
+if sys.argv[1] == "now":
+    from hpc_tools.train.deepspeed.trainer import import_deepspeed
+    import_deepspeed()
+import deepspeed, deepspeed.ops
+print(time.perf_counter() - t, *(m in sys.modules for m in ("mlflow",)))
+'''}
+LEFT_OUT = {"megatron": ("TorchDynamo", "wandb", "tensorboard"), "deepspeed": ("mlflow",)}
 
 
-def once(way: str) -> tuple[float, bool, bool]:
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", CHILD, way], capture_output=True, text=True,
+def once(library: str, way: str) -> tuple[float, list[bool]]:
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", CHILD[library], way], capture_output=True, text=True,
                          check=True).stdout.split()
-    return float(out[0]), out[1] == "True", out[2] == "True"
+    return float(out[-1 - len(LEFT_OUT[library])]), [x == "True" for x in out[-len(LEFT_OUT[library]):]]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--library", choices=[*CHILD, "all"], default="all")
     args = ap.parse_args()
-    seen: dict[str, list[tuple[float, bool, bool]]] = {"before": [], "now": []}
-    for _ in range(args.repeats):
-        for way in seen:
-            seen[way].append(once(way))
-    for way, runs in seen.items():
-        secs = [r[0] for r in runs]
-        print(f"{way:7s} megatron-core import after torch: median {statistics.median(secs):.2f} s "
-              f"(min {min(secs):.2f}, max {max(secs):.2f}, {len(secs)} runs); TorchDynamo loaded: {runs[0][1]}, "
-              f"wandb loaded: {runs[0][2]}")
-    before, now = (statistics.median(r[0] for r in seen[w]) for w in ("before", "now"))
-    print(f"now / before: {now / before:.2f}")
+    for library in CHILD if args.library == "all" else [args.library]:
+        seen: dict[str, list[tuple[float, list[bool]]]] = {"before": [], "now": []}
+        for _ in range(args.repeats):
+            for way in seen:
+                seen[way].append(once(library, way))
+        for way, runs in seen.items():
+            secs = [r[0] for r in runs]
+            loaded = ", ".join(f"{name} loaded: {flag}" for name, flag in zip(LEFT_OUT[library], runs[0][1]))
+            print(f"{library} {way:7s} import after torch: median {statistics.median(secs):.2f} s "
+                  f"(min {min(secs):.2f}, max {max(secs):.2f}, {len(secs)} runs); {loaded}")
+        before, now = (statistics.median(r[0] for r in seen[w]) for w in ("before", "now"))
+        print(f"{library} now / before: {now / before:.2f}")
 
 
 if __name__ == "__main__":

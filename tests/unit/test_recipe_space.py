@@ -152,7 +152,7 @@ def test_every_drawn_recipe_is_answered_by_every_command(capsys, case):
 
 
 @pytest.mark.slow
-@settings(max_examples=400, derandomize=True, **COMMON)
+@settings(max_examples=200, derandomize=True, **COMMON)
 @given(case=drawn_recipes(max_changes=6))
 def test_every_drawn_recipe_is_answered_by_every_command_many(capsys, case):
     check_recipe_space(capsys, case)

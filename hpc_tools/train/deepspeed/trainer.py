@@ -32,9 +32,25 @@ log = logging.getLogger("hpc_tools")
 def run(ctx: RankContext) -> None:
     """Train the recipe on this rank (joins torch.distributed unless the caller already did)."""
     environment_for(ctx.device)  # before DeepSpeed is imported: its accelerator and CUDA index are the rank's
+    import_deepspeed()
     if ctx.device.type == "cpu":
         _plain_cpu_collectives()
     loop.run(ctx, DeepSpeedJob)
+
+
+def import_deepspeed() -> None:
+    """Import DeepSpeed without mlflow: its autotuner (``deepspeed.autotuning``, imported by ``deepspeed.runtime``,
+    used only by the ``deepspeed --autotuning`` launcher, never here) imports mlflow when installed, more than half of
+    ``import deepspeed``'s time (~3 of 5 CPU seconds per rank on this project's test machine;
+    ``benchmarks/bench_cli_speed.py`` times it). A no-op once DeepSpeed is imported."""
+    import sys
+
+    from hpc_tools.train.imports import absent
+
+    if "deepspeed" in sys.modules:
+        return
+    with absent("mlflow"):
+        import deepspeed  # noqa: F401
 
 
 def _plain_cpu_collectives() -> None:

@@ -64,28 +64,29 @@ def install() -> bool:
 
 
 def import_megatron() -> None:
-    """Import megatron-core on a torch without CUDA, leaving out two imports only a GPU or inference uses: its fusion
-    functions are decorated with ``torch.compile`` at import (``megatron.core.jit.jit_fuser``), which loads
-    TorchDynamo and Inductor, and its inference context imports ``wandb``. For that one import ``torch.compile``
-    returns the function itself (the fusions are off on CPU: ``config.transformer_config``; should one run, it runs
-    eagerly) and ``wandb`` reads as absent to megatron-core (a recipe's ``tracking.wandb`` imports it later as
-    usual). A no-op where CUDA is available or megatron-core is imported already (``benchmarks/bench_cli_speed.py``
-    times the import both ways)."""
+    """Import megatron-core on a torch without CUDA, leaving out three imports only a GPU, inference or Megatron-LM's
+    own training loop uses: its fusion functions are decorated with ``torch.compile`` at import
+    (``megatron.core.jit.jit_fuser``), which loads TorchDynamo and Inductor; its inference context imports ``wandb``;
+    its ``Timers`` import ``torch.utils.tensorboard`` for ``Timers.write``, which nothing here calls (the run's
+    TensorBoard files are ``hpc_tools.tracking.events``'s). For that one import ``torch.compile`` returns the function
+    itself (the fusions are off on CPU: ``config.transformer_config``; should one run, it runs eagerly) and the two
+    packages read as absent to megatron-core (``hpc_tools.train.imports.absent``; a recipe's ``tracking`` imports them
+    later as usual). A no-op where CUDA is available or megatron-core is imported already
+    (``benchmarks/bench_rank_import.py`` times the import both ways)."""
     import torch
 
     if torch.cuda.is_available() or "megatron.core" in sys.modules:
         return
-    compile_, hid_wandb = torch.compile, "wandb" not in sys.modules
+    from hpc_tools.train.imports import absent
+
+    compile_ = torch.compile
     torch.compile = _eager_compile
-    if hid_wandb:
-        sys.modules["wandb"] = None  # type: ignore[assignment]  # `import wandb` raises ImportError meanwhile
     try:
-        import megatron.core  # noqa: F401
-        import megatron.core.models.gpt  # noqa: F401  # the fusions' modules
+        with absent("wandb", "torch.utils.tensorboard"):
+            import megatron.core  # noqa: F401
+            import megatron.core.models.gpt  # noqa: F401  # the fusions' modules
     finally:
         torch.compile = compile_
-        if hid_wandb and sys.modules.get("wandb", 0) is None:
-            del sys.modules["wandb"]
 
 
 def _eager_compile(model=None, **_kwargs):
