@@ -1,7 +1,7 @@
 """Start-up cost of a rank's training library on a CPU-only torch: the import of megatron-core and of DeepSpeed as a
 rank made it before and as it makes it now (``hpc_tools.train.megatron.cpu_compat.import_megatron``: no
-TorchDynamo/Inductor behind the fusion decorators, no wandb behind the inference context, no tensorboard behind the timers;
-``hpc_tools.train.deepspeed.trainer.import_deepspeed``: no mlflow behind the autotuner). Each figure is a fresh
+TorchDynamo/Inductor behind the fusion decorators, no wandb behind the inference context, no tensorboard behind the
+timers; ``hpc_tools.train.deepspeed.trainer.import_deepspeed``: no mlflow behind the autotuner). Each figure is a fresh
 interpreter importing torch first (timed apart) and then the modules a rank imports; the two ways alternate, so both
 see the same load.
 

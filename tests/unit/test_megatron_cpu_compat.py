@@ -1,6 +1,7 @@
 """``cpu_compat.import_megatron``: megatron-core imported on a CPU-only torch without TorchDynamo/Inductor behind its
 fusion decorators, without wandb behind its inference context and without torch.utils.tensorboard behind its timers,
-with torch.compile, ``import wandb`` and ``import torch.utils.tensorboard`` left as they were (a fresh interpreter: the import happens once per process)."""
+with torch.compile, ``import wandb`` and ``import torch.utils.tensorboard`` left as they were (a fresh interpreter:
+the import happens once per process)."""
 
 from __future__ import annotations
 
