@@ -1,6 +1,7 @@
 """Importing a training library without the optional packages it imports at module level and this project never
 uses through it (``hpc_tools.train.megatron.cpu_compat.import_megatron``: wandb behind megatron-core's inference
-context; ``hpc_tools.train.deepspeed.trainer.import_deepspeed``: mlflow behind DeepSpeed's autotuner). Each is a few
+context and torch.utils.tensorboard behind its timers; ``hpc_tools.train.deepspeed.trainer.import_deepspeed``:
+mlflow behind DeepSpeed's autotuner). Each is a few
 CPU seconds per rank process; a recipe's ``tracking`` section imports them afterwards as usual."""
 
 from __future__ import annotations

@@ -40,9 +40,9 @@ def run(ctx: RankContext) -> None:
 
 def import_deepspeed() -> None:
     """Import DeepSpeed without mlflow: its autotuner (``deepspeed.autotuning``, imported by ``deepspeed.runtime``,
-    used only by the ``deepspeed --autotuning`` launcher, never here) imports mlflow when installed, more than half of
-    ``import deepspeed``'s time (~3 of 5 CPU seconds per rank on this project's test machine;
-    ``benchmarks/bench_cli_speed.py`` times it). A no-op once DeepSpeed is imported."""
+    used only by the ``deepspeed --autotuning`` launcher, never here) imports mlflow when installed: most of
+    ``import deepspeed``'s time in every rank (3.45 s with mlflow, 0.75 s without, on this project's 2-core test
+    machine; ``benchmarks/bench_rank_import.py`` times both). A no-op once DeepSpeed is imported."""
     import sys
 
     from hpc_tools.train.imports import absent
