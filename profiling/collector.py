@@ -65,7 +65,9 @@ SLOW_RANK_ENV = "HPC_TOOLS_TEST_SLOW_RANK"
 
 
 def injected_delays(rank: int, spec: str | None = None) -> dict[str, float]:
-    """{"compute"|"data": seconds} this rank sleeps per step, from ``HPC_TOOLS_TEST_SLOW_RANK`` (tests only)."""
+    """{"compute"|"data": seconds} this rank spends per step, from ``HPC_TOOLS_TEST_SLOW_RANK`` (tests only):
+    ``RANK:compute|data:SECONDS`` items, ``*`` for every rank (``*:data:0.05`` paces an endless job that a test only
+    waits on: its ranks sleep in each step's data loading instead of taking the cores)."""
     spec = os.environ.get(SLOW_RANK_ENV, "") if spec is None else spec
     out: dict[str, float] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
@@ -73,10 +75,10 @@ def injected_delays(rank: int, spec: str | None = None) -> dict[str, float]:
             r, kind, seconds = item.split(":")
             if kind not in ("compute", "data"):
                 raise ValueError(kind)
-            if int(r) == rank:
+            if r == "*" or int(r) == rank:
                 out[kind] = out.get(kind, 0.0) + float(seconds)
         except ValueError:
-            raise ValueError(f"{SLOW_RANK_ENV}={spec!r}: each item must be RANK:compute|data:SECONDS") from None
+            raise ValueError(f"{SLOW_RANK_ENV}={spec!r}: each item must be RANK|*:compute|data:SECONDS") from None
     return out
 
 

@@ -34,6 +34,12 @@ def run_driver(script: str, out: Path, *args: str, timeout: float) -> dict:
     return json.loads(Path(out).read_text())
 
 
+PACED = {"HPC_TOOLS_TEST_SLOW_RANK": "*:data:0.05"}
+"""The environment of an endless job a test only waits on (a time limit, a hang, a cancel): every rank sleeps 50 ms in
+each step's data loading (profiling.collector.injected_delays) instead of taking the cores from the tests beside it.
+The job's own processes take it from the environment its launch inherits (sbatch and submitit pass it on)."""
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600,
             input: str | None = None) -> subprocess.CompletedProcess:
     """`python -m hpc_tools ARGS` in a fresh process, as a user runs it."""

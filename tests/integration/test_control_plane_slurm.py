@@ -22,7 +22,7 @@ from hpc_tools.registry import RunFolder, list_runs
 from hpc_tools.runstate import SacctReader
 from hpc_tools.submission import new_run
 from hpc_tools.world import slurm_view
-from tests.helpers import RECIPES, REPO, run_cli, step_records, wait_for
+from tests.helpers import PACED, RECIPES, REPO, run_cli, step_records, wait_for
 
 COMM = "recipes/comm_check.yaml"
 
@@ -107,7 +107,7 @@ def test_two_node_job_allreduces_across_nodes(slurm_multinode, tmp_path):
 def test_status_logs_and_cancel_on_a_job(slurm_cluster, runs_dir):
     real = slurm_cluster.kind == "real"
     out = run_cli("submit", COMM, "--profile", "local", "--executor", "slurm", "--json", "--runs-dir", str(runs_dir),
-                  "--set", "training.train_iters=10000000", "--set", "training.log_interval=1000")
+                  "--set", "training.train_iters=10000000", "--set", "training.log_interval=1000", env=PACED)
     assert out.returncode == 0, out.stderr
     job = json.loads(out.stdout)
     run = RunFolder(job["run_dir"])

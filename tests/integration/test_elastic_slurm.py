@@ -9,9 +9,11 @@ ends. The job's restart controller gives up on n2 after ELASTIC_WAIT_S and start
 train in the layout the planner chose for one node (the run folder's elastic.json) from the newest checkpoint
 resharded into it. The global batch and the data order are the recipe's, so every loss must stay within LOSS_ATOL of
 an uninterrupted local run of the same recipe (fp32; measured within 5e-7 here), which runs beside the job. Figures
-(the time from the step's end to the first step on fewer nodes) are printed with -s. (The jobs once ran side by
-side under one crash; the Megatron job then needed 150 steps to be still training when the slower FSDP job reached
-FAULT_AT, several times the CPU of this order.)
+(the time from the step's end to the first step on fewer nodes) are printed with -s. Preflight is off: here the
+node is lost mid-run (preflight leaving a node out before step 1 is test_preflight_leave_out_ranks.py's); with it on,
+a loaded machine once had it leave n1 out, and n2 was never crashed. (The jobs once ran side by side under one
+crash; the Megatron job then needed 150 steps to be still training when the slower FSDP job reached FAULT_AT,
+several times the CPU of this order.)
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ LOSS_ATOL = 1e-4  # the issue's bound; fp32 reductions in another order differ b
 COMMON = ["--profile", "local", "--set", "cluster.nodes=2", "--set", "cluster.gpus_per_node=2",
           "--set", "cluster.min_nodes=1", "--set", "cluster.restarts=2", "--set", f"checkpoint.interval_iters={EVERY}",
           "--set", 'cluster.setup.env.OMP_NUM_THREADS="1"',
-          "--set", "cluster.hang_timeout_min=0.5", "--set", "cluster.time_limit=15"]
+          "--set", "cluster.hang_timeout_min=0.5", "--set", "cluster.time_limit=15", "--set", "cluster.preflight=off"]
 # name -> (recipe, its settings, steps)
 JOBS = {"megatron": ("recipes/gpt_3d.yaml", ["--set", "backend.megatron.distributed_optimizer=false"], 40),
         "fsdp": ("recipes/llama_fsdp.yaml", [], 40)}
@@ -112,9 +114,11 @@ def test_a_lost_node_without_a_spare_leaves_the_run_training_on_the_other(job):
     assert j.done, f"{name}: job {j.job_id} still queued: {j.run.manifest().get('state')}"
     m = j.run.manifest()
     assert m["state"] == "COMPLETED", (m["state"], m.get("reason"), m["events"][-4:])
-    # one Slurm life, no requeue: Slurm's accounting shows the job resized off n2, then completed on n1
+    # one Slurm life, no requeue. Slurm's accounting shows the job resized off n2, then completed on n1, once
+    # slurmctld has marked n2 DOWN (SlurmdTimeout, not the job's doing): a job that ends sooner completes on n[1-2]
     records = [x for x in sacct_lines(j.job_id) if x[0] == j.job_id]
-    assert [x[1] for x in records] == ["RESIZING", "COMPLETED"] and records[-1][2] == "n1", records
+    assert [x[1] for x in records] in (["RESIZING", "COMPLETED"], ["COMPLETED"]), records
+    assert records[-1][2] == ("n1" if len(records) == 2 else "n[1-2]"), records
     [entry] = m["restarts"]
     assert entry["kind"] == "in-job" and entry["decision"] == "fewer nodes" and entry["nodes"] == ["n1"], entry
     assert entry["node"] == "n2" and entry["layout_nodes"] == 1, entry

@@ -3,11 +3,15 @@ checkpoints, requeues itself, resumes and finishes with the same losses as an un
 
 The job is recipes/gpt_3d.yaml's local profile (TP2 x PP2 on 4 CPU ranks of one node) cut to its first 12 steps (the
 learning-rate schedule of the full 30 kept), submitted with the real CLI
-(`python -m hpc_tools submit ... --executor slurm`). Once it has done a few steps the test sends SIGUSR2 with
+(`python -m hpc_tools submit ... --executor slurm`). Once its ranks are up the test sends SIGUSR2 with
 `scancel --signal=USR2`: the signal Slurm itself sends `cluster.signal_delay_s` before the time limit
 (`--signal=USR2@N`). Triggering it at a known step keeps the test fast and deterministic; Slurm's own time-limit
 timer fires anywhere in a 30 s window, so a time-limit-driven test is either slow or flaky on a 2-core machine (it was
-checked by hand: with time_limit=2, signal_delay_s=60 the job was stopped, requeued and resumed 8 times and completed).
+checked by hand: with time_limit=2, signal_delay_s=60 the job was stopped, requeued and resumed 8 times and completed;
+tests/integration/test_time_limit_requeue.py runs that path). The signal goes once every rank has its handler (its
+heartbeat file exists), with the ranks held (SIGSTOP) until it is pending in each: the stop then comes at the step
+boundary after their next step, whatever the machine's speed. (Sent when rank 0's records showed step 3, on a fast
+machine it arrived after the last step: the 12 steps took 4 s, and records reach their file every 2 s.)
 
 Both runs (the uninterrupted one is the README's main command, run locally) use one OpenMP thread per rank, so the
 losses must be bit-identical (with torch's default thread count the order of float sums, and so the last bit of some
@@ -17,6 +21,8 @@ losses, depends on the thread count).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +33,7 @@ import pytest
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.registry import RunFolder
 from hpc_tools.runstate import READER
+from hpc_tools.runtime import heartbeat
 from tests.helpers import REPO, wait_for
 
 RECIPE = REPO / "recipes" / "gpt_3d.yaml"
@@ -34,7 +41,6 @@ RECIPE = REPO / "recipes" / "gpt_3d.yaml"
 ITERS = 12
 SETS = ['cluster.setup.env.OMP_NUM_THREADS="1"', "cluster.hang_timeout_min=5", f"training.train_iters={ITERS}",
         f"training.lr_decay_iters={load_recipe(RECIPE, profile='local').training.train_iters}"]
-SIGNAL_AT_STEP = 3
 
 pytestmark = [pytest.mark.slurm, pytest.mark.megatron, pytest.mark.slow]
 
@@ -48,9 +54,31 @@ def losses(run_dir: Path) -> dict[int, float]:
     return found
 
 
-def steps_done(run: RunFolder) -> int:
-    path = run.records_dir / "rank00000.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+def usr2_pending(pid: int) -> bool:
+    """Whether SIGUSR2 waits to be delivered to (stopped) process ``pid`` (/proc/PID/status: SigPnd, ShdPnd)."""
+    bit = 1 << (signal.SIGUSR2 - 1)
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return any(int(ln.split()[1], 16) & bit for ln in lines if ln.startswith(("SigPnd:", "ShdPnd:")))
+
+
+def signal_held_ranks(run: RunFolder, job_id: str, world: int) -> None:
+    """``scancel --signal=USR2`` once every rank of start 0 wrote its heartbeat (the rank program installs its signal
+    handlers before it starts its watchdog), every rank stopped until the signal is pending in each (the test
+    cluster's nodes share this machine's process table: the heartbeats' pids are theirs)."""
+    beats = wait_for(lambda: (b := heartbeat.read_all(run.path, restart=0)) and len(b) == world and b, 420,
+                     f"the {world} ranks' heartbeats of job {job_id}", poll_s=0.1)
+    pids = [b.pid for b in beats.values()]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, capture_output=True, timeout=30)
+        wait_for(lambda: all(usr2_pending(p) for p in pids), 60, "SIGUSR2 pending in every held rank", poll_s=0.1)
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
 
 def finished(run: RunFolder, job_id: str) -> str | None:
@@ -76,8 +104,7 @@ def test_stop_signal_requeues_and_resumes_to_the_same_losses(slurm, cli, tmp_pat
     result = json.loads(out.stdout)
     run, job_id = RunFolder(result["run_dir"]), result["job_id"]
     try:
-        wait_for(lambda: steps_done(run) >= SIGNAL_AT_STEP, 420, f"step {SIGNAL_AT_STEP} of job {job_id}")
-        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, capture_output=True, timeout=30)
+        signal_held_ranks(run, job_id, 4)
         wait_for(lambda: finished(run, job_id), 600, f"job {job_id} to complete after the requeue", poll_s=2)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30)  # no-op once it is done

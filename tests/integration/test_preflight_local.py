@@ -35,6 +35,20 @@ def test_preflight_command_names_a_slow_gemm_and_a_slow_link(tmp_path):
     assert "node local1 slow: GEMM" in last and "node local2 slow:" in last and "all-reduce busbw" in last
 
 
+def test_a_node_slow_in_the_first_look_only_is_looked_at_again_and_not_named(tmp_path):
+    """Rank 1's GEMM is a fifth of its speed in its first look only (a host busy for a moment): the second look
+    measures every node again, keeps the best, and names nothing for it; the table's notes say so."""
+    out = run_cli("preflight", COMM, "--set", "local.cluster.nodes=3", "--set", "local.cluster.gpus_per_node=1",
+                  "--runs-dir", str(tmp_path), env={"HPC_TOOLS_PREFLIGHT_SLOW_RANK": "1:1"}, timeout=300)
+    assert out.returncode in (0, 1) and "Traceback" not in out.stderr, out.stdout + out.stderr
+    (run,) = list_runs(tmp_path)
+    data = json.loads((run.path / "preflight.json").read_text())
+    assert "local1" not in data["named"], data
+    (note,) = [n for n in data["notes"] if n.startswith("GEMM and memory looked at")]
+    first = note.split("named slow per look: ")[1].split("; ")[0]
+    assert "local1" in first.split(", "), note
+
+
 def test_strict_job_stops_before_step_1_naming_the_node(tmp_path):
     # three nodes: each is compared with the median of all three (two would be compared with each other, only
     # across a gap of 0.35x: verdict.TWO_NODE_FACTOR)

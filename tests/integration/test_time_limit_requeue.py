@@ -2,7 +2,8 @@
 job records the preemption, requeues itself with `scontrol requeue`, and starts again with SLURM_RESTART_COUNT=1.
 Without that signal the job runs into its limit and ends TIMEOUT: `logs -f` returns and `status` says why.
 
-The jobs are comm_check (no model, seconds to start) with a 1-minute limit. Checkpoint/resume equality after such a
+The jobs are comm_check (no model, seconds to start) with a 1-minute limit, paced (tests/helpers.py PACED): they
+wait for Slurm rather than take the cores. Checkpoint/resume equality after such a
 stop is tested with the Megatron and DeepSpeed trainers; here the signal path itself is real, end to end. The
 time-out test runs against the fake Slurm too (fast tier), where the test plays what Slurm and the ranks record.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hpc_tools.registry import RunFolder
-from tests.helpers import run_cli, wait_for
+from tests.helpers import PACED, run_cli, wait_for
 
 ENDLESS = ["--set", "training.train_iters=100000000", "--set", "training.log_interval=100000"]
 # slurmctld checks time limits every 30 s and sends the warning once the time left is within delay + 30 s: a 15 s
@@ -37,7 +38,7 @@ def record_restarts(run: RunFolder) -> set[int]:
 def submit(runs_dir: Path, *sets: str) -> tuple[dict, RunFolder, float]:
     """comm_check with a 1-minute limit on Slurm: (submit's answer, its run folder, when it was submitted)."""
     out = run_cli("submit", "recipes/comm_check.yaml", "--profile", "local", "--executor", "slurm", "--json",
-                  "--runs-dir", str(runs_dir), "--set", "cluster.time_limit=1", *sets, *ENDLESS)
+                  "--runs-dir", str(runs_dir), "--set", "cluster.time_limit=1", *sets, *ENDLESS, env=PACED)
     assert out.returncode == 0, out.stderr
     job = json.loads(out.stdout)
     return job, RunFolder(job["run_dir"]), time.monotonic()

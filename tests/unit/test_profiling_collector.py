@@ -231,3 +231,15 @@ def test_host_figures_every_step_cpu_switches_and_collective_wait(world1, tmp_pa
     assert isinstance(rec["involuntary_switches"], int) and rec["involuntary_switches"] >= 0
     assert 0 <= rec["host_stall_s"] < rec["step_time_s"]  # never stopped: only what the machine's load took (stall.py)
     validate_record(rec)
+
+
+def test_injected_delays_name_one_rank_or_every_rank():
+    from profiling.collector import injected_delays
+
+    spec = "2:compute:0.3,*:data:0.05,1:data:0.1"
+    assert injected_delays(2, spec) == {"compute": 0.3, "data": 0.05}
+    assert injected_delays(1, spec) == {"data": pytest.approx(0.15)}
+    assert injected_delays(0, spec) == {"data": 0.05} and injected_delays(0, "") == {}
+    for bad in ("x:data:1", "1:disk:1", "1:data"):
+        with pytest.raises(ValueError, match="RANK"):
+            injected_delays(0, bad)

@@ -3,7 +3,8 @@ timed collective over a process group. Every figure is the best of a few timed r
 healthy node reaches its speed in at least one of them, a slow one in none.
 
 Faults for tests, from the environment: ``HPC_TOOLS_PREFLIGHT_SLOW_RANK=R`` makes rank R's GEMM sleep four times as
-long as each multiplication took (a fifth of its speed); ``HPC_TOOLS_PREFLIGHT_SLOW_LINK=R`` makes rank R sleep
+long as each multiplication took (a fifth of its speed), ``R:1`` in its first look only (a host busy for a moment:
+the second look, ``run.SECOND_LOOKS``, finds it healthy); ``HPC_TOOLS_PREFLIGHT_SLOW_LINK=R`` makes rank R sleep
 ``SLOW_LINK_S`` inside every timed collective it joins (its group waits for it, as for a throttled link);
 ``HPC_TOOLS_PREFLIGHT_IFNAME_RANK=R:NAME`` gives rank R ``GLOO_SOCKET_IFNAME=NAME`` (one node set differently).
 """
@@ -20,8 +21,11 @@ IFNAME_RANK_ENV = "HPC_TOOLS_PREFLIGHT_IFNAME_RANK"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def _injected(name: str, rank: int) -> bool:
-    return os.environ.get(name, "").strip() == str(rank)
+def _injected(name: str, rank: int, look: int = 0) -> bool:
+    """Whether ``name`` (``R`` or ``R:LOOKS``) injects its fault into ``rank`` at look ``look`` (0: the first)."""
+    spec = os.environ.get(name, "").strip()
+    who, _, looks = spec.partition(":")
+    return who == str(rank) and (not looks or look < int(looks))
 
 
 def _sync(device) -> None:
@@ -31,9 +35,10 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def gemm_tflops(device, precision: str, n: int, slice_s: float, rank: int, max_iters: int = 200) -> float:
+def gemm_tflops(device, precision: str, n: int, slice_s: float, rank: int, max_iters: int = 200,
+                look: int = 0) -> float:
     """TFLOP/s of an ``n`` x ``n`` x ``n`` matrix product at ``precision`` (2 n^3 FLOPs each), the best of the
-    repetitions that fit in ``slice_s`` seconds (at least 3)."""
+    repetitions that fit in ``slice_s`` seconds (at least 3); ``look``: which look of preflight this is."""
     import torch
 
     dtype = getattr(torch, DTYPES.get(precision, "float32"))
@@ -41,7 +46,7 @@ def gemm_tflops(device, precision: str, n: int, slice_s: float, rank: int, max_i
     b = torch.randn(n, n, device=device).to(dtype)
     torch.matmul(a, b)  # warm-up: kernels chosen, memory allocated
     _sync(device)
-    slow = _injected(SLOW_RANK_ENV, rank)
+    slow = _injected(SLOW_RANK_ENV, rank, look)
     best, end, i = float("inf"), time.perf_counter() + slice_s, 0
     while i < 3 or (time.perf_counter() < end and i < max_iters):
         t0 = time.perf_counter()
