@@ -12,17 +12,11 @@ phase() { printf 'hpc_tools test: %-10s %4d s\n' "$1" "$2"; }
 bash "$here/install.sh" || { echo "hpc_tools test: install failed" >&2; exit 1; }
 t_install=$((SECONDS - t0))
 
-# Headless Chromium renders report.html in the report test.
-if ! command -v chromium >/dev/null 2>&1; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-    || echo "hpc_tools test: chromium could not be installed; the report screenshot test will fail" >&2
-fi
-t_tools=$((SECONDS - t0 - t_install))
-
 # The serving environment (a venv with Triton) and Horovod (a C++ build) take minutes on a fresh machine: they install
-# beside the first tests. Each script holds a lock while it installs; the tests that need them run the script again
-# in their set-up (tests/integration/serving_setup.py, test_horovod_train.py), which waits for the lock and then
-# finds the install complete. Both are quick when already there (the Horovod wheel is cached, install-horovod.sh).
+# beside the first tests (and Chromium, below, once the cluster is up). Each script holds a lock while it installs;
+# the tests that need them run the script again in their set-up (tests/integration/serving_setup.py,
+# test_horovod_train.py, test_report_local_sweep.py), which waits for the lock and then finds the install complete.
+# All are quick when already there (the Horovod wheel is cached, install-horovod.sh).
 extras_log="$(mktemp -d)"
 bash "$here/install-serve.sh" > "$extras_log/serve.log" 2>&1 &
 serve_pid=$!
@@ -48,6 +42,11 @@ else
 fi
 t_up=$((SECONDS - t))
 
+# Headless Chromium renders report.html in the report tests: Debian's package, installed beside the tests too, once
+# up.sh's own packages are in (one apt at a time); the browser tests run the script again and wait for its lock.
+bash "$here/install-chromium.sh" > "$extras_log/chromium.log" 2>&1 &
+chromium_pid=$!
+
 t=$SECONDS
 export HPC_TOOLS_REQUIRE_SLURM=1  # Slurm tests fail instead of skipping when the cluster is missing
 # The suite starts thousands of Python processes: let them reuse the bytecode of this checkout.
@@ -64,10 +63,10 @@ t_tests=$((SECONDS - t))
 [ -s "$HPC_TOOLS_TEST_TIMELINE" ] && { python3 -m tests.timeline "$HPC_TOOLS_TEST_TIMELINE" || true; }
 [ "$rc" = 5 ] && { echo "hpc_tools test: pytest collected no tests" >&2; rc=1; }
 
-for extra in serve horovod; do  # how the installs beside the tests ended (their tests fail if they did not)
+for extra in serve horovod chromium; do  # how the installs beside the tests ended (their tests fail if they did not)
   pid_var="${extra}_pid"
   wait "${!pid_var}" || echo "hpc_tools test: install-$extra.sh failed: $(tail -n 3 "$extras_log/$extra.log")" >&2
   echo "hpc_tools test: beside the tests: $(tail -n 1 "$extras_log/$extra.log")"
 done
-phase install "$t_install"; phase tools "$t_tools"; phase cluster-up "$t_up"; phase tests "$t_tests"
+phase install "$t_install"; phase cluster-up "$t_up"; phase tests "$t_tests"
 exit "$rc"
