@@ -9,17 +9,20 @@ cd "$repo"
 t0=$SECONDS
 phase() { printf 'hpc_tools test: %-10s %4d s\n' "$1" "$2"; }
 
-bash "$here/install.sh" || { echo "hpc_tools test: install failed" >&2; exit 1; }
-t_install=$((SECONDS - t0))
-
-# The serving environment (a venv with Triton) and Horovod (a C++ build) take minutes on a fresh machine: they install
-# beside the first tests (and Chromium, below, once the cluster is up). Each script holds a lock while it installs;
-# the tests that need them run the script again in their set-up (tests/integration/serving_setup.py,
-# test_horovod_train.py, test_report_local_sweep.py), which waits for the lock and then finds the install complete.
-# All are quick when already there (the Horovod wheel is cached, install-horovod.sh).
+# The serving environment (a venv with Triton), Horovod (a C++ build) and Chromium take minutes on a fresh machine:
+# they install beside the main install and the first tests. The serving venv needs nothing of the main install and
+# starts at once (pip of the main install leaves a core free); Horovod builds against its torch, after it; Chromium
+# (below) once the cluster's own packages are in. Each script holds a lock while it installs; the tests that need
+# them run the script again in their set-up (tests/integration/serving_setup.py, test_horovod_train.py,
+# test_report_local_sweep.py), which waits for the lock and then finds the install complete. All are quick when
+# already there (the Horovod wheel is cached, install-horovod.sh).
 extras_log="$(mktemp -d)"
 bash "$here/install-serve.sh" > "$extras_log/serve.log" 2>&1 &
 serve_pid=$!
+
+bash "$here/install.sh" || { echo "hpc_tools test: install failed" >&2; exit 1; }
+t_install=$((SECONDS - t0))
+
 bash "$here/install-horovod.sh" > "$extras_log/horovod.log" 2>&1 &
 horovod_pid=$!
 

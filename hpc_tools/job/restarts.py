@@ -26,10 +26,11 @@ What ``next`` does, in order:
    those excluded before, minus the culprit's node when a spare can take its place (``cluster.spare_nodes``); the
    first ``cluster.nodes`` of them that answer a probe step (``srun true`` on each; a crashed node's slurmd may be
    coming back: the probe is retried for up to ``PROBE_WAIT_S``). An elastic job (``cluster.min_nodes``) waits
-   ``ELASTIC_WAIT_S`` only, then goes on with the most nodes that answer among the counts the planner found a layout
-   for (``elastic.json``, written by ``hpc_tools.planner.elastic``), at least ``min_nodes``: the step's counts are
-   exported (``HPC_TOOLS_STEP_NODES``/``_TASKS``) and its ranks train in that count's layout. When the allocation
-   cannot hold the layout (or the fewest nodes of an elastic one), the job is requeued (``scontrol requeue``, with
+   ``ELASTIC_WAIT_S`` only (``HPC_TOOLS_ELASTIC_WAIT_S`` in the job's environment), then goes on with the most
+   nodes that answer among the counts the planner found a layout for (``elastic.json``, written by
+   ``hpc_tools.planner.elastic``), at least ``min_nodes``: the step's counts are exported
+   (``HPC_TOOLS_STEP_NODES``/``_TASKS``) and its ranks train in that count's layout. When the allocation cannot
+   hold the layout (or the fewest nodes of an elastic one), the job is requeued (``scontrol requeue``, with
    ``cluster.requeue``; its next allocation has every node again: the run regrows) and this exits 1.
 5. The record: the manifest's ``restarts`` gets ``{at, cause, rank, node, reason, job_id, restart, nodes,
    from_iteration, time_to_first_step_s, class, decision, why, signature}`` (``from_iteration`` and
@@ -68,6 +69,18 @@ PROBE_WAIT_S = 180.0  # how long a restart waits for a node's slurmd to answer (
 ELASTIC_WAIT_S = 30.0
 PROBE_TIMEOUT_S = 20.0  # one probe step
 STUCK_STEP_S = 20.0  # a rank exited with an error this long ago and the step still runs: cancel it (``watch``)
+# A site sets these two in the job's environment (cluster.setup.env) where its nodes come back sooner or later, or
+# its lost nodes' tasks are known gone at once; the test cluster's elastic test shortens both.
+ELASTIC_WAIT_ENV, STUCK_STEP_ENV = "HPC_TOOLS_ELASTIC_WAIT_S", "HPC_TOOLS_STUCK_STEP_S"
+
+
+def seconds_from(env: dict[str, str], name: str, default: float) -> float:
+    """``env[name]`` as seconds >= 0, else ``default`` (unset, or not a number: the batch script must go on)."""
+    try:
+        value = float(env.get(name, ""))
+    except ValueError:
+        return default
+    return value if value >= 0 else default
 RESTART_LINE = "hpc_tools: restart "  # begins a new step's part of the batch log (the epilogue reads from there)
 
 
@@ -373,7 +386,8 @@ def next_step(run_dir: Path, exit_code: int, env: dict[str, str], prober=probe, 
     silent: set[str] = set()
     before = list(excluded)
     nodes, excluded = choose_nodes(allocation, before, found["node"], need,
-                                   wait_s=min(wait_s, ELASTIC_WAIT_S) if policy.elastic else wait_s, prober=prober,
+                                   wait_s=min(wait_s, seconds_from(env, ELASTIC_WAIT_ENV, ELASTIC_WAIT_S))
+                                   if policy.elastic else wait_s, prober=prober,
                                    say=say, unanswered=silent)
     fewer = None  # an elastic job's node count below the layout's
     for k in (elastic_counts(run.path, policy) if len(nodes) < need else []):
@@ -597,16 +611,18 @@ def rank_steps(job_id: str) -> list[str]:
     return [s for s in out.stdout.split() if s.split(".")[-1].isdigit()] if out.returncode == 0 else []
 
 
-def watch(run_dir: Path, env: dict[str, str], grace_s: float = STUCK_STEP_S, poll_s: float = 1.0,
+def watch(run_dir: Path, env: dict[str, str], grace_s: float | None = None, poll_s: float = 1.0,
           cancel=None) -> str | None:
     """Beside a rank step (the batch shell starts it in the background and stops it when srun returns): when a rank
-    of this start has exited with an error and the step is still running ``grace_s`` later, cancel the step.
+    of this start has exited with an error and the step is still running ``grace_s`` later (default
+    ``HPC_TOOLS_STUCK_STEP_S`` from ``env``, else ``STUCK_STEP_S``), cancel the step.
 
     After a node crash srun waits for the lost node's tasks to report their end, which never comes (measured on the
     test cluster: still waiting minutes after the node's slurmd was back); cancelling the step makes srun give up
     within seconds, and the restart goes on. Returns the line it printed, or None when it had nothing to do."""
     job_id = env.get("SLURM_JOB_ID")
     start = restart_count(env)
+    grace_s = seconds_from(env, STUCK_STEP_ENV, STUCK_STEP_S) if grace_s is None else grace_s
     failed_at = None
     while job_id:
         beats = heartbeat.read_all(run_dir, start)

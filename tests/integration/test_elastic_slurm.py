@@ -1,19 +1,19 @@
 """Elastic training (issue 32 item 1, cluster.min_nodes) on the real 2-node test cluster: a node lost for good, no
 spare, and the run goes on on the node that remains, in the same Slurm job.
 
-Two rendered sbatch scripts run in turn on n1 and n2 (2 ranks each, cluster.min_nodes=1, cluster.restarts=2,
-no spare): `megatron` (recipes/gpt_3d.yaml's local profile: Megatron-core TP2 x PP2, the plain optimizer, whose
-state reshards across TP/PP) and `fsdp` (recipes/llama_fsdp.yaml's local profile: FSDP2 over 4 ranks). Once a job has
-done step FAULT_AT, every process of n2 is killed (slurmd, slurmstepd, the ranks) and n2 stays down until the job
-ends. The job's restart controller gives up on n2 after ELASTIC_WAIT_S and starts a step on n1 alone, whose ranks
-train in the layout the planner chose for one node (the run folder's elastic.json) from the newest checkpoint
-resharded into it. The global batch and the data order are the recipe's, so every loss must stay within LOSS_ATOL of
-an uninterrupted local run of the same recipe (fp32; measured within 5e-7 here), which runs beside the job. Figures
-(the time from the step's end to the first step on fewer nodes) are printed with -s. Preflight is off: here the
-node is lost mid-run (preflight leaving a node out before step 1 is test_preflight_leave_out_ranks.py's); with it on,
-a loaded machine once had it leave n1 out, and n2 was never crashed. (The jobs once ran side by side under one
-crash; the Megatron job then needed 150 steps to be still training when the slower FSDP job reached FAULT_AT,
-several times the CPU of this order.)
+Two rendered sbatch scripts run in turn on n1 and n2 (2 ranks each, cluster.min_nodes=1, cluster.restarts=2, no spare):
+`megatron` (recipes/gpt_3d.yaml's local profile: Megatron-core TP2 x PP2, the plain optimizer, whose state reshards
+across TP/PP) and `fsdp` (recipes/llama_fsdp.yaml's local profile: FSDP2 over 4 ranks). Once a job has done step
+FAULT_AT, every process of n2 is killed (slurmd, slurmstepd, the ranks) and n2 stays down until the job ends. The job's
+restart controller gives up on n2 after WAIT_S (HPC_TOOLS_ELASTIC_WAIT_S; the default is 30 s) and starts a step on n1
+alone, whose ranks train in the layout the planner chose for one node (the run folder's elastic.json) from the newest
+checkpoint resharded into it. The global batch and the data order are the recipe's, so every loss must stay within
+LOSS_ATOL of an uninterrupted local run of the same recipe (fp32; measured within 5e-7 here), which runs beside the job.
+Figures (the time from the step's end to the first step on fewer nodes) are printed with -s. Preflight is off: here the
+node is lost mid-run (preflight leaving a node out before step 1 is test_preflight_leave_out_ranks.py's); with it on, a
+loaded machine once had it leave n1 out, and n2 was never crashed. (The jobs once ran side by side under one crash; the
+Megatron job then needed 150 steps to be still training when the slower FSDP job reached FAULT_AT, several times the CPU
+of this order.)
 """
 
 from __future__ import annotations
@@ -32,11 +32,15 @@ from tests.helpers import loss_curve, run_cli, sbatch_rendered
 from tests.integration.test_restarts_slurm import in_queue, newest_step, sacct_lines
 
 FAULT_AT, EVERY = 12, 5
+WAIT_S = 5  # the restart controller's waits for the lost node and for its tasks (hpc_tools.job.restarts)
 LOSS_ATOL = 1e-4  # the issue's bound; fp32 reductions in another order differ by a few ulps
 COMMON = ["--profile", "local", "--set", "cluster.nodes=2", "--set", "cluster.gpus_per_node=2",
           "--set", "cluster.min_nodes=1", "--set", "cluster.restarts=2", "--set", f"checkpoint.interval_iters={EVERY}",
           "--set", 'cluster.setup.env.OMP_NUM_THREADS="1"',
-          "--set", "cluster.hang_timeout_min=0.5", "--set", "cluster.time_limit=15", "--set", "cluster.preflight=off"]
+          "--set", "cluster.hang_timeout_min=0.5", "--set", "cluster.time_limit=15", "--set", "cluster.preflight=off",
+          # n2 stays down and its tasks never report: waiting for either the default 30 s and 20 s changes nothing
+          "--set", f'cluster.setup.env.HPC_TOOLS_ELASTIC_WAIT_S="{WAIT_S}"',
+          "--set", f'cluster.setup.env.HPC_TOOLS_STUCK_STEP_S="{WAIT_S}"']
 # name -> (recipe, its settings, steps)
 JOBS = {"megatron": ("recipes/gpt_3d.yaml", ["--set", "backend.megatron.distributed_optimizer=false"], 40),
         "fsdp": ("recipes/llama_fsdp.yaml", [], 40)}

@@ -217,6 +217,37 @@ def test_a_step_that_outlives_a_failed_rank_is_cancelled(tmp_path, monkeypatch):
     assert cancelled == ["77.0"] and "rank 0 failed" in line
 
 
+def test_the_stuck_step_wait_comes_from_the_environment(tmp_path, monkeypatch):
+    """HPC_TOOLS_STUCK_STEP_S (a site's setting, cluster.setup.env) replaces STUCK_STEP_S; not a number: the default."""
+    run = run_folder(tmp_path, "cluster.restarts=2")
+    heartbeat.write(run.path, Beat(rank=0, node="n1", pid=1, restart=0, step=12,
+                                   exit={"code": 1, "error": "RuntimeError: Connection closed by peer", "time": 1.0}))
+    monkeypatch.setattr(restarts, "rank_steps", lambda job: ["77.0"])
+    line = restarts.watch(run.path, {**ENV, restarts.STUCK_STEP_ENV: "0.05"}, poll_s=0.01, cancel=lambda s: None)
+    assert line.startswith("the rank step did not end 0 s after rank 0 failed"), line
+    assert restarts.seconds_from({restarts.STUCK_STEP_ENV: "soon"}, restarts.STUCK_STEP_ENV, 20.0) == 20.0
+    assert restarts.seconds_from({restarts.STUCK_STEP_ENV: "-1"}, restarts.STUCK_STEP_ENV, 20.0) == 20.0
+    assert restarts.seconds_from({}, restarts.ELASTIC_WAIT_ENV, 30.0) == 30.0
+
+
+def test_an_elastic_job_waits_for_a_lost_node_as_long_as_its_environment_says(tmp_path, cluster, monkeypatch):
+    """HPC_TOOLS_ELASTIC_WAIT_S bounds the wait for the lost node (the probes' wait) in place of ELASTIC_WAIT_S."""
+    waits = []
+    real = restarts.choose_nodes
+    monkeypatch.setattr(restarts, "choose_nodes",
+                        lambda *a, **k: waits.append(k["wait_s"]) or real(*a, **{**k, "wait_s": 0.0}))
+    cluster["down"] = {"n2"}
+    run = run_folder(tmp_path, "cluster.restarts=2")
+    (run.path / "elastic.json").write_text(json.dumps({"layouts": {"1": []}}))
+    kill_report(run)
+    policy = restarts.Policy(nodes=2, budget=2, requeue=True, min_nodes=1, ranks_per_node=1)
+    for env, want in (({restarts.ELASTIC_WAIT_ENV: "5"}, 5.0), ({}, restarts.ELASTIC_WAIT_S)):
+        waits.clear()
+        restarts.next_step(run.path, 137, {**ENV, **env}, prober=lambda n: n not in cluster["down"],
+                           wait_s=restarts.PROBE_WAIT_S, requeue=lambda job: True, policy=policy)
+        assert waits and waits[0] == want, waits
+
+
 def test_status_lists_the_restarts(tmp_path, cluster, cli):
     run = run_folder(tmp_path, "cluster.restarts=2")
     kill_report(run)
