@@ -69,6 +69,7 @@ PROBE_WAIT_S = 180.0  # how long a restart waits for a node's slurmd to answer (
 ELASTIC_WAIT_S = 30.0
 PROBE_TIMEOUT_S = 20.0  # one probe step
 STUCK_STEP_S = 20.0  # a rank exited with an error this long ago and the step still runs: cancel it (``watch``)
+RESTART_LINE = "hpc_tools: restart "  # begins a new step's part of the batch log (the epilogue reads from there)
 # A site sets these two in the job's environment (cluster.setup.env) where its nodes come back sooner or later, or
 # its lost nodes' tasks are known gone at once; the test cluster's elastic test shortens both.
 ELASTIC_WAIT_ENV, STUCK_STEP_ENV = "HPC_TOOLS_ELASTIC_WAIT_S", "HPC_TOOLS_STUCK_STEP_S"
@@ -81,7 +82,6 @@ def seconds_from(env: dict[str, str], name: str, default: float) -> float:
     except ValueError:
         return default
     return value if value >= 0 else default
-RESTART_LINE = "hpc_tools: restart "  # begins a new step's part of the batch log (the epilogue reads from there)
 
 
 def hostnames(nodelist: str) -> list[str]:
