@@ -47,6 +47,7 @@ t_up=$((SECONDS - t))
 
 # Headless Chromium renders report.html in the report tests: Debian's package, installed beside the tests too, once
 # up.sh's own packages are in (one apt at a time); the browser tests run the script again and wait for its lock.
+export HPC_TOOLS_CHROMIUM_LOCK="$extras_log/chromium.lock"
 bash "$here/install-chromium.sh" > "$extras_log/chromium.log" 2>&1 &
 chromium_pid=$!
 

@@ -19,9 +19,6 @@ import yaml
 
 from tests.helpers import REPO, run_cli
 
-# environment/install-chromium.sh's lock (HPC_TOOLS_CHROMIUM_LOCK there): present once an install has started
-CHROMIUM_LOCK = Path(os.environ.get("HPC_TOOLS_CHROMIUM_LOCK", "/tmp/hpc_tools-install-chromium.lock"))
-
 CHECK_JS = ("<script>window.addEventListener('load',()=>{const imgs=[...document.images];"
             "const ok=imgs.filter(i=>i.complete&&i.naturalWidth>0).length;console.log('IMAGES_OK '+ok+'/'+imgs.length);"
             "document.body.setAttribute('data-images',ok+'/'+imgs.length);});</script>")
@@ -112,9 +109,10 @@ def chromium() -> str | None:
 
 def chromium_or_skip() -> str:
     """The headless browser, else skip the test (fail it in CI, which installs one). Where environment/test.sh is
-    installing it beside the tests (its lock file exists), its script is run again: it waits for that install."""
+    installing it beside the tests (it exports HPC_TOOLS_CHROMIUM_LOCK), its script is run again: it waits for that
+    install."""
     browser = chromium()
-    if browser is None and CHROMIUM_LOCK.exists():
+    if browser is None and os.environ.get("HPC_TOOLS_CHROMIUM_LOCK"):
         subprocess.run(["bash", str(REPO / "environment" / "install-chromium.sh")], capture_output=True, timeout=1200)
         browser = chromium()
     if browser is None:
