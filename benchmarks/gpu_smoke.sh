@@ -3,15 +3,19 @@
 #
 #   bash benchmarks/gpu_smoke.sh --fetch-wheels DIR   # on a machine with network and torch: the wheels to carry
 #   bash benchmarks/gpu_smoke.sh [--wheels DIR] [--out DIR (default $OUT, else a temp folder)] [--dry-run]
+#                                [--only STEP,STEP... (those steps alone: a rerun of what failed)]
 #
 # On the GPU machine (no network): installs what --wheels holds (megatron-core, a pure-Python deepspeed wheel,
 # pydantic and its parts, submitit, transformers...), then runs, each step with its own time limit and log:
-#   env            `hpc_tools doctor`: Python, packages, torch's CUDA, the GPU, NCCL, TE / apex / flash-attn (no
-#                  recipe: `datasets`, which only Hugging Face inputs read, is a warning when absent, not a failure)
+#   env            `hpc_tools doctor` of megatron_save's recipe: Python, the packages that job needs, torch's
+#                  CUDA, the GPU, NCCL, TE / apex / flash-attn (a package only other backends need, Horovod's, Ray's
+#                  or `datasets`, is a warning when absent, not a failure)
 #   moe_local      gpt_moe's local profile on 1 GPU, local layers, unfused attention, 2 steps: the fp32 router's
 #                  GEMM without Transformer Engine (Megatron-core's te_general_gemm is unbound there)
 #   mla_local      the same with multi_latent_attention=true: must be refused in one line (exit 2), not a TypeError
 #   profiling      tests/integration/test_profiling_gpu.py (event timing, memory, NVML)
+#   gpu_units      the fast tier's modules with a CUDA branch (test_prefetch's page-locked batches, test_gpu_path,
+#                  test_gpu_refusals, test_megatron_cpu_compat): they must pass on a GPU machine too
 #   deepspeed      tests/integration/test_deepspeed_gpu.py (ZeRO 1-3, bf16/fp16, NCCL)
 #   fsdp           tests/integration/test_fsdp_gpu.py (FSDP2 bf16 against fp32, HSDP/DDP, NCCL)
 #   megatron_save  gpt_3d local profile on 1 GPU, bf16, local layers, 10 steps, checkpoint at 10
@@ -31,19 +35,23 @@ py="${PYTHON:-python3}"
 out="${OUT:-${TMPDIR:-/tmp}/hpc_tools_gpu_smoke}"
 wheels=""
 dry_run=0
+only=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
     --wheels) wheels="$2"; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
+    --only) only=",$2,"; shift 2 ;;
     --fetch-wheels)
       # What the lent machine lacks (it has torch and transformers): megatron-core (its own wheel, without torch),
       # deepspeed built here as a pure-Python wheel (no ops compiled; torch must be installed here) and, resolved for
       # the GPU machine's Python (PY_VERSION, default 3.12), the pure or manylinux wheels of DeepSpeed's other
       # requirements and of pydantic, submitit and hpc_tools' small requirements (EXTRA_WHEELS adds more).
       dest="$2"; mkdir -p "$dest"
+      # pip matches each manylinux tag exactly: megatron-core 0.16.1 is manylinux_2_24/2_28 only
       target=(--only-binary=:all: --python-version "${PY_VERSION:-3.12}" --platform manylinux2014_x86_64
-              --platform manylinux_2_17_x86_64 -d "$dest")
+              --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_28_x86_64
+              -d "$dest")
       "$py" -m pip download --no-deps "${target[@]}" megatron-core==0.16.1 || exit 1
       # shellcheck disable=SC2086  # EXTRA_WHEELS is a list of requirements
       "$py" -m pip download "${target[@]}" pydantic==2.13.4 submitit==1.5.4 xxhash==4.1.0 Jinja2==3.1.6 \
@@ -73,9 +81,14 @@ print(json.dumps({"step": name, "status": status, "rc": int(rc), "seconds": floa
 PY
 }
 
+selected() {  # whether --only (if given) names this step
+  [ -z "$only" ] || [[ "$only" == *",$1,"* ]]
+}
+
 step() {  # step NAME TIMEOUT_S COMMAND...: run it (unless --dry-run), log it, record it
   local name="$1" limit="$2"; shift 2
   local log="$out/logs/$name.log" start=$SECONDS rc
+  selected "$name" || return 0
   if [ "$dry_run" = 1 ]; then
     printf '%q ' "$@" > "$log"; echo >> "$log"
     record "$name" planned 0 0 "$log"; echo "gpu_smoke: $name planned"; return 0
@@ -89,6 +102,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run it (unless --dry-run), log it, r
 }
 
 skip() {  # skip NAME REASON
+  selected "$1" || return 0
   local log="$out/logs/$1.log"; echo "$2" > "$log"; record "$1" skipped 0 0 "$log"; echo "gpu_smoke: $1 skipped: $2"
 }
 
@@ -105,17 +119,24 @@ MOE=(recipes/gpt_moe.yaml --profile local --set cluster.gpu_type=H100-SXM --set 
      --set backend.megatron.use_flash_attention=false --set training.train_iters=2 --set training.lr_warmup_iters=1
      --set checkpoint.interval_iters=2)
 
+GPU_UNITS=(tests/unit/test_prefetch.py tests/unit/test_gpu_path.py tests/unit/test_gpu_refusals.py
+           tests/unit/test_megatron_cpu_compat.py)
+
 newest_run() { ls -td "$out/runs"/*/ 2>/dev/null | head -1; }
 
 if [ -n "$wheels" ]; then
   step install 900 "$py" -m pip install --no-index --find-links "$wheels" "$wheels"/*.whl
 fi
-step env 300 "$py" -m hpc_tools doctor  # Python, packages, CUDA, driver, NCCL, TE / apex / flash-attn
+# Python, packages, CUDA, driver, NCCL, TE / apex / flash-attn, for the Megatron job below: a bare `doctor` needs
+# every backend's package, Horovod's too, which no step here uses
+step env 300 "$py" -m hpc_tools doctor "${MEGATRON[@]}"
 step moe_local 600 "$py" -m hpc_tools submit "${MOE[@]}" --executor local
 # MLA on local layers: the refusal is the pass (exit 2 and one "error:" line); anything else fails the step
 step mla_local 300 bash -c '"$0" -m hpc_tools submit "$@" --executor local; rc=$?; echo "exit $rc";
   [ "$rc" = 2 ] && [ "$(grep -c "^error:" "$LOG")" = 1 ]' "$py" "${MOE[@]}" --set model.multi_latent_attention=true
 step profiling 900 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_profiling_gpu.py
+# the fast tier's modules that take another branch where CUDA is there (pinned batches, the CUDA configs and refusals)
+step gpu_units 600 "$py" -m pytest -q -n 0 -p no:cacheprovider "${GPU_UNITS[@]}"
 step deepspeed 1800 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_deepspeed_gpu.py
 step fsdp 1800 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_fsdp_gpu.py
 if [ "$dry_run" = 1 ]; then

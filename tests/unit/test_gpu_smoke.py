@@ -8,8 +8,8 @@ import subprocess
 
 from tests.helpers import REPO
 
-STEPS = ["env", "moe_local", "mla_local", "profiling", "deepspeed", "fsdp", "megatron_recipes", "megatron_save",
-         "megatron_resume", "export", "hf_forward", "megatron_gpu", "gpu_mfu"]
+STEPS = ["env", "moe_local", "mla_local", "profiling", "gpu_units", "deepspeed", "fsdp", "megatron_recipes",
+         "megatron_save", "megatron_resume", "export", "hf_forward", "megatron_gpu", "gpu_mfu"]
 
 
 def test_dry_run_plans_every_step_and_writes_the_summary(tmp_path):
@@ -35,6 +35,16 @@ def test_dry_run_plans_every_step_and_writes_the_summary(tmp_path):
                   "--set backend.megatron.use_flash_attention=false", "--set cluster.gpus_per_node=1"):
         assert words in planned["moe_local"] and words in planned["mla_local"], words
     assert "model.multi_latent_attention=true" in planned["mla_local"]
+    assert "doctor recipes/gpt_3d.yaml" in planned["env"]  # the job's own packages: no step here needs Horovod
+    assert "tests/unit/test_prefetch.py" in planned["gpu_units"]
+
+
+def test_only_runs_the_named_steps(tmp_path):
+    out = tmp_path / "smoke"
+    subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_smoke.sh"), "--dry-run", "--only", "env,gpu_units",
+                    "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path, check=True)
+    steps = [s["step"] for s in json.loads((out / "summary.json").read_text())["steps"]]
+    assert steps == ["env", "gpu_units", "megatron_recipes"]  # the dry run's recipe check always runs
 
 
 def test_an_unknown_argument_is_one_line_naming_help(tmp_path):
@@ -48,7 +58,7 @@ def test_pytest_steps_run_without_xdist(tmp_path):
     out = tmp_path / "smoke"
     subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_smoke.sh"), "--dry-run", "--out", str(out)],
                    capture_output=True, text=True, timeout=300, cwd=tmp_path, check=True)
-    for step in ("profiling", "deepspeed", "fsdp", "megatron_gpu"):
+    for step in ("profiling", "gpu_units", "deepspeed", "fsdp", "megatron_gpu"):
         assert " -n 0 " in (out / "logs" / f"{step}.log").read_text(), step
 
 

@@ -71,7 +71,7 @@ def test_a_step_asked_out_of_order_is_built_then_and_a_failure_ahead_raises_at_i
 
 def test_pin_batch_pins_every_tensor_and_keeps_the_rest():
     if not torch.cuda.is_available():
-        pytest.skip("page-locked memory needs CUDA (the GPU tier runs this)")
+        pytest.skip("page-locked memory needs CUDA (benchmarks/gpu_smoke.sh runs this: its gpu_units step)")
     samples, layout = setup()
     batch = pin_batch([{**mb, "poison": True} for mb in microbatches_for_step(samples, 1, 0, layout)])
     assert all(mb["tokens"].is_pinned() and mb["labels"].is_pinned() and mb["poison"] is True for mb in batch)
