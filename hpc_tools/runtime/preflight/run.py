@@ -28,7 +28,7 @@ import socket
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from hpc_tools.runtime.preflight import leave_out, measure
 from hpc_tools.runtime.preflight.bisect import find_slow
@@ -168,6 +168,24 @@ def decide(ctx: "RankContext", report: Report, mode: str) -> None:
     ctx.info("%s; training goes on (cluster.preflight=auto%s)", line, f": {why}" if nodes else "")
 
 
+def look_until_settled(look: Callable[[int], None], mine: RankResult, world: int, deadline: float
+                       ) -> list[list[str]]:
+    """Run ``look(number)`` (this rank's GEMM and memory measurement into ``mine``) until the gathered figures name
+    no node slow, ``SECOND_LOOKS`` more looks are spent, or a rank is past its ``deadline``; per look, the nodes it
+    named slow. Every rank decides from the same gathered data, its peers' clocks included: a rank that decided alone
+    (its own deadline passed, a peer's not) would wait for them at the next collective until the group's timeout."""
+    import torch.distributed as dist
+
+    looks: list[list[str]] = []
+    while True:
+        look(len(looks))
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, (mine, time.perf_counter() > deadline))
+        looks.append([r.node for r in judge([result for result, _ in gathered]) if r.verdict == SLOW])
+        if not looks[-1] or len(looks) > SECOND_LOOKS or any(late for _, late in gathered):
+            return looks
+
+
 def check(ctx: "RankContext", mode: str) -> Report:
     """Every rank measures; every rank returns the same report (rank 0 also writes it and prints the table)."""
     import torch
@@ -227,14 +245,7 @@ def check(ctx: "RankContext", mode: str) -> Report:
             if turns > 1:
                 dist.barrier()
 
-    looks: list[list[str]] = []  # per look, the nodes its figures named slow (the same on every rank)
-    while True:
-        look(len(looks))
-        seen: list[Any] = [None] * world
-        dist.all_gather_object(seen, mine)
-        looks.append([r.node for r in judge(seen) if r.verdict == SLOW])
-        if not looks[-1] or len(looks) > SECOND_LOOKS or time.perf_counter() > deadline:
-            break
+    looks = look_until_settled(look, mine, world, deadline)
 
     if gpu:  # what the driver knows: uncorrected ECC errors, rows to remap, clocks held down
         mine.health = measure.nvml_findings(device)
