@@ -174,16 +174,23 @@ def look_until_settled(look: Callable[[int], None], mine: RankResult, world: int
     no node slow, ``SECOND_LOOKS`` more looks are spent, or a rank is past its ``deadline``; per look, the nodes it
     named slow. Every rank decides from the same gathered data, its peers' clocks included: a rank that decided alone
     (its own deadline passed, a peer's not) would wait for them at the next collective until the group's timeout."""
-    import torch.distributed as dist
-
     looks: list[list[str]] = []
     while True:
         look(len(looks))
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (mine, time.perf_counter() > deadline))
-        looks.append([r.node for r in judge([result for result, _ in gathered]) if r.verdict == SLOW])
-        if not looks[-1] or len(looks) > SECOND_LOOKS or any(late for _, late in gathered):
+        seen, late = gather_with_clocks(mine, world, deadline)
+        looks.append([r.node for r in judge(seen) if r.verdict == SLOW])
+        if not looks[-1] or len(looks) > SECOND_LOOKS or late:
             return looks
+
+
+def gather_with_clocks(mine: RankResult, world: int, deadline: float) -> tuple[list[RankResult], bool]:
+    """Every rank's results, and whether any rank is past its own ``deadline``: the one answer every rank acts on
+    before a step that takes collectives (the ranks' deadlines differ by their start times)."""
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (mine, time.perf_counter() > deadline))
+    return [result for result, _ in gathered], any(past for _, past in gathered)
 
 
 def check(ctx: "RankContext", mode: str) -> Report:
@@ -286,8 +293,7 @@ def check(ctx: "RankContext", mode: str) -> Report:
     figures: dict[frozenset, float | None] = {}
     if "all_reduce" in collectives:
         figures[frozenset(node_names)] = collectives["all_reduce"]["busbw_gbps"]
-    own: list[Any] = [None] * world
-    dist.all_gather_object(own, mine)
+    own, late = gather_with_clocks(mine, world, deadline)
     named_alone = {r.node for r in named(judge(own, peak_tflops=_peak(recipe)))}
     linked = [n for n in node_names if n not in named_alone]
     search = None
@@ -295,7 +301,7 @@ def check(ctx: "RankContext", mode: str) -> Report:
     # healthy pairs there differ by 1.5x, so only a far larger gap names a link
     shared = len({host_of[nodes[n][0]] for n in linked}) < len(linked)
     factor = SHARED_LINK_FACTOR if shared else SLOW_FACTOR
-    if len(linked) > 1 and time.perf_counter() < deadline:
+    if len(linked) > 1 and not late:
         search = find_slow(linked, _RoundRunner(ctx, nodes, nbytes, device, group, figures, inter_exp, host_of,
                                                 factor))
     busbw = {n: _smallest_figure(n, figures) for n in node_names}
