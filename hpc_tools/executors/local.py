@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO
 
 from hpc_tools.registry import RunFolder, now_iso
-from hpc_tools.runtime.distenv import free_port
+from hpc_tools.runtime.distenv import STORE_FD_ENV, free_port, listening_socket
 
 LOCAL_ADDR = "127.0.0.1"
 # Set when this process runs inside a Slurm allocation: a local rank is not a Slurm step and must not look like one.
@@ -134,20 +134,24 @@ def run_ray_local(run: RunFolder, world_size: int, echo: IO[bytes] | None = None
 def _run_ranks(run: RunFolder, world_size: int, echo: IO[bytes] | None, extra_env: dict[str, str],
                poll_s: float, rank_args: tuple[str, ...] = ()) -> tuple[int, dict[int, int]]:
     """One start of every rank: (the first non-zero exit code or 0, the first failing ranks' return codes)."""
-    port = free_port()
+    listener = listening_socket(LOCAL_ADDR)  # held from here to rank 0's store: no other process can take the port
+    port = listener.getsockname()[1]
     run.update(event="launched", state="RUNNING", executor="local", launched=now_iso(), world_size=world_size)
     procs, pumps, logs = [], [], []
-    for rank in range(world_size):
-        env = rank_env(rank, world_size, port, extra_env)
-        log = open(run.logs_dir / f"rank{rank:05d}.out", "ab")
-        logs.append(log)
-        proc = subprocess.Popen(rank_command(run.path, *rank_args), env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        sinks = [log] + ([echo] if echo is not None and rank == 0 else [])
-        pump = threading.Thread(target=_pump, args=(proc.stdout, sinks), daemon=True)
-        pump.start()
-        procs.append(proc)
-        pumps.append(pump)
+    with listener:
+        for rank in range(world_size):
+            env = rank_env(rank, world_size, port, {**extra_env, STORE_FD_ENV: str(listener.fileno())}
+                           if rank == 0 else extra_env)
+            log = open(run.logs_dir / f"rank{rank:05d}.out", "ab")
+            logs.append(log)
+            proc = subprocess.Popen(rank_command(run.path, *rank_args), env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    pass_fds=(listener.fileno(),) if rank == 0 else ())
+            sinks = [log] + ([echo] if echo is not None and rank == 0 else [])
+            pump = threading.Thread(target=_pump, args=(proc.stdout, sinks), daemon=True)
+            pump.start()
+            procs.append(proc)
+            pumps.append(pump)
     run.update(pids=[p.pid for p in procs])  # `hpc_tools cancel` signals these process groups
     code, first_failed = 0, {}
     try:

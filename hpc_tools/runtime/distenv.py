@@ -4,8 +4,10 @@ Who decides the rendezvous (MASTER_ADDR, MASTER_PORT):
 - Slurm jobs: ``slurm_rendezvous`` here: the first host of SLURM_JOB_NODELIST and a port derived from the job id.
   The rendered sbatch script exports it before ``srun`` by running ``python -m hpc_tools.runtime.distenv``; under
   submitit (no script) every rank computes the same values in ``DistEnv.from_environ``.
-- Local runs: ``hpc_tools.executors.local`` picks 127.0.0.1 and one ``free_port()`` (from here) for all its ranks and
-  passes them in the environment, as torchrun would; ``DistEnv.from_environ`` reads them back.
+- Local runs: ``hpc_tools.executors.local`` opens a listening socket on 127.0.0.1 (``listening_socket``), passes its
+  port to every rank and the socket itself to rank 0 (``HPC_TOOLS_STORE_FD``), whose store serves on it
+  (``rendezvous_store``); ``DistEnv.from_environ`` reads them back. A port chosen and let go first (``free_port``)
+  could be taken by any process of the machine before rank 0, a second or two later, bound it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import sys
 from dataclasses import dataclass
 
 PORT_BASE, PORT_SPAN = 20000, 20000
+STORE_FD_ENV = "HPC_TOOLS_STORE_FD"
+"""Rank 0's inherited listening socket (its file descriptor), where the local executor opened it: the store serves
+on it."""
 # Starts of the run before this job (set by `python -m hpc_tools resume`): a resumed job's restarts count on from them.
 RESTART_BASE_ENV = "HPC_TOOLS_RESTART_BASE"
 
@@ -59,6 +64,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def listening_socket(addr: str = "127.0.0.1") -> socket.socket:
+    """A socket listening on a port the kernel chose, inheritable: the launcher keeps the port from the moment it is
+    chosen and hands the socket to rank 0 (``pass_fds`` and ``STORE_FD_ENV``), where ``rendezvous_store`` serves on
+    it."""
+    sock = socket.socket()
+    sock.bind((addr, 0))
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+def rendezvous_store(d: "DistEnv", timeout):
+    """The job's TCPStore, as torch.distributed's env:// rendezvous makes it (rank 0 serves at MASTER_ADDR:PORT, the
+    others connect; multi-tenant), except that rank 0 serves on the socket its launcher opened when it was given one
+    (``STORE_FD_ENV``, taken from the environment here: the processes this rank starts do not inherit the claim)."""
+    import torch.distributed as dist
+
+    fd = os.environ.pop(STORE_FD_ENV, None) if d.rank == 0 else None
+    listen = {"master_listen_fd": int(fd)} if fd else {}
+    return dist.TCPStore(d.master_addr, d.master_port, d.world_size, d.rank == 0, timeout=timeout,
+                         wait_for_workers=False, multi_tenant=True, **listen)
 
 
 def restart_count(env: dict[str, str]) -> int:

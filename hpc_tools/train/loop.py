@@ -96,8 +96,14 @@ def process_group(ctx: "RankContext") -> Iterator[None]:
 
     created = not dist.is_initialized()
     if created:
-        dist.init_process_group(ctx.dist_backend, rank=ctx.rank, world_size=ctx.dist.world_size,
-                                timeout=getattr(ctx, "collective_timeout", None))  # the hang watchdog fires first
+        from datetime import timedelta
+
+        from hpc_tools.runtime.distenv import rendezvous_store
+
+        timeout = getattr(ctx, "collective_timeout", None)  # the hang watchdog fires first
+        store = dist.PrefixStore("default_pg", rendezvous_store(ctx.dist, timeout or timedelta(minutes=30)))
+        dist.init_process_group(ctx.dist_backend, store=store, rank=ctx.rank, world_size=ctx.dist.world_size,
+                                timeout=timeout)
     before = None if created else groups.snapshot()
     try:
         yield

@@ -60,8 +60,13 @@ def test_resume_after_a_killed_rank_gives_the_uninterrupted_losses(tmp_path):
                               stderr=subprocess.PIPE, text=True)
     try:
         run = wait_for(lambda: only_run(runs_dir), timeout_s=120, what="the run folder", poll_s=0.05)
-        wait_for(lambda: rank0_steps(run) >= KILL_AFTER and run.manifest().get("pids"), timeout_s=300,
-                 what=f"step {KILL_AFTER}", poll_s=0.02)
+        def killable() -> bool:
+            if submit.poll() is not None:  # ended before the kill: say how, not "timed out" 300 s later
+                raise AssertionError(f"the run ended before step {KILL_AFTER} (exit {submit.returncode}): "
+                                     f"{submit.stderr.read()[-3000:]}")
+            return rank0_steps(run) >= KILL_AFTER and bool(run.manifest().get("pids"))
+
+        wait_for(killable, timeout_s=300, what=f"step {KILL_AFTER}", poll_s=0.02)
         victim = run.manifest()["pids"][1]
         os.kill(victim, signal.SIGKILL)
         killed_at = rank0_steps(run)

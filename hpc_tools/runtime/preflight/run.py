@@ -357,10 +357,9 @@ def check(ctx: "RankContext", mode: str) -> Report:
 def _store(ctx: "RankContext"):
     """The rendezvous store the process group would make from MASTER_ADDR/PORT (env://), made here first so that
     the ranks can compare their gloo endpoints before the group connects them."""
-    import torch.distributed as dist
+    from hpc_tools.runtime.distenv import rendezvous_store
 
-    return dist.TCPStore(ctx.dist.master_addr, ctx.dist.master_port, ctx.dist.world_size, ctx.rank == 0,
-                         timeout=ctx.collective_timeout or timedelta(minutes=30), wait_for_workers=False)
+    return rendezvous_store(ctx.dist, ctx.collective_timeout or timedelta(minutes=30))
 
 
 def _endpoints_agree(ctx: "RankContext", store, mine: RankResult, mode: str, budget: float) -> str | None:
