@@ -98,7 +98,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from hpc_tools.recipe.checkpoint import CheckpointConfig
-    from hpc_tools.runtime.distenv import DistEnv
+    from hpc_tools.runtime.distenv import DistEnv, join_world
     from hpc_tools.train.checkpointing.agree import gather
     from hpc_tools.train.checkpointing.saver import LOCAL, Saver
 
@@ -107,7 +107,7 @@ def rank_main(args: argparse.Namespace) -> None:
     if "SLURM_PROCID" in os.environ and "NODE_DIR" not in os.environ:
         node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename  # a folder per node: the test cluster's
         os.environ["NODE_DIR"] = f"/tmp/bench-node-replication-{os.environ.get('SLURM_JOB_ID', 'x')}/{node}"
-    dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size)
+    join_world("gloo", env)
     fields = {"local_dir": "$NODE_DIR/ckpt", "local_interval_iters": args.steps, "interval_iters": 0,
               "keep_last": 2, "verify": args.verify, "local_replicate": not args.no_replicate,
               "async_save": args.background}

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from hpc_tools.registry import RunFolder, now_iso
-from hpc_tools.runtime.distenv import RESTART_BASE_ENV, first_host, free_port
+from hpc_tools.runtime.distenv import RESTART_BASE_ENV, STORE_FD_ENV, first_host, free_port, listening_socket
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout (or site-packages) that holds hpc_tools
 GCS_PORT_BASE, DASHBOARD_PORT_BASE, PORT_SPAN = 41000, 51000, 8000
@@ -229,13 +229,18 @@ def rendezvous_only_config(run_dir: str, restart_base: int):
     return RankProgramTorchConfig(run_dir=run_dir, restart_base=restart_base)
 
 
+_HELD: list[socket.socket] = []  # worker 0's rendezvous socket, from its choice until its rank program has it
+
+
 def _address_and_port() -> tuple[str, int]:
+    """Worker 0's address and a port held listening there (every interface: the other nodes' ranks connect), which
+    ``worker_loop`` hands to rank 0's program: no process of the node can take it in between."""
     import ray
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    while _HELD:
+        _HELD.pop().close()
+    _HELD.append(listening_socket(""))
+    return ray.util.get_node_ip_address(), _HELD[0].getsockname()[1]
 
 
 def _set_env(values: dict[str, str]) -> None:
@@ -284,10 +289,15 @@ def worker_loop(config: dict) -> None:
     run = RunFolder(config["run_dir"])
     env = rank_environment(context, dict(os.environ))
     rank = int(env["RANK"])
+    held = _HELD[0] if rank == 0 and _HELD else None  # this actor is worker 0: it chose the port
+    if held is not None:
+        env[STORE_FD_ENV] = str(held.fileno())
     with open(run.logs_dir / f"rank{rank:05d}.out", "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "hpc_tools.runtime.rank", "--run-dir", str(run.path)],
                                 env=env, cwd=config.get("cwd"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=_die_with_parent, pass_fds=(held.fileno(),) if held else ())
+        while _HELD:
+            _HELD.pop().close()  # the rank program holds it now
         sinks = [log] + ([sys.stdout.buffer] if rank == 0 else [])
         pump = threading.Thread(target=_pump, args=(proc.stdout, sinks), daemon=True)
         pump.start()

@@ -89,6 +89,19 @@ def rendezvous_store(d: "DistEnv", timeout):
                          wait_for_workers=False, multi_tenant=True, **listen)
 
 
+def join_world(backend: str, d: "DistEnv | None" = None, timeout=None) -> "DistEnv":
+    """torch.distributed's default process group of this rank (``d``, default: from the environment), as
+    ``init_process_group(backend)`` with env:// makes it (its store behind the "default_pg" prefix), through
+    ``rendezvous_store``: the one way every rank joins, a trainer's or a test harness's."""
+    import torch.distributed as dist
+
+    d = d or DistEnv.from_environ()
+    store = rendezvous_store(d, timeout or dist.constants.default_pg_timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=d.rank,
+                            world_size=d.world_size, **({"timeout": timeout} if timeout else {}))
+    return d
+
+
 def restart_count(env: dict[str, str]) -> int:
     """This start's number within the run (the records' ``restart``): Slurm's requeue count (SLURM_RESTART_COUNT) on
     top of the starts before this job (``HPC_TOOLS_RESTART_BASE``, which ``hpc_tools resume`` sets)."""

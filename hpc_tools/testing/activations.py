@@ -268,7 +268,9 @@ def rank_main() -> None:
     cpu_compat.install()
     cases = [Case(tuple(c["overrides"]), c["role"], c["tensor"], c["sp"])
              for c in json.loads(Path(sys.argv[1]).read_text())]
-    dist.init_process_group("gloo")
+    from hpc_tools.runtime.distenv import join_world
+
+    join_world("gloo")
     results = measure_cases(cases)
     if dist.get_rank() == 0:
         Path(sys.argv[2] + ".json").write_text(json.dumps(results))

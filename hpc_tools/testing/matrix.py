@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(spec["backend"])
+    from hpc_tools.runtime.distenv import join_world
+
+    join_world(spec["backend"])
     results = {}
     for variant in spec["variants"]:
         t0 = time.perf_counter()

@@ -3,8 +3,10 @@
 Every rank gets the environment the local executor gives its ranks (``hpc_tools.executors.local.rank_env``: RANK,
 LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT on a free port, ...), plus this repository on PYTHONPATH so
 ``python -m hpc_tools.testing.<harness>`` resolves. Like ``srun --kill-on-bad-exit``, the first rank that fails, or the
-timeout, stops all the others. A launch whose rendezvous port was taken meanwhile (EADDRINUSE) starts again on
-another port, up to 3 times. Each rank's stdout and stderr go to one log file, read back into the result::
+timeout, stops all the others. The rendezvous port is held from its choice, as the local executor holds it: rank 0
+gets the listening socket (``distenv.listening_socket``), so the ranks join with ``distenv.join_world`` (a rank that
+bound MASTER_PORT itself would find it taken). Each rank's stdout and stderr go to one log file, read back into the
+result::
 
     ranks = spawn_ranks([sys.executable, "-m", "hpc_tools.testing.workload", "comm", "--out", out], 2, check=True)
     ranks[0].log  # rank 0's output
@@ -21,12 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_tools.executors.local import end_groups, rank_env, stop_ranks
-from hpc_tools.runtime.distenv import free_port
+from hpc_tools.runtime.distenv import STORE_FD_ENV, listening_socket
 
 REPO = Path(__file__).resolve().parents[2]
 TAIL_CHARS = 4000
-PORT_CLASH = "EADDRINUSE"  # torch's TCPStore: "... code: -98, name: EADDRINUSE, message: address already in use"
-PORT_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -69,12 +69,7 @@ def spawn_ranks(argv: Sequence[str], world_size: int, *, env: Mapping[str, str] 
         logs.mkdir(parents=True, exist_ok=True)
         path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         extra = {"PYTHONPATH": path, **(env or {})}
-        for attempt in range(1, PORT_ATTEMPTS + 1):
-            ranks, culprit = _launch(argv, world_size, extra, cwd, timeout_s, logs, poll_s)
-            # free_port() lets the port go before rank 0 binds it: a launch beside this one (another pytest-xdist
-            # worker) can take it first. Only then is it worth starting again, on another port.
-            if culprit is None or ranks[culprit].timed_out or not any(PORT_CLASH in r.log for r in ranks):
-                break
+        ranks, culprit = _launch(argv, world_size, extra, cwd, timeout_s, logs, poll_s)
     if check and culprit is not None:
         raise RanksFailed(_describe(argv), ranks, culprit)
     return ranks
@@ -82,16 +77,18 @@ def spawn_ranks(argv: Sequence[str], world_size: int, *, env: Mapping[str, str] 
 
 def _launch(argv: Sequence[str], world_size: int, extra: Mapping[str, str], cwd: str | Path | None,
             timeout_s: float, logs: Path, poll_s: float) -> tuple[list[CompletedRank], int | None]:
-    """One start of every rank on a fresh port, to completion, failure or timeout: (results, first failed rank)."""
-    port = free_port()
+    """One start of every rank, to completion, failure or timeout: (results, first failed rank)."""
     files = [open(logs / f"rank{rank}.log", "wb") for rank in range(world_size)]
     procs: list[subprocess.Popen] = []
     try:
-        for rank, log in enumerate(files):
-            # a session of its own per rank: stop_ranks signals the rank's whole process group
-            procs.append(subprocess.Popen(list(map(str, argv)), env=rank_env(rank, world_size, port, extra),
-                                          cwd=cwd or REPO, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+        with listening_socket() as listener:  # held until rank 0's store serves on it
+            port, fd = listener.getsockname()[1], listener.fileno()
+            for rank, log in enumerate(files):
+                # a session of its own per rank: stop_ranks signals the rank's whole process group
+                env = rank_env(rank, world_size, port, {**extra, STORE_FD_ENV: str(fd)} if rank == 0 else extra)
+                procs.append(subprocess.Popen(list(map(str, argv)), env=env, cwd=cwd or REPO, stdout=log,
+                                              stderr=subprocess.STDOUT, start_new_session=True,
+                                              pass_fds=(fd,) if rank == 0 else ()))
         culprit, timed_out = _wait(procs, time.monotonic() + timeout_s, poll_s)
     finally:
         stop_ranks([p for p in procs if p.poll() is None])  # only on failure, timeout or interrupt

@@ -288,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ.get('RANK')}] %(message)s")
 
-    dist.init_process_group("gloo")
+    from hpc_tools.runtime.distenv import join_world
+
+    join_world("gloo")
     try:
         if args.scenario == "comm":
             result = scenario_comm(args.out, args.steps, args.interval)

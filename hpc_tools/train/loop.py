@@ -96,14 +96,9 @@ def process_group(ctx: "RankContext") -> Iterator[None]:
 
     created = not dist.is_initialized()
     if created:
-        from datetime import timedelta
+        from hpc_tools.runtime.distenv import join_world
 
-        from hpc_tools.runtime.distenv import rendezvous_store
-
-        timeout = getattr(ctx, "collective_timeout", None)  # the hang watchdog fires first
-        store = dist.PrefixStore("default_pg", rendezvous_store(ctx.dist, timeout or timedelta(minutes=30)))
-        dist.init_process_group(ctx.dist_backend, store=store, rank=ctx.rank, world_size=ctx.dist.world_size,
-                                timeout=timeout)
+        join_world(ctx.dist_backend, ctx.dist, getattr(ctx, "collective_timeout", None))  # the watchdog fires first
     before = None if created else groups.snapshot()
     try:
         yield

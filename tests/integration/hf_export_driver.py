@@ -130,7 +130,9 @@ def rank_main(work: Path) -> None:
     from hpc_tools.train.megatron.trainer import MegatronJob, _quiet_megatron
 
     _quiet_megatron()
-    dist.init_process_group("gloo")
+    from hpc_tools.runtime.distenv import join_world
+
+    join_world("gloo")
     tokens = torch.load(work / "tokens.pt")
     results = {}
     for case in CASES:

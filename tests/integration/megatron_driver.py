@@ -152,7 +152,9 @@ def rank_main(out: Path, only: list[str]) -> None:
     from hpc_tools.train.megatron.trainer import _quiet_megatron
 
     _quiet_megatron()
-    dist.init_process_group("gloo")
+    from hpc_tools.runtime.distenv import join_world
+
+    join_world("gloo")
     work = Path(os.environ["MG_DRIVER_WORK"])
     results: dict[str, dict] = {}
     init_dirs = {fam: CheckpointDirs(work / f"init_{fam}") for fam in FAMILIES}

@@ -152,7 +152,9 @@ def rank_main(out: Path) -> None:
         import torch
 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
+    from hpc_tools.runtime.distenv import join_world
+
+    join_world("nccl" if DEVICE == "cuda" else "gloo")
     work = Path(os.environ["MG_DRIVER_WORK"])
     results: dict[str, dict] = {"device": DEVICE, "world": dist.get_world_size()}
     for name, sets in TE_CASES.items():

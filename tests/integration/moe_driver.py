@@ -159,7 +159,9 @@ def gpu_main(out: Path) -> None:
     from hpc_tools.train.megatron import checkpoint
 
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl")
+    from hpc_tools.runtime.distenv import join_world
+
+    join_world("nccl")
     work = Path(os.environ["MG_DRIVER_WORK"])
     results: dict[str, dict] = {}
     inits: dict[str, CheckpointDirs] = {}
@@ -190,7 +192,9 @@ def rank_main(out: Path, only: list[str]) -> None:
     from hpc_tools.train.megatron.trainer import _quiet_megatron
 
     _quiet_megatron()
-    dist.init_process_group("gloo")
+    from hpc_tools.runtime.distenv import join_world
+
+    join_world("gloo")
     work = Path(os.environ["MG_DRIVER_WORK"])
     results: dict[str, dict] = {}
     init = CheckpointDirs(work / "init")

@@ -58,7 +58,9 @@ def rank_main(data: Path, out: Path) -> None:
     from hpc_tools.train.megatron.trainer import _quiet_megatron
 
     _quiet_megatron()
-    dist.init_process_group("gloo")
+    from hpc_tools.runtime.distenv import join_world
+
+    join_world("gloo")
     recipe = megatron_recipe(data)
     layout = ParallelLayout.from_recipe(recipe)
     dirs = CheckpointDirs(out.parent / "ckpt")

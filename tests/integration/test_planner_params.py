@@ -144,7 +144,9 @@ def child() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    from hpc_tools.runtime.distenv import join_world
+
+    join_world("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     out = {}
     for name, recipe, overrides in CASES:

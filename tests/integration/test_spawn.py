@@ -2,22 +2,19 @@
 ~4 s in all).
 
 Every rank gets exactly the environment the local executor gives its ranks (executors.local.rank_env); the first rank
-to fail stops the others at once; a timeout stops all of them; a rendezvous port taken meanwhile (by a launch beside
-this one) is retried on another.
+to fail stops the others at once; a timeout stops all of them; rank 0 serves on the listening socket the spawner held
+from the moment it chose the port.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import time
 
 import pytest
 
 from hpc_tools.executors.local import SLURM_STEP_VARS, rank_env
-from hpc_tools.runtime.distenv import free_port
-from hpc_tools.testing import spawn
 from hpc_tools.testing.spawn import RanksFailed, spawn_ranks
 
 SHOWN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
@@ -65,13 +62,13 @@ def test_timeout_stops_every_rank():
     assert all(r.timed_out and not r.ok and r.returncode < 0 for r in ranks)
 
 
-def test_a_port_taken_before_rank0_binds_it_is_retried_on_another(monkeypatch):
-    with socket.socket() as taken:  # what another xdist worker's launch does between free_port() and rank 0's bind
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        ports = iter([taken.getsockname()[1]])
-        monkeypatch.setattr(spawn, "free_port", lambda: next(ports, None) or free_port())
-        store = "import os, torch.distributed as d; p = int(os.environ['MASTER_PORT']); " \
-                "d.TCPStore('127.0.0.1', p, 1, True, wait_for_workers=False); print('store on', p)"
-        [rank] = spawn_ranks([sys.executable, "-c", store], 1, timeout_s=120, check=True)
-        assert rank.ok and rank.log.split()[-1] != str(taken.getsockname()[1])
+def test_rank_0_gets_the_held_socket_of_master_port_and_serves_the_store_on_it():
+    code = ("import os, socket; from datetime import timedelta; "
+            "from hpc_tools.runtime.distenv import STORE_FD_ENV, DistEnv, rendezvous_store; "
+            "held = socket.socket(fileno=os.dup(int(os.environ[STORE_FD_ENV]))); "
+            "print('held', held.getsockname()[1], 'master', os.environ['MASTER_PORT']); "
+            "s = rendezvous_store(DistEnv.from_environ(), timedelta(seconds=60)); s.set('k', 'v'); "
+            "print('served', s.get('k').decode())")
+    [rank] = spawn_ranks([sys.executable, "-c", code], 1, timeout_s=120, check=True)
+    words = rank.log.split()
+    assert words[words.index("held") + 1] == words[words.index("master") + 1] and words[-1] == "v", rank.log
