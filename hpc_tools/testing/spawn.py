@@ -27,6 +27,7 @@ from hpc_tools.runtime.distenv import STORE_FD_ENV, listening_socket
 
 REPO = Path(__file__).resolve().parents[2]
 TAIL_CHARS = 4000
+PORT_TAKEN = "EADDRINUSE"  # torch's TCPStore: "... code: -98, name: EADDRINUSE, message: address already in use"
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class RanksFailed(RuntimeError):
         self.ranks, self.culprit = ranks, culprit
         codes = [r.returncode for r in ranks]
         why = "timed out" if ranks[culprit].timed_out else f"rank {culprit} exited {codes[culprit]} first"
+        if PORT_TAKEN in ranks[culprit].log:  # the spawner holds MASTER_PORT for rank 0's store
+            why += ("; it bound MASTER_PORT itself, which the spawner holds for it: join with "
+                    "hpc_tools.runtime.distenv.join_world")
         super().__init__(f"{what}: {why} (exit codes {codes}); rank {culprit} log tail:\n"
                          f"{ranks[culprit].log[-TAIL_CHARS:]}")
 

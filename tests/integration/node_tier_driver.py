@@ -115,13 +115,13 @@ def rank_main(out: Path) -> None:
 
     from hpc_tools.checkpoints.dirs import CheckpointDirs
     from hpc_tools.recipe.checkpoint import CheckpointConfig
-    from hpc_tools.runtime.distenv import DistEnv
+    from hpc_tools.runtime.distenv import DistEnv, join_world
     from hpc_tools.train.checkpointing import node_tier
     from hpc_tools.train.checkpointing.resume import resume
     from hpc_tools.train.checkpointing.saver import LOCAL, SHARED, Saver
 
     node_tier.CHUNK = 4096
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    assert join_world("gloo").world_size == WORLD
     infos: list[str] = []
     logged: list[str] = []  # the hpc_tools logger's warnings (rank 0 tells them)
     handler = logging.Handler()

@@ -72,3 +72,10 @@ def test_rank_0_gets_the_held_socket_of_master_port_and_serves_the_store_on_it()
     [rank] = spawn_ranks([sys.executable, "-c", code], 1, timeout_s=120, check=True)
     words = rank.log.split()
     assert words[words.index("held") + 1] == words[words.index("master") + 1] and words[-1] == "v", rank.log
+
+
+def test_a_rank_that_binds_master_port_itself_is_told_to_join_through_join_world():
+    code = ("import os, torch.distributed as d; "
+            "d.TCPStore('127.0.0.1', int(os.environ['MASTER_PORT']), 1, True, wait_for_workers=False)")
+    with pytest.raises(RanksFailed, match="bound MASTER_PORT itself.*join_world"):
+        spawn_ranks([sys.executable, "-c", code], 1, timeout_s=120, check=True)
