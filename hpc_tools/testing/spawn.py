@@ -1,7 +1,7 @@
 """The one local multi-rank spawner of the tests and benchmarks: ``argv`` once per rank, as the local executor would.
 
 Every rank gets the environment the local executor gives its ranks (``hpc_tools.executors.local.rank_env``: RANK,
-LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT on a free port, ...), plus this repository on PYTHONPATH so
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT, ...), plus this repository on PYTHONPATH so
 ``python -m hpc_tools.testing.<harness>`` resolves. Like ``srun --kill-on-bad-exit``, the first rank that fails, or the
 timeout, stops all the others. The rendezvous port is held from its choice, as the local executor holds it: rank 0
 gets the listening socket (``distenv.listening_socket``), so the ranks join with ``distenv.join_world`` (a rank that
