@@ -27,13 +27,14 @@ SLURM_STEP_VARS = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NO
 
 
 def rank_env(rank: int, world_size: int, port: int, extra: Mapping[str, str] | None = None,
-             base: Mapping[str, str] | None = None) -> dict[str, str]:
+             base: Mapping[str, str] | None = None, store_fd: int | None = None) -> dict[str, str]:
     """The environment local rank ``rank`` of ``world_size`` starts with: the one owner of what a local rank gets.
 
     ``base`` (default: this process's environment) without the Slurm step variables, torchrun-style rendezvous on
     127.0.0.1:``port``, one OpenMP thread unless OMP_NUM_THREADS is already set (ranks share this machine's cores),
-    unbuffered output, then ``extra``, then the rank's own RANK / LOCAL_RANK. Used by ``run_local`` and by the test
-    harnesses' spawner (``hpc_tools.testing.spawn``).
+    unbuffered output, then ``extra``, then the rank's own RANK / LOCAL_RANK, and for rank 0 the held rendezvous
+    socket ``store_fd`` (``distenv.listening_socket``; the caller passes it with ``pass_fds``). Used by ``run_local``
+    and by the test harnesses' spawner (``hpc_tools.testing.spawn``).
     """
     source = os.environ if base is None else base
     env = {**source, "MASTER_ADDR": LOCAL_ADDR, "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
@@ -42,6 +43,8 @@ def rank_env(rank: int, world_size: int, port: int, extra: Mapping[str, str] | N
     for key in SLURM_STEP_VARS:
         env.pop(key, None)
     env.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
+    if rank == 0 and store_fd is not None:
+        env[STORE_FD_ENV] = str(store_fd)
     return env
 
 
@@ -140,8 +143,7 @@ def _run_ranks(run: RunFolder, world_size: int, echo: IO[bytes] | None, extra_en
     procs, pumps, logs = [], [], []
     with listener:
         for rank in range(world_size):
-            env = rank_env(rank, world_size, port, {**extra_env, STORE_FD_ENV: str(listener.fileno())}
-                           if rank == 0 else extra_env)
+            env = rank_env(rank, world_size, port, extra_env, store_fd=listener.fileno())
             log = open(run.logs_dir / f"rank{rank:05d}.out", "ab")
             logs.append(log)
             proc = subprocess.Popen(rank_command(run.path, *rank_args), env=env, stdout=subprocess.PIPE,

@@ -237,10 +237,14 @@ def _address_and_port() -> tuple[str, int]:
     ``worker_loop`` hands to rank 0's program: no process of the node can take it in between."""
     import ray
 
-    while _HELD:
-        _HELD.pop().close()
+    _release_held()
     _HELD.append(listening_socket(""))
     return ray.util.get_node_ip_address(), _HELD[0].getsockname()[1]
+
+
+def _release_held() -> None:
+    while _HELD:
+        _HELD.pop().close()
 
 
 def _set_env(values: dict[str, str]) -> None:
@@ -296,8 +300,7 @@ def worker_loop(config: dict) -> None:
         proc = subprocess.Popen([sys.executable, "-m", "hpc_tools.runtime.rank", "--run-dir", str(run.path)],
                                 env=env, cwd=config.get("cwd"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 preexec_fn=_die_with_parent, pass_fds=(held.fileno(),) if held else ())
-        while _HELD:
-            _HELD.pop().close()  # the rank program holds it now
+        _release_held()  # the rank program holds it now
         sinks = [log] + ([sys.stdout.buffer] if rank == 0 else [])
         pump = threading.Thread(target=_pump, args=(proc.stdout, sinks), daemon=True)
         pump.start()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_tools.executors.local import end_groups, rank_env, stop_ranks
-from hpc_tools.runtime.distenv import STORE_FD_ENV, listening_socket
+from hpc_tools.runtime.distenv import listening_socket
 
 REPO = Path(__file__).resolve().parents[2]
 TAIL_CHARS = 4000
@@ -89,7 +89,7 @@ def _launch(argv: Sequence[str], world_size: int, extra: Mapping[str, str], cwd:
             port, fd = listener.getsockname()[1], listener.fileno()
             for rank, log in enumerate(files):
                 # a session of its own per rank: stop_ranks signals the rank's whole process group
-                env = rank_env(rank, world_size, port, {**extra, STORE_FD_ENV: str(fd)} if rank == 0 else extra)
+                env = rank_env(rank, world_size, port, extra, store_fd=fd)
                 procs.append(subprocess.Popen(list(map(str, argv)), env=env, cwd=cwd or REPO, stdout=log,
                                               stderr=subprocess.STDOUT, start_new_session=True,
                                               pass_fds=(fd,) if rank == 0 else ()))
