@@ -15,12 +15,9 @@ taken as they are).
 
 from __future__ import annotations
 
-import collections
 import itertools
 import json
-import multiprocessing
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -30,6 +27,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from hpc_tools.data.inputs import Input, JsonLines, open_input
+from hpc_tools.data.pool import OrderedPool
 from hpc_tools.errors import UserError
 
 BATCH_DOCS = 512
@@ -127,7 +125,7 @@ def prepare(raw_inputs: Sequence[str], out: str, *, tokenizer: str = "byte", tex
                         f"(--tokenizer={tokenizer}) (set model.vocab_size >= {tok.vocab_size} or use another "
                         "tokenizer)")
     _TOKENIZER = tok
-    pool = worker_pool(workers) if workers > 1 else None
+    pool = OrderedPool(encode_batch, workers) if workers > 1 else None
     out_dir = Path(out).expanduser()
     created = not out_dir.exists()
     temporaries: list[Path] = []
@@ -138,32 +136,33 @@ def prepare(raw_inputs: Sequence[str], out: str, *, tokenizer: str = "byte", tex
         for item, prefix in planned:
             tmp = out_dir / f".{prefix.name}.partial-{os.getpid()}"
             temporaries += [bin_path(tmp), idx_path(tmp), _meta(tmp)]
-            done.append(_write_one(item, prefix, tmp, dtype, tok, tokenizer, pool, workers, batch_docs, log))
+            done.append(_write_one(item, prefix, tmp, dtype, tok, tokenizer, pool, batch_docs, log))
         if pool is not None:
             pool.close()  # the workers finish and exit on their own
+            pool = None
     except BaseException:
+        if pool is not None:
+            pool.kill()  # first: a worker's input error, Ctrl-C or a dead worker ends the others at once
+            pool = None
         for path in temporaries:
             path.unlink(missing_ok=True)
         if created and out_dir.is_dir() and not any(out_dir.iterdir()):
             out_dir.rmdir()
         raise
     finally:
-        if pool is not None:
-            pool.terminate()  # after close(): only the workers that have not exited yet get SIGTERM
-            pool.join()
         _TOKENIZER = None
     return done
 
 
-def _write_one(item: Input, prefix: Path, tmp: Path, dtype, tok, spec: str, pool, workers: int, batch_docs: int,
-               log: Callable[[str], None]) -> Prepared:
+def _write_one(item: Input, prefix: Path, tmp: Path, dtype, tok, spec: str, pool: OrderedPool | None,
+               batch_docs: int, log: Callable[[str], None]) -> Prepared:
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     t0 = last = time.perf_counter()
     documents = tokens = 0
     builder = IndexedDatasetBuilder(str(bin_path(tmp)), dtype=dtype)
     batches = item.chunks(batch_docs)
-    results = _bounded_imap(pool, batches, 2 * workers) if pool is not None else map(encode_batch, batches)
+    results = pool.imap(batches) if pool is not None else map(encode_batch, batches)
     for flat, lengths in results:
         start = 0
         for length in lengths.tolist():
@@ -185,41 +184,6 @@ def _write_one(item: Input, prefix: Path, tmp: Path, dtype, tok, spec: str, pool
     os.replace(idx_path(tmp), idx_path(prefix))
     os.replace(_meta(tmp), _meta(prefix))
     return Prepared(str(item.path), str(prefix), documents, tokens, time.perf_counter() - t0)
-
-
-def worker_pool(workers: int):
-    """``workers`` forked processes (forked before torch loads), each with the default SIGTERM (see _worker_start).
-
-    SIGTERM is blocked while the workers are forked, and each worker unblocks it only once its default handler is in
-    place: a worker that ``Pool.terminate`` reached before its initializer ran kept the parent's handler (submitit's,
-    which bypasses it) and then waited on the task queue forever, and so did the pool's join (seen on a loaded
-    machine). A SIGTERM sent to the parent meanwhile stays pending and reaches its own handler right after."""
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    try:
-        return multiprocessing.get_context("fork").Pool(workers, _worker_start)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-
-
-def _worker_start() -> None:
-    """A forked worker inherits its parent's signal handlers. Inside a submitit job that is submitit's SIGTERM handler,
-    which logs "Bypassing signal SIGTERM" and keeps running: ``Pool.terminate`` then waited forever for the worker and
-    the job never ended. A worker dies on SIGTERM, and leaves Ctrl-C to its parent."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked since the fork (worker_pool)
-
-
-def _bounded_imap(pool, batches, ahead: int):
-    """``encode_batch`` over ``batches`` in order, at most ``ahead`` batches in flight (``Pool.imap`` would read the
-    whole input into its queue when the workers fall behind: memory would grow with the corpus)."""
-    pending: collections.deque = collections.deque()
-    for batch in batches:
-        pending.append(pool.apply_async(encode_batch, (batch,)))
-        if len(pending) >= ahead:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
 
 
 def read_meta(prefix: str | Path) -> dict | None:
