@@ -174,7 +174,7 @@ def _run(args: argparse.Namespace) -> int:
                 _say(f"error: {printable(exc.source)}: {printable(str(v))}")
         return exc.exit_code
     except UserError as exc:
-        return _fail(printable(str(exc)), as_json)
+        return _fail(printable(str(exc)), as_json, exc.exit_code)
     except BrokenPipeError:
         raise
     except OSError as exc:  # a path the user named: unreadable, not a directory, read-only, full disk
@@ -186,12 +186,12 @@ def _run(args: argparse.Namespace) -> int:
         return 130
 
 
-def _fail(message: str, as_json: bool) -> int:
+def _fail(message: str, as_json: bool, exit_code: int = UserError.exit_code) -> int:
     if as_json:
         print(json.dumps({"ok": False, "errors": [{"message": message}]}, indent=2))
     else:
         _say(f"error: {message}")
-    return UserError.exit_code
+    return exit_code
 
 
 def _say(line: str) -> None:

@@ -26,8 +26,11 @@ JOIN_TIMEOUT_S = 10.0
 """How long a worker gets to exit after its last item (or after SIGKILL) before it is killed (or given up on)."""
 
 
-class WorkerDied(RuntimeError):
-    """A worker process ended without answering (killed, out of memory, or crashed in native code)."""
+class WorkerDied(UserError):
+    """A worker process ended without answering (killed, out of memory, or crashed in native code): one line, and
+    exit code 1 (not bad input, but nothing a traceback would explain better)."""
+
+    exit_code = 1
 
 
 class OrderedPool:

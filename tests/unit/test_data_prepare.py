@@ -93,6 +93,31 @@ def test_cli_prepares_and_reports(corpus, tmp_path, capsys):
     assert rc == 0 and report["documents"] == 1 and report["tokens"] == 24 and report["tokens_per_s"] > 0
 
 
+def test_a_worker_that_dies_mid_prepare_is_one_line_exit_1_and_nothing_written(corpus, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """A worker killed under the prepare (the OOM killer, a crash in the tokenizer's native code): the command ends
+    at once with one line naming the worker's end, not a hang or a traceback, and leaves nothing behind."""
+    import hpc_tools.data.prepare as prep
+    from hpc_tools.cli import main
+
+    root, _ = corpus
+    real = prep.encode_batch
+
+    def dies_on_a_late_batch(texts):
+        if texts.first > 300:  # a jsonl batch reaches a worker as raw lines from line `first` on
+            os._exit(9)
+        return real(texts)
+
+    monkeypatch.setattr(prep, "encode_batch", dies_on_a_late_batch)
+    out = tmp_path / "o"
+    rc = main(["data", "prepare", str(root / "web.jsonl"), "--text-field", "body", "--out", str(out),
+               "--workers", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1, err
+    assert err[0].startswith("error: worker process ") and err[0].endswith("exited with code 9"), err
+    assert not out.exists(), _snapshot(out)
+
+
 def _snapshot(folder):
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) if folder.exists() else None
 
