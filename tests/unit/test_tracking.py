@@ -256,7 +256,7 @@ def wandb_records(run_file) -> list:
     return records
 
 
-def test_wandb_offline_run_file_holds_the_logged_scalars(tmp_path, monkeypatch):
+def test_wandb_offline_run_file_holds_the_logged_scalars(tmp_path, monkeypatch, caplog):
     """The real wandb package, offline: the run file it writes under RUN/wandb/ holds the recipe, the run's id (the
     run folder's name: a requeued job continues the same W&B run) and tags, and every scalar at its step, as logged
     (W&B takes the NaN); the run is finished."""
@@ -270,13 +270,17 @@ def test_wandb_offline_run_file_holds_the_logged_scalars(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_INIT_TIMEOUT", "300")
     run_dir = tmp_path / RUN_NAME
     recipe = synthetic_recipe(["tracking.tensorboard=false", "tracking.wandb.project=p", "tracking.wandb.tags=[a]"])
+    caplog.set_level(logging.WARNING)  # a tracker that fails warns and switches off: the warning is the failure's cause
     trackers = open_trackers(run_dir, recipe)
-    assert trackers.names == ["W&B"]
+    assert trackers.names == ["W&B"], caplog.text
     for step, scalars in LOGGED.items():
         trackers.log(step, scalars)
+        assert trackers.names == ["W&B"], (step, caplog.text)
     trackers.close()
-    assert trackers.names == []
-    (run_file,) = (run_dir / "wandb").rglob("*.wandb")
+    assert trackers.names == [] and not [r for r in caplog.records if r.name.startswith("hpc_tools")], caplog.text
+    run_files = list((run_dir / "wandb").rglob("*.wandb"))
+    assert len(run_files) == 1, (run_files, sorted(str(p) for p in (run_dir / "wandb").rglob("*")))
+    (run_file,) = run_files
     assert run_file.name == f"run-{RUN_NAME}.wandb"
     records = wandb_records(run_file)
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
@@ -285,7 +289,7 @@ def test_wandb_offline_run_file_holds_the_logged_scalars(tmp_path, monkeypatch):
     assert config["tracking"]["wandb"]["project"] == "p" and config["name"] == recipe.name  # the resolved recipe
     history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item} for r in records
                if r.WhichOneof("record_type") == "history"]
-    assert [h["_step"] for h in history] == list(LOGGED)
+    assert [h["_step"] for h in history] == list(LOGGED), (history, [r.WhichOneof("record_type") for r in records])
     for h, scalars in zip(history, LOGGED.values()):
         want = {TAGS[k]: v for k, v in scalars.items() if v is not None}
         got = {k: v for k, v in h.items() if not k.startswith("_")}
