@@ -109,6 +109,10 @@ class Watchdog:
         self._progress = self._last  # its last progress
         self._started_step: int | None = None  # the first step this start completed (None: still starting)
         self._stop = threading.Event()
+        # one heartbeat write at a time, and none after the exit record: a beat the watcher had serialized before
+        # ``stop`` and renamed after it replaced the exit record, and the restart controller, finding no error, took
+        # an out-of-memory error for a transient exit and restarted (seen once on the loaded test cluster)
+        self._write_lock = threading.Lock()
         self._thread = threading.Thread(target=self._watch, name="hpc_tools-watchdog", daemon=True)
 
     @property
@@ -157,13 +161,17 @@ class Watchdog:
         restart controller classifies an exception by, ``hpc_tools.runtime.rank.exception_record``)."""
         self._stop.set()
         if exit_code is not None:
-            self.beat_record.exit = {"code": exit_code, "error": error, "time": time.time(), **detail}
-            self.beat_record.frame, self.beat_record.collective = "", None
-            heartbeat.write(self.run_dir, self.beat_record)
+            with self._write_lock:  # after a write in flight, and the last one (_refresh)
+                self.beat_record.exit = {"code": exit_code, "error": error, "time": time.time(), **detail}
+                self.beat_record.frame, self.beat_record.collective = "", None
+                heartbeat.write(self.run_dir, self.beat_record)
 
     def _refresh(self) -> None:
-        self.beat_record.frame, self.beat_record.collective = heartbeat.main_thread_frames()
-        heartbeat.write(self.run_dir, self.beat_record)
+        with self._write_lock:
+            if self.beat_record.exit is not None:  # the exit record is this rank's last word
+                return
+            self.beat_record.frame, self.beat_record.collective = heartbeat.main_thread_frames()
+            heartbeat.write(self.run_dir, self.beat_record)
 
     def _watch(self) -> None:
         while not self._stop.wait(CHECK_S):

@@ -250,3 +250,30 @@ def test_an_array_tasks_epilogue_finds_its_run_by_job_id(tmp_path):
     env = {"SLURM_JOB_ID": "130", "SLURM_ARRAY_JOB_ID": "123", "SLURM_ARRAY_TASK_ID": "4"}
     assert find_own_run(tmp_path, env).path == mine.path and find_own_run(mine.path, {}).path == mine.path
     assert find_own_run(tmp_path, {"SLURM_JOB_ID": "7"}) is None
+
+
+def test_the_exit_record_is_the_heartbeats_last_word_even_with_a_beat_in_flight(tmp_path, monkeypatch):
+    """The watcher thread serializes a beat, and its write lands (fsync, rename: slow on a loaded machine) after the
+    main thread wrote the exit record: the file must still hold the exit record, or the restart controller reads
+    "exited without a Python error" and restarts an out-of-memory error (seen on the test cluster). Here the
+    watcher's write is made slow on purpose, and stop() comes while it is in flight."""
+    import profiling.files as files
+    from hpc_tools.runtime import watchdog as wd
+
+    real = files.atomic_write
+    in_flight = threading.Event()
+
+    def slow_from_the_watcher(path, text):
+        if threading.current_thread().name == "hpc_tools-watchdog" and not in_flight.is_set():
+            in_flight.set()
+            time.sleep(1.0)  # the beat is serialized (text): its rename comes after stop() below
+        real(path, text)
+
+    monkeypatch.setattr(files, "atomic_write", slow_from_the_watcher)
+    monkeypatch.setattr(wd, "CHECK_S", 0.05)
+    dog = wd.Watchdog(0, tmp_path, rank=2).start()
+    assert in_flight.wait(30)
+    dog.stop(exit_code=1, error="OutOfMemoryError: CUDA out of memory", types=["OutOfMemoryError"])
+    time.sleep(1.5)  # any write still in flight has landed
+    beat = heartbeat.read_all(tmp_path)[2]
+    assert beat.exit and beat.exit["types"] == ["OutOfMemoryError"], beat
