@@ -61,6 +61,16 @@ def usr2_pending(pid: int) -> bool:
     return any(int(ln.split()[1], 16) & bit for ln in lines if ln.startswith(("SigPnd:", "ShdPnd:")))
 
 
+def signal_lines(pid: int) -> str:
+    """/proc/PID/status's state and signal masks, for a failure message."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError as exc:
+        return f"gone ({exc.strerror})"
+    return " ".join(ln.replace("\t", "") for ln in lines if ln.startswith(("State:", "SigPnd:", "ShdPnd:", "SigIgn:",
+                                                                          "SigCgt:")))
+
+
 def signal_held_ranks(run: RunFolder, job_id: str, world: int) -> None:
     """``scancel --signal=USR2`` once every rank of start 0 wrote its heartbeat (the rank program installs its signal
     handlers before it starts its watchdog), every rank stopped until the signal is pending in each (the test
@@ -71,8 +81,18 @@ def signal_held_ranks(run: RunFolder, job_id: str, world: int) -> None:
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:
-        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, capture_output=True, timeout=30)
-        wait_for(lambda: all(usr2_pending(p) for p in pids), 60, "SIGUSR2 pending in every held rank", poll_s=0.1)
+        # Sent again until it is pending in every rank: once here the signal went 2.5 s after the job started (the
+        # ranks already beating) and never arrived in 60 s (slurmctld logged the request; the step had only just
+        # been launched, and a step slurmstepd does not yet count as running may not be signalled). A second copy of
+        # a pending signal is not queued: each rank still stops once.
+        deadline = time.monotonic() + 120
+        while not all(usr2_pending(p) for p in pids):
+            assert time.monotonic() < deadline, "SIGUSR2 not pending in every held rank after 120 s: " + \
+                ", ".join(f"{p}: {signal_lines(p)}" for p in pids if not usr2_pending(p))
+            subprocess.run(["scancel", "--signal=USR2", job_id], check=True, capture_output=True, timeout=30)
+            until = time.monotonic() + 10
+            while time.monotonic() < until and not all(usr2_pending(p) for p in pids):
+                time.sleep(0.1)
     finally:
         for pid in pids:
             try:
