@@ -15,6 +15,7 @@ taken as they are).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -131,19 +132,16 @@ def prepare(raw_inputs: Sequence[str], out: str, *, tokenizer: str = "byte", tex
     temporaries: list[Path] = []
     done: list[Prepared] = []
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        dtype = token_dtype(tok.vocab_size)
-        for item, prefix in planned:
-            tmp = out_dir / f".{prefix.name}.partial-{os.getpid()}"
-            temporaries += [bin_path(tmp), idx_path(tmp), _meta(tmp)]
-            done.append(_write_one(item, prefix, tmp, dtype, tok, tokenizer, pool, batch_docs, log))
-        if pool is not None:
-            pool.close()  # the workers finish and exit on their own
-            pool = None
+        # the pool ends before the clean-up below: closed when every input is written, killed on any error (a
+        # worker's input error, Ctrl-C, a dead worker), which ends the other workers at once
+        with pool if pool is not None else contextlib.nullcontext():
+            out_dir.mkdir(parents=True, exist_ok=True)
+            dtype = token_dtype(tok.vocab_size)
+            for item, prefix in planned:
+                tmp = out_dir / f".{prefix.name}.partial-{os.getpid()}"
+                temporaries += [bin_path(tmp), idx_path(tmp), _meta(tmp)]
+                done.append(_write_one(item, prefix, tmp, dtype, tok, tokenizer, pool, batch_docs, log))
     except BaseException:
-        if pool is not None:
-            pool.kill()  # first: a worker's input error, Ctrl-C or a dead worker ends the others at once
-            pool = None
         for path in temporaries:
             path.unlink(missing_ok=True)
         if created and out_dir.is_dir() and not any(out_dir.iterdir()):
