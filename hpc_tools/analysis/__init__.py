@@ -1,6 +1,8 @@
 """Post-run analysis: per-run and per-rank metrics from step records, sweep tables, scaling fits, reports.
 
-Pipeline: ``inputs.discover`` (run / sweep folders) -> ``records.read_run`` (per-rank reduction while reading, never
-the whole trace, by ``profiling.figures``, which defines every figure) -> ``metrics`` (tables) -> ``scaling``
-(strong/weak, Amdahl/Gustafson) -> ``report``.
-"""
+Pipeline: ``inputs`` (what to analyse: run / sweep folders) -> ``records`` (a run's records streamed rank file by
+rank file and reduced by ``profiling.figures``, which defines every figure, never the whole trace) -> ``metrics``
+(per-run, per-rank and per-step tables) -> ``scaling`` (strong/weak, Amdahl/Gustafson) -> ``report`` (report.md,
+report.html, ``plots``). ``analyze`` is the one call from folders to every table; ``labels`` tells the runs apart;
+``live`` is a running job's straggler verdict and goodput for ``status``; ``eval_tables`` and ``evaluation`` are the
+scores ``eval`` and the sizes ``quantize`` wrote, as tables and as the report's section."""

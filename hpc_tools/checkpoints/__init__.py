@@ -1,4 +1,5 @@
-"""Checkpoint folders on disk, torch-free: naming and pointers (``dirs``) and what their files must be (``verify``).
+"""Checkpoint folders on disk, torch-free: naming and pointers (``dirs``), what their files must be (``verify``) and
+which saved shard layouts a new layout can load (``reshard``).
 
 Saving and resuming live on the ranks, in ``hpc_tools.train.checkpointing`` (the saver: when, which tier, background
 writes, the commit; the resume: verify, load, fall back); the backends write their files

@@ -1,7 +1,7 @@
 """After training: evaluating a run's checkpoints with lm-evaluation-harness (``eval``) and reducing a model with
 torchao (``quantize``). docs/evaluate-and-quantize.md.
 
-Modules: ``results`` (the files under ``<run>/eval/`` and their reading, light: status and the report read it),
+Modules: ``evaljob`` (``eval``'s work: every check first, then each model in turn or one job array), ``results`` (the files under ``<run>/eval/`` and their reading, light: status and the report read it),
 ``target`` (what a command's RUN_OR_HF_DIR names, its checkpoints and their exports), ``tasks`` (lm-eval's task
 names and --include-path), ``harness`` (one lm-eval run on a Hugging Face folder), ``jobarray`` (the Slurm job array
 of several checkpoints), ``quantize`` (torchao weight-only schemes). Nothing imports torch, transformers or lm_eval at

@@ -1,3 +1,6 @@
-"""The programs that run on every rank, one module (or package) per backend kind, and what they share: the one
-training loop (``loop``), checkpoint folders and resume selection (``checkpoint_dirs``), RNG state (``rng``), data
-(``data``, ``tokenizer``) and the learning-rate schedule (``schedule``)."""
+"""The programs that run on every rank, one package per backend kind (``megatron``, ``deepspeed``, ``fsdp``,
+``horovod``; ``comm_check`` has no model), and what they share: the one training loop (``loop``) and what it needs
+of an engine (``engine``), checkpoints on the ranks (``checkpointing``), RNG state (``rng``), data (``data``, built
+ahead on GPUs by ``prefetch``), the learning-rate schedule (``schedule``), the process groups a job creates
+(``groups``), the Hugging Face causal LM the HF backends share (``hf_causal_lm``) and importing training libraries
+without their unused optional imports (``imports``)."""
