@@ -56,7 +56,8 @@ from profiling.clock import Clock
 from profiling.records import RecordWriter, comm_path, events_path
 from profiling.schema import FIELD_NAMES, SCHEMA_VERSION
 from profiling.stall import StallClock
-from profiling.summary import RankSummary, format_job_line, format_line, merge, write_rank
+from profiling.summary import RankSummary, format_comm_line, format_job_line, merge, write_rank
+from profiling.trace import COMPUTE, DATA, span
 
 SUMMARY_MERGE_WAIT_S = 10.0
 DETAIL_LOGGER = "hpc_tools.detail"
@@ -134,7 +135,7 @@ class _Rss:
 
 
 def _rank0_detail(ctx):
-    """Where the collector's per-window line (comm bandwidth, pipeline wait) goes: rank 0's log file only (the
+    """Where the collector's ``comm`` line (bus bandwidth of sampled collectives) goes: rank 0's log file only (the
     ``DETAIL_LOGGER``, routed by ``hpc_tools.runtime.ranklog``), the console keeping the loop's progress line."""
     return logging.getLogger(DETAIL_LOGGER).info if ctx.is_rank0 else None
 
@@ -198,10 +199,12 @@ class StepCollector:
             self.telemetry = TelemetrySampler(self.records_dir, rank, device_index,
                                               self.cfg.telemetry_interval_s).start()
         tp = self.cfg.torch_profiler
-        if tp.enabled and rank in tp.ranks:
-            from profiling.trace import TraceWindow
+        window = (tp.start_step, tp.num_steps) if tp.enabled and rank in tp.ranks else None
+        if window or self.cfg.trace_sample_interval:
+            from profiling.trace import Traces
 
-            self.trace = TraceWindow(self.run_dir / "profiler", rank, tp.start_step, tp.num_steps, cuda)
+            self.trace = Traces(self.run_dir / "profiler", rank, cuda, window, self.cfg.trace_sample_interval,
+                                self.cfg.warmup_steps)
 
     @classmethod
     def for_rank(cls, ctx, *, tp_rank: int = 0, pp_rank: int = 0, dp_rank: int | None = None) -> "StepCollector":
@@ -269,13 +272,15 @@ class StepCollector:
         """Time the enclosed batch loading as data time (host clock: loading is host work)."""
         t0 = time.perf_counter()
         try:
-            yield
-            if self._delays:  # test-only fault injection (module docstring)
-                time.sleep(self._delays.get("data", 0.0))
+            with span(DATA):  # marked in a recording trace window: the breakdown's data bucket
+                yield
+                if self._delays:  # test-only fault injection (module docstring)
+                    time.sleep(self._delays.get("data", 0.0))
         finally:
             self._data_s += time.perf_counter() - t0
         if self._delays.get("compute"):
-            burn_cpu(self._delays["compute"])
+            with span(COMPUTE):  # injected slow compute is compute to the breakdown, as real slow kernels are
+                burn_cpu(self._delays["compute"])
 
     def end_step(self, step: int, *, loss: float | None = None, lr: float | None = None,
                  grad_norm: float | None = None, skipped: bool | None = None,
@@ -319,10 +324,10 @@ class StepCollector:
         self.summary.add(record, comm_rows)
         if self.trace is not None:
             self.trace.end_step(step)
-        if self.log and step % self.summary_interval == 0:
-            self.log("%s", format_line(step, record["loss"], self.summary.window(self.summary_interval) if
-                                       self.summary.rows else record, self.convention, self.theory_bubble,
-                                       comm_rows, record.get("mem_allocated_max_bytes") or record.get("rss_bytes")))
+        if self.log and step % self.summary_interval == 0:  # the step figures are the progress line's, not here
+            line = format_comm_line(step, comm_rows)
+            if line:
+                self.log("%s", line)
         return record
 
     def add_evaluation(self, step: int, val_loss: float | None, seconds: float) -> None:
@@ -417,5 +422,5 @@ class StepCollector:
         if self.rank == 0:
             job = merge(self.run_dir, self.world_size, wait_s=SUMMARY_MERGE_WAIT_S if self.world_size > 1 else 0.0,
                         restart=self.restart)
-            if self.log and job:  # the job's one summary line: on the console too, unlike the window lines
+            if self.log and job:  # the job's one summary line: on the console too, unlike the comm lines
                 logging.getLogger("hpc_tools").info("summary: %s", format_job_line(job))

@@ -18,6 +18,7 @@ import numpy as np
 from profiling import stragglers as straggler_rules
 from profiling.records import is_constant
 from profiling.schema import fields
+from profiling.units import GB  # the one memory unit, defined in profiling.units; importers of figures.GB keep it
 
 # The record fields the figures read; every one but step and step_time_s is optional. val_loss (schema version 2) is
 # set at evaluation steps only; version-1 files lack it and read as no validation loss.
@@ -27,7 +28,6 @@ COLUMNS = fields("step", "restart", "pp_rank", "step_time_s", "tokens", "data_ti
                  "collective_wait_s", "host_stall_s", "moe_load_imbalance", "moe_aux_loss")
 REQUIRED = fields("step", "step_time_s")
 STRAGGLER_THRESHOLD = straggler_rules.THRESHOLD  # excess busy time (share of the step) that makes a straggler
-GB = 1e9
 
 DEFINITIONS: dict[str, str] = {
     "warm-up": "The first N steps of every start of the job (its first start and each requeue or `resume`, i.e. "

@@ -1,4 +1,5 @@
-"""Run summaries: the line rank 0 prints every ``summary_interval`` steps, and the summary files written at close.
+"""Run summaries: the ``comm`` line rank 0 prints every ``summary_interval`` steps (when that step timed collectives),
+the job's summary line and the summary files written at close.
 
 Each rank writes ``records/summary_rank<R>.json``: this start's header (layout, FLOPs convention, peak, ...) and the
 rank's own figures over this start's records (no collective at close: a rank that fails or a trainer that closes on
@@ -11,40 +12,28 @@ some ranks only cannot hang the others). Rank 0 then waits a few seconds for the
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from array import array
-from collections import deque
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from profiling import figures
-
-# Fields of the periodic line: medians over the last ``summary_interval`` measured steps of this rank.
-WINDOW_MAX = 10_000  # the longest window kept (the line's window is summary_interval steps)
-_WINDOW_FIELDS = ("step_time_s", "data_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "hfu",
-                  "pp_wait_s", "bubble_fraction")
+from profiling import figures, units
+from profiling.units import gb, pct, rate, seconds_per_step
 
 
 def summary_rank_path(records_dir: Path, rank: int) -> Path:
     return Path(records_dir) / f"summary_rank{rank:05d}.json"
 
 
-def _median(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
 class RankSummary:
-    """This rank's records of this start, reduced at the end by ``profiling.figures``; the window of the periodic line
-    skips the warm-up steps by the same rule (``figures.is_warmup``)."""
+    """This rank's records of this start, reduced at the end by ``profiling.figures``; the sampled collectives of
+    its warm-up steps (``figures.is_warmup``) are left out."""
 
     def __init__(self, warmup_steps: int, header: dict[str, Any]):
         self.warmup_steps = warmup_steps
         self.header = {**header, "warmup_steps": warmup_steps}
-        self.rows: deque[dict[str, Any]] = deque(maxlen=WINDOW_MAX)  # the last measured steps, for the line
         self._columns = {c: array("d") for c in figures.COLUMNS}  # 8 bytes a value: a long run stays small
         self._comm: list[dict[str, Any]] = []
         self.first_step: int | None = None
@@ -57,13 +46,7 @@ class RankSummary:
             values.append(np.nan if value is None else value)
         if figures.is_warmup(record["step"], self.first_step, self.warmup_steps):
             return
-        self.rows.append({k: record.get(k) for k in _WINDOW_FIELDS})
         self._comm += [{**row, "step": record["step"], "restart": record.get("restart", 0)} for row in comm_rows or ()]
-
-    def window(self, n: int) -> dict[str, Any]:
-        """Medians over the last ``n`` measured steps (for the periodic summary line)."""
-        rows = list(self.rows)[-n:]
-        return {k: _median([r[k] for r in rows]) for k in _WINDOW_FIELDS}
 
     def to_dict(self) -> dict[str, Any]:
         """Header, this rank's figures over this start (``figures.RankFigures``) and its sampled collectives."""
@@ -80,54 +63,36 @@ class RankSummary:
         return out
 
 
-def format_line(step: int, loss: float | None, w: dict[str, Any], convention: str, theory_bubble: float | None,
-                comm_rows: list[dict[str, Any]] | None = None, mem_bytes: int | None = None) -> str:
-    """``step 20 | loss 4.1 | 0.120 s/step (data 1%) | 8.5k tok/s, 2.1k/gpu | 0.3 TFLOP/s/gpu | MFU - ...``."""
-    parts = [f"step {step}"]
-    if loss is not None:
-        parts.append(f"loss {loss:.4f}")
-    st = w.get("step_time_s")
-    if st:
-        data = w.get("data_time_s")
-        parts.append(f"{st:.3f} s/step" + (f" (data {100 * data / st:.0f}%)" if data else ""))
-        parts.append(f"{_k(w['tokens_per_s'])} tok/s, {_k(w['tokens_per_s_per_gpu'])}/gpu")
-    if w.get("tflops_per_gpu") is not None:
-        mfu, hfu = w.get("mfu"), w.get("hfu")
-        pct = (f"MFU {100 * mfu:.1f}% HFU {100 * hfu:.1f}%" if mfu is not None else "MFU n/a (unknown peak)")
-        parts.append(f"{w['tflops_per_gpu']:.3g} TFLOP/s/gpu, {pct} [{convention}]")
-    if mem_bytes:
-        parts.append(f"mem {mem_bytes / 2**30:.2f} GiB")
-    if w.get("bubble_fraction") is not None:
-        theory = figures.bubble_share_theory(theory_bubble)
-        parts.append(f"pp wait {100 * w['bubble_fraction']:.0f}%"
-                     + (f" (theory {100 * theory:.0f}%)" if theory is not None else ""))
-    for row in comm_rows or ():
-        if row["kind"] != "p2p" and row.get("busbw_gbps") is not None:
-            parts.append(f"{row['kind']}x{row['group_size']} {row['busbw_gbps']:.2f} GB/s busbw")
-    return " | ".join(parts)
+def format_comm_line(step: int, comm_rows: list[dict[str, Any]] | None) -> str | None:
+    """``comm at step 20: all_reduce x4 1.23 GB/s busbw, all_gather x2 0.80 GB/s busbw``: the bus bandwidth of the
+    collectives timed on a sampled step, the one thing the progress line (``hpc_tools.runtime.progress``) does not
+    carry; None when none was timed."""
+    rows = [r for r in comm_rows or () if r["kind"] != "p2p" and r.get("busbw_gbps") is not None]
+    if not rows:
+        return None
+    return f"comm at step {step}: " + ", ".join(f"{r['kind']} x{r['group_size']} {r['busbw_gbps']:.2f} GB/s busbw"
+                                                for r in rows)
 
 
 def format_job_line(job: dict[str, Any]) -> str:
-    """The one line rank 0 logs at the end: ``2 ranks | 0.1234 s/step | ... | MFU 41.0% | pp wait per stage ...``."""
+    """The one line rank 0 logs at the end, the run's figures as ``summary.json`` holds them:
+    ``2 ranks | 0.123 s/step | 1.74k tok/s (870/gpu) | 0.3 TFLOP/s/gpu [megatron] | MFU 41.0 % | peak 0.39 GB``."""
     st, mfu = job.get("step_time_median_s"), job.get("mfu")
-    parts = [f"{job['world_size']} ranks", f"{st:.4f} s/step" if st else "no steps after warm-up"]
+    parts = [f"{job['world_size']} ranks", seconds_per_step(st) + " (median)" if st else "no steps after warm-up"]
     if job.get("tokens_per_s"):
-        parts.append(f"{job['tokens_per_s']:.0f} tok/s ({job['tokens_per_s_per_gpu']:.0f}/gpu)")
+        parts.append(f"{rate(job['tokens_per_s'])} tok/s ({rate(job['tokens_per_s_per_gpu'])}/gpu)")
     if job.get("tflops_per_gpu") is not None:
         parts.append(f"{job['tflops_per_gpu']:.3g} TFLOP/s/gpu [{job.get('flops_convention')}]")
-        parts.append(f"MFU {100 * mfu:.1f}%" if mfu is not None else "MFU n/a (unknown peak)")
+        parts.append(f"MFU {pct(mfu)}" if mfu is not None else "MFU n/a (unknown peak)")
+    peak = job.get("peak_mem_gb")
+    if peak is not None:
+        parts.append(f"peak {gb(peak * units.GB)} ({job.get('peak_mem_kind')})")
     if job.get("bubble_share_per_stage"):
-        stages = ", ".join(f"{k}: {100 * v:.0f}%" for k, v in job["bubble_share_per_stage"].items())
+        stages = ", ".join(f"{k}: {pct(v, 0)}" for k, v in job["bubble_share_per_stage"].items())
         theory = job.get("bubble_share_theory")
-        parts.append(f"pp wait per stage {stages}, bubble {100 * job['bubble_share']:.0f}% of the step"
-                     + (f" (theory {100 * theory:.0f}%)" if theory is not None else ""))
+        parts.append(f"pp wait per stage {stages}, bubble {pct(job['bubble_share'], 0)} of the step"
+                     + (f" (theory {pct(theory, 0)})" if theory is not None else ""))
     return " | ".join(parts)
-
-
-def _k(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
 
 
 def write_rank(records_dir: Path, rank: int, summary: dict[str, Any]) -> Path:

@@ -2,12 +2,17 @@
 
 The progress line (plain text, one line, in the rank's log and on the console of a foreground ``submit``)::
 
-    step 20/30 loss 5.6544 val 5.7012 tok/s 1.6k TFLOP/s 0.000576 MFU n/a mem 0.40 GB elapsed 0:00:12 eta 0:00:03
+    step 20/30 loss 5.6544 val 5.7012 lr 3.00e-04 grad 1.25 tok/s 1.74k (436/gpu) TFLOP/s/gpu 0.000576 MFU n/a
+    mem 0.40 GB elapsed 0:00:12 eta 0:00:03
 
-Rates (tok/s, TFLOP/s, MFU) are over the steps since the previous line: total tokens (FLOPs) over total step time,
-so a slow step weighs what it cost. ``mem`` is the peak allocated device memory (GPU) or the resident set size
-(CPU). The ETA is the mean step time of this start's steps after its first (which pays the warm-up) times the steps
-left, plus the evaluations still due at their mean cost. The newest line is also written to ``progress.json`` in the
+(one line; wrapped here). It is the rank log's only line per interval with these figures; the collector adds a
+``comm`` line of bus bandwidths on sampled steps only (``profiling.summary.format_comm_line``). ``lr`` and ``grad``
+(the gradient norm before clipping) are the newest step's; rates (tok/s, TFLOP/s, MFU, and ``pp wait``, the share of
+the step rank 0 waited on pipeline neighbours, on pipelined runs) are over the steps since the previous line: total
+tokens (FLOPs, wait) over total step time, so a slow step weighs what it cost. ``mem`` is the peak allocated device
+memory (GPU) or the resident set size (CPU). Units: ``profiling.units`` (GB = 1e9 bytes). The ETA is the mean step
+time of this start's steps after its first (which pays the warm-up) times the steps left, plus the evaluations still
+due at their mean cost. The newest line is also written to ``progress.json`` in the
 run folder (``status`` reads it: ``read_progress``), atomically and only at log lines.
 """
 
@@ -21,25 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from profiling.units import gb, hms, pct, rate, sci
+
 log = logging.getLogger("hpc_tools")
 
 PROGRESS_FILE = "progress.json"
 STARTUP_PHASES = ("imports", "process group", "model build", "checkpoint load", "first step")
 
 
-def hms(seconds: float | None) -> str:
-    """``h:mm:ss`` (``-`` when unknown)."""
-    if seconds is None or seconds != seconds or seconds < 0:
-        return "-"
-    s = int(round(seconds))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-
-def _si(x: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.3g}{unit}"
-    return f"{x:.3g}"
+__all__ = ["PROGRESS_FILE", "STARTUP_PHASES", "ProgressMeter", "StartupLog", "hms", "read_progress",
+           "write_progress"]
 
 
 class StartupLog:
@@ -122,6 +118,13 @@ class ProgressMeter:
             tokens = sum(float(r.get("tokens") or 0.0) for r in w)
             if tokens:
                 out["tokens_per_s"] = tokens / dt
+                world = _world(last)
+                if world:
+                    out["tokens_per_s_per_gpu"] = out["tokens_per_s"] / world
+            waits = [(float(r["pp_wait_s"]), float(r.get("step_time_s") or 0.0)) for r in w
+                     if r.get("pp_wait_s") is not None]
+            if waits and sum(t for _, t in waits) > 0:
+                out["pp_wait_share"] = sum(v for v, _ in waits) / sum(t for _, t in waits)
             for key in ("tflops_per_gpu", "mfu"):  # rates: weighted by step time = total work / total time
                 vals = [(float(r[key]), float(r.get("step_time_s") or 0.0)) for r in w if r.get(key) is not None]
                 if vals:
@@ -138,20 +141,28 @@ class ProgressMeter:
     def line(self, step: int) -> tuple[str, dict[str, float]]:
         """The progress line of ``step`` and its scalars; starts the next window."""
         s = self.scalars()
-        parts = [f"step {step}/{self.total}"]
-        parts.append(f"loss {s['loss']:.4f}" if "loss" in s else "loss -")
+        parts = [f"step {step}/{self.total}", f"loss {s['loss']:.4f}" if "loss" in s else "loss -"]
         if "val_loss" in s:
             parts.append(f"val {s['val_loss']:.4f}")
-        parts.append(f"tok/s {_si(s['tokens_per_s'])}" if "tokens_per_s" in s else "tok/s -")
-        parts.append(f"TFLOP/s {s['tflops_per_gpu']:.3g}" if "tflops_per_gpu" in s else "TFLOP/s -")
-        parts.append(f"MFU {100 * s['mfu']:.1f}%" if "mfu" in s else "MFU n/a")
-        mem = s.get("mem_allocated_max_bytes", s.get("rss_bytes"))
-        parts.append(f"mem {mem / 1e9:.2f} GB" if mem is not None else "mem -")
+        parts += [f"lr {sci(s.get('lr'))}", f"grad {sci(s.get('grad_norm'))}"]
+        tps = f"tok/s {rate(s.get('tokens_per_s'))}"
+        parts.append(tps + (f" ({rate(s['tokens_per_s_per_gpu'])}/gpu)" if "tokens_per_s_per_gpu" in s else ""))
+        parts.append(f"TFLOP/s/gpu {s['tflops_per_gpu']:.3g}" if "tflops_per_gpu" in s else "TFLOP/s/gpu -")
+        parts.append(f"MFU {pct(s['mfu'])}" if "mfu" in s else "MFU n/a")
+        if "pp_wait_share" in s:
+            parts.append(f"pp wait {pct(s['pp_wait_share'])}")
+        parts.append(f"mem {gb(s.get('mem_allocated_max_bytes', s.get('rss_bytes')))}")
         age = process_age_s()
         elapsed = age if age is not None else time.time() - self.started
         parts.append(f"elapsed {hms(elapsed)} eta {hms(self.eta_s(step))}")
         self._window = []
         return " ".join(parts), s
+
+
+def _world(record: dict[str, Any]) -> int | None:
+    """The world size a step record implies (its tokens/s over its tokens/s per GPU), None when it does not say."""
+    tps, per_gpu = record.get("tokens_per_s"), record.get("tokens_per_s_per_gpu")
+    return round(tps / per_gpu) if tps and per_gpu else None
 
 
 def write_progress(run_dir: Path, step: int, total: int, line: str, scalars: dict[str, float],

@@ -16,8 +16,8 @@ from pathlib import Path
 from hpc_tools.tracking.trackers import TENSORBOARD_DIR, clean_scalars
 
 # The record fields drawn, under the tags of hpc_tools.tracking.trackers.TAGS.
-SERIES = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "step_time_s",
-          "mem_allocated_max_bytes", "rss_bytes")
+SERIES = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu",
+          "step_time_s", "mem_allocated_max_bytes", "rss_bytes")
 
 
 def step_series(records_dir: Path) -> tuple[list[int], list[float], dict[str, list[float | None]]]:

@@ -32,9 +32,11 @@ TAGS = {
     "lr": "optim/lr",
     "grad_norm": "optim/grad_norm",
     "tokens_per_s": "throughput/tokens_per_s",
+    "tokens_per_s_per_gpu": "throughput/tokens_per_s_per_gpu",
     "tflops_per_gpu": "throughput/tflops_per_gpu",
     "mfu": "throughput/mfu",
     "step_time_s": "time/step_time_s",
+    "pp_wait_share": "time/pp_wait_share",
     "mem_allocated_max_bytes": "memory/allocated_max_bytes",
     "rss_bytes": "memory/rss_bytes",
 }

@@ -16,7 +16,8 @@ from tests.helpers import REPO, run_cli, step_records
 
 pytestmark = pytest.mark.slow
 
-PROGRESS = re.compile(r"step (\d+)/6 loss \d+\.\d{4}( val (\d+\.\d{4}))? tok/s \S+ TFLOP/s \S+ MFU \S+ mem \S+ GB "
+PROGRESS = re.compile(r"step (\d+)/6 loss \d+\.\d{4}( val (\d+\.\d{4}))? lr \S+ grad \S+ tok/s \S+ \(\S+/gpu\) "
+                      r"TFLOP/s/gpu \S+ MFU (\S+ %|n/a)( pp wait \S+ %)? mem \S+ GB "
                       r"elapsed \d+:\d\d:\d\d eta (\d+:\d\d:\d\d|-)$")
 SETS = ["training.train_iters=6", "training.eval_interval=3", "training.eval_iters=2", "training.log_interval=2",
         "checkpoint.interval_iters=0"]

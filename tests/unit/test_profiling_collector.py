@@ -13,7 +13,7 @@ from profiling import comm
 from profiling.clock import Clock
 from profiling.records import RecordWriter, comm_path, compact_rank, jsonl_path
 from profiling.schema import FIELD_NAMES, REQUIRED, STEP_FIELDS, arrow_schema, validate_record
-from profiling.summary import format_line, merge, write_rank
+from profiling.summary import format_comm_line, format_job_line, merge, write_rank
 
 SAMPLE = {"int": 7, "float": 1.5, "str": "x", "bool": True}
 
@@ -174,12 +174,21 @@ def test_merge_job_summary_reduces_the_records(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["step_time_median_s"] == 1.2
 
 
-def test_summary_line_names_convention_and_unknown_peak():
-    w = {"step_time_s": 0.5, "data_time_s": 0.05, "tokens_per_s": 20000.0, "tokens_per_s_per_gpu": 2500.0,
-         "tflops_per_gpu": 123.0, "mfu": None, "hfu": None, "bubble_fraction": 0.2}
-    line = format_line(10, 3.25, w, "korthikanti", 0.25)
-    assert line.startswith("step 10 | loss 3.2500 | 0.500 s/step (data 10%) | 20.0k tok/s, 2.5k/gpu")
-    assert "MFU n/a (unknown peak) [korthikanti]" in line and "pp wait 20% (theory 20%)" in line
+def test_comm_line_has_only_bandwidths_and_job_line_the_runs_figures_in_one_unit():
+    """The collector's periodic line carries what the progress line does not (bus bandwidth of sampled collectives),
+    nothing when no collective was timed; the job line: the run's median figures, memory in GB, shares in percent."""
+    rows = [{"kind": "all_reduce", "group_size": 4, "busbw_gbps": 1.234}, {"kind": "p2p", "group_size": 2,
+                                                                           "busbw_gbps": 9.0}]
+    assert format_comm_line(10, rows) == "comm at step 10: all_reduce x4 1.23 GB/s busbw"
+    assert format_comm_line(10, None) is None and format_comm_line(10, rows[1:]) is None
+    job = {"world_size": 4, "step_time_median_s": 0.294, "tokens_per_s": 1741.0, "tokens_per_s_per_gpu": 435.25,
+           "tflops_per_gpu": 123.0, "mfu": None, "flops_convention": "korthikanti", "peak_mem_gb": 0.3912,
+           "peak_mem_kind": "rss", "bubble_share_per_stage": {"0": 0.31, "1": 0.2}, "bubble_share": 0.2,
+           "bubble_share_theory": 0.2}
+    line = format_job_line(job)
+    assert line.startswith("4 ranks | 0.294 s/step (median) | 1.74k tok/s (435/gpu) | 123 TFLOP/s/gpu [korthikanti]")
+    assert "MFU n/a (unknown peak)" in line and "peak 0.39 GB (rss)" in line and "GiB" not in line, line
+    assert "pp wait per stage 0: 31 %, 1: 20 %, bubble 20 % of the step (theory 20 %)" in line, line
 
 
 def test_disabled_collector_writes_nothing(tmp_path):

@@ -18,13 +18,15 @@ from hpc_tools.train import loop
 from profiling.records import RecordWriter, jsonl_path, read_columns
 from profiling.schema import FIELD_NAMES, SCHEMA_VERSION
 
-LINE_RE = re.compile(r"^step (\d+)/(\d+) loss \S+( val \S+)? tok/s \S+ TFLOP/s \S+ MFU \S+ mem \S+( GB)? "
+LINE_RE = re.compile(r"^step (\d+)/(\d+) loss \S+( val \S+)? lr \S+ grad \S+ tok/s \S+( \(\S+/gpu\))? "
+                     r"TFLOP/s/gpu \S+ MFU (\S+ %|n/a)( pp wait \S+ %)? mem (\S+ GB|-) "
                      r"elapsed \d+:\d\d:\d\d eta (\d+:\d\d:\d\d|-)$")
 
 
 def record(step: int, dt: float = 0.5, **extra) -> dict:
     return {"step": step, "step_time_s": dt, "tokens": 1000, "tflops_per_gpu": 2.0, "mfu": 0.25, "loss": 3.0 / step,
-            "rss_bytes": 2 * 10**9, **extra}
+            "rss_bytes": 2 * 10**9, "tokens_per_s": 1000 / dt, "tokens_per_s_per_gpu": 250 / dt, "lr": 3e-4 / step,
+            "grad_norm": 1.25 * step, **extra}
 
 
 def test_progress_line_is_one_line_with_every_field_and_rates_over_the_window():
@@ -32,13 +34,15 @@ def test_progress_line_is_one_line_with_every_field_and_rates_over_the_window():
     meter.add(record(1, dt=9.0), 1, 3.0)  # the first step (warm-up) is left out of the ETA
     line, scalars = meter.line(1)
     assert LINE_RE.match(line) and "\n" not in line, line
-    assert line.startswith("step 1/10 loss 3.0000 tok/s 111 ") and " eta -" in line, line
+    assert line.startswith("step 1/10 loss 3.0000 lr 3.00e-04 grad 1.25 tok/s 111 (27.8/gpu) "), line
+    assert " eta -" in line, line
     meter.add(record(2, dt=1.0), 2, 1.5)
     meter.add(record(3, dt=3.0, tflops_per_gpu=6.0), 3, 1.0)
     meter.add_eval(3, 2.25, 2.0)
     line, scalars = meter.line(3)
     assert LINE_RE.match(line), line
-    assert " val 2.2500 " in line and "MFU 25.0%" in line and "mem 2.00 GB" in line, line
+    assert " val 2.2500 " in line and "MFU 25.0 %" in line and "mem 2.00 GB" in line, line
+    assert " lr 1.00e-04 grad 3.75 " in line and " tok/s 500 (125/gpu) " in line, line  # the newest step's lr, norm
     assert scalars["tokens_per_s"] == pytest.approx(2000 / 4.0)  # total tokens over total time, not a mean of rates
     assert scalars["tflops_per_gpu"] == pytest.approx((2.0 * 1 + 6.0 * 3) / 4)
     assert scalars["val_loss"] == 2.25 and scalars["loss"] == 1.0
@@ -47,6 +51,22 @@ def test_progress_line_is_one_line_with_every_field_and_rates_over_the_window():
     meter.add(record(4), 4, 0.9)
     line, scalars = meter.line(4)
     assert " val " not in line and "val_loss" not in scalars  # only on the line of the evaluation's window
+    assert " pp wait " not in line and "pp_wait_share" not in scalars  # no pipeline: no wait figure
+
+
+def test_progress_line_pipeline_wait_and_unknowns_and_units_from_one_owner():
+    """A pipelined run's line carries its wait share over the window; a record without lr, norm, FLOPs or memory
+    prints dashes; every quantity is in profiling.units' unit (GB, %, one line)."""
+    meter = ProgressMeter(first=1, total=4)
+    meter.add(record(1, dt=1.0, pp_wait_s=0.5), 1, 1.0)
+    meter.add(record(2, dt=3.0, pp_wait_s=0.5), 2, 1.0)
+    line, scalars = meter.line(2)
+    assert LINE_RE.match(line), line
+    assert scalars["pp_wait_share"] == pytest.approx(1.0 / 4.0) and " pp wait 25.0 % " in line, line
+    meter.add({"step": 3, "step_time_s": 1.0}, 3, None)
+    line, _ = meter.line(3)
+    assert LINE_RE.match(line), line
+    assert " lr - grad - tok/s - TFLOP/s/gpu - MFU n/a mem - " in line and "GiB" not in line, line
 
 
 def test_hms_and_startup_phases_logged_once_each():
