@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hpc_tools.cli._common import add_json, add_runs_dir, emit_json
+from hpc_tools.cli._common import add_json, add_runs_dir, emit_json, whole_number
 
 NAME = "analyze"
 ORDER = 60
@@ -19,7 +19,7 @@ def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments `analyze` and `report` share."""
     p.add_argument("refs", nargs="+", metavar="RUN_OR_SWEEP",
                    help="run folders, sweep folders, folders of runs, run ids or Slurm job ids")
-    p.add_argument("--warmup", type=int, default=None, metavar="N",
+    p.add_argument("--warmup", type=whole_number(0, what="warm-up steps"), default=None, metavar="N",
                    help="warm-up steps of every start excluded from the figures (default: profiling.warmup_steps)")
     p.add_argument("--scaling", choices=["auto", "strong", "weak", "none"], default=None,
                    help="how to read the runs as a scaling series (default: the sweep's setting, else auto)")

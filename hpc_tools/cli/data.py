@@ -7,7 +7,7 @@ import contextlib
 import sys
 import time
 
-from hpc_tools.cli._common import add_json, emit_json, say
+from hpc_tools.cli._common import COUNT, add_json, emit_json, say
 
 NAME = "data"
 HELP = "prepare training data: local jsonl/parquet/text files -> Megatron indexed datasets (.bin/.idx)"
@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="`byte` or a local Hugging Face tokenizer folder (default: the --recipe's data.tokenizer, "
                            "else byte)")
     prep.add_argument("--text-field", default="text", help="jsonl/parquet/dataset field holding the text (text)")
-    prep.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
+    prep.add_argument("--workers", type=COUNT, default=1, help="tokenizer processes (default 1)")
     prep.add_argument("--recipe", default=None,
                       help="recipe to check against: its tokenizer by default, and model.vocab_size must hold it")
     prep.add_argument("--overwrite", action="store_true", help="replace prepared datasets of the same name")
@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     prep.add_argument("--partition", default=None,
                       help="Slurm partition for --executor slurm (default: the recipe's cluster.partition; a CPU "
                            "partition is the usual choice)")
-    prep.add_argument("--time-min", type=int, default=120, help="time limit of the Slurm job in minutes (120)")
+    prep.add_argument("--time-min", type=COUNT, default=120, help="time limit of the Slurm job in minutes (120)")
     prep.add_argument("--no-wait", action="store_true",
                       help="with --executor slurm: print the job id and return instead of waiting for the job")
     add_json(prep)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from hpc_tools.cli._common import RUN_REF, add_json, add_runs_dir, emit_json, say
+from hpc_tools.cli._common import COUNT, RUN_REF, add_json, add_runs_dir, emit_json, say
 
 NAME = "eval"
 ORDER = 62
@@ -20,16 +20,6 @@ unquantized ones (iter_NNNNNNN-SCHEME.json). Local tasks: lm-eval YAML files und
 a site's dataset cache: HF_DATASETS_CACHE. With --executor slurm, the checkpoints are one job array (one task each);
 --render writes its script without submitting it.
 """
-
-
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (give a count of 1 or more)") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is below 1 (give a count of 1 or more)")
-    return value
 
 
 def iteration_list(text: str) -> list[int]:
@@ -49,12 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated (e.g. hellaswag,arc_easy)")
     p.add_argument("--include-path", default=None, metavar="DIR",
                    help="lm-eval's --include-path: a folder of task YAML files (local tasks over local data)")
-    p.add_argument("--limit", type=positive, default=None, metavar="N", help="at most N examples per task")
+    p.add_argument("--limit", type=COUNT, default=None, metavar="N", help="at most N examples per task")
     p.add_argument("--iterations", type=iteration_list, default=None, metavar="I1,I2,...",
                    help="evaluate these checkpoints of the run (default: the newest verified one)")
     p.add_argument("--executor", choices=["local", "slurm"], default="local",
                    help="local: evaluate here, one checkpoint after another; slurm: one job array (default local)")
-    p.add_argument("--batch-size", type=positive, default=1, metavar="N", help="lm-eval's batch size (default 1)")
+    p.add_argument("--batch-size", type=COUNT, default=1, metavar="N", help="lm-eval's batch size (default 1)")
     p.add_argument("--render", action="store_true",
                    help="with --executor slurm: write the job array's script under <run>/eval/, submit nothing")
     add_runs_dir(p)

@@ -7,7 +7,7 @@ import contextlib
 import sys
 
 from hpc_tools import backends
-from hpc_tools.cli._common import add_json, add_run_ref, add_runs_dir, emit_json, say
+from hpc_tools.cli._common import STEP, add_json, add_run_ref, add_runs_dir, emit_json, say
 
 NAME = "export"
 # Read from the source for the command list: a literal (tests/unit/test_cli_help.py checks it names every backend
@@ -31,7 +31,7 @@ ORDER = 60
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_ref(p)
     p.add_argument("--out", required=True, help="folder for the model (new or empty, unless --overwrite)")
-    p.add_argument("--step", type=int, default=None, help="export this checkpoint step (default: the newest)")
+    p.add_argument("--step", type=STEP, default=None, help="export this checkpoint step (default: the newest)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (once the new folder is done)")
     add_runs_dir(p)
     add_json(p)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hpc_tools.cli._common import add_json, add_runs_dir, emit_json
+from hpc_tools.cli._common import COUNT, add_json, add_runs_dir, emit_json, real_number, whole_number
 
 NAME = "generate"
 ORDER = 63
@@ -23,9 +23,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=None, help="prompt text")
     p.add_argument("--ids", default=None, help="prompt as comma-separated token ids (instead of --prompt)")
     p.add_argument("--file", default=None, help="JSON-lines file of prompts, sent as concurrent requests")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above 0: sampling")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight with --file (default 8)")
+    p.add_argument("--max-tokens", type=whole_number(0, what="tokens to generate"), default=32,
+                   help="tokens to generate per prompt (default 32)")
+    p.add_argument("--temperature", type=real_number(0.0, what="a temperature"), default=0.0,
+                   help="0 (default): greedy; above 0: sampling")
+    p.add_argument("--concurrency", type=COUNT, default=8, help="requests in flight with --file (default 8)")
     add_runs_dir(p)
     add_json(p)
 
@@ -40,10 +42,6 @@ def run(args: argparse.Namespace) -> int:
     given = [x for x in ("prompt", "ids", "file") if getattr(args, x) is not None]
     if len(given) != 1:
         raise UserError("give exactly one of --prompt TEXT, --ids 1,2,3 or --file prompts.jsonl")
-    if args.max_tokens < 0:
-        raise UserError(f"--max-tokens={args.max_tokens} must be 0 or more")
-    if args.temperature < 0:
-        raise UserError(f"--temperature={args.temperature} must be 0 (greedy) or more")
     bodies, shown = [], []
     if args.file:
         path = Path(args.file)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hpc_tools.cli._common import add_json, add_runs_dir, emit_json
+from hpc_tools.cli._common import COUNT, add_json, add_runs_dir, emit_json
 
 NAME = "list"
 ORDER = 70
@@ -13,7 +13,7 @@ REASON_WIDTH = 100
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--limit", type=int, default=50, help="show the newest N runs (default 50)")
+    p.add_argument("--limit", type=COUNT, default=50, help="show the newest N runs (default 50)")
     add_runs_dir(p)
     add_json(p)
 

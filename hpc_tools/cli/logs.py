@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from hpc_tools.cli._common import add_run_ref, add_runs_dir
+from hpc_tools.cli._common import add_run_ref, add_runs_dir, whole_number
 
 NAME = "logs"
 ORDER = 50
@@ -19,7 +19,7 @@ HELP = "print a run's log (rank 0's, or the whole batch log its ranks share); -f
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_ref(p, latest=True)
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the run ends")
-    p.add_argument("--rank", type=int, default=None,
+    p.add_argument("--rank", type=whole_number(0, what="a rank"), default=None,
                    help="only this rank's output: its own log file, or its labelled lines (`N: ...`) of a batch log "
                         "the ranks share (default: rank 0's file, or the whole batch log)")
     add_runs_dir(p)

@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hpc_tools.cli._common import add_json, add_recipe_args, add_runs_dir, emit_json, say
+from hpc_tools.cli._common import (
+    COUNT,
+    add_json,
+    add_recipe_args,
+    add_runs_dir,
+    emit_json,
+    real_number,
+    say,
+    whole_number,
+)
 from hpc_tools.errors import UserError
 
 NAME = "plan"
@@ -36,8 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default=None, metavar="KINDS",
                    help="with --search: rank these backend kinds together (a comma list, e.g. megatron,deepspeed,fsdp, "
                         "or all), each checked with the recipe rules; default: the recipe's backend.kind only")
-    p.add_argument("--top", type=int, default=5, metavar="K", help="configurations to show with --search (default 5)")
-    p.add_argument("--losers", type=int, default=5, metavar="N",
+    p.add_argument("--top", type=COUNT, default=5, metavar="K", help="configurations to show with --search (default 5)")
+    p.add_argument("--losers", type=whole_number(0, what="runners-up"), default=5, metavar="N",
                    help="runners-up to explain after the top K with --search (default 5)")
     p.add_argument("--calibrate", nargs="+", metavar="RUN", default=None,
                    help="run folders to compare with their predictions; fits and stores the efficiency per cluster "
@@ -46,16 +55,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="calibration file (default $HPC_TOOLS_CALIBRATION or ~/.config/hpc_tools/calibration.json)")
     p.add_argument("--no-calibration", action="store_true", help="ignore the stored calibration")
     p.add_argument("--no-save", action="store_true", help="with --calibrate: report the fit without storing it")
-    p.add_argument("--headroom", type=float, default=None, metavar="GB",
+    p.add_argument("--headroom", type=real_number(0.0, what="GB"), default=None, metavar="GB",
                    help="GPU memory to keep free beyond the plan (allocator fragmentation, NCCL buffers); sets "
                         "cluster.memory_headroom_gb (default 5%% of the GPU memory + 1 GB)")
-    p.add_argument("--efficiency", type=float, default=None, metavar="E",
+    p.add_argument("--efficiency", type=real_number(0.0, 1.0, "a fraction of peak", above=True), default=None,
+                   metavar="E",
                    help="fraction of peak FLOP/s the compute reaches (overrides calibration)")
-    p.add_argument("--measure", type=int, default=None, metavar="K",
+    p.add_argument("--measure", type=COUNT, default=None, metavar="K",
                    help="with --search: run the top K as a short sweep (a Slurm job array, or locally one after "
                         "another with the local profile), rank them by measured step time, show predicted vs "
                         "measured and store the fitted efficiency (unless --no-save)")
-    p.add_argument("--measure-steps", type=int, default=None, metavar="N",
+    p.add_argument("--measure-steps", type=COUNT, default=None, metavar="N",
                    help="measured steps per candidate with --measure, after profiling.warmup_steps warm-up steps "
                         "(default 5)")
     p.add_argument("--executor", choices=["auto", "slurm", "local"], default="auto",

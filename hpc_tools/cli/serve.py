@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import argparse
 
-from hpc_tools.cli._common import add_json, add_runs_dir, emit_json, say
+from hpc_tools.cli._common import (
+    COUNT,
+    PORT,
+    SECONDS,
+    add_json,
+    add_runs_dir,
+    emit_json,
+    real_number,
+    say,
+    whole_number,
+)
 
 NAME = "serve"
 ORDER = 62
@@ -33,14 +43,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="local process group, or a Slurm job on a node of its own (default: slurm when Slurm "
                         "answers, else local)")
     p.add_argument("--time", default="1:00", metavar="H:MM", help="time limit of the serving job (default 1:00)")
-    p.add_argument("--http-port", type=int, default=8000, help="HTTP port (default 8000, Triton's; 0: any free)")
-    p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001, Triton's; 0: any free)")
+    p.add_argument("--http-port", type=PORT, default=8000, help="HTTP port (default 8000, Triton's; 0: any free)")
+    p.add_argument("--grpc-port", type=PORT, default=8001, help="gRPC port (default 8001, Triton's; 0: any free)")
     p.add_argument("--partition", default=None, help="Slurm partition (default: the cluster's default)")
-    p.add_argument("--gpus", type=int, default=0, help="GPUs of the Slurm node to request (--engine vllm needs >= 1)")
-    p.add_argument("--mem", type=float, default=None, metavar="GB",
+    p.add_argument("--gpus", type=whole_number(0, 1024, what="GPUs of one node"), default=0,
+                   help="GPUs of the Slurm node to request (--engine vllm needs >= 1)")
+    p.add_argument("--mem", type=real_number(0.0, what="GB of memory", above=True), default=None, metavar="GB",
                    help="memory to request for the job (Slurm --mem) and to check the model against")
-    p.add_argument("--max-batch-size", type=int, default=8, help="largest batch Triton's dynamic batcher forms")
-    p.add_argument("--ready-timeout", type=float, default=600, metavar="S",
+    p.add_argument("--max-batch-size", type=COUNT, default=8, help="largest batch Triton's dynamic batcher forms")
+    p.add_argument("--ready-timeout", type=SECONDS, default=600, metavar="S",
                    help="seconds to wait for readiness (a pending Slurm job counts); the job is cancelled after")
     add_runs_dir(p)
     add_json(p)
@@ -56,11 +67,6 @@ def run(args: argparse.Namespace) -> int:
         from hpc_tools.executors.slurm import slurm_available
 
         args.executor = "slurm" if slurm_available()[0] else "local"
-    for flag, port in (("--http-port", args.http_port), ("--grpc-port", args.grpc_port)):
-        if not 0 <= port <= 65535:
-            raise UserError(f"{flag}={port} is not a port (0-65535; 0: any free one)")
-    if args.max_batch_size < 1:
-        raise UserError(f"--max-batch-size={args.max_batch_size} must be at least 1")
     opts = job.ServeOptions(engine=args.engine, executor=args.executor, time=args.time, http_port=args.http_port,
                             grpc_port=args.grpc_port, partition=args.partition, gpus=args.gpus, mem_gb=args.mem,
                             max_batch_size=args.max_batch_size, ready_timeout_s=args.ready_timeout)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpc_tools.cli._common import add_json, add_recipe_args, add_runs_dir, emit_json, say
+from hpc_tools.cli._common import COUNT, add_json, add_recipe_args, add_runs_dir, emit_json, say
 
 NAME = "submit"
 ORDER = 30
@@ -39,10 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "world (files the recipe names, the live partition)")
     p.add_argument("--auto", action="store_true",
                    help="let the planner choose the layout (see `python -m hpc_tools plan --search`)")
-    p.add_argument("--measure", type=int, default=None, metavar="K",
+    p.add_argument("--measure", type=COUNT, default=None, metavar="K",
                    help="with --auto: run the planner's top K for a few steps first (as `plan --search --measure K`) "
                         "and submit the one with the fastest measured step time")
-    p.add_argument("--measure-steps", type=int, default=None, metavar="N",
+    p.add_argument("--measure-steps", type=COUNT, default=None, metavar="N",
                    help="measured steps per candidate with --measure, after the warm-up steps (default 5)")
     p.add_argument("--dry-run", action="store_true", help="validate and print the script; write and submit nothing")
     add_runs_dir(p)

@@ -83,8 +83,8 @@ def _start(args, recipe_path: str) -> int:
     from hpc_tools.sweep.runner import create_sweep, require_cells, submit_cells, summary
 
     raw = read_yaml(recipe_path)
-    # A dry run for Slurm lists the cells without asking a controller (plan on a laptop, submit on the cluster).
-    executor, note = ("slurm", "") if args.dry_run and args.executor == "slurm" else choose_executor(args.executor)
+    # A dry run submits nothing, so it never asks a controller (plan on a laptop, or during a controller outage).
+    executor, note = choose_executor(args.executor, dry_run=args.dry_run)
     profile = args.profile or ("local" if executor == "local" and raw.get("local") is not None else None)
     plan = expand(raw, args.overrides, profile, recipe_path)
     check_world(plan, slurm=executor == "slurm" and not args.dry_run)  # the files it names; the live partition

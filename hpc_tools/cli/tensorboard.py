@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from hpc_tools.cli._common import add_json, add_runs_dir, emit_json, say
+from hpc_tools.cli._common import PORT, add_json, add_runs_dir, emit_json, say
 
 NAME = "tensorboard"
 ORDER = 62
@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--write-only", action="store_true", help="write the event files; print no command")
     mode.add_argument("--launch", action="store_true",
                       help="then start TensorBoard on them (needs the tensorboard package)")
-    p.add_argument("--port", type=int, default=6006, help="port for the printed or launched command (default 6006)")
+    p.add_argument("--port", type=PORT, default=6006, help="port for the printed or launched command (default 6006)")
     add_runs_dir(p)
     add_json(p)
 
