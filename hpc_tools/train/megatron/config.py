@@ -247,16 +247,16 @@ even). Megatron-LM's default."""
 def context_options(layout: "ParallelLayout", plan) -> dict:
     """TransformerConfig's context-parallel fields: the size, and with CP > 1 the K/V exchange of TE's attention
     (megatron-core's ``TEDotProductAttention`` passes ``cp_group``, ``cp_global_ranks`` and ``cp_comm_type`` to TE;
-    its local ``DotProductAttention`` asserts ``context_parallel_size == 1``, so local layers are refused in one
-    line)."""
+    its local ``DotProductAttention`` asserts ``context_parallel_size == 1`` and torch's SDPA has no K/V ring either,
+    so local layers, ``sdpa`` or ``unfused``, are refused in one line)."""
     if layout.context_size == 1:
         return {"context_parallel_size": 1}
     if not plan.transformer_engine:
         from hpc_tools.errors import UserError
 
         raise UserError(f"parallel.context_size={layout.context_size} needs Transformer Engine's attention, but this "
-                        f"rank builds {plan.layers} layers (run on GPUs with transformer_engine, or set "
-                        "parallel.context_size: 1)")
+                        f"rank builds {plan.layers} layers with {plan.path} attention, which has no context "
+                        "parallelism (run on GPUs with transformer_engine, or set parallel.context_size: 1)")
     return {"context_parallel_size": layout.context_size, "cp_comm_type": CP_COMM_TYPE}
 
 

@@ -16,23 +16,37 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class LayerPlan:
-    """What a rank's layers run on: ``layers`` (``transformer_engine`` | ``local``) and ``attention`` (mcore's
-    ``AttnBackend`` name: ``auto`` = Transformer Engine chooses among its flash, cuDNN fused and unfused attention at
-    the first forward, ``unfused`` inside TE, ``local`` = Megatron's unfused DotProductAttention, O(s^2) memory),
-    ``flash_style`` (the attention keeps no s^2 tensor: TE's ``auto`` on 16-bit inputs, where TE has a flash or fused
-    kernel), plus a note when the plan is not what the recipe's words suggest. Named on the start line."""
+    """What a rank's layers run on: ``layers`` (``transformer_engine`` | ``local``), ``attention`` (mcore's
+    ``AttnBackend`` name, which sets TE's ``NVTE_*_ATTN`` variables: ``auto`` = Transformer Engine chooses among its
+    flash, cuDNN fused and unfused attention at the first forward, ``unfused`` inside TE, ``local`` = the local
+    layers), ``path`` (the attention path the run gets, named on the start line and by ``doctor``: ``sdpa`` = the
+    local layers' core attention on torch's ``scaled_dot_product_attention`` (``sdpa_attention.SDPAttention``),
+    ``te-flash|te-fused`` = TE's flash or cuDNN fused attention, chosen by TE at the first forward (the trainer then
+    names the one it chose), ``unfused`` = O(s^2) attention, TE's or Megatron's own ``DotProductAttention``),
+    ``flash_style`` (the attention keeps no s^2 tensor: TE's ``auto`` and SDPA on a GPU, in 16-bit), plus a note when
+    the plan is not what the recipe's words suggest."""
 
     layers: str
     attention: str
     note: str = ""
     flash_style: bool = False
+    path: str = "unfused"
 
     @property
     def transformer_engine(self) -> bool:
         return self.layers == "transformer_engine"
 
+    @property
+    def sdpa(self) -> bool:
+        """The local layers' core attention is ``SDPAttention`` (torch's scaled_dot_product_attention)."""
+        return self.path == SDPA
+
     def describe(self) -> str:
-        return f"layers={self.layers}, attention={self.attention}" + (f" ({self.note})" if self.note else "")
+        return f"layers={self.layers}, attention={self.path}" + (f" ({self.note})" if self.note else "")
+
+
+SDPA, TE_AUTO, UNFUSED = "sdpa", "te-flash|te-fused", "unfused"
+"""The attention paths of ``LayerPlan.path`` (the planner's names: ``hpc_tools/backends.py`` ``attention_path``)."""
 
 
 def module_available(name: str) -> bool:
@@ -71,16 +85,19 @@ def version_at_least(version: str | None, least: tuple[int, ...]) -> bool:
 
 
 FP32_NOTE = "fp32: Transformer Engine's flash and fused attention take bf16/fp16 only, TE runs its unfused O(s^2) one"
+CPU_NOTE = "CPU: Transformer Engine is CUDA-only"
+NO_TE_NOTE = "transformer_impl=auto: transformer_engine not importable, local layers"
 
 
 def layer_plan(recipe: "Recipe", device_type: str, *, te_available: bool | None = None) -> LayerPlan:
-    """The layer implementation and attention backend for this recipe on this device.
+    """The layer implementation and attention path for this recipe on this device.
 
-    On a GPU, a recipe that asks for what this node cannot give fails with one line instead of running slowly:
-    ``transformer_impl: transformer_engine`` without TE, or ``use_flash_attention: true`` without TE (the local
-    layers only have unfused attention). ``auto`` without TE and without flash falls back to the local layers and
-    says so. On CPU the local layers with unfused attention always run (TE and flash attention are CUDA-only):
-    allowed, documented in docs/gpu-path.md. ``te_available`` overrides the probe (tests).
+    ``use_flash_attention: true`` (the default) on the local layers -- ``transformer_impl: local``, ``auto`` on a
+    node without TE, and every CPU rank -- runs their core attention on torch's ``scaled_dot_product_attention``
+    (path ``sdpa``: flash, cuDNN or memory-efficient kernels on a GPU; on CPU torch's flash kernel for CPU, or its
+    math kernel with attention dropout), so the CPU tests run the GPU's code; ``false`` keeps Megatron's unfused
+    ``DotProductAttention``. On a GPU, ``transformer_impl: transformer_engine`` without TE fails with one line
+    instead of running slowly. ``te_available`` overrides the probe (tests).
 
     With TE and ``use_flash_attention: true`` the attention backend is ``auto``, TE's own choice, never a pinned
     ``flash``/``fused``: megatron-core turns the other TE backends off for a pinned one (``NVTE_*_ATTN=0``,
@@ -92,29 +109,24 @@ def layer_plan(recipe: "Recipe", device_type: str, *, te_available: bool | None 
     from hpc_tools.errors import UserError
 
     mg = recipe.backend.megatron
+    sixteen = recipe.training.precision != "fp32"
     if device_type != "cuda":
-        note = "" if mg.transformer_impl == "local" else "CPU: Transformer Engine and flash attention are CUDA-only"
-        return LayerPlan("local", "local", note)
+        note = "" if mg.transformer_impl == "local" else CPU_NOTE
+        return LayerPlan("local", "local", note, path=SDPA if mg.use_flash_attention else UNFUSED)
     te = module_available("transformer_engine") if te_available is None else te_available
-    if mg.transformer_impl == "local":
-        if mg.use_flash_attention:
-            raise UserError("backend.megatron.use_flash_attention=true needs Transformer Engine layers but "
-                            "transformer_impl=local (set transformer_impl: auto or use_flash_attention: false)")
-        return LayerPlan("local", "local")
-    if not te:
+    if mg.transformer_impl == "local" or not te:
         if mg.transformer_impl == "transformer_engine":
             raise UserError("backend.megatron.transformer_impl=transformer_engine but transformer_engine is not "
                             "importable on this node (install it, or use transformer_impl: auto or local)")
-        if mg.use_flash_attention:
-            raise UserError("backend.megatron.use_flash_attention=true but transformer_engine is not importable on "
-                            "this GPU node, and Megatron's local layers have only unfused O(s^2) attention "
-                            "(install transformer_engine, or set use_flash_attention: false to run slowly)")
-        return LayerPlan("local", "local", "transformer_impl=auto: transformer_engine not importable, local layers")
+        note = "" if mg.transformer_impl == "local" else NO_TE_NOTE
+        if mg.use_flash_attention:  # SDPA keeps no s^2 tensor where torch runs a flash-style kernel (16-bit)
+            return LayerPlan("local", "local", note, flash_style=sixteen, path=SDPA)
+        return LayerPlan("local", "local", note, path=UNFUSED)
     if not mg.use_flash_attention:
-        return LayerPlan("transformer_engine", "unfused")
-    if recipe.training.precision == "fp32":
-        return LayerPlan("transformer_engine", "auto", FP32_NOTE)
-    return LayerPlan("transformer_engine", "auto", flash_style=True)
+        return LayerPlan("transformer_engine", "unfused", path=UNFUSED)
+    if not sixteen:
+        return LayerPlan("transformer_engine", "auto", FP32_NOTE, path=UNFUSED)
+    return LayerPlan("transformer_engine", "auto", flash_style=True, path=TE_AUTO)
 
 
 def te_attention_choice() -> str | None:
@@ -134,16 +146,16 @@ FUSED_SUB_BACKENDS = {0: "max-512 sequence", 1: "arbitrary sequence", 2: "FP8"}
 
 
 def describe_te_choice(backends: dict | None) -> str | None:
-    """``flash (flash-attn 2.8.3)``, ``fused (cuDNN, arbitrary sequence)``, ``unfused`` from TE's
-    ``_attention_backends`` record; None when it holds no choice yet."""
+    """``te-flash (flash-attn 2.8.3)``, ``te-fused (cuDNN, arbitrary sequence)``, ``unfused`` (the attention path
+    names) from TE's ``_attention_backends`` record; None when it holds no choice yet."""
     if not backends or backends.get("attention_params") is None:
         return None
     if backends.get("use_flash_attention"):
-        return f"flash (flash-attn {backends.get('flash_attention_backend')})"
+        return f"te-flash (flash-attn {backends.get('flash_attention_backend')})"
     if backends.get("use_fused_attention"):
         sub = backends.get("fused_attention_backend")
         sub = None if sub is None else int(sub)
-        return f"fused (cuDNN, {FUSED_SUB_BACKENDS.get(sub, f'sub-backend {sub}')})"
+        return f"te-fused (cuDNN, {FUSED_SUB_BACKENDS.get(sub, f'sub-backend {sub}')})"
     if backends.get("use_unfused_attention"):
         return "unfused"
     return None

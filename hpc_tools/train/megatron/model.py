@@ -34,7 +34,8 @@ class SequenceParallelNorm:
 
 
 def block_spec(recipe: "Recipe", config, device_type: str, vp_stage: int | None):
-    """The decoder block of one model chunk: TE layers, or Megatron's local layers with SequenceParallelNorm."""
+    """The decoder block of one model chunk: TE layers, or Megatron's local layers with SequenceParallelNorm (and,
+    on the ``sdpa`` attention path, ``SDPAttention`` as their core attention)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
@@ -42,7 +43,9 @@ def block_spec(recipe: "Recipe", config, device_type: str, vp_stage: int | None)
         get_transformer_layer_offset,
     )
 
-    te = layer_plan(recipe, device_type).transformer_engine
+    plan = layer_plan(recipe, device_type)
+    te = plan.transformer_engine
+    core = _core_attention(plan)
     if config.num_moe_experts:
         bind_router_gemm()
     if config.num_moe_experts or config.multi_latent_attention:
@@ -52,14 +55,14 @@ def block_spec(recipe: "Recipe", config, device_type: str, vp_stage: int | None)
         layers = specs.get_gpt_decoder_layer_specs(config, use_transformer_engine=False,
                                                    normalization=config.normalization)
         for layer in {id(spec): spec for spec in layers}.values():
-            _local_norms(layer)
+            _local_norms(layer, core)
         pipelined = config.pipeline_model_parallel_size > 1  # (the offset asks the pipeline group)
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage) if pipelined else 0
         count = get_num_layers_to_build(config, vp_stage=vp_stage)
         return TransformerBlockSubmodules(layer_specs=layers[offset:offset + count], layer_norm=SequenceParallelNorm)
     if te:
         return specs.get_gpt_layer_with_transformer_engine_spec()
-    layer = _local_norms(specs.get_gpt_layer_local_spec(normalization=config.normalization))
+    layer = _local_norms(specs.get_gpt_layer_local_spec(normalization=config.normalization), core)
     count = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=SequenceParallelNorm)
 
@@ -76,10 +79,23 @@ def bind_router_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
-def _local_norms(layer):
-    """A local layer spec with SequenceParallelNorm as its input and pre-MLP norms."""
+def _core_attention(plan):
+    """The local layers' core attention class on this plan's attention path: ``SDPAttention`` on ``sdpa``, else None
+    (megatron-core's ``DotProductAttention`` stays)."""
+    if not plan.sdpa:
+        return None
+    from hpc_tools.train.megatron.sdpa_attention import SDPAttention
+
+    return SDPAttention
+
+
+def _local_norms(layer, core_attention=None):
+    """A local layer spec with SequenceParallelNorm as its input and pre-MLP norms (and ``core_attention``, when
+    given, as its attention core)."""
     layer.submodules.input_layernorm = SequenceParallelNorm
     layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    if core_attention is not None:
+        layer.submodules.self_attention.submodules.core_attention = core_attention
     return layer
 
 
