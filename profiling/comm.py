@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from profiling import trace
 from profiling.clock import Clock
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "p2p")
@@ -318,6 +319,15 @@ def _wrap(name: str, orig):
 
     @functools.wraps(orig)
     def wrapper(*args, **kwargs):
+        if trace._recording:  # a torch.profiler window records: mark the call with its process group
+            size, group = read(args, kwargs)
+            if name == "batch_isend_irecv" and size:
+                group = getattr(size[0], "group", None)
+            with trace.comm_span(kind, group):
+                return call(*args, **kwargs)
+        return call(*args, **kwargs)
+
+    def call(*args, **kwargs):
         tracer = _TRACER
         if tracer is None or not tracer.wants(kind):
             if tracer is not None and tracer.host_wait and kind != "p2p":

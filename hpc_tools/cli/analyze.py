@@ -39,9 +39,37 @@ def analysed(args: argparse.Namespace):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_analysis_arguments(p)
+    p.add_argument("--breakdown", action="store_true",
+                   help="where each traced step went, per rank: compute, exposed communication per parallel group, "
+                        "bubble, data, host, checkpoint, other; against the planner's terms (docs/breakdown.md)")
+
+
+def run_breakdown(args: argparse.Namespace) -> int:
+    """`analyze RUN --breakdown`: one breakdown per run named (a sweep: each of its runs)."""
+    from hpc_tools.analysis.breakdown import breakdown, format_text
+    from hpc_tools.analysis.inputs import discover
+    from hpc_tools.errors import UserError
+
+    if args.warmup is not None and args.warmup < 0:
+        raise UserError(f"--warmup {args.warmup} must be >= 0 (steps excluded from the statistics)")
+    inputs, _ = discover(args.refs, args.runs_dir)
+    results = [breakdown(i, args.warmup) for i in inputs]
+    missing = [b.run_id for b in results if not b.ranks]
+    if missing:
+        raise UserError(f"--breakdown: run(s) {', '.join(missing)} hold no trace with step marks under profiler/ "
+                        "(profiling.trace_sample_interval or profiling.torch_profiler.enabled turns tracing on; "
+                        "runs traced before it carry no marks)")
+    if args.json:
+        emit_json({"ok": True, "runs": [b.to_json() for b in results]} if len(results) > 1 else
+                  {"ok": True, **results[0].to_json()})
+        return 0
+    print("\n\n".join(format_text(b) for b in results))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.breakdown:
+        return run_breakdown(args)
     from hpc_tools.analysis.metrics import GOODPUT_COLUMNS
     from hpc_tools.analysis.report import markdown_table
 

@@ -45,3 +45,7 @@ class ProfilingConfig(Section):
     """Seconds between telemetry samples."""
     torch_profiler: TorchProfilerConfig = Field(default_factory=TorchProfilerConfig)
     """A torch.profiler window on chosen ranks."""
+    trace_sample_interval: int = Field(default=200, ge=0)
+    """A one-step torch.profiler trace every N steps (after the warm-up) on every rank, beside the explicit window,
+    for `analyze --breakdown` (docs/breakdown.md); 0 turns it off. The default keeps its cost under 1 % of the run
+    (benchmarks/bench_collector_overhead.py)."""

@@ -1,0 +1,255 @@
+"""`analyze RUN --breakdown`: where each traced step went, on every rank, set against the planner term by term.
+
+The buckets of one step on one rank come from its torch.profiler trace (``profiling.breakdown``: the sweep, the
+groups); this module joins the run's traces with its step records (the measured step, the ranks' coordinates, the
+collectors' pipeline wait) and with the plan of the same recipe, and says where the largest gap is and which rank
+the others wait for. The method and its limits: docs/breakdown.md.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from profiling import breakdown as bd
+from profiling.records import iter_rank_columns
+from profiling.schema import fields
+from profiling.trace import trace_paths
+
+RECORD_COLUMNS = fields("step", "step_time_s", "tp_rank", "pp_rank", "dp_rank", "pp_wait_s", "data_time_s")
+# planner term (hpc_tools.planner.steptime) -> bucket
+_TERM_BUCKET = {"compute": "compute", "recompute of norms / activations (memory-bound)": "compute",
+                "pipeline bubble": "bubble", "tensor-parallel comm": "comm.tp", "pipeline p2p": "comm.pp",
+                "data-parallel comm (exposed)": "comm.dp", "expert all-to-all (exposed)": "comm.ep",
+                "context-parallel K/V exchange (exposed)": "comm.cp", "offload (PCIe + CPU Adam)": "other"}
+FIXES = {
+    "compute": "compute slower than planned: check precision, fusions and the attention backend, then calibrate "
+               "the planner on this run (plan --calibrate)",
+    "comm.tp": "tensor-parallel collectives exposed: keep parallel.tensor_size within a node or lower it",
+    "comm.cp": "context-parallel exchange exposed: lower parallel.context_size or lengthen the sequence per rank",
+    "comm.ep": "expert all-to-all exposed: lower parallel.expert_size or keep it within a node",
+    "comm.dp": "gradient reduction not overlapped (backend.megatron.overlap_grad_reduce and overlap_param_gather; "
+               "FSDP/DeepSpeed overlap theirs by design: check the bucket sizes)",
+    "comm.pp": "pipeline p2p exposed: fewer stages (parallel.pipeline_size) or a faster link between them",
+    "bubble": "pipeline bubble: more microbatches (training.global_batch_size / training.micro_batch_size) or "
+              "interleaving (parallel.virtual_pipeline_size)",
+    "data": "waiting for input: prepare the data ahead (data.source: indexed) or speed up the loader",
+    "host": "host-bound (launch and Python gaps): larger training.micro_batch_size, fewer small operations",
+    "checkpoint": "checkpoint saves inside steps: checkpoint.async_save, or a longer checkpoint.interval_iters",
+    "other": "time in communication runtime calls or copies outside the collectives: see the trace",
+}
+WAIT_BUCKETS = {"tp": ("comm.tp",), "pp": ("bubble", "comm.pp"), "dp": ("comm.dp",)}
+
+
+@dataclass
+class RankBreakdown:
+    rank: int
+    coords: dict[str, int]
+    steps: dict[int, dict[str, float]] = field(default_factory=dict)  # traced step -> buckets (s)
+    step_time_s: dict[int, float] = field(default_factory=dict)  # the record's, same steps
+    pp_wait_s: dict[int, float] = field(default_factory=dict)
+
+    def mean(self, bucket: str) -> float:
+        vals = [b.get(bucket, 0.0) for b in self.steps.values()]
+        return sum(vals) / len(vals) if vals else 0.0
+
+    def buckets(self) -> dict[str, float]:
+        keys = sorted({k for b in self.steps.values() for k in b}, key=_bucket_order)
+        return {k: self.mean(k) for k in keys if k in bd.BUCKETS or self.mean(k) > 0}
+
+    def mean_step(self) -> float:
+        """Mean of the traced steps' own windows (the sum of their buckets)."""
+        return sum(sum(b.values()) for b in self.steps.values()) / len(self.steps) if self.steps else 0.0
+
+    @property
+    def measured_step_s(self) -> float | None:
+        vals = [self.step_time_s[s] for s in self.steps if s in self.step_time_s]
+        return sum(vals) / len(vals) if vals else None
+
+
+def _bucket_order(name: str) -> tuple[int, str]:
+    return (bd.BUCKETS.index(name), name) if name in bd.BUCKETS else (len(bd.BUCKETS), name)
+
+
+@dataclass
+class Breakdown:
+    run_id: str
+    ranks: list[RankBreakdown]
+    planned: dict[str, float]
+    planned_source: str
+    bubble_collectors_s: float | None
+    verdict: str
+    straggler: dict[str, Any] | None
+
+    def to_json(self) -> dict[str, Any]:
+        ranks = []
+        for r in self.ranks:
+            b = r.buckets()
+            step = r.measured_step_s
+            ranks.append({"rank": r.rank, **r.coords, "step_s": step, "traced_steps": sorted(r.steps),
+                          "buckets": b, "sum_s": sum(b.values()),
+                          "sum_over_step": sum(b.values()) / step if step else None})
+        mean = mean_buckets(self.ranks)
+        return {"run_id": self.run_id, "ranks": ranks, "mean": mean, "planned": self.planned,
+                "planned_source": self.planned_source,
+                "ratio": {k: (mean.get(k, 0.0) / v if v else None) for k, v in self.planned.items()},
+                "bubble_collectors_s": self.bubble_collectors_s, "straggler": self.straggler, "verdict": self.verdict}
+
+
+def mean_buckets(ranks: list[RankBreakdown]) -> dict[str, float]:
+    """Each bucket's mean over the ranks (each rank's mean over its traced steps)."""
+    keys = sorted({k for r in ranks for k in r.buckets()}, key=_bucket_order)
+    return {k: sum(r.mean(k) for r in ranks) / len(ranks) for k in keys} if ranks else {}
+
+
+def _records(records_dir: Path) -> dict[int, dict[str, Any]]:
+    """rank -> {"coords", "step_time_s": {step: s}, "pp_wait_s": {step: s}} (a requeued step: its last record)."""
+    out = {}
+    for rank, cols in iter_rank_columns(records_dir, RECORD_COLUMNS):
+        steps = cols.get("step")
+        if steps is None or not len(steps):
+            continue
+        coords = {k: int(cols[k][-1]) for k in ("tp_rank", "pp_rank", "dp_rank") if k in cols}
+        row: dict[str, Any] = {"coords": coords, "step_time_s": {}, "pp_wait_s": {}}
+        for i, s in enumerate(steps):
+            row["step_time_s"][int(s)] = float(cols["step_time_s"][i])
+            if "pp_wait_s" in cols and cols["pp_wait_s"][i] == cols["pp_wait_s"][i]:  # not NaN
+                row["pp_wait_s"][int(s)] = float(cols["pp_wait_s"][i])
+        out[rank] = row
+    return out
+
+
+def measure(run_dir: Path, warmup: int = 0) -> list[RankBreakdown]:
+    """Every traced step of every rank (after ``warmup`` steps when later ones were traced), in buckets."""
+    records = _records(Path(run_dir) / "records")
+    coords = {r: row["coords"] for r, row in records.items()}
+    per_step: dict[int, list[tuple[int, Any, dict[str, str], bool]]] = defaultdict(list)
+    for path in trace_paths(run_dir):
+        trace = bd.read_trace(path)
+        rank = bd.trace_rank(trace)
+        if rank is None:
+            continue
+        dims, gpu = bd.group_dims(trace, coords), bd.is_gpu(trace)
+        for t in bd.timelines(trace):
+            per_step[t.step].append((rank, t, dims, gpu))
+    if any(s > warmup for s in per_step):
+        per_step = {s: v for s, v in per_step.items() if s > warmup}
+    ranks: dict[int, RankBreakdown] = {}
+    for step, items in sorted(per_step.items()):
+        floor = min((d for _, t, _, _ in items for d in t.p2p_ops), default=None)  # fastest p2p of the step
+        for rank, t, dims, gpu in items:
+            rec = records.get(rank, {"coords": {}, "step_time_s": {}, "pp_wait_s": {}})
+            rb = ranks.setdefault(rank, RankBreakdown(rank, rec["coords"]))
+            rb.steps[step] = bd.buckets(t, dims, gpu, p2p_floor_us=floor)
+            if step in rec["step_time_s"]:
+                rb.step_time_s[step] = rec["step_time_s"][step]
+            if step in rec["pp_wait_s"]:
+                rb.pp_wait_s[step] = rec["pp_wait_s"][step]
+    return [ranks[r] for r in sorted(ranks)]
+
+
+def planned_terms(recipe: Any, layout: Any, ranks: list[RankBreakdown]) -> tuple[dict[str, float], str]:
+    """The planner's terms for the run's recipe as buckets (seconds per step) and where they come from. CPU ranks
+    have no peak for the planner to time: there the plan is its bubble term, (p-1)/(v m) of the stages' own time
+    (the measured step less bubble and data), the one term that depends on the layout alone."""
+    from hpc_tools.errors import UserError
+    from hpc_tools.planner import plan_recipe
+
+    if recipe is None:
+        return {}, "no recipe in the run folder"
+    try:
+        plan = plan_recipe(recipe)
+    except (UserError, ValueError) as e:
+        return {}, f"no plan: {e}"
+    if plan.time is not None:
+        out = {b: 0.0 for b in bd.BUCKETS}
+        for term, seconds in plan.time.terms.items():
+            bucket = _TERM_BUCKET.get(term, "other")
+            out[bucket] += seconds
+        return out, (f"planner: {plan.hardware.gpu_type}, efficiency {plan.efficiency:.3g} "
+                     f"({plan.efficiency_source})")
+    bf = layout.bubble_fraction if layout is not None else 0.0
+    own = [r.mean_step() - r.mean("bubble") - r.mean("data") for r in ranks if r.steps]
+    if not own:
+        return {}, "no traced steps"
+    return {"bubble": bf * median(own)}, (f"planner's bubble term (p-1)/(v m) = {bf:.3g} of the stages' own time "
+                                          "(CPU ranks: no peak for the planner's other terms)")
+
+
+def straggler(ranks: list[RankBreakdown]) -> dict[str, Any] | None:
+    """The rank whose compute is longest, by how much over the median rank, and the ranks sharing a group with it
+    and their wait in that group's buckets (comm.tp; bubble + comm.pp; comm.dp)."""
+    if len(ranks) < 2:
+        return None
+    slow = max(ranks, key=lambda r: r.mean("compute"))
+    mid = median(r.mean("compute") for r in ranks)
+    waits = []
+    for r in ranks:
+        if r is slow:
+            continue
+        for dim, buckets in WAIT_BUCKETS.items():
+            others = [d for d in ("tp", "pp", "dp") if d != dim]
+            if all(r.coords.get(f"{d}_rank") == slow.coords.get(f"{d}_rank") for d in others):
+                waits.append({"rank": r.rank, "group": dim, "wait_s": sum(r.mean(b) for b in buckets)})
+    return {"rank": slow.rank, "compute_s": slow.mean("compute"), "over_median_s": slow.mean("compute") - mid,
+            "waiting": waits}
+
+
+def verdict(mean: dict[str, float], planned: dict[str, float], strag: dict[str, Any] | None) -> str:
+    """One line: the bucket furthest above its planned term (the planner's zero where it plans none; compute only
+    when planned) and its likely fix; then the rank the others wait for when its compute stands out."""
+    gaps = {k: v - planned.get(k, 0.0) for k, v in mean.items() if k != "compute" or k in planned}
+    if not gaps:
+        return "no traced steps"
+    k = max(gaps, key=gaps.get)
+    plan = f"planned {planned[k]:.3g} s" if k in planned else "not planned"
+    line = f"{k} {mean[k]:.3g} s/step, {plan}: {FIXES.get(k, 'a mixed group (e.g. the gradient norm): see the trace')}"
+    if strag and strag["over_median_s"] > max(0.1 * strag["compute_s"], 0.005):
+        waits = ", ".join(f"rank {w['rank']} in {w['group']} ({w['wait_s']:.3g} s)" for w in strag["waiting"])
+        line += (f". Rank {strag['rank']}'s compute is the longest ({strag['compute_s']:.3g} s/step, "
+                 f"+{strag['over_median_s']:.3g} s over the median rank)" + (f"; waiting for it: {waits}" if waits
+                                                                              else ""))
+    return line
+
+
+def breakdown(run_input: Any, warmup: int | None = None) -> Breakdown:
+    """The breakdown of one run (``analysis.inputs.RunInput``); warm-up steps (default ``profiling.warmup_steps``)
+    are left out when later steps were traced."""
+    recipe = run_input.recipe
+    if warmup is None:
+        warmup = recipe.profiling.warmup_steps if recipe is not None else 0
+    ranks = measure(run_input.run.path, warmup)
+    planned, source = planned_terms(recipe, run_input.layout, ranks)
+    waits = [w for r in ranks for w in r.pp_wait_s.values()]
+    strag = straggler(ranks)
+    return Breakdown(run_input.run_id, ranks, planned, source, sum(waits) / len(waits) if waits else None,
+                     verdict(mean_buckets(ranks), planned, strag), strag)
+
+
+def format_text(b: Breakdown) -> str:
+    """The breakdown as text: one row per rank (seconds per step), the mean, the plan and its ratio, the verdict."""
+    js = b.to_json()
+    cols = [k for k in js["mean"] if any(r["buckets"].get(k, 0.0) > 0 for r in js["ranks"]) or k in b.planned]
+    head = f"{'rank':>4} {'step_s':>8} {'sum':>7} " + " ".join(f"{c:>10}" for c in cols)
+    lines = [f"breakdown of {b.run_id} (seconds per traced step; traced steps: "
+             f"{sorted({s for r in b.ranks for s in r.steps}) or 'none'})", head]
+    for r in js["ranks"]:
+        step = f"{r['step_s']:.4f}" if r["step_s"] is not None else "n/a"
+        lines.append(f"{r['rank']:>4} {step:>8} {r['sum_s']:>7.4f} "
+                     + " ".join(f"{r['buckets'].get(c, 0.0):>10.4f}" for c in cols))
+    lines.append(f"{'mean':>4} {'':>8} {sum(js['mean'].values()):>7.4f} "
+                 + " ".join(f"{js['mean'].get(c, 0.0):>10.4f}" for c in cols))
+    if b.planned:
+        lines.append(f"{'plan':>4} {'':>8} {'':>7} " + " ".join(
+            f"{b.planned[c]:>10.4f}" if c in b.planned else f"{'':>10}" for c in cols))
+        lines.append(f"{'x':>4} {'':>8} {'':>7} " + " ".join(
+            f"{js['ratio'][c]:>10.2f}" if js["ratio"].get(c) is not None else f"{'':>10}" for c in cols))
+    lines.append(f"plan: {b.planned_source}")
+    if b.bubble_collectors_s is not None:
+        lines.append(f"bubble the collectors measured on the same steps (pp_wait_s, mean over ranks): "
+                     f"{b.bubble_collectors_s:.4f} s")
+    lines.append(f"verdict: {b.verdict}")
+    return "\n".join(lines)
