@@ -1,0 +1,154 @@
+"""The breakdown's arithmetic on synthetic traces (profiling/breakdown.py) and its verdict (analysis/breakdown.py):
+overlap, nesting, groups, p2p, CPU and GPU timelines. The same code on real gloo traces: the integration test
+tests/integration/test_breakdown.py."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from hpc_tools.analysis import breakdown as ab
+from profiling import breakdown as bd
+from profiling.trace import trace_paths
+
+MAIN, W_DP, W_TP = 1, 2, 3
+COORDS = {0: {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0}, 1: {"tp_rank": 1, "pp_rank": 0, "dp_rank": 0},
+          2: {"tp_rank": 0, "pp_rank": 1, "dp_rank": 0}, 3: {"tp_rank": 1, "pp_rank": 1, "dp_rank": 0},
+          4: {"tp_rank": 0, "pp_rank": 0, "dp_rank": 1}}
+PGS = [{"pg_name": "0", "pg_desc": "default_pg", "ranks": [0, 1, 2, 3, 4]},
+       {"pg_name": "7", "pg_desc": "TENSOR_MODEL_PARALLEL_GROUP", "ranks": [0, 1]},
+       {"pg_name": "8", "pg_desc": "", "ranks": [0, 4]},          # no description: the coordinates say dp
+       {"pg_name": "9", "pg_desc": "PIPELINE_MODEL_PARALLEL_GROUP", "ranks": [0, 2]},
+       {"pg_name": "10", "pg_desc": "", "ranks": [0, 1, 2, 3]}]   # tp and pp vary: a mixed group
+
+
+def ev(name, ts, dur, tid=MAIN, **extra):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1, **extra}
+
+
+def trace(events, rank=0):
+    return {"distributedInfo": {"rank": rank, "pg_config": PGS}, "traceEvents": events}
+
+
+def cpu_step():
+    """0-1000 us: data 0-100; compute 100-400 (an op nested in another); a synchronous TP collective 400-600 (its
+    gloo op inline on the main thread); an async DP all-reduce called 600-610, run by its worker 620-900 while
+    compute runs 610-800; nothing 900-1000."""
+    return [ev("hpc_tools#step 5", 0, 1000), ev("ProfilerStep#5", 0, 1000),
+            ev("hpc_tools#data", 0, 100), ev("aten::randint", 10, 50),
+            ev("aten::linear", 100, 300), ev("aten::mm", 120, 200),
+            ev("hpc_tools#comm all_gather pg=7", 400, 200), ev("c10d::allgather_", 401, 5),
+            ev("gloo:all_gather", 410, 185, tid=W_TP),
+            ev("hpc_tools#comm all_reduce pg=8", 600, 10), ev("aten::mul", 610, 190),
+            ev("gloo:all_reduce", 620, 280, tid=W_DP)]
+
+
+def test_cpu_sweep_overlap_nesting_and_groups():
+    tr = trace(cpu_step())
+    [t] = bd.timelines(tr)
+    assert (t.step, t.start, t.end) == (5, 0, 1000)
+    b = bd.buckets(t, bd.group_dims(tr, COORDS))
+    us = {k: round(v * 1e6, 6) for k, v in b.items() if v}
+    # compute 100-400 and 610-800 (the nested mm counted once, randint is data); the DP op's exposed part 800-900
+    # plus its call 600-610; the TP call 400-600 covers its own worker op
+    assert us == {"data": 100, "compute": 300 + 190, "comm.tp": 200, "comm.dp": 10 + 100, "host": 100}
+    assert sum(b.values()) == pytest.approx(1e-3)
+
+
+def test_two_groups_in_flight_share_the_time():
+    events = [ev("hpc_tools#step 1", 0, 100), ev("hpc_tools#comm all_reduce pg=7", 0, 1),
+              ev("gloo:all_reduce", 0.5, 40, tid=W_TP),
+              ev("hpc_tools#comm all_reduce pg=8", 1, 1), ev("gloo:all_reduce", 2, 98, tid=W_DP)]
+    tr = trace(events)
+    b = bd.buckets(bd.timelines(tr)[0], bd.group_dims(tr, COORDS))
+    # 0-1 the tp call, 1-2 the dp call (the main thread is in it); 2-40.5 both in flight: shared; 40.5-100 dp alone
+    assert b["comm.tp"] * 1e6 == pytest.approx(1 + 38.5 / 2)
+    assert b["comm.dp"] * 1e6 == pytest.approx(1 + 38.5 / 2 + 59.5)
+    assert sum(b.values()) * 1e6 == pytest.approx(100)
+
+
+def test_worker_thread_takes_the_group_its_marks_name():
+    """Three DP all-reduces run by one worker, each called just before; a TP call lands between the second DP
+    call and its op: the thread's vote is still DP, and its op is in flight from the DP call at 300."""
+    events = [ev("hpc_tools#step 1", 0, 1000), ev("hpc_tools#comm all_gather pg=7", 304, 1)]
+    for i in range(3):
+        events += [ev("hpc_tools#comm all_reduce pg=8", 300 * i, 2), ev("gloo:all_reduce", 300 * i + 5, 100, tid=W_DP)]
+    tr = trace(events)
+    b = bd.buckets(bd.timelines(tr)[0], bd.group_dims(tr, COORDS))
+    assert b["comm.dp"] * 1e6 == pytest.approx(105 + 4 + 100 + 105)
+    assert b["comm.tp"] * 1e6 == pytest.approx(1)
+    assert b["host"] * 1e6 == pytest.approx(1000 - 315)
+
+
+def test_pipeline_p2p_splits_into_transfer_and_bubble():
+    events = [ev("hpc_tools#step 2", 0, 1000), ev("aten::mm", 0, 500),
+              ev("hpc_tools#comm p2p pg=9", 500, 2), ev("gloo:recv", 501, 300),   # waited for the other stage
+              ev("hpc_tools#comm p2p pg=9", 810, 2), ev("gloo:send", 811, 20), ev("aten::mm", 831, 169)]
+    tr = trace(events)
+    t = bd.timelines(tr)[0]
+    b = bd.buckets(t, bd.group_dims(tr, COORDS))
+    assert b["comm.pp"] * 1e6 == pytest.approx(2 * 20)          # two transfers at the fastest one's time
+    assert b["bubble"] * 1e6 == pytest.approx(301 + 21 - 40)  # the rest of the exposed p2p (500-801, 810-831)
+    floor = bd.buckets(t, bd.group_dims(tr, COORDS), p2p_floor_us=5)  # a faster peer's transfer: more bubble
+    assert floor["comm.pp"] * 1e6 == pytest.approx(10) and floor["bubble"] > b["bubble"]
+
+
+def test_group_dimensions_from_description_then_coordinates():
+    dims = bd.group_dims(trace([]), COORDS)
+    assert dims == {"0": "tp+pp+dp", "7": "tp", "8": "dp", "9": "pp", "10": "tp+pp"}
+    assert bd.dimension("CONTEXT_PARALLEL_GROUP", [0, 1], COORDS) == "cp"
+    assert bd.dimension("EXPERT_MODEL_PARALLEL_GROUP", [0, 1], COORDS) == "ep"
+    assert bd.dimension("TENSOR_AND_DATA_PARALLEL_GROUP", [0, 1, 4], COORDS) == "tp+dp"
+    assert bd.dimension("", [3], COORDS) == "self"
+
+
+def test_gpu_kernels_are_the_timeline():
+    """GPU: compute kernels, NCCL kernels with their process group in the args; host marks count only while no
+    kernel runs; a host-side operator is not compute."""
+    k = {"cat": "kernel"}
+    events = [ev("hpc_tools#step 3", 0, 1000), ev("aten::mm", 0, 900), ev("hpc_tools#data", 0, 100),
+              ev("sm90_gemm", 50, 450, tid=7, **k),
+              ev("ncclDevKernel_AllReduce_Sum_f32", 400, 300, tid=8, args={"Process Group Name": "8"}, **k),
+              ev("ncclDevKernel_SendRecv", 750, 50, tid=9, args={"Process Group Name": "9"}, **k),
+              ev("Memcpy DtoH", 850, 50, tid=7, cat="gpu_memcpy")]
+    tr = trace(events)
+    assert bd.is_gpu(tr)
+    b = bd.buckets(bd.timelines(tr)[0], bd.group_dims(tr, COORDS), gpu=True)
+    us = {k: round(v * 1e6, 6) for k, v in b.items() if v}
+    # data 0-50 (no kernel yet); compute 50-500; dp 500-700 exposed; p2p 750-800 all transfer (its own floor);
+    # gaps 700-750 and 900-1000 host; the copy 850-900 other
+    assert us == {"data": 50, "compute": 450, "comm.dp": 200, "comm.pp": 50, "host": 50 + 50 + 100, "other": 50}
+
+
+def _rank(rank, compute, **buckets):
+    r = ab.RankBreakdown(rank, COORDS[rank])
+    r.steps[5] = {"compute": compute, "comm.tp": 0.0, "bubble": 0.0, "comm.pp": 0.0, "comm.dp": 0.0, **buckets}
+    r.step_time_s[5] = sum(r.steps[5].values())
+    return r
+
+
+def test_verdict_names_the_gap_and_the_slow_rank():
+    ranks = [_rank(0, 0.1, **{"comm.tp": 0.05}), _rank(1, 0.1, bubble=0.2), _rank(2, 0.1, **{"comm.tp": 0.2}),
+             _rank(3, 0.3)]
+    strag = ab.straggler(ranks)
+    assert strag["rank"] == 3 and strag["over_median_s"] == pytest.approx(0.2)
+    assert {(w["rank"], w["group"]) for w in strag["waiting"]} == {(1, "pp"), (2, "tp")}
+    line = ab.verdict(ab.mean_buckets(ranks), {"bubble": 0.01}, strag)
+    assert line.startswith("comm.tp ") and "not planned" in line and "parallel.tensor_size" in line
+    assert "Rank 3's compute is the longest" in line and "rank 2 in tp (0.2 s)" in line
+    even = ab.straggler([_rank(0, 0.1), _rank(1, 0.101)])
+    assert "longest" not in ab.verdict({"bubble": 0.3}, {"bubble": 0.1}, even)
+
+
+def test_trace_files_found_plain_and_gzipped(tmp_path):
+    folder = tmp_path / "profiler"
+    folder.mkdir()
+    (folder / "rank00000.steps5-6.pt.trace.json").write_text(json.dumps(trace(cpu_step())))
+    with gzip.open(folder / "rank00001.steps200-200.pt.trace.json.gz", "wt") as f:
+        json.dump(trace(cpu_step(), rank=1), f)
+    (folder / "notes.txt").write_text("")
+    paths = trace_paths(tmp_path)
+    assert [p.name for p in paths] == ["rank00000.steps5-6.pt.trace.json", "rank00001.steps200-200.pt.trace.json.gz"]
+    assert [bd.trace_rank(bd.read_trace(p)) for p in paths] == [0, 1]
