@@ -69,7 +69,7 @@ def make_executor(recipe: Recipe, folder: Path, exclude: str | None = None, env:
     # pyxis: the repository and the folder submitit writes to (the run folder, or the runs root of an array) mounted
     container = srun_args(recipe.cluster, repo=str(REPO), mount_dir=str(Path(folder).absolute().parent))
     srun = [*rank_srun_args(recipe.cluster), *container]
-    teardown = epilogue_lines(recipe.cluster.python, run_dir) if run_dir else None
+    teardown = epilogue_lines(recipe.cluster.python, run_dir, recipe.cluster.requeue) if run_dir else None
     if recipe.cluster.restarts and run_dir and RunFolder(run_dir).exists():  # one run (an array's runs: no restarts)
         policy = restart_policy_args(recipe.cluster)
         setup += restart_setup_lines(recipe.cluster.python, run_dir, policy)
@@ -115,13 +115,17 @@ def restart_lines(rank_python: str, python: str, run_dir: Path, folder: Path, sr
             "(exit $HPC_TOOLS_SRUN_EXIT)"]  # $? for the epilogue lines below: the last step's status
 
 
-def epilogue_lines(python: str, run_dir: Path) -> list[str]:
+def epilogue_lines(python: str, run_dir: Path, requeue: bool = False) -> list[str]:
     """submitit's teardown: right after its srun line (only blank and comment lines between, so ``$?`` is srun's
-    status), record how the ranks ended (``hpc_tools.job.epilogue``), then end with srun's status."""
-    return ["HPC_TOOLS_SRUN_EXIT=$?",
-            f"{shlex.quote(python)} -m hpc_tools.job.epilogue --run-dir {shlex.quote(str(run_dir))} "
-            '--exit-code "$HPC_TOOLS_SRUN_EXIT" || true',
-            'exit "$HPC_TOOLS_SRUN_EXIT"']
+    status), record how the ranks ended (``hpc_tools.job.epilogue``); with ``requeue`` (``cluster.requeue``) the
+    time-limit stop's requeue on the batch host (``hpc_tools.job.requeue``: a rank in an image has no ``scontrol``),
+    last since it ends the shell; then end with srun's status."""
+    python, run = shlex.quote(python), shlex.quote(str(run_dir))
+    lines = ["HPC_TOOLS_SRUN_EXIT=$?",
+             f'{python} -m hpc_tools.job.epilogue --run-dir {run} --exit-code "$HPC_TOOLS_SRUN_EXIT" || true']
+    if requeue:
+        lines.append(f"{python} -m hpc_tools.job.requeue --run-dir {run} || true")
+    return [*lines, 'exit "$HPC_TOOLS_SRUN_EXIT"']
 
 
 def rank_task(run_dir: str) -> int:

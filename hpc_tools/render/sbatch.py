@@ -64,7 +64,7 @@ def render_sbatch(recipe: Recipe, source: str = "a recipe") -> str:
         signal_delay_s=recipe.cluster.signal_delay_s, stop_signal=STOP_SIGNAL, launch=launch,
         restarts=recipe.cluster.restarts, elastic=recipe.cluster.elastic,
         placement=placement_lines(recipe) if placed else [],
-        srun=PLACED_SRUN if placed else "srun", ray=ray_nodes_step(recipe))
+        srun=PLACED_SRUN if placed else "srun", ray=ray_nodes_step(recipe), requeue=recipe.cluster.requeue)
 
 
 def ray_nodes_step(recipe: Recipe) -> dict | None:

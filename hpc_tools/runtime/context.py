@@ -16,7 +16,7 @@ from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.schema import Recipe
 from hpc_tools.registry import RunFolder
 from hpc_tools.runtime.distenv import DistEnv
-from hpc_tools.runtime.preemption import StopFlag, requeue_self
+from hpc_tools.runtime.preemption import StopFlag, request_requeue
 from hpc_tools.runtime.watchdog import Watchdog
 
 if TYPE_CHECKING:
@@ -190,12 +190,13 @@ class RankContext:
 
     def finish_preempted(self, step: int) -> None:
         """After the agreed stop (and the checkpoint of ``step``, for a backend that keeps them): rank 0 records the
-        event and asks Slurm to requeue the job."""
+        event and asks the batch shell to requeue the job (``hpc_tools.job.requeue``, on the batch host: a rank in a
+        container image has no ``scontrol``)."""
         if not self.is_rank0:
             return
         # Only the time-limit signal requeues: SIGTERM comes from scancel (the user wants it stopped) or from Slurm's
         # own preemption, which requeues by itself when the partition says so.
-        requeued = self.stop.signum == signal.SIGUSR2 and self.recipe.cluster.requeue and requeue_self()
+        requeued = self.stop.signum == signal.SIGUSR2 and self.recipe.cluster.requeue and request_requeue(self.run.path)
         self.run.update(event="preempted", state="REQUEUED" if requeued else "PREEMPTED", last_step=step)
-        log.warning("stopped after step %d; %s", step, "job requeued, it will resume from its checkpoint" if requeued
-                    else "not requeued (not under Slurm or requeue off)")
+        log.warning("stopped after step %d; %s", step, "the batch shell requeues the job, which resumes from its "
+                    "checkpoint" if requeued else "not requeued (not under Slurm or requeue off)")

@@ -1,7 +1,12 @@
-"""Preemption and time-limit handling: a signal sets a flag; the trainer finishes its step, saves, and requeues.
+"""Preemption and time-limit handling: a signal sets a flag; the trainer finishes its step, saves, and asks for a
+requeue.
 
 Slurm sends SIGUSR2 ``cluster.signal_delay_s`` before the time limit (the rendered script asks for it; submitit uses
 USR2 too, and NCCL claims USR1). SIGTERM (scancel, preemption) sets the same flag.
+
+The requeue itself is the batch shell's (``hpc_tools.job.requeue``, after the epilogue): a rank may run inside a
+container image (pyxis, apptainer), which has no Slurm client, so rank 0 only leaves ``REQUEUE_MARKER`` in the run
+folder.
 """
 
 from __future__ import annotations
@@ -9,7 +14,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
+from pathlib import Path
+
+from hpc_tools.registry import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +41,14 @@ class StopFlag:
         log.warning("received %s: will checkpoint at the end of this step and exit", signal.Signals(signum).name)
 
 
-def requeue_self() -> bool:
-    """Ask Slurm to requeue this job (rank 0 only). False when not under Slurm or scontrol refused."""
-    job_id = os.environ.get("SLURM_JOB_ID")
+REQUEUE_MARKER = "requeue-requested"  # in the run folder: this job id, for the batch shell's requeue step
+
+
+def request_requeue(run_dir: Path, env: dict[str, str] | None = None) -> bool:
+    """Ask the batch shell to requeue this job once the ranks have ended (rank 0 only): write ``REQUEUE_MARKER``
+    with the job id. False when not under Slurm (nothing to requeue)."""
+    job_id = (os.environ if env is None else env).get("SLURM_JOB_ID")
     if not job_id:
         return False
-    out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=30)
-    if out.returncode != 0:
-        log.error("scontrol requeue %s failed: %s", job_id, out.stderr.strip())
-        return False
+    atomic_write(Path(run_dir) / REQUEUE_MARKER, job_id + "\n")
     return True

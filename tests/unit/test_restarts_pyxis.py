@@ -154,8 +154,10 @@ def test_a_pyxis_job_restarts_with_its_controller_on_the_batch_host(tmp_path, py
             for c in seen if c["cmd"] == "host-python"]
     assert host[:3] == [("hpc_tools.job.batch_log", None), ("hpc_tools.job.restarts", "begin"),
                         ("hpc_tools.job.restarts", "watch")], host
-    # the second step's watcher may be killed before it starts: the step it watches ends at once
-    assert host.count(("hpc_tools.job.restarts", "next")) == 1 and set(host[3:]) <= {
+    # the second step's watcher may be killed before it starts: the step it watches ends at once; the job's last
+    # host step is the time-limit requeue's (nothing asked for here)
+    assert host[-1] == ("hpc_tools.job.requeue", None), host
+    assert host.count(("hpc_tools.job.restarts", "next")) == 1 and set(host[3:-1]) <= {
         ("hpc_tools.job.restarts", "next"), ("hpc_tools.job.restarts", "watch")}, host
     assert [c["module"] for c in seen if c.get("step") == "container"] == ["hpc_tools.job.open_run",
                                                                            "hpc_tools.job.epilogue"]
@@ -163,7 +165,8 @@ def test_a_pyxis_job_restarts_with_its_controller_on_the_batch_host(tmp_path, py
 
 @pytest.mark.parametrize("module, args", [("hpc_tools.job.restarts", ["next", "--help"]),
                                           ("hpc_tools.job.epilogue", ["--help"]), ("hpc_tools.job.batch_log", []),
-                                          ("hpc_tools.job.placement", ["--help"])])
+                                          ("hpc_tools.job.placement", ["--help"]),
+                                          ("hpc_tools.job.requeue", ["--help"])])
 def test_the_batch_host_steps_import_the_standard_library_only(tmp_path, module, args):
     """What a batch host runs imports nothing outside the standard library and hpc_tools (run as the host Python runs
     it); the guard does refuse a package outside them (yaml)."""

@@ -1,0 +1,68 @@
+"""The batch shell's last step after a time-limit stop: requeue the job from the batch host.
+
+At the time-limit signal the ranks checkpoint and rank 0 leaves ``REQUEUE_MARKER`` (this job's id) in the run folder
+(``hpc_tools.runtime.preemption.request_requeue``); it does not run ``scontrol`` itself, since a rank in a container
+image (pyxis, apptainer) has no Slurm client. ``python -m hpc_tools.job.requeue --run-dir RUN`` runs in the batch
+shell on the batch host (both launch paths; in a pyxis job the host's Python, outside the container) after the
+epilogue, as the job's last command: ``scontrol requeue`` ends the batch shell (this step ignores the SIGTERM). A
+requeue Slurm refuses is recorded (state PREEMPTED, the reason) and said in one line of the batch log. Standard
+library and hpc_tools' job side only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from hpc_tools.job.epilogue import find_own_run
+from hpc_tools.runtime.preemption import REQUEUE_MARKER
+
+
+def requeue(run_dir: Path, env: dict[str, str], run_command=subprocess.run) -> str | None:
+    """Requeue this job when its rank 0 asked for it (the marker holds this job's id); returns the line said, or
+    None when nothing was asked. The marker is removed first: the next life must not requeue on a stale one."""
+    run = find_own_run(run_dir, env)
+    job_id = env.get("SLURM_JOB_ID")
+    if run is None or not job_id:
+        return None
+    marker = run.path / REQUEUE_MARKER
+    try:
+        asked = marker.read_text().strip()
+        marker.unlink()
+    except OSError:
+        return None
+    if asked != job_id:
+        return None
+    try:
+        out = run_command(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=30)
+        error = (out.stderr or out.stdout or f"exit code {out.returncode}").strip() if out.returncode else None
+    except (OSError, subprocess.SubprocessError) as exc:
+        error = str(exc)
+    if error is None:
+        return f"job {job_id} requeued after the time-limit stop; it resumes from its checkpoint"
+    reason = f"scontrol requeue {job_id} failed on the batch host: {error.splitlines()[0]}"
+    run.update(event="requeue failed", soft=True, state="PREEMPTED", reason=reason)
+    return reason + "; resume it with `hpc_tools resume`"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpc_tools.job.requeue", description=__doc__.split("\n")[0])
+    parser.add_argument("--run-dir", required=True, type=Path, help="the run folder (or an array's runs root)")
+    args = parser.parse_args(argv)
+    # The requeue ends the batch step (SIGTERM now, SIGKILL after KillWait): this step still says what it did.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        line = requeue(args.run_dir, dict(os.environ))
+    except Exception as exc:  # the job's last step: say why, never fail the batch script for it
+        line = f"requeue step failed: {type(exc).__name__}: {exc}"
+    if line:
+        print(f"hpc_tools: {line}", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
