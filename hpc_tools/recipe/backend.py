@@ -38,6 +38,11 @@ class DeepSpeedOptions(Section):
     """Local Hugging Face model folder to start from instead of building from `model:` (never downloaded)."""
     config_overrides: dict[str, Any] = Field(default_factory=dict)
     """Keys merged last into the generated ds_config.json (escape hatch; the batch triple cannot be overridden)."""
+    liger: bool = False
+    """Liger Kernel's Triton kernels for a Llama model on GPU: RMSNorm, SwiGLU, RoPE and the fused linear cross
+    entropy (the logits are never materialised: the largest activation of a small model). Needs the liger-kernel
+    package (environment/requirements-gpu.txt); on CPU ranks it does not apply: one note in the rank log, plain
+    layers."""
 
 
 class FSDPOptions(Section):
@@ -55,6 +60,11 @@ class FSDPOptions(Section):
     compile: bool = False
     """Compile each transformer block with torch.compile before sharding it (the first steps pay the compilation:
     minutes on CPU ranks, where it is rarely worth it)."""
+    liger: bool = False
+    """Liger Kernel's Triton kernels for a Llama model on GPU: RMSNorm, SwiGLU, RoPE and the fused linear cross
+    entropy (the logits are never materialised: the largest activation of a small model). Needs the liger-kernel
+    package (environment/requirements-gpu.txt); on CPU ranks it does not apply: one note in the rank log, plain
+    layers."""
 
 
 class HorovodOptions(Section):
@@ -64,6 +74,11 @@ class HorovodOptions(Section):
     fusion_threshold_mb: int = Field(default=128, ge=0, le=1 << 16)
     """Horovod's tensor fusion buffer in MiB (HOROVOD_FUSION_THRESHOLD, which is in bytes): gradients ready in the
     same cycle are all-reduced together, up to this size; 0 turns fusion off. 128 is Horovod's own default."""
+    liger: bool = False
+    """Liger Kernel's Triton kernels for a Llama model on GPU: RMSNorm, SwiGLU, RoPE and the fused linear cross
+    entropy (the logits are never materialised: the largest activation of a small model). Needs the liger-kernel
+    package (environment/requirements-gpu.txt); on CPU ranks it does not apply: one note in the rank log, plain
+    layers."""
 
 
 class BackendConfig(Section):

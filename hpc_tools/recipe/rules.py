@@ -967,6 +967,10 @@ def settings_take_effect(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
                         "put a 1 at each MoE layer, or set num_experts: null")
 
 
+# The no-op rules that need to know which layer wrote a value (another kind's options, fp8_recipe beside fp8: null)
+from hpc_tools.recipe import noops  # noqa: E402,F401 - registers its rules here, after settings_take_effect
+
+
 @rule
 def signal_before_limit(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """The preemption signal comes before the time limit."""
@@ -1079,3 +1083,24 @@ def trackers_installed(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     if r.tracking.mlflow is not None and r.tracking.mlflow.enabled and find_spec("mlflow") is None:
         yield Violation("tracking.mlflow.enabled", True, "needs the 'mlflow' package, which is not installed",
                         "pip install mlflow, or set tracking.mlflow.enabled=false")
+
+
+def _liger(r: Recipe) -> bool:
+    """``backend.<kind>.liger`` of a Hugging Face backend (fsdp, deepspeed, horovod)."""
+    return bool(getattr(getattr(r.backend, r.backend.kind, None), "liger", False))
+
+
+@rule
+def liger_needs_llama(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """Liger Kernel is applied to Llama models only (apply_liger_kernel_to_llama)."""
+    if _liger(r) and r.model.family != "llama":
+        yield Violation(f"backend.{r.backend.kind}.liger", True, f"patches Llama models only, not model.family="
+                        f"{r.model.family}", f"use family: llama, or backend.{r.backend.kind}.liger=false")
+
+
+@note
+def liger_on_cpu(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """Liger Kernel on CPU ranks: its Triton kernels need CUDA, so the run keeps the plain layers."""
+    if _liger(r) and not r.cluster.uses_gpus:
+        yield Violation(f"backend.{r.backend.kind}.liger", True, "does not apply on CPU ranks (Triton kernels need "
+                        "CUDA): this run trains the plain PyTorch layers and loss", "fine for a CPU rehearsal")

@@ -22,6 +22,7 @@ from hpc_tools.train.deepspeed.device import check_accelerator, environment_for
 from hpc_tools.train.deepspeed.ds_config import build_ds_config, write_ds_config
 from hpc_tools.train.deepspeed.model import build_model
 from hpc_tools.train.engine import StepResult
+from hpc_tools.train.hf_causal_lm import apply_liger, forward_loss
 from hpc_tools.train.prefetch import BatchPrefetcher, to_device
 from hpc_tools.train.schedule import lr_at
 
@@ -94,6 +95,9 @@ class DeepSpeedJob:
         if self.ctx.is_rank0:
             write_ds_config(self.config, self.ctx.run_dir)
         model, self._keepalive = build_model(self.recipe, self.config)
+        # ZeRO-3 partitions the output weight outside lm_head's own forward, which the fused loss reads directly
+        self.fused_loss = apply_liger(model, self.recipe, self.ctx.device, self.ctx.info,
+                                      fused_loss=not self.pipeline and self.recipe.backend.deepspeed.zero_stage < 3)
         t_model = time.perf_counter() - t0
         if self.pipeline:
             import deepspeed.comm
@@ -198,14 +202,12 @@ class DeepSpeedJob:
         import torch
         import torch.distributed as dist
 
-        from hpc_tools.train.hf_causal_lm import causal_lm_loss
-
         device = self.engine.device
         total = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, ranks with non-finite grads]
         grad_norm = None
         for i, mb in enumerate(batches):
-            logits = self.engine(input_ids=to_device(mb["tokens"], device)).logits
-            loss = causal_lm_loss(logits, to_device(mb["labels"], device))
+            loss = forward_loss(self.engine, to_device(mb["tokens"], device), to_device(mb["labels"], device),
+                                self.fused_loss)
             if poison:  # loop.INJECT_NONFINITE_ENV (tests only)
                 loss = loss * float("nan")
             self.engine.backward(loss)
@@ -256,8 +258,6 @@ class DeepSpeedJob:
         import torch
         import torch.distributed as dist
 
-        from hpc_tools.train.hf_causal_lm import causal_lm_loss
-
         if self.pipeline:
             losses = [float(self.engine.eval_batch(data_iter=iter([(mb["tokens"], mb["labels"]) for mb in mbs])))
                       for mbs in batches]
@@ -270,8 +270,8 @@ class DeepSpeedJob:
             with torch.no_grad():
                 for mbs in batches:
                     for mb in mbs:
-                        logits = self.engine(input_ids=to_device(mb["tokens"], device)).logits
-                        total += causal_lm_loss(logits, to_device(mb["labels"], device)).double()
+                        total += forward_loss(self.engine, to_device(mb["tokens"], device),
+                                              to_device(mb["labels"], device), self.fused_loss).double()
                         count += 1
         finally:
             self.engine.train()

@@ -23,7 +23,7 @@ from hpc_tools.train.data import build_samples, microbatches_for_step
 from hpc_tools.train.engine import StepResult
 from hpc_tools.train.fsdp import checkpoint, parallel
 from hpc_tools.train.fsdp.model import build_empty, full_values
-from hpc_tools.train.hf_causal_lm import causal_lm_loss
+from hpc_tools.train.hf_causal_lm import apply_liger, forward_loss
 from hpc_tools.train.prefetch import BatchPrefetcher, to_device
 from hpc_tools.train.schedule import lr_at
 
@@ -57,6 +57,8 @@ class FSDPJob:
         self.mesh = parallel.mesh_shape(self.recipe, self.world)
         t0 = time.perf_counter()
         model = build_empty(self.recipe)
+        # before compile and sharding: Liger rebinds the blocks' forwards, which the compiled graphs then trace
+        self.fused_loss = apply_liger(model, self.recipe, self.device, ctx.info)
         t_model = time.perf_counter() - t0
         self.model = parallel.parallelize(model, self.recipe, self.device, self.world,
                                           fill=full_values(self.recipe, model))
@@ -74,8 +76,9 @@ class FSDPJob:
         fs = self.recipe.backend.fsdp
         reshard = "" if fs.strategy == "ddp" else f", reshard_after_forward={str(fs.reshard_after_forward).lower()}"
         compiled = ", compiled blocks" if fs.compile else ""
+        liger = ", Liger kernels" if self.fused_loss else ""
         return (f"fsdp: {self.layout.describe()}, {self.mesh.describe()}{reshard}, {self.recipe.training.precision}, "
-                f"recompute={self.recipe.training.recompute_granularity}{compiled}, {self.samples}")
+                f"recompute={self.recipe.training.recompute_granularity}{compiled}{liger}, {self.samples}")
 
     def coords(self) -> dict[str, int]:
         return {"pp_rank": 0, "dp_rank": self.dp_rank}
@@ -89,8 +92,8 @@ class FSDPJob:
 
     def _forward_loss(self, mb: dict[str, Any]):
         with parallel.compute_context(self.model, self.recipe, self.device):
-            logits = self.model(input_ids=to_device(mb["tokens"], self.device)).logits
-        return causal_lm_loss(logits, to_device(mb["labels"], self.device))
+            return forward_loss(self.model, to_device(mb["tokens"], self.device),
+                                to_device(mb["labels"], self.device), self.fused_loss)
 
     def step(self, step: int, batches: list[dict[str, Any]]) -> StepResult:
         """Forward/backward every microbatch, clip, one AdamW step; a step whose loss or gradient norm is not finite

@@ -26,7 +26,7 @@ from hpc_tools.train.data import build_samples
 from hpc_tools.train.fsdp import parallel
 from hpc_tools.train.fsdp.model import build_empty, full_values
 from hpc_tools.train.fsdp.trainer import FSDPJob, param_groups
-from hpc_tools.train.hf_causal_lm import causal_lm_loss
+from hpc_tools.train.hf_causal_lm import apply_liger, forward_loss
 from hpc_tools.train.horovod import rendezvous
 from hpc_tools.train.prefetch import BatchPrefetcher, to_device
 
@@ -54,6 +54,7 @@ class HorovodJob(FSDPJob):
         hvd = self.horovod.hvd
         t_join = time.perf_counter() - t0
         model = build_empty(self.recipe)
+        self.fused_loss = apply_liger(model, self.recipe, self.device, ctx.info)
         parallel.materialize(model, self.device, full_values(self.recipe, model))
         model.to(self.device)  # a tied model's buffers stayed on the host
         if self.recipe.training.recompute_granularity == "full":
@@ -77,8 +78,8 @@ class HorovodJob(FSDPJob):
         opts = self.recipe.backend.horovod
         return (f"horovod: {self.layout.describe()}, DistributedOptimizer over {self.world} ranks "
                 f"(compression {opts.compression}, fusion {opts.fusion_threshold_mb} MiB), "
-                f"{self.recipe.training.precision}, recompute={self.recipe.training.recompute_granularity}, "
-                f"{self.samples}")
+                f"{self.recipe.training.precision}, recompute={self.recipe.training.recompute_granularity}"
+                f"{', Liger kernels' if self.fused_loss else ''}, {self.samples}")
 
     def _forward_loss(self, mb: dict[str, Any]):
         import contextlib
@@ -87,8 +88,8 @@ class HorovodJob(FSDPJob):
 
         bf16 = self.recipe.training.precision == "bf16"
         with torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
-            logits = self.model(input_ids=to_device(mb["tokens"], self.device)).logits
-        return causal_lm_loss(logits, to_device(mb["labels"], self.device))
+            return forward_loss(self.model, to_device(mb["tokens"], self.device),
+                                to_device(mb["labels"], self.device), self.fused_loss)
 
     # -- the fsdp engine's step, its gradients through Horovod's optimizer -------------------------------------------
     def _microbatch_sync(self, last: bool):
