@@ -93,7 +93,8 @@ def test_liger_on_cpu_is_one_note_and_the_plain_losses(kind, gloo):
 def test_liger_with_a_gpt_model_is_refused_in_one_line(kind):
     from hpc_tools.recipe.rules import check_recipe
 
-    lines = [str(v) for v in check_recipe(recipe(kind, family="gpt", gpu=True, check=False, liger=True)) if "liger" in str(v)]
+    violations = check_recipe(recipe(kind, family="gpt", gpu=True, check=False, liger=True))
+    lines = [str(v) for v in violations if "liger" in str(v)]
     assert lines == [f"backend.{kind}.liger=true patches Llama models only, not model.family=gpt (use family: llama, "
                      f"or backend.{kind}.liger=false)"]
 
