@@ -55,3 +55,30 @@ def sci(x: float | None) -> str:
     if _missing(x):
         return "-"
     return f"{x:.2e}" if x != 0 and not 1e-2 <= abs(x) < 1e4 else f"{x:.3g}"
+
+
+# Column name -> how a table cell shows it (the tables of analyze and the report; ``cell``).
+_PERCENT = ("mfu", "hfu", "goodput", "efficiency", "efficiency_lo", "efficiency_hi", "spread", "rank_skew",
+            "all_to_all_share")
+
+
+def cell(column: str, value) -> str:
+    """A table cell of figure ``column``: shares, MFU and goodput in percent, rates with a suffix, seconds with 3-4
+    decimals, memory in GB, the rest as they are; ``-`` for a missing value."""
+    if _missing(value):
+        return "-"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if column in _PERCENT or column.endswith("_share") or column.endswith("_share_theory"):
+        return pct(value)
+    if column.startswith("tokens_per_s"):
+        return rate(value)
+    if column.endswith("_gb"):
+        return f"{value:.2f}"
+    if column.endswith("_bytes"):
+        return gb(value)
+    if column.endswith("_s") and isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 10 else f"{value:.1f}"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

@@ -10,10 +10,14 @@ from hpc_tools.analysis.inputs import run_input
 from profiling import goodput
 from profiling.figures import reduce_records
 
+# The run's figures status shows (``profiling.figures.JOB_FIGURES``, as summary.json and analyze define them).
+RUN_FIGURES = ("steps_measured", "warmup_steps", "step_time_median_s", "tokens_per_s", "tokens_per_s_per_gpu",
+               "tflops_per_gpu", "mfu", "peak_mem_gb", "peak_mem_kind", "last_loss")
+
 
 def stragglers_and_goodput(run) -> dict[str, Any]:
-    """{stragglers, straggler_nodes, straggler_verdict, straggler_causes: {rank: cause}, goodput:
-    ``Goodput.summary()``} of a run folder."""
+    """{figures: the run's ``RUN_FIGURES`` so far, stragglers, straggler_nodes, straggler_verdict, straggler_causes:
+    {rank: cause}, goodput: ``Goodput.summary()``} of a run folder."""
     inp = run_input(run)
     lay, recipe = inp.layout, inp.recipe
     world = lay.world_size if lay else int(inp.manifest.get("world_size") or 1)
@@ -21,8 +25,8 @@ def stragglers_and_goodput(run) -> dict[str, Any]:
                              recipe.training.train_iters if recipe is not None else None)
     figures = reducer.figures(world, lay.bubble_fraction if lay and lay.pipeline_size > 1 else None)
     g = goodput.measure(run.records_dir, inp.manifest, world, bool(recipe.cluster.uses_gpus) if recipe else False)
-    return {"stragglers": figures["stragglers"], "straggler_nodes": figures["straggler_nodes"],
-            "straggler_verdict": figures["straggler_verdict"],
+    return {"figures": {k: figures[k] for k in RUN_FIGURES}, "stragglers": figures["stragglers"],
+            "straggler_nodes": figures["straggler_nodes"], "straggler_verdict": figures["straggler_verdict"],
             "straggler_causes": {str(r.rank): r.straggler_cause for r in reducer.ranks if r.straggler},
             "goodput": g.summary()}
 

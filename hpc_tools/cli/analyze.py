@@ -68,27 +68,51 @@ def run_breakdown(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.breakdown:
-        return run_breakdown(args)
-    from hpc_tools.analysis.metrics import GOODPUT_COLUMNS
-    from hpc_tools.analysis.report import markdown_table
-
     result = analysed(args)
     if args.json:
         emit_json({"ok": True, **result.to_json()})
         return 0
-    print(markdown_table(result.runs, COLUMNS))
+    print_analysis(result)
+    return 0
+
+
+# Short headers for the terminal (the --json and the report keep the field names); units: profiling.units.
+HEADERS = {"world_size": "GPUs", "short_label": "config", "repeat": "rep", "status": "status",
+           "step_time_median_s": "s/step", "tokens_per_s_per_gpu": "tok/s/gpu", "tflops_per_gpu": "TFLOP/s/gpu",
+           "mfu": "MFU", "peak_mem_gb": "peak GB", "comm_share": "comm", "stragglers": "stragglers",
+           "goodput": "goodput", "last_val_loss": "val loss", "run_id": "run", "unit": "unit", "lives": "lives",
+           "allocation_hours": "alloc h", "productive_hours": "productive h", "lost_work_hours": "lost h",
+           "recomputed_steps": "recomputed", "requeue_wait_s": "requeue s", "startup_hours": "start-up h",
+           "checkpoint_blocked_hours": "ckpt blocked h", "evaluation_hours": "eval h", "other_hours": "other h"}
+# What a narrow terminal keeps first (the rest of COLUMNS after these, in their order).
+PRIORITY = ("step_time_median_s", "tokens_per_s_per_gpu", "mfu", "peak_mem_gb", "status", "goodput",
+            "tflops_per_gpu", "comm_share", "last_val_loss", "stragglers", "world_size", "repeat")
+GOODPUT_SHOWN = ("run_id", "allocation_hours", "goodput", "productive_hours", "lost_work_hours", "startup_hours",
+                 "checkpoint_blocked_hours", "evaluation_hours", "other_hours", "requeue_wait_s", "recomputed_steps",
+                 "lives", "unit")
+
+
+def print_analysis(result) -> None:
+    """The per-run table, the straggler verdicts, goodput and scaling, fitted to the terminal (``cli.screen``)."""
+    from hpc_tools.cli.screen import echo, table
+    from profiling.units import cell, pct
+
+    def rows(df) -> list[dict]:
+        return df.to_dict("records") if df is not None and not df.empty else []
+
+    echo("\n".join(table(rows(result.runs), COLUMNS, keep=1, fmt=cell, headers=HEADERS, priority=PRIORITY))
+         if not result.runs.empty else "no runs")
     for _, row in result.runs.iterrows():
-        print(f"stragglers of {row['run_id']}: {row.get('straggler_verdict') or 'not measured'}")
+        echo(f"stragglers of {row['run_id']}: {row.get('straggler_verdict') or 'not measured'}")
     if not result.goodput.empty:
-        print("\ngoodput (hours = wall time x ranks; requeue wait is outside the allocation):")
-        print(markdown_table(result.goodput, GOODPUT_COLUMNS))
+        echo("\ngoodput (hours = wall time x ranks; requeue wait is outside the allocation):")
+        echo("\n".join(table(rows(result.goodput), GOODPUT_SHOWN, keep=1, fmt=cell, headers=HEADERS)))
         total = result.goodput_total
         if total.get("runs", 0) > 1:
-            print(f"all {total['runs']} runs: {total['allocation_hours']:.4g} {total['unit']}-hours, goodput "
-                  f"{100 * (total['goodput'] or 0):.1f} %, lost work {total['lost_work_hours']:.4g} h, "
-                  f"{total['recomputed_steps']} recomputed step(s)")
+            echo(f"all {total['runs']} runs: {total['allocation_hours']:.4g} {total['unit']}-hours, goodput "
+                 f"{pct(total['goodput'] or 0)}, lost work {total['lost_work_hours']:.4g} h, "
+                 f"{total['recomputed_steps']} recomputed step(s)")
     for s in result.scaling:
-        print(f"{s.kind} scaling" + (f": {s.fit.verdict()}" if s.fit else ""))
-        print(markdown_table(s.table, ("world_size", "repeats", "step_time_s", "spread", "speedup", "efficiency")))
-    return 0
+        echo(f"{s.kind} scaling" + (f": {s.fit.verdict()}" if s.fit else ""))
+        echo("\n".join(table(rows(s.table), ("world_size", "repeats", "step_time_s", "spread", "speedup",
+                                               "efficiency"), fmt=cell, headers=HEADERS)))

@@ -9,7 +9,6 @@ from hpc_tools.cli._common import COUNT, add_json, add_runs_dir, emit_json
 NAME = "list"
 ORDER = 70
 HELP = "list runs (status, executor, job id, layout, and why a run failed)"
-REASON_WIDTH = 100
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,9 +33,16 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         print("no runs")
         return 0
-    print(f"{'RUN':<44} {'STATUS':<13} {'EXECUTOR':<8} {'JOB':<8} {'LAYOUT':<20} REASON")
-    for row in rows:
-        reason = row["reason"] if row["status"] not in ("pending", "running", "completed") else ""
-        print(f"{row['run_id']:<44} {row['status']:<13} {row['executor'] or '':<8} {str(row['job_id'] or '-'):<8} "
-              f"{row['layout'] or '':<20} {reason[:REASON_WIDTH]}".rstrip())
+    from hpc_tools.cli.screen import table
+
+    for row in rows:  # why a run is where it is matters for the ones that ended badly (or hang)
+        row["why"] = row["reason"] if row["status"] not in ("pending", "running", "completed") else ""
+        row["job_id"] = row["job_id"] or "-"
+    print("\n".join(table(rows, ("run_id", "status", "job_id", "executor", "layout", "why"), keep=2,
+                           headers=HEADERS, last_wraps=True, priority=("why", "job_id", "layout", "executor"))))
     return 0
+
+
+# A narrow terminal drops the executor first, then the layout, then the job id; the reason wraps instead.
+HEADERS = {"run_id": "RUN", "status": "STATUS", "job_id": "JOB", "layout": "LAYOUT", "executor": "EXECUTOR",
+           "why": "REASON"}

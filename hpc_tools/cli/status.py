@@ -4,13 +4,18 @@ failed rank and node and how it ended, or the hang's culprit. Read-only on a ful
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from hpc_tools.cli._common import add_json, add_run_ref, add_runs_dir, emit_json
+from hpc_tools.cli.screen import echo
+from profiling import units
+from profiling.units import gb, hms, pct, rate, sci, seconds_per_step
 
 NAME = "status"
 ORDER = 40
-HELP = ("show a run's state and why, job id, layout, times, last step, progress (step N/total, ETA, validation loss), "
-        "straggler verdict and goodput so far (default: the latest run)")
+HELP = ("show a run's state and why, the profile it used, layout, times, its figures (median step time, tok/s, MFU, "
+        "peak memory), progress (step N/total, loss, lr, grad norm, ETA), straggler verdict, goodput so far, the kept "
+        "checkpoints and where the logs are (default: the latest run)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hpc_tools.registry import resolve_run
-    from hpc_tools.runstate import classify, hang_markers, last_step, refresh_all
+    from hpc_tools.runstate import classify, last_step, refresh_all
     from hpc_tools.runtime.progress import read_progress
 
     r = resolve_run(args.run, args.runs_dir)
@@ -30,58 +35,129 @@ def run(args: argparse.Namespace) -> int:
         return _serve_only(r, server, args.json)
     ((manifest, job),) = refresh_all([r])
     verdict = classify(r, job, manifest)
-    step = last_step(r)
     progress = read_progress(r.path)
     health = _health(r)
     saves = _checkpoints(r)
+    kept = _kept(saves)
     evaluation = _evaluation(r)
+    profile = _profile(r, manifest)
+    logs = _logs(r)
     if args.json:
-        emit_json({"run_dir": str(r.path), **manifest, **verdict.as_dict(), "last_step": step, "progress": progress,
-                   **health, "checkpoints": saves, "eval": evaluation})
+        emit_json({"run_dir": str(r.path), **manifest, **verdict.as_dict(), "last_step": last_step(r),
+                   "progress": progress, "lr": (progress or {}).get("lr"),
+                   "grad_norm": (progress or {}).get("grad_norm"), "profile": profile, "logs": logs,
+                   **health, "checkpoints": saves, "checkpoints_kept": kept, "eval": evaluation})
         return 0
-    keys = ("state", "slurm_state", "executor", "job_id", "layout", "nodelist", "created", "started", "ended",
-            "restart_count", "exit_code", "failed_ranks", "failed_nodes")
-    print(f"run      {r.run_id}\nfolder   {r.path}\nstatus   {verdict.status}: {verdict.reason}")
-    for key in keys:
+    lines = [f"run      {r.run_id}", f"folder   {r.path}", f"status   {verdict.status}: {verdict.reason}"]
+    lines += _job_lines(manifest, profile)
+    lines += _figure_lines(health.get("figures"), progress)
+    lines += _health_lines(health)
+    lines += _checkpoint_lines(saves, kept)
+    lines.append(f"logs     {logs['dir']} ({len(logs['files'])} file(s)); read them with: hpc-tools logs {r.run_id}")
+    lines += _restart_lines(manifest)
+    if evaluation["results"] or evaluation["quantized"]:  # eval / quantize (hpc_tools.evaluate.results)
+        from hpc_tools.evaluate.results import table_lines
+
+        lines += table_lines(r.path)
+    lines += _tail_lines(r, manifest, server)
+    echo("\n".join(lines))
+    return 0
+
+
+def _job_lines(manifest: dict, profile: dict) -> list[str]:
+    """What ran where: the profile and the asked-for cluster, layout, the job's times and its end."""
+    lines = [f"profile  {profile['text']}"] if profile.get("text") else []
+    for key, label in (("layout", "layout"), ("executor", "executor"), ("job_id", "job id"),
+                       ("slurm_state", "slurm"), ("nodelist", "nodes")):
         if manifest.get(key) not in (None, ""):
-            print(f"{key:<8} {manifest[key]}" if len(key) <= 8 else f"{key} {manifest[key]}")
+            lines.append(f"{label:<8} {manifest[key]}")
+    times = ", ".join(f"{k} {manifest[k]}" for k in ("created", "started", "ended") if manifest.get(k))
+    if times:
+        lines.append(f"times    {times}")
+    ends = [f"{label} {manifest[k]}" for k, label in (("restart_count", "restarts"), ("exit_code", "exit code"),
+                                                         ("failed_ranks", "failed ranks"),
+                                                         ("failed_nodes", "failed nodes"))
+            if manifest.get(k) not in (None, "")]
+    if ends:
+        lines.append(f"end      {', '.join(ends)}")
     if manifest.get("launcher") == "ray" or manifest.get("ray_dashboard"):  # cluster.launcher: ray (docs/ray.md)
-        print(f"ray      {manifest.get('ray_nodes') or '?'} node(s), started in {manifest.get('ray_start_s') or '?'} "
-              f"s, dashboard {manifest.get('ray_dashboard') or 'off'} (while the job runs), logs {r.path / 'ray'}")
-    if step:
-        loss = f", loss {step['loss']:.4f}" if step.get("loss") is not None else ""
-        print(f"last step {step['step']}{loss}, {step['step_time_s']:.3f} s/step, {step['tokens_per_s']:.0f} tok/s")
-    if progress:  # rank 0's newest progress line: step N/total, rates, elapsed and ETA
-        print(f"progress {progress.get('line', '')}")
-        if progress.get("latest_val_loss") is not None:
-            print(f"val loss {progress['latest_val_loss']:.4f} at step {progress.get('val_step')}")
-    if health:
-        g = health["goodput"]
-        print(f"stragglers {health['straggler_verdict']}")
-        if g.get("allocation_hours"):
-            fewer = (f"on fewer nodes {g['degraded_s']:.1f} s at {g['degraded_ratio']:.2f}x the throughput, "
-                     if g.get("degraded_s") and g.get("degraded_ratio") else "")
-            print(f"goodput  {100 * (g['goodput'] or 0):.1f} % of {g['allocation_hours']:.4g} {g['unit']}-hours "
-                  f"({fewer}start-up {g['startup_s']:.0f} s, preflight {g.get('preflight_s') or 0:.1f} s, "
-                  f"checkpoint load {g['checkpoint_load_s']:.1f} s, checkpoint "
-                  f"blocked {g['checkpoint_blocked_s']:.1f} s, recovery {g.get('recovery_s') or 0:.1f} s, "
-                  f"evaluation {g.get('evaluation_s') or 0:.1f} s, lost work {g['lost_work_s']:.1f} s / "
-                  f"{g['recomputed_steps']} steps, requeue wait "
-                  f"{g['requeue_wait_s']:.0f} s, {g['lives']} start(s))")
-    if saves:
-        done = [c for c in saves if c["verified"] is not False]
-        bg = [c for c in done if c["async"]]
-        line = f"checkpoints {len(done)} saved, newest step {done[-1]['iteration']} ({done[-1]['tier']} tier)" \
-            if done else "checkpoints none complete"
-        if bg:
-            line += (f"; {len(bg)} in the background: blocked {sum(c['blocked_s'] for c in bg) / len(bg):.3f} s of "
-                     f"{sum(c['write_s'] for c in bg) / len(bg):.2f} s written, on average")
-        failed = len(saves) - len(done)
-        print(line + (f"; {failed} failed (not committed)" if failed else ""))
+        lines.append(f"ray      {manifest.get('ray_nodes') or '?'} node(s), started in "
+                     f"{manifest.get('ray_start_s') or '?'} s, dashboard {manifest.get('ray_dashboard') or 'off'} "
+                     "(while the job runs)")
+    return lines
+
+
+def _figure_lines(figures: dict | None, progress: dict | None) -> list[str]:
+    """The run's figures (median over its measured steps, as summary.json and analyze give them) and where it is:
+    step N/total, loss, lr, gradient norm, ETA (rank 0's newest progress line, without its window rates)."""
+    lines = []
+    if figures and figures.get("step_time_median_s"):
+        f = figures
+        tflops = f"{f['tflops_per_gpu']:.3g} TFLOP/s/gpu, " if f.get("tflops_per_gpu") is not None else ""
+        mem = (f", peak {gb(f['peak_mem_gb'] * units.GB)} ({f.get('peak_mem_kind')})"
+               if f.get("peak_mem_gb") is not None else "")
+        mfu = pct(f["mfu"]) if f.get("mfu") is not None else "n/a (no GPU peak)"
+        lines.append(f"figures  {seconds_per_step(f['step_time_median_s'])} median, {rate(f['tokens_per_s'])} tok/s "
+                     f"({rate(f['tokens_per_s_per_gpu'])}/gpu), {tflops}MFU {mfu}{mem}; over "
+                     f"{f['steps_measured']} steps after {f['warmup_steps']} warm-up")
+    if progress:
+        p = progress
+        val = (f", val {p['latest_val_loss']:.4f} at step {p.get('val_step')}"
+               if p.get("latest_val_loss") is not None else "")
+        loss = f"loss {p['loss']:.4f}" if p.get("loss") is not None else "loss -"
+        lines.append(f"progress step {p.get('step')}/{p.get('total')}, {loss}{val}, lr {sci(p.get('lr'))}, grad norm "
+                     f"{sci(p.get('grad_norm'))}, eta {hms(p.get('eta_s'))}")
+    return lines
+
+
+def _health_lines(health: dict) -> list[str]:
+    if not health:
+        return []
+    lines = [f"stragglers {health['straggler_verdict']}"]
+    g = health["goodput"]
+    if g.get("allocation_hours"):
+        fewer = (f"on fewer nodes {g['degraded_s']:.1f} s at {g['degraded_ratio']:.2f}x the throughput, "
+                 if g.get("degraded_s") and g.get("degraded_ratio") else "")
+        lines.append(f"goodput  {pct(g['goodput'] or 0)} of {g['allocation_hours']:.4g} {g['unit']}-hours "
+                     f"({fewer}start-up {g['startup_s']:.0f} s, preflight {g.get('preflight_s') or 0:.1f} s, "
+                     f"checkpoint load {g['checkpoint_load_s']:.1f} s, checkpoint "
+                     f"blocked {g['checkpoint_blocked_s']:.1f} s, recovery {g.get('recovery_s') or 0:.1f} s, "
+                     f"evaluation {g.get('evaluation_s') or 0:.1f} s, lost work {g['lost_work_s']:.1f} s / "
+                     f"{g['recomputed_steps']} steps, requeue wait "
+                     f"{g['requeue_wait_s']:.0f} s, {g['lives']} start(s))")
+    return lines
+
+
+def _checkpoint_lines(saves: list, kept: list) -> list[str]:
+    """The checkpoints on disk now (their folder and steps), then the saves made: pruned by keep_last, failed,
+    written in the background."""
+    if not saves and not kept:
+        return []
+    if kept:
+        where = sorted({str(Path(c["path"]).parent) for c in kept})
+        steps = ", ".join(str(c["iteration"]) for c in kept)
+        line = (f"checkpoints {len(kept)} kept in {', '.join(where)}: step(s) {steps}; newest "
+                f"{Path(kept[-1]['path']).name}")
+    else:
+        line = "checkpoints none on disk"
+    done = [c for c in saves if c["verified"] is not False]
+    pruned = len([c for c in done if not c["complete"]])
+    failed = len(saves) - len(done)
+    made = f"; {len(done)} saved" + (f", {pruned} pruned (checkpoint.keep_last)" if pruned else "")
+    bg = [c for c in done if c["async"]]
+    if bg:
+        made += (f"; {len(bg)} in the background: blocked {sum(c['blocked_s'] for c in bg) / len(bg):.3f} s of "
+                 f"{sum(c['write_s'] for c in bg) / len(bg):.2f} s written, on average")
+    return [line + made + (f"; {failed} failed (not committed)" if failed else "")]
+
+
+def _restart_lines(manifest: dict) -> list[str]:
+    lines = []
     layouts = manifest.get("layouts") or []
     if len(layouts) > 1:  # elastic (cluster.min_nodes): every layout the run trained in, from the step it resumed at
         for entry in layouts:
-            print(f"layout   from step {entry.get('from_iteration')}: {entry.get('layout')} ({entry.get('cause')})")
+            lines.append(f"layout   from step {entry.get('from_iteration')}: {entry.get('layout')} "
+                         f"({entry.get('cause')})")
     for i, again in enumerate(manifest.get("restarts") or [], 1):  # in-job restarts (cluster.restarts) and requeues
         after = f", first new step {again['time_to_first_step_s']} s later" \
             if again.get("time_to_first_step_s") is not None else ""
@@ -91,19 +167,72 @@ def run(args: argparse.Namespace) -> int:
         judged = f"; {again['class']}: {again.get('decision')}" if again.get("class") else ""
         why = f" ({again['why']})" if again.get("decision") == "stop" and again.get("why") else ""
         fix = f"; {again['fix']}" if again.get("fix") else ""
-        print(f"restart {i} ({again.get('kind', 'in-job')}{where}) at {again.get('at')}: {again.get('cause')}: "
-              f"{again.get('reason') or '?'}{start}{judged}{why}{fix}")
-    if evaluation["results"] or evaluation["quantized"]:  # eval / quantize (hpc_tools.evaluate.results)
-        from hpc_tools.evaluate.results import table_lines
+        lines.append(f"restart {i} ({again.get('kind', 'in-job')}{where}) at {again.get('at')}: {again.get('cause')}: "
+                     f"{again.get('reason') or '?'}{start}{judged}{why}{fix}")
+    return lines
 
-        print("\n".join(table_lines(r.path)))
-    if server:
-        print(_server_line(server, manifest.get("endpoint")))
+
+def _tail_lines(r, manifest: dict, server: dict | None) -> list[str]:
+    from hpc_tools.runstate import hang_markers
+
+    lines = [_server_line(server, manifest.get("endpoint"))] if server else []
     if manifest.get("error"):
-        print(f"error    {manifest['error']}")
-    for marker in hang_markers(r):  # the hang verdict with every rank's stacks
-        print(f"hang     {marker}")
-    return 0
+        lines.append(f"error    {manifest['error']}")
+    lines += [f"hang     {marker}" for marker in hang_markers(r)]  # the hang verdict with every rank's stacks
+    return lines
+
+
+def _kept(saves: list) -> list:
+    """The saves still on disk and complete (``checkpoint.keep_last`` prunes older ones), oldest first."""
+    return [c for c in saves if c.get("complete") and c.get("verified") is not False]
+
+
+def _profile(r, manifest: dict) -> dict:
+    """The recipe profile the run used, the cluster the recipe asks for and why they differ: {used, asked, ran,
+    text}. A local run takes the recipe's ``local:`` profile (``submit`` picks it when it runs locally)."""
+    from hpc_tools.recipe.load import load_recipe
+
+    used = manifest.get("profile")
+    try:
+        ran = load_recipe(r.recipe_path)
+    except Exception:  # noqa: BLE001 - status reports the state whatever the run folder holds
+        return {"used": used, "asked": None, "ran": None, "text": f"{used}" if used else ""}
+    c = ran.cluster
+    ran_text = f"{c.nodes} x {c.gpus_per_node} {c.gpu_type}"
+    asked_text = _asked_cluster(manifest.get("source")) if used else None
+    out = {"used": used or "none", "asked": asked_text, "ran": ran_text}
+    if not used:
+        out["text"] = f"the recipe's own cluster: {ran_text}"
+    else:
+        asked = f"; the recipe asks for {asked_text}" if asked_text and asked_text != ran_text else ""
+        out["text"] = (f"{used}: ran on {ran_text}{asked} ({manifest.get('executor')} run: a run without Slurm uses "
+                       "the recipe's local profile; submit --executor slurm runs the recipe's cluster)")
+    return out
+
+
+def _asked_cluster(source: str | None) -> str | None:
+    """``nodes x gpus_per_node gpu_type`` of the recipe file the run came from, when it is still readable."""
+    if not source:
+        return None
+    try:
+        from hpc_tools.recipe.load import load_recipe
+
+        c = load_recipe(source).cluster
+    except Exception:  # noqa: BLE001 - moved or edited since: the profile line says less
+        return None
+    return f"{c.nodes} x {c.gpus_per_node} {c.gpu_type}"
+
+
+def _logs(r) -> dict:
+    """Where the run's logs are: their folder and files (``runstate.log_files``)."""
+    from hpc_tools.runstate import log_files
+
+    try:
+        files = [str(p) for p in log_files(r)]
+    except OSError:
+        files = []
+    folders = sorted({str(Path(f).parent) for f in files}) or [str(r.logs_dir)]
+    return {"dir": ", ".join(folders), "files": files}
 
 
 def _checkpoints(r) -> list:
