@@ -1053,6 +1053,19 @@ def ray_launcher_container(r: Recipe, lay: ParallelLayout) -> Iterator[Violation
                         "cluster.launcher: srun")
 
 
+@note
+def ray_no_time_limit_stop(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """Ray runs get no stop signal before the time limit: the signal ends Ray's own processes before a checkpoint."""
+    c = r.cluster
+    if c.launcher == "ray":
+        yield Violation("cluster.launcher", "ray", f"gets no stop signal before cluster.time_limit={c.time_limit} "
+                        f"(Slurm's signal would end Ray's processes before any worker checkpoints): no stop "
+                        f"checkpoint and no requeue at the limit, cluster.signal_delay_s is not used; the run resumes "
+                        f"from its newest periodic checkpoint (checkpoint.interval_iters="
+                        f"{r.checkpoint.interval_iters}) with `hpc_tools resume`", "use cluster.launcher: srun for a "
+                        "checkpoint at the time limit, or a time limit the run fits in")
+
+
 @rule
 def switch_wait_needs_switches(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """cluster.switch_wait_min is the wait for cluster.switches, which must be set."""

@@ -25,7 +25,7 @@ from hpc_tools.render.envsetup import (
     step_count_args,
     step_node_args,
 )
-from hpc_tools.render.slurm_params import STOP_SIGNAL, SlurmSpec
+from hpc_tools.render.slurm_params import STOP_SIGNAL, SlurmSpec, time_limit_stop
 
 _ENV = jinja2.Environment(loader=jinja2.PackageLoader("hpc_tools.render", "templates"), trim_blocks=True,
                           lstrip_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined,
@@ -64,7 +64,8 @@ def render_sbatch(recipe: Recipe, source: str = "a recipe") -> str:
         signal_delay_s=recipe.cluster.signal_delay_s, stop_signal=STOP_SIGNAL, launch=launch,
         restarts=recipe.cluster.restarts, elastic=recipe.cluster.elastic,
         placement=placement_lines(recipe) if placed else [],
-        srun=PLACED_SRUN if placed else "srun", ray=ray_nodes_step(recipe), requeue=recipe.cluster.requeue)
+        srun=PLACED_SRUN if placed else "srun", ray=ray_nodes_step(recipe),
+        requeue=recipe.cluster.requeue and time_limit_stop(recipe.cluster))
 
 
 def ray_nodes_step(recipe: Recipe) -> dict | None:
