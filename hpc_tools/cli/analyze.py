@@ -68,6 +68,8 @@ def run_breakdown(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.breakdown:
+        return run_breakdown(args)
     result = analysed(args)
     if args.json:
         emit_json({"ok": True, **result.to_json()})
