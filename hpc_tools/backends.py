@@ -26,12 +26,30 @@ def _deepspeed_zero_config(recipe: Any) -> dict:
     return recipe.backend.deepspeed.config_overrides.get("zero_optimization") or {}
 
 
-def _megatron_flash(recipe: Any) -> bool:
-    """Megatron's fused attention: on GPU, asked for, not the local layers, and 16-bit (Transformer Engine's flash
-    and fused backends take fp16/bf16 only; fp32 runs its unfused attention, which stores the s^2 terms)."""
+def _megatron_attention_path(recipe: Any) -> str:
+    """The attention path a Megatron recipe is planned for (``hpc_tools/train/megatron/layers.py`` ``layer_plan``'s
+    ``path``, by the planner's names): ``te`` (Transformer Engine layers, its flash or cuDNN fused attention),
+    ``te-unfused`` (TE layers, TE's unfused attention: ``use_flash_attention: false``, or fp32), ``sdpa`` (local
+    layers, torch's scaled_dot_product_attention) or ``unfused`` (local layers, Megatron's O(s^2) attention). Local
+    layers where ``transformer_impl: local`` or on CPU ranks; ``auto`` on GPUs is planned as TE layers (a node without
+    TE runs the local ones: plan it with ``transformer_impl: local``)."""
     mg = recipe.backend.megatron
-    return (mg.use_flash_attention and recipe.cluster.uses_gpus and mg.transformer_impl != "local"
-            and recipe.training.precision != "fp32")
+    if mg.transformer_impl == "local" or not recipe.cluster.uses_gpus:
+        return "sdpa" if mg.use_flash_attention else "unfused"
+    return "te" if mg.use_flash_attention and recipe.training.precision != "fp32" else "te-unfused"
+
+
+def _hf_attention_path(recipe: Any) -> str:
+    """Hugging Face models run torch's scaled_dot_product_attention."""
+    return "sdpa"
+
+
+def _megatron_flash(recipe: Any) -> bool:
+    """Megatron's attention keeps no s^2 tensor: on GPU, 16-bit, TE's flash/fused attention or torch's SDPA (TE's
+    flash and fused backends take fp16/bf16 only; fp32 runs TE's unfused attention, and SDPA in fp32 is planned with
+    the s^2 terms as ``layer_plan``'s ``flash_style`` is)."""
+    return (recipe.cluster.uses_gpus and recipe.training.precision != "fp32"
+            and _megatron_attention_path(recipe) in ("te", "sdpa"))
 
 
 def _sdpa_flash(recipe: Any) -> bool:
@@ -125,6 +143,9 @@ class Backend:
     """The ``zero_optimization`` overrides the planner reads (bucket sizes); {} where there is no ZeRO config."""
     compiled: Callable[[Any], bool] = _not_compiled
     """Whether the recipe's layers run under torch.compile (the planner's default efficiency)."""
+    attention_path: Callable[[Any], str] = _hf_attention_path
+    """The attention path the recipe is planned for (``te``, ``te-unfused``, ``sdpa``, ``unfused``): the planner's
+    default efficiency and activation terms."""
 
 
 BACKENDS: dict[str, Backend] = {b.kind: b for b in (
@@ -138,7 +159,7 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
             reads_init_from_hf=True, hf_export="hpc_tools.train.megatron.hf_export:export_checkpoint",
             rank_setup="hpc_tools.train.megatron.config:rank_environment", layers="megatron",
             sharding="distributed_optimizer", packages=("megatron-core",),
-            flash_attention=_megatron_flash),
+            flash_attention=_megatron_flash, attention_path=_megatron_attention_path),
     Backend(kind="deepspeed", summary="a Hugging Face causal LM under DeepSpeed ZeRO (stages 0-3, offload, "
             "pipeline with stage 0/1)",
             trainer="hpc_tools.train.deepspeed.trainer", trains_model=True, options="deepspeed",

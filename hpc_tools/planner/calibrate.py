@@ -26,6 +26,7 @@ from hpc_tools.planner.efficiency import (
     calibration_key,
     default_efficiency,
     default_path,
+    efficiency_key,
     load_store,
 )
 from hpc_tools.planner.memory import CONTEXT, NCCL_BUFFER_BYTES
@@ -102,7 +103,7 @@ def compare(measured: Measured, efficiency: float) -> Comparison:
         terms = plan.time.terms
         a = (terms[COMPUTE] + terms[BUBBLE]) * efficiency  # seconds at 100 % of peak
         r = plan.time.total_s - terms[COMPUTE] - terms[BUBBLE]
-    return Comparison(measured, calibration_key(measured.recipe.cluster, measured.recipe.backend.kind),
+    return Comparison(measured, calibration_key(measured.recipe.cluster, efficiency_key(measured.recipe)),
                       plan.time.total_s if plan.time else None, allocated, a, r)
 
 

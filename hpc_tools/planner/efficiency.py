@@ -25,6 +25,25 @@ torchtitan's measured configuration with the Hugging Face ones):
   are what makes this planner predict those two throughputs for that configuration (compute at the factor, its
   exposed FSDP communication added). torchtitan's GPUs ran at 500 W with HBM2e, below the SXM part's peak, so the
   factors are conservative for H100 SXM at 700 W; calibrate to replace them.
+
+Megatron's figure depends on the attention path the recipe is planned for (``backends.py`` ``attention_path``; the
+rank names the one it gets, ``layers.layer_plan``), since the layers without Transformer Engine run their norms,
+activation, attention softmax and cross-entropy as separate kernels (``MEGATRON_BY_PATH``):
+
+- ``te`` (TE layers, flash or cuDNN fused attention): 0.6, the published figures above.
+- ``unfused`` (Megatron-core's local layers, unfused O(s^2) attention): 0.229, **measured** on one NVIDIA H200
+  (2026-11-28, torch 2.11.0+cu130, no TE, no apex): ``benchmarks/gpu_mfu.py --size 1.3b --layers local`` (GPT 1.3B,
+  seq 2048, micro 4 x 8, bf16, TP1) ran 2.452 s per step, 22.9 % MFU of 989.4 TFLOP/s (2.461 s, 22.8 % the day
+  before); at 0.229 the planner predicts 2.450 s for that step (at 0.6 it predicted 0.935 s, 2.6x optimistic).
+- ``sdpa`` (local layers, torch's scaled_dot_product_attention): 0.35, an **estimate, not a measurement**: above the
+  measured unfused figure by the s^2 score, softmax and mask passes the flash kernel removes, below TE's because the
+  norms, the activation and the cross-entropy stay separate kernels. Replace it by the first measurement
+  (``gpu_mfu.py --layers local`` with ``use_flash_attention: true``, then ``plan --calibrate``).
+- ``te-unfused`` (TE layers, TE's unfused attention: ``use_flash_attention: false``, or fp32): 0.45, an
+  **estimate**: TE's fused norms and linears with the s^2 attention.
+
+A calibration is stored per attention path as well (``efficiency_key``: ``megatron`` for ``te``, ``megatron+sdpa``,
+``megatron+unfused``, ``megatron+te-unfused``): a factor fitted on TE runs never prices a node without TE.
 """
 
 from __future__ import annotations
@@ -45,6 +64,15 @@ if TYPE_CHECKING:
 CALIBRATION_VERSION = 2  # 2: keys name the backend kind ("H100-SXM@gpu/fsdp"); 1: the cluster alone (not read)
 
 MEGATRON_EFFICIENCY = 0.6  # Megatron-core layers (Narayanan et al. 2021; Megatron-LM README): see the module doc
+MEGATRON_BY_PATH: dict[str, tuple[float, str]] = {
+    "te": (MEGATRON_EFFICIENCY, "default for Megatron-core TE layers (Narayanan et al. 2021)"),
+    "unfused": (0.229, "measured: Megatron-core local layers, unfused attention, H200, 2026-11-28 "
+                       "(gpu_mfu.py --size 1.3b --layers local: 22.9 % MFU)"),
+    "sdpa": (0.35, "estimate, not measured: Megatron-core local layers with SDPA attention (between the measured "
+                   "unfused 0.229 and TE's 0.6)"),
+    "te-unfused": (0.45, "estimate, not measured: Megatron-core TE layers with TE's unfused attention"),
+}
+"""Megatron's default efficiency per attention path (``backends.py`` ``attention_path``): (factor, its source)."""
 HF_EAGER_EFFICIENCY = 0.30  # Hugging Face eager layers (torchtitan's FSDP2 Llama 3.1 8B, eager): see the module doc
 HF_COMPILED_EFFICIENCY = 0.35  # the same with torch.compile per block (backend.fsdp.compile)
 
@@ -53,7 +81,7 @@ def default_efficiency(recipe: "Recipe") -> tuple[float, str]:
     """(efficiency, its source) for a recipe without a calibration: the default of the layers its backend runs."""
     row = backends.of(recipe)
     if row.layers == "megatron":
-        return MEGATRON_EFFICIENCY, "default for Megatron-core layers (Narayanan et al. 2021)"
+        return MEGATRON_BY_PATH[row.attention_path(recipe)]
     if row.compiled(recipe):
         return HF_COMPILED_EFFICIENCY, "default for compiled PyTorch layers (torchtitan FSDP2 + torch.compile)"
     return HF_EAGER_EFFICIENCY, "default for Hugging Face eager layers (torchtitan FSDP2, eager)"
@@ -87,6 +115,17 @@ def calibration_key(cluster: "ClusterConfig", kind: str) -> str:
     return f"{cluster_key(cluster)}/{kind}"
 
 
+def efficiency_key(recipe: "Recipe") -> str:
+    """What a stored efficiency is kept under besides the cluster: the backend kind, and for Megatron the attention
+    path when it is not TE's (``megatron+sdpa``, ``megatron+unfused``, ``megatron+te-unfused``; ``megatron`` alone for
+    TE layers, as files written before the paths were told apart hold)."""
+    row = backends.of(recipe)
+    if row.layers != "megatron":
+        return recipe.backend.kind
+    path = row.attention_path(recipe)
+    return recipe.backend.kind if path == "te" else f"{recipe.backend.kind}+{path}"
+
+
 def efficiency_for(cluster: "ClusterConfig", kind: str, path: Path | None = None) -> tuple[float, str] | None:
     """(efficiency, source) stored for this cluster and backend kind (exact key, else the GPU type alone with that
     kind), or None. Keys without a kind (files of version 1) are not read: their backend is unknown."""
@@ -99,12 +138,13 @@ def efficiency_for(cluster: "ClusterConfig", kind: str, path: Path | None = None
 
 def resolve_efficiency(recipe: "Recipe", efficiency: float | None = None,
                        calibration: Path | None = None, use_calibration: bool = True) -> tuple[float, str]:
-    """(efficiency, where it came from): an explicit value, else the stored calibration for the recipe's cluster and
-    backend kind, else the default of the layers the recipe's backend runs (``default_efficiency``)."""
+    """(efficiency, where it came from): an explicit value, else the stored calibration for the recipe's cluster,
+    backend kind and attention path (``efficiency_key``), else the default of the layers and attention path the
+    recipe's backend runs (``default_efficiency``)."""
     if efficiency is not None:
         return efficiency, "--efficiency"
     if use_calibration:
-        found = efficiency_for(recipe.cluster, recipe.backend.kind, calibration)
+        found = efficiency_for(recipe.cluster, efficiency_key(recipe), calibration)
         if found:
             return found
     return default_efficiency(recipe)

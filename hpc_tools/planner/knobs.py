@@ -47,6 +47,9 @@ class Knobs:
     hvd_compression: str = "none"  # Horovod: none | fp16
     hvd_fusion_mb: int = 128  # Horovod's fusion buffer (MiB)
     flash: bool = True  # fused attention: no s^2 activations stored
+    # the attention path (backends.py attention_path: te | te-unfused | sdpa | unfused): efficiency and what the
+    # attention core keeps for backward
+    attention: str = "te"
     on_gpu: bool = True  # CUDA kernels (1-byte dropout masks, fused norms); False: the CPU build's kernels
     fp8: str | None = None  # training.fp8 (e4m3 | hybrid) where the backend runs it; None: 16-bit GEMMs
     dispatcher: str = "alltoall"  # model.moe_token_dispatcher_type
@@ -76,7 +79,8 @@ class Knobs:
                    ds_bucket_elems=int(ds_zero.get("reduce_bucket_size", DS_DEFAULT_BUCKET_ELEMS)),
                    fsdp_strategy=be.fsdp.strategy, fsdp_shard_size=be.fsdp.shard_size,
                    fsdp_reshard=be.fsdp.reshard_after_forward, hvd_compression=be.horovod.compression,
-                   hvd_fusion_mb=be.horovod.fusion_threshold_mb, flash=flash, on_gpu=recipe.cluster.uses_gpus,
+                   hvd_fusion_mb=be.horovod.fusion_threshold_mb, flash=flash, attention=row.attention_path(recipe),
+                   on_gpu=recipe.cluster.uses_gpus,
                    fp8=t.fp8 if row.fp8 else None, dispatcher=recipe.model.moe_token_dispatcher_type,
                    moe=recipe.model.num_experts is not None,
                    recompute_modules=tuple(t.recompute_modules) if t.recompute_modules is not None else None,

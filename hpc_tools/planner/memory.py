@@ -20,6 +20,7 @@ from typing import ClassVar
 
 from hpc_tools import backends
 from hpc_tools.planner.arch import Arch, busiest_moe_stage, stage_layer_counts
+from hpc_tools.planner.attention import attention_note, sdpa_kernel
 from hpc_tools.planner.knobs import Knobs
 from hpc_tools.recipe.training import recompute_modules
 
@@ -80,7 +81,7 @@ def megatron_layer_terms(s: int, b: int, h: int, a: int, t: int = 1, *, groups: 
                          head_dim: int | None = None, ffn: int | None = None, gated: bool = False, sp: bool = False,
                          recompute: str = "none", flash: bool = False, hidden_dropout: bool = False,
                          attention_dropout: bool = False, act_bytes: int = 2, rope: bool = False,
-                         rmsnorm: bool = False, on_gpu: bool = True) -> dict[str, float]:
+                         rmsnorm: bool = False, on_gpu: bool = True, sdpa: str | None = None) -> dict[str, float]:
     """Bytes one Megatron-core transformer layer (the job's local layer spec) saves for backward, term by term, for
     one microbatch on one GPU of a TP group of ``t``: Korthikanti's Table 2 with every tensor the implementation
     really keeps. Exact against autograd on the CPU build (``tests/integration/test_planner_activations.py``).
@@ -95,6 +96,15 @@ def megatron_layer_terms(s: int, b: int, h: int, a: int, t: int = 1, *, groups: 
     the fp32 normalised input instead of the 16-bit input. (4) Dropout masks: 1 byte per element on CUDA, a noise
     tensor of the activation dtype on the CPU build. (5) The explicit attention's causal mask, s^2 booleans.
     Full recomputation is counted per checkpoint (``stage_activation_bytes``), not here.
+
+    ``sdpa``: the local layers' attention core on torch's scaled_dot_product_attention (``sdpa_kernel``):
+    ``flash`` -- a flash-style kernel (torch's flash kernel for CPU, dropout 0; on a GPU flash / cuDNN /
+    memory-efficient, planned alike): Q, K, V as they enter the core and the fp32 log-sum-exp per head and token,
+    no s^2 term; ``math`` -- torch's math kernel (CPU with attention dropout): fp32 copies of the scaled Q and K
+    and of V at a/t heads (K, V expanded for GQA; 16-bit inputs upcast; V in fp32 without GQA stays a view of the
+    fused QKV output, which it keeps alive) instead of the Q, K, V views, and three fp32 s^2
+    tensors (softmax output, dropout mask, dropped probabilities), no causal mask. Selective recomputation of the
+    core keeps its inputs only, whichever kernel.
     """
     e, g = act_bytes, groups or a
     dh = head_dim or h // a
@@ -112,9 +122,12 @@ def megatron_layer_terms(s: int, b: int, h: int, a: int, t: int = 1, *, groups: 
     terms = {"norms (inputs and statistics)": 2 * norm(), "linear inputs (QKV, fc1)": 2 * e * rep * h}
     if hidden_dropout:
         terms["dropout masks"] = 2 * mask * rep * h
-    explicit = not flash and recompute != "selective"
+    explicit = not flash and not sdpa and recompute != "selective"
+    math = sdpa == "math" and recompute != "selective"
     gqa = g_t < a_t
-    if explicit and gqa:
+    if math:
+        own, views = 0, False
+    elif explicit and gqa:
         # K and V repeated to a/t heads; Q is RoPE's output, or a copy made for the grouped head layout (1 < g/t) or
         # for the [s, b x heads, d_h] matmul layout (b > 1); only with g/t = 1 and b = 1 is it still a view
         q_own = rope or g_t > 1 or b > 1
@@ -124,12 +137,20 @@ def megatron_layer_terms(s: int, b: int, h: int, a: int, t: int = 1, *, groups: 
     else:  # as they enter the attention core: new Q (RoPE, or a copy when 1 < g/t < a/t: the grouped head layout is
         # no view of [s, b, heads, d_h]) and new K (RoPE); V a view
         own, views = (a_t if rope or 1 < g_t < a_t else 0) + (g_t if rope else 0), True
-    terms["Q, K, V (+ fused QKV output kept by views)"] = e * tok * dh * (own + ((a_t + 2 * g_t) if views else 0))
+    if math:  # scaled fp32 Q and K; V an fp32 copy, except in fp32 without GQA: a view of the fused QKV output
+        v_kept = e * tok * (a_t + 2 * g_t) * dh if e == 4 and not gqa else 4 * tok * a_t * dh
+        terms["Q, K, V (+ fused QKV output kept by views)"] = 4 * 2 * tok * a_t * dh + v_kept
+    else:
+        terms["Q, K, V (+ fused QKV output kept by views)"] = e * tok * dh * (own + ((a_t + 2 * g_t) if views else 0))
     terms["attention output (output projection input)"] = e * tok * a_t * dh
     if rope:
         terms["RoPE cos/sin tables"] = 4 * s * dh * e
     if recompute == "selective" and not flash:
         terms["recompute bookkeeping"] = 4  # one int32 the checkpoint keeps
+    if sdpa == "flash" and (recompute != "selective" or flash):  # (flash: the job drops core_attn's recompute)
+        terms["SDPA log-sum-exp (fp32)"] = 4 * b * a_t * s
+    if math:
+        terms["attention scores (softmax, dropout)"] = 3 * 4 * a_t * s * s * b
     if explicit:
         upcast = e < 4  # attention_softmax_in_fp32: the softmax runs and is saved in fp32
         quad = (4 if upcast else e) + ((mask + e) if attention_dropout else (e if upcast else 0))
@@ -366,7 +387,8 @@ class MegatronLayers(LayerCode):
                                      sp=lay.sequence_parallel, recompute=attention, flash=k.flash,
                                      hidden_dropout=arch.hidden_dropout, attention_dropout=arch.attention_dropout,
                                      act_bytes=k.act_bytes, rope=not arch.learned_positions,
-                                     rmsnorm=arch.norm_params_per_h == 1, on_gpu=k.on_gpu)
+                                     rmsnorm=arch.norm_params_per_h == 1, on_gpu=k.on_gpu,
+                                     sdpa=sdpa_kernel(arch, k))
         if arch.mla:
             terms.update(mla_attention_terms(arch, k, s))
             if "RoPE cos/sin tables" in terms:  # MLA rotates only the qk_pos_emb_head_dim part
@@ -535,9 +557,7 @@ def memory_notes(arch: Arch, k: Knobs, on_gpu: bool = True) -> dict[str, str]:
     tied = "tied: last stage keeps its own copy of the word embedding" if arch.tied and lay.pipeline_size > 1 else (
         "tied (counted once)" if arch.tied else "untied output layer on the last stage")
     code = layers_of(k)
-    attn = ("fused/flash attention: no s^2 terms" if k.flash else
-            "explicit attention: softmax (and dropout) s^2 terms stored" + code.explicit_attention
-            if k.recompute != "selective" else "selective recompute: s^2 terms recomputed")
+    attn = attention_note(arch, k, code)
     layer = code.layer_note(arch, k, attn)
     if k.recompute == "full":
         kept = f"group of {k.recompute_num_layers} layers" if k.recompute_num_layers > 1 else "layer"

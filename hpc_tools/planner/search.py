@@ -233,7 +233,8 @@ def _knobs(base: Knobs, layout: ParallelLayout, recompute: str, opt: dict) -> Kn
                  fsdp_strategy=opt.get("fsdp_strategy", base.fsdp_strategy),
                  fsdp_shard_size=opt.get("fsdp_shard_size", base.fsdp_shard_size),
                  fsdp_reshard=opt.get("fsdp_reshard", base.fsdp_reshard), hvd_compression=base.hvd_compression,
-                 hvd_fusion_mb=base.hvd_fusion_mb, flash=base.flash, on_gpu=base.on_gpu,
+                 hvd_fusion_mb=base.hvd_fusion_mb, flash=base.flash, attention=base.attention,
+                 on_gpu=base.on_gpu,
                  fp8=base.fp8, dispatcher=base.dispatcher, moe=base.moe, recompute_modules=base.recompute_modules,
                  ep_overlap=base.ep_overlap, shared_expert_overlap=base.shared_expert_overlap)
 

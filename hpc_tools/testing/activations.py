@@ -5,7 +5,7 @@ Shared by ``tests/integration/test_planner_activations.py`` and ``benchmarks/ben
 ``sample_cases(n, seed)`` draws configurations from the space the Megatron job supports (GPT and LLaMA shapes: LayerNorm
 or RMSNorm, GELU or SwiGLU, learned or rotary positions, biases, grouped-query attention, hidden and attention
 dropout, bf16 or fp32, no / selective / full (uniform or block) recomputation, TP 1 or 2 with and without sequence
-parallelism, micro batch, sequence length) and a pipeline role for the model chunk (first stage: embedding; last
+parallelism, micro batch, sequence length, the attention path: ``sdpa`` or Megatron's ``unfused``) and a pipeline role for the model chunk (first stage: embedding; last
 stage: final norm, output layer and loss; both; or a middle chunk).
 
 ``measure_cases(cases)`` (run it inside ranks spawned by ``hpc_tools.testing.spawn``; it needs torch and megatron)
@@ -47,7 +47,7 @@ class Case:
 
     def label(self) -> str:
         keep = ("family", "num_layers", "num_attention_heads", "num_query_groups", "seq_length", "micro_batch",
-                "precision", "recompute", "dropout", "position", "activation", "normalization")
+                "precision", "recompute", "dropout", "position", "activation", "normalization", "flash")
         short = [o.split(".", 1)[1] for o in self.overrides if any(k in o for k in keep)]
         return f"{self.role} TP{self.tensor}{' SP' if self.sp else ''} " + " ".join(short)
 
@@ -58,6 +58,7 @@ class Case:
 def sample_cases(n: int, seed: int, tensors: tuple[int, ...] = (1, 2)) -> list[Case]:
     """``n`` random configurations of the supported space (seeded)."""
     rng = random.Random(seed)
+    paths = random.Random(seed + 1)  # the attention path from its own stream: the other draws stay as they were
     out = []
     for _ in range(n):
         t = rng.choice(tensors)
@@ -79,7 +80,8 @@ def sample_cases(n: int, seed: int, tensors: tuple[int, ...] = (1, 2)) -> list[C
               f"model.untie_embeddings={str(rng.random() < 0.5).lower()}",
               f"model.hidden_dropout={rng.choice((0.0, 0.1))}", f"model.attention_dropout={rng.choice((0.0, 0.1))}",
               f"training.micro_batch_size={rng.randint(1, 3)}", f"training.precision={rng.choice(('bf16', 'fp32'))}",
-              f"training.recompute_granularity={recompute}"]
+              f"training.recompute_granularity={recompute}",
+              f"backend.megatron.use_flash_attention={str(paths.random() < 0.5).lower()}"]  # sdpa | unfused
         if recompute == "full":  # Megatron's uniform method needs groups that divide the chunk's layers
             method = rng.choice(("uniform", "block"))
             n = rng.choice([x for x in range(1, layers + 1) if method == "block" or layers % x == 0])

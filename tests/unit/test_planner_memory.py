@@ -204,13 +204,20 @@ def test_fused_qkv_output_stays_alive_through_views():
     assert qkv(groups=2, recompute="selective") == (a + 4) + a  # 1 < g < a: Q is a copy
 
 
-@pytest.mark.parametrize("precision, impl, flash", [("bf16", "auto", True), ("fp16", "transformer_engine", True),
-                                                     ("fp32", "auto", False), ("bf16", "local", False)])
-def test_megatron_plans_fused_attention_only_where_te_has_a_fused_backend(precision, impl, flash):
-    """Transformer Engine's flash and fused attention take 16-bit inputs only: an fp32 GPU run (and the local layers)
-    stores the s^2 terms, and the plan counts them."""
+@pytest.mark.parametrize("precision, impl, sets, flash, path", [
+    ("bf16", "auto", [], True, "te"), ("fp16", "transformer_engine", [], True, "te"),
+    ("fp32", "auto", [], False, "te-unfused"),
+    ("bf16", "local", [], True, "sdpa"),  # torch's SDPA on the local layers (issue 43): flash-style in 16-bit
+    ("fp32", "local", [], False, "sdpa"),
+    ("bf16", "local", ["backend.megatron.use_flash_attention=false"], False, "unfused"),
+    ("bf16", "auto", ["cluster.gpu_type=cpu"], False, "sdpa")])
+def test_megatron_plans_fused_attention_only_where_te_has_a_fused_backend(precision, impl, sets, flash, path):
+    """Transformer Engine's flash and fused attention take 16-bit inputs only, and torch's SDPA on the local layers is
+    planned flash-style in 16-bit only (as the rank's ``flash_style``): an fp32 GPU run and Megatron's unfused
+    attention store the s^2 terms, and the plan counts them; the attention path is the one the rank would run."""
     from tests.unit.inline_recipes import inline_recipe
 
     r = inline_recipe("gpt_3d", f"training.precision={precision}", f"backend.megatron.transformer_impl={impl}",
-                      check=False)
+                      *sets, check=False)
+    assert Knobs.from_recipe(r).attention == path
     assert Knobs.from_recipe(r).flash is flash
