@@ -134,7 +134,7 @@ def new_run(recipe: Recipe, root: str | Path | None = None, executor: str = "loc
                 "world_size": layout.world_size, "backend": recipe.backend.kind, "site_file": site and str(site),
                 "preflight_expected_busbw_gbps": preflight_expectation(recipe), **(extra_manifest or {})}
     run = RunFolder.create(runs_root(root), new_run_id(recipe.name), text, render_sbatch(recipe, source), manifest,
-                           check_recipe=lambda t: dump_resolved(resolve(parse_yaml(t))),
+                           check_recipe=lambda t: dump_resolved(resolve(parse_yaml(t), layered=False)),
                            mode=recipe.cluster.run_dir_mode_bits)
     if recipe.cluster.elastic:  # the layouts on fewer nodes (docs/elastic.md), for every
         from hpc_tools.planner.elastic import plan_elastic, write  # launcher (the rendered script writes its own too)

@@ -123,8 +123,10 @@ def build_parser(only: str | None = None, *, lazy: bool = False,
     others are listed for --help and ``invalid choice`` messages. Not lazy: every command is built in full."""
     import importlib
 
-    parser = argparse.ArgumentParser(prog="python -m hpc_tools", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from hpc_tools.cli._common import OneLineParser
+
+    parser = OneLineParser(prog="python -m hpc_tools", description=DESCRIPTION, epilog=EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"hpc_tools {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for spec in specs or command_specs():

@@ -55,14 +55,15 @@ def check_string(value: str, multiline: bool = False) -> str | None:
     return None
 
 
-def check_value(value: Any, multiline: bool = False, where: str = "") -> str | None:
-    """Why ``value`` (a scalar, or a list / mapping of them, walked) cannot be in a recipe; None when it can."""
+def check_value(value: Any, multiline: bool = False, where: str = "",
+                bounds: tuple[int | None, int | None] = (None, None)) -> str | None:
+    """Why ``value`` (a scalar, or a list / mapping of them, walked) cannot be in a recipe; None when it can.
+    ``bounds``: the field's own (lowest, highest) integer, named when an integer is beyond 64 bits."""
     if isinstance(value, bool) or value is None:
         return None
     if isinstance(value, int):
         if not INT64_MIN <= value <= INT64_MAX:
-            # bit_length, not str(): Python refuses to print integers of more than 4300 digits
-            return f"{where}is a {value.bit_length()}-bit integer, beyond 64 bits -- use a realistic value"
+            return f"{where}{beyond_int64(value, bounds)}"
         return None
     if isinstance(value, float):
         if value != value or value in (float("inf"), float("-inf")):
@@ -85,6 +86,29 @@ def check_value(value: Any, multiline: bool = False, where: str = "") -> str | N
                 return f"{where}{why}"
         return None
     return None
+
+
+def beyond_int64(value: int, bounds: tuple[int | None, int | None]) -> str:
+    """The rule and the fix for an integer beyond int64: the field's own bound when it has one, else int64's (the
+    value itself is printed by the line's ``path=value``)."""
+    what = "integer a recipe holds (64 bits)" if bounds == (None, None) else "value this field takes"
+    low = INT64_MIN if bounds[0] is None else max(bounds[0], INT64_MIN)
+    high = INT64_MAX if bounds[1] is None else min(bounds[1], INT64_MAX)
+    side = f"above the largest {what}, {high}" if value > 0 else f"below the smallest {what}, {low}"
+    return f"is {side} -- give a value from {low} to {high}"
+
+
+def int_bounds(cls: type[BaseModel], name: str) -> tuple[int | None, int | None]:
+    """(lowest, highest) integer the field ``name`` of ``cls`` takes by its Field bounds (None: unbounded)."""
+    low = high = None
+    info = cls.model_fields.get(name)
+    for m in info.metadata if info is not None else ():
+        for attr, shift, is_low in (("ge", 0, True), ("gt", 1, True), ("le", 0, False), ("lt", -1, False)):
+            bound = getattr(m, attr, None)
+            if isinstance(bound, (int, float)) and not isinstance(bound, bool):
+                edge = int(bound) + shift if float(bound).is_integer() else int(bound // 1) + (1 if is_low else 0)
+                low, high = (edge, high) if is_low else (low, edge)
+    return low, high
 
 
 BOUNDED = "recipe_value"
@@ -110,7 +134,8 @@ class Section(BaseModel):
         if isinstance(data, dict):
             kinds = _field_kinds(cls)
             data = {name: _as_bool(value, kinds[name][2]) if name in kinds else value for name, value in data.items()}
-            _refuse([(name, value, check_value(value, multiline=kinds[name][1]) or check_scalar(value, kinds[name][2]))
+            _refuse([(name, value, check_value(value, kinds[name][1], bounds=int_bounds(cls, name)) or
+                      check_scalar(value, kinds[name][2]))
                      for name, value in data.items()
                      if name in kinds and not (isinstance(value, BaseModel) or
                                                (isinstance(value, dict) and kinds[name][0]))])
@@ -120,7 +145,7 @@ class Section(BaseModel):
     def _bounded_ints(self) -> "Section":
         # After coercion too: a string of 30 digits given for an integer field becomes a 30-digit integer.
         values = ((name, getattr(self, name)) for name in type(self).model_fields)
-        _refuse([(name, v, check_value(v)) for name, v in values
+        _refuse([(name, v, check_value(v, bounds=int_bounds(type(self), name))) for name, v in values
                  if isinstance(v, int) and not isinstance(v, bool) and not INT64_MIN <= v <= INT64_MAX])
         return self
 

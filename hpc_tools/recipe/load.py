@@ -130,10 +130,12 @@ def load_recipe(path: str | Path, overrides: Iterable[str] = (), profile: str | 
 
 
 def resolve(raw: dict[str, Any], overrides: Iterable[str] = (), profile: str | None = None,
-            source: str = "recipe", check: bool = True, check_profile: bool = True) -> Recipe:
+            source: str = "recipe", check: bool = True, check_profile: bool = True, layered: bool = True) -> Recipe:
     """The typed recipe: ``raw`` with ``profile`` applied and ``overrides`` over it. ``--set local.…`` overrides set
     the local profile's values (applied with the profile, never dropped); without the profile they are still checked
-    against the schema (with ``check_profile``: ``validate`` checks the profile itself)."""
+    against the schema (with ``check_profile``: ``validate`` checks the profile itself). ``layered``: ``raw`` is a
+    recipe file (over the site file), not a resolved recipe whose every value is written (``load_resolved``): the
+    recipe records which layer wrote what (``recipe.provenance``)."""
     profile_sets, overrides = split_profile_overrides(overrides)
     raw = apply_overrides(raw, profile_sets)
     if profile_sets and profile is None and check_profile and raw.get("local") is not None:
@@ -142,6 +144,10 @@ def resolve(raw: dict[str, Any], overrides: Iterable[str] = (), profile: str | N
     if profile is not None:
         merged.pop("local", None)
     recipe = build(merged, source)
+    if layered:
+        from hpc_tools.recipe.provenance import stamp
+
+        stamp(recipe, raw.get(profile) if profile is not None else None, overrides)
     if check:
         from hpc_tools.recipe.rules import check_recipe
 
@@ -156,7 +162,7 @@ def load_resolved(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
     so neither is applied again), with ``overrides`` over it, checked against the rules."""
     from hpc_tools.recipe.yamlfile import parse_yaml
 
-    return resolve(parse_yaml(Path(path).read_text(), str(path)), overrides, source=str(path))
+    return resolve(parse_yaml(Path(path).read_text(), str(path)), overrides, source=str(path), layered=False)
 
 
 def dump_resolved(recipe: Recipe) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, PrivateAttr, field_validator
 
 from hpc_tools.recipe.backend import BackendConfig
 from hpc_tools.recipe.base import Section, Text
@@ -55,6 +55,8 @@ class Recipe(Section):
     that fits a CPU laptop. Same sections as the recipe, partial."""
     sweep: SweepConfig | None = None
     """Grid of overrides for `python -m hpc_tools sweep`."""
+    # Which layer wrote what (``hpc_tools.recipe.provenance``): set by ``resolve``, None otherwise.
+    _provenance: Any = PrivateAttr(default=None)
 
     @field_validator("name")
     @classmethod

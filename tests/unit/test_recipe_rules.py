@@ -144,6 +144,14 @@ CASES = {
                           "parallel.overlap_moe_expert_parallel_comm=true"],
                          "parallel.overlap_moe_expert_parallel_comm=true needs parallel.virtual_pipeline_size > 1 "
                          "with pipeline_size=2", "set virtual_pipeline_size"),
+    "fp8_recipe_without_fp8": (["training.fp8=null", "training.fp8_recipe=tensorwise"],
+                               "training.fp8_recipe=tensorwise is read only with training.fp8, which is null here",
+                               "set training.fp8: e4m3 or hybrid, or remove fp8_recipe"),
+    "other_backend_options": (["backend.kind=horovod", "parallel.tensor_size=1", "parallel.pipeline_size=1",
+                               "backend.deepspeed.zero_stage=3"],
+                              "backend.deepspeed.zero_stage=3 is an option of backend.kind=deepspeed, and this recipe "
+                              "trains with backend.kind=horovod", "remove backend.deepspeed.zero_stage, or set "
+                              "backend.kind: deepspeed"),
     "backend_features": (["backend.kind=deepspeed", "checkpoint.init_from_hf=hf"],
                               "checkpoint.init_from_hf=hf is read by backend.kind=megatron or fsdp or horovod only",
                               "set backend.deepspeed.pretrained_path"),
