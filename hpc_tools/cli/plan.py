@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         emit_json({"ok": plan.fits is not False, **plan.as_dict(), "violations": [v.as_dict() for v in violations],
                    **({"elastic": fewer.to_json()} if fewer else {})})
     else:
+        _fit_width()
         print_plan(plan)
         if fewer:  # cluster.min_nodes: the layouts the run would continue in (docs/elastic.md)
             for k in sorted(fewer.layouts, reverse=True):
@@ -115,7 +116,39 @@ def run(args: argparse.Namespace) -> int:
                 print(f"elastic: not on {k} node(s): {why}")
         for v in violations:
             say(f"error: {args.recipe}: {v}")
+        from hpc_tools.cli.screen import echo
+        from hpc_tools.planner.report import verdict_line
+
+        echo(verdict_line(plan, args.recipe))
     return 1 if plan.fits is False else 0
+
+
+def _fit_width() -> None:
+    """The tables to the terminal's width (``cli.screen``), at most the planner report's own ``WIDTH``."""
+    from hpc_tools.cli.screen import PIPE_WIDTH, width
+    from hpc_tools.planner.report import WIDTH, set_width
+
+    columns = width()
+    set_width(min(columns, WIDTH), None if columns >= PIPE_WIDTH else columns)
+
+
+def changed_overrides(recipe, overrides: list[str]) -> list[str]:
+    """The ``--set KEY=VALUE`` strings of ``overrides`` that change ``recipe`` (a value already set is left out)."""
+    import yaml
+
+    out = []
+    for o in overrides:
+        key, _, text = o.partition("=")
+        current = recipe.model_dump(mode="json")
+        for part in key.split("."):
+            current = current.get(part) if isinstance(current, dict) else None
+        try:
+            wanted = yaml.safe_load(text)
+        except yaml.YAMLError:
+            wanted = text
+        if current != wanted and str(current) != str(wanted):
+            out.append(o)
+    return out
 
 
 def _elastic(recipe):
@@ -142,9 +175,12 @@ def _search(recipe, args: argparse.Namespace) -> int:
         result.why_none = explain_search(recipe, result, parse_kinds(args.backends) if args.backends else None,
                                          args.efficiency, not args.no_calibration)
     if args.json:
-        emit_json({"ok": result.best is not None, **search_dict(result)})
+        apply = changed_overrides(recipe, result.overrides(result.best)) if result.best is not None else []
+        emit_json({"ok": result.best is not None, **search_dict(result), "apply": apply})
     else:
-        print_search(result, recipe.name)
+        _fit_width()
+        print_search(result, recipe.name, changed_overrides(recipe, result.overrides(result.best))
+                     if result.best is not None else None)
     return 0 if result.best is not None else 1
 
 
@@ -156,6 +192,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"ok": True, **report})
     else:
+        _fit_width()
         print_calibration(report)
     return 0
 

@@ -8,12 +8,42 @@ from hpc_tools.planner.estimate import Plan
 from hpc_tools.planner.hardware import GB
 from hpc_tools.planner.search import SearchResult, why_slower
 from hpc_tools.planner.unmodelled import memory_not_modelled
+from profiling.units import pct
+
+WIDTH = 160  # the tables' width when the command line gives none (``plan`` passes the terminal's)
+_width = WIDTH
+_line_width: int | None = None  # where the apply line breaks (None: never, e.g. into a pipe, read by scripts)
+
+
+def set_width(columns: int, line_columns: int | None = None) -> None:
+    """Fit the tables that follow to ``columns`` and break the apply line at ``line_columns`` (``plan`` calls it
+    with the terminal's width)."""
+    global _width, _line_width
+    _width, _line_width = columns, line_columns
+
+
+def apply_text(changes: list[str]) -> str:
+    """``Apply the best: --set A --set B``, broken into shell continuation lines (`` \\``) where it would pass the
+    line width: pasted into a shell it is still one command."""
+    if not changes:
+        return "The best is the recipe's own layout: nothing to change"
+    words = ["Apply the best:", *(set_args([o]) for o in changes)]
+    if _line_width is None or len(" ".join(words)) <= _line_width:
+        return " ".join(words)
+    lines, line = [], words[0]
+    for word in words[1:]:
+        if len(line) + 1 + len(word) + 2 > _line_width:
+            lines.append(line + " \\")
+            line = "  " + word
+        else:
+            line += " " + word
+    return "\n".join([*lines, line])
 
 
 def _console():
     from rich.console import Console
 
-    return Console(width=160)
+    return Console(width=_width)
 
 
 def _table(title: str, *columns: str):
@@ -75,6 +105,28 @@ def verdict(plan: Plan) -> str:
     word = "FITS" if plan.fits else "DOES NOT FIT"
     return (f"{word}: {total / GB:.1f} GB of {plan.hardware.mem_bytes / GB:.1f} GB per GPU ({share:.0%}); limit "
             f"{plan.usable_bytes / GB:.1f} GB after {plan.headroom_bytes / GB:.1f} GB headroom ({plan.headroom_note})")
+
+
+def verdict_line(plan: Plan, recipe_ref: str) -> str:
+    """One line: fits or not, the memory term that limits it (the largest) and the step time's largest term, then
+    where to look for a better layout (``plan RECIPE --search``)."""
+    peak = plan.memory.peak
+    name, value = max(peak.terms.items(), key=lambda kv: kv[1])
+    div, unit = _unit(peak.total)
+    largest = f"largest memory term {name} {value / div:.2f} {unit} ({pct(value / peak.total, 0)})"
+    if plan.fits is None:
+        head = f"verdict: no GPU memory to check ({plan.hardware.gpu_type}), {peak.total / div:.2f} {unit} per rank"
+    else:
+        word = "fits" if plan.fits else "DOES NOT FIT"
+        head = (f"verdict: {word}, {peak.total / GB:.1f} of {plan.usable_bytes / GB:.1f} GB usable per GPU "
+                f"({pct(peak.total / plan.usable_bytes, 0)})")
+    step = ""
+    if plan.time is not None:
+        t = plan.time
+        term, secs = max(t.terms.items(), key=lambda kv: kv[1])
+        step = f"; step {t.total_s:.3f} s, mostly {term} ({pct(secs / t.total_s, 0)})"
+    want = "a layout that fits" if plan.fits is False else "faster layouts"
+    return f"{head}; {largest}{step}; {want}: plan {recipe_ref} --search"
 
 
 def print_plan(plan: Plan) -> None:
@@ -163,7 +215,8 @@ def search_dict(result: SearchResult) -> dict[str, Any]:
     return out
 
 
-def print_search(result: SearchResult, recipe_name: str) -> None:
+def print_search(result: SearchResult, recipe_name: str, apply: list[str] | None = None) -> None:
+    """The search's tables; ``apply``: the best's ``--set`` flags that change the recipe (default: all of them)."""
     con = _console()
     mem = (f"{result.usable_bytes / GB:.1f} GB ({result.mem_bytes / GB:.1f} GB less "
            f"{result.headroom_bytes / GB:.1f} GB headroom, {result.headroom_note})" if result.mem_bytes
@@ -203,7 +256,7 @@ def print_search(result: SearchResult, recipe_name: str) -> None:
     for c, v in result.broke_rules[:3]:
         con.print(f"Pruned by rules: {result.label(c)}: {v}", highlight=False)
     if best:
-        con.print("Apply the best: " + set_args(result.overrides(best)), highlight=False, soft_wrap=True)
+        print(apply_text(result.overrides(best) if apply is None else apply), flush=True)
 
 
 def print_calibration(report: dict[str, Any]) -> None:
