@@ -6,7 +6,8 @@ Schemes (``SCHEMES``): ``int8`` (torchao ``Int8WeightOnlyConfig``: int8 weights,
 ``fp8`` (``Float8WeightOnlyConfig``: float8 e4m3 weights, one scale per row). Both quantize every ``nn.Linear``
 but the embedding and output layers' tied weights, and both run on CPU (the matmul dequantizes); fp8's speed-up
 needs a GPU with float8 units (compute capability 8.9+). GPT-2 folders (what Megatron ``model.family: gpt`` runs
-export) keep their weights in ``Conv1D`` layers, which these schemes leave untouched: they are refused.
+export) keep their weights in ``Conv1D`` layers, which these schemes leave untouched: they are first written as the
+same network in ``nn.Linear`` layers (transformers' GPTBigCode, ``quantize_gpt2``), and that folder is quantized.
 """
 
 from __future__ import annotations
@@ -17,13 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from hpc_tools.errors import UserError
+from hpc_tools.evaluate.quantize_gpt2 import is_gpt2, linear_config, to_linear_folder
 from hpc_tools.evaluate.results import EVAL_DIR, QUANTIZE_META, quantize_name
 from hpc_tools.evaluate.target import EXPORT_META, Target, ensure_exported, models
 from hpc_tools.registry import atomic_write
 
 SCHEMES = {"int8": "Int8WeightOnlyConfig", "fp8": "Float8WeightOnlyConfig"}
-UNQUANTIZABLE = {"gpt2": "GPT-2 keeps its weights in Conv1D layers, which torchao's weight-only schemes do not "
-                         "quantize"}
 MODEL_FILES = ("config.json", "generation_config.json", EXPORT_META, QUANTIZE_META)
 
 
@@ -36,14 +36,9 @@ def check(target: Target, scheme: str) -> None:
         if target.meta.get("kind") == QUANTIZE_META:
             raise UserError(f"{target.ref} is already quantized ({target.meta.get('scheme')}) (quantize the "
                             "unquantized export or its run)")
-        model_type = _config(target.folder).get("model_type")
-    else:
-        from hpc_tools.hf.export import run_recipe
-
-        model_type = "gpt2" if run_recipe(target.run).model.family == "gpt" else None
-    if model_type in UNQUANTIZABLE:
-        raise UserError(f"{target.ref}: model_type {model_type}: {UNQUANTIZABLE[model_type]} (quantize a "
-                        "llama-family run or folder, e.g. recipes/llama_fsdp.yaml)")
+        config = _config(target.folder)
+        if is_gpt2(config):
+            linear_config(config)  # a GPT-2 variant GPTBigCode cannot express: refused before anything is written
 
 
 def quantize(target: Target, scheme: str, out: str | Path, overwrite: bool = False) -> dict[str, Any]:
@@ -56,27 +51,21 @@ def quantize(target: Target, scheme: str, out: str | Path, overwrite: bool = Fal
     check(target, scheme)
     (model,) = models(target, None)
     src = ensure_exported(model, target.run) if target.run is not None and target.folder is None else model.folder
-    import torch
-    import torchao
-    import torchao.quantization as tq
-    from transformers import AutoModelForCausalLM, TorchAoConfig
-
-    config = getattr(tq, SCHEMES[scheme])()
-    qmodel = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16, device_map="cpu",
-                                                  quantization_config=TorchAoConfig(config))
     with staged(out, overwrite) as tmp:
         for f in src.iterdir():  # the tokenizer files (the model files are written by save_pretrained)
             if f.is_file() and not f.name.startswith("model") and f.name not in MODEL_FILES:
                 shutil.copy2(f, tmp / f.name)
-        qmodel.save_pretrained(str(tmp))
+        converted = _quantized_save(src, tmp, scheme)
         sizes = linear_bytes(src, tmp)
         if not sizes["linear_modules"]:
             raise UserError(f"{target.ref}: {scheme} quantized no linear layer of this model (quantize a "
-                            "llama-family model)")
+                            "GPT-2 or llama-family model, as `python -m hpc_tools export` writes them)")
+        import torchao
+
         summary = {"scheme": scheme, "library": f"torchao {torchao.__version__}", "torchao_config": SCHEMES[scheme],
                    "folder": str(out), "source_folder": str(src),
                    "run_dir": str(target.run.path) if target.run is not None else None,
-                   "iteration": model.iteration, "tokens": model.tokens, **sizes,
+                   "iteration": model.iteration, "tokens": model.tokens, "converted": converted, **sizes,
                    "folder_bytes_before": folder_bytes(src), "folder_bytes_after": folder_bytes(tmp)}
         atomic_write(tmp / QUANTIZE_META, json.dumps(summary, indent=2, sort_keys=True))
     if target.run is not None:
@@ -84,6 +73,26 @@ def quantize(target: Target, scheme: str, out: str | Path, overwrite: bool = Fal
         record.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(record, json.dumps(summary, indent=2, sort_keys=True))
     return summary
+
+
+def _quantized_save(src: Path, out: Path, scheme: str) -> str | None:
+    """Load ``src`` in bf16 with transformers' TorchAoConfig and save it quantized into ``out``; a GPT-2 folder is
+    written in nn.Linear layers first (beside ``out``, removed after). Returns what was converted, or None."""
+    import tempfile
+
+    import torch
+    import torchao.quantization as tq
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    converted = None
+    with tempfile.TemporaryDirectory(prefix=".linear-", dir=out.parent) as linear:
+        if is_gpt2(_config(src)):
+            to_linear_folder(src, Path(linear))
+            src, converted = Path(linear), "GPT2LMHeadModel (Conv1D) -> GPTBigCodeForCausalLM (nn.Linear)"
+        qmodel = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16, device_map="cpu",
+                                                      quantization_config=TorchAoConfig(getattr(tq, SCHEMES[scheme])()))
+        qmodel.save_pretrained(str(out))
+    return converted
 
 
 def linear_bytes(before: Path, after: Path) -> dict[str, Any]:
