@@ -91,7 +91,9 @@ class Breakdown:
             step = r.measured_step_s
             ranks.append({"rank": r.rank, **r.coords, "step_s": step, "traced_steps": sorted(r.steps),
                           "buckets": b, "sum_s": sum(b.values()),
-                          "sum_over_step": sum(b.values()) / step if step else None})
+                          "sum_over_step": sum(b.values()) / step if step else None,
+                          "steps": [{"step": s, "step_s": r.step_time_s.get(s), "pp_wait_s": r.pp_wait_s.get(s),
+                                     "buckets": r.steps[s]} for s in sorted(r.steps)]})
         mean = mean_buckets(self.ranks)
         return {"run_id": self.run_id, "ranks": ranks, "mean": mean, "planned": self.planned,
                 "planned_source": self.planned_source,
@@ -172,11 +174,12 @@ def planned_terms(recipe: Any, layout: Any, ranks: list[RankBreakdown]) -> tuple
         return out, (f"planner: {plan.hardware.gpu_type}, efficiency {plan.efficiency:.3g} "
                      f"({plan.efficiency_source})")
     bf = layout.bubble_fraction if layout is not None else 0.0
-    own = [r.mean_step() - r.mean("bubble") - r.mean("data") for r in ranks if r.steps]
+    own = [sum(b.values()) - b.get("bubble", 0.0) - b.get("data", 0.0) for r in ranks for b in r.steps.values()]
     if not own:
         return {}, "no traced steps"
     return {"bubble": bf * median(own)}, (f"planner's bubble term (p-1)/(v m) = {bf:.3g} of the stages' own time "
-                                          "(CPU ranks: no peak for the planner's other terms)")
+                                          "(the median traced step less its bubble and data; CPU ranks: no peak for "
+                                          "the planner's other terms)")
 
 
 def straggler(ranks: list[RankBreakdown]) -> dict[str, Any] | None:
