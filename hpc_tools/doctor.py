@@ -251,13 +251,42 @@ def megatron_te_range() -> str | None:
 
 
 def needs_transformer_engine(recipe: Recipe | None) -> bool:
-    """A Megatron recipe on GPUs whose layers fail without TE: ``transformer_impl: transformer_engine``, or ``auto``
-    with flash attention (the defaults). The rule of ``hpc_tools/train/megatron/layers.py`` ``layer_plan`` (the
-    control plane does not import the trainers)."""
+    """A Megatron recipe on GPUs whose layers fail without TE: ``transformer_impl: transformer_engine`` (``auto`` runs
+    the local layers there, with SDPA attention under ``use_flash_attention``). The rule of
+    ``hpc_tools/train/megatron/layers.py`` ``layer_plan`` (the control plane does not import the trainers)."""
     if recipe is None or backends.of(recipe).layers != "megatron" or not recipe.cluster.uses_gpus:
         return False
+    return recipe.backend.megatron.transformer_impl == "transformer_engine"
+
+
+def attention_path(recipe: Recipe, te: bool) -> str:
+    """The attention path a GPU rank of this Megatron recipe gets on this node (``te``: Transformer Engine imports):
+    ``te-flash|te-fused`` (TE chooses at the first forward), ``sdpa``, or ``unfused`` (TE's or Megatron's). The rule of
+    ``layers.layer_plan`` (``tests/unit/test_doctor_gpu.py`` holds the two together)."""
     mg = recipe.backend.megatron
-    return mg.transformer_impl == "transformer_engine" or (mg.transformer_impl == "auto" and mg.use_flash_attention)
+    if mg.transformer_impl == "local" or not te:
+        return "sdpa" if mg.use_flash_attention else "unfused"
+    return "te-flash|te-fused" if mg.use_flash_attention and recipe.training.precision != "fp32" else "unfused"
+
+
+def attention_check(recipe: Recipe | None, te: bool) -> Check | None:
+    """The attention path this node gives the recipe's Megatron GPU ranks, with what the planner prices it at; None
+    for other recipes."""
+    if recipe is None or backends.of(recipe).layers != "megatron" or not recipe.cluster.uses_gpus:
+        return None
+    if needs_transformer_engine(recipe) and not te:
+        return None  # the transformer-engine row fails already
+    path = attention_path(recipe, te)
+    layers = "Transformer Engine layers" if te and recipe.backend.megatron.transformer_impl != "local" else (
+        "Megatron-core local layers")
+    if path == "te-flash|te-fused":
+        return Check("attention", "pass", f"{path}: {layers}, TE chooses flash or cuDNN fused attention")
+    if path == "sdpa":
+        return Check("attention", "warn", f"sdpa: {layers}, attention on torch's scaled_dot_product_attention; norms, "
+                     "activation and cross-entropy unfused (planned slower than TE layers)",
+                     "install transformer_engine for TE's fused layers" if not te else "")
+    return Check("attention", "warn", f"unfused: {layers}, O(s^2) attention (the local layers measured 22.9 % MFU "
+                 "on an H200: docs/gpu-path.md)", "set backend.megatron.use_flash_attention: true")
 
 
 def te_install_fix(pinned: dict[str, str] | None = None) -> str:
@@ -280,9 +309,11 @@ def gpu_library_checks(recipe: Recipe | None = None, pinned: dict[str, str] | No
     te, accepted = _installed("transformer-engine", "transformer-engine-torch"), megatron_te_range()
     if te is None:
         needed = needs_transformer_engine(recipe)
-        rows.append(Check("transformer-engine", "fail" if needed else "skip",
-                          "not installed" + (": the recipe's Megatron layers need it on GPUs (transformer_impl, "
-                                             "use_flash_attention)" if needed else " (GPU nodes only)"),
+        slower = megatron_gpu and not needed and recipe.backend.megatron.transformer_impl == "auto"
+        rows.append(Check("transformer-engine", "fail" if needed else "warn" if slower else "skip",
+                          "not installed" + (": the recipe's Megatron layers need it on GPUs (transformer_impl)"
+                                             if needed else ": the GPU ranks run the local layers (slower)"
+                                             if slower else " (GPU nodes only)"),
                           te_install_fix(pinned)))
     elif accepted and te.split("+")[0] not in SpecifierSet(accepted, prereleases=True):
         rows.append(Check("transformer-engine", "fail" if megatron_gpu else "warn",
@@ -300,6 +331,9 @@ def gpu_library_checks(recipe: Recipe | None = None, pinned: dict[str, str] | No
                           "optional: build apex with its CUDA extensions (--cuda_ext) in this environment"
                           if megatron_gpu else ""))
     rows.append(flash_attn_check(_installed("flash-attn"), capability))
+    attention = attention_check(recipe, te is not None)
+    if attention is not None:
+        rows.append(attention)
     return rows
 
 

@@ -574,9 +574,8 @@ def megatron_attentions(r: Recipe) -> frozenset[str]:
     mg = r.backend.megatron
     if not r.cluster.uses_gpus or mg.transformer_impl == "local":
         return frozenset({"local"})
-    if mg.use_flash_attention:
-        return frozenset({"auto"})
-    return frozenset({"unfused"} if mg.transformer_impl == "transformer_engine" else {"unfused", "local"})
+    te = "auto" if mg.use_flash_attention else "unfused"
+    return frozenset({te} if mg.transformer_impl == "transformer_engine" else {te, "local"})  # (no TE: local layers)
 
 
 @rule

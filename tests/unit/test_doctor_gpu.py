@@ -36,9 +36,42 @@ def test_needs_te_is_the_layer_plans_rule(impl, flash):
     assert needs_transformer_engine(recipe) == fails
 
 
+@pytest.mark.parametrize("impl", ["auto", "transformer_engine", "local"])
+@pytest.mark.parametrize("flash", [True, False])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("te", [True, False])
+def test_doctors_attention_path_is_the_layer_plans(impl, flash, precision, te):
+    """doctor's copy of the attention path (issue 43) names what layer_plan gives a GPU rank on a node with / without
+    TE: sdpa, te-flash|te-fused, unfused."""
+    from hpc_tools.doctor import attention_path
+    from hpc_tools.train.megatron.layers import layer_plan
+
+    recipe = gpt3d(f"backend.megatron.transformer_impl={impl}", f"backend.megatron.use_flash_attention={flash}",
+                   f"training.precision={precision}")
+    try:
+        plan = layer_plan(recipe, "cuda", te_available=te)
+    except UserError:
+        assert impl == "transformer_engine" and not te
+        return
+    assert attention_path(recipe, te) == plan.path
+
+
+def test_attention_row_names_the_path_this_node_gives():
+    """No TE here: the default recipe's GPU ranks run the local layers with SDPA (a warning, not a failure, since
+    issue 43), Megatron's unfused attention says what it costs, and a CPU recipe has no row."""
+    sdpa = rows(gpt3d())["attention"]
+    assert sdpa.status == "warn" and sdpa.detail.startswith("sdpa: Megatron-core local layers")
+    unfused = rows(gpt3d("backend.megatron.use_flash_attention=false"))["attention"]
+    assert unfused.status == "warn" and unfused.detail.startswith("unfused:") and "use_flash_attention: true" in \
+        unfused.fix
+    assert "attention" not in rows(gpt3d("cluster.gpu_type=cpu")) and "attention" not in rows()
+
+
 def test_te_row_fails_for_a_recipe_that_needs_it_naming_the_pinned_install():
-    assert rows(gpt3d())["transformer-engine"].status == "fail"
-    fix = rows(gpt3d())["transformer-engine"].fix
+    assert rows(gpt3d())["transformer-engine"].status == "warn"  # auto: the local layers run without it
+    needs = gpt3d("backend.megatron.transformer_impl=transformer_engine")
+    assert rows(needs)["transformer-engine"].status == "fail"
+    fix = rows(needs)["transformer-engine"].fix
     assert f"transformer_engine[pytorch,core_cu12]=={pins()['transformer-engine']}" in fix
     assert "--no-build-isolation" in fix
     assert rows(gpt3d("backend.megatron.transformer_impl=local", "backend.megatron.use_flash_attention=false"))[

@@ -34,9 +34,10 @@ def test_plan_on_gpu_names_te_and_lets_te_choose_the_attention():
     r = gpt3d()
     assert r.training.precision == "bf16"
     plan = plan_of(r)
-    assert plan.describe() == "layers=transformer_engine, attention=auto" and plan.flash_style
+    assert plan.attention == "auto" and plan.flash_style
+    assert plan.describe() == "layers=transformer_engine, attention=te-flash|te-fused"  # TE chooses at the 1st forward
     off = plan_of(gpt3d("backend.megatron.use_flash_attention=false"))
-    assert off.attention == "unfused" and not off.flash_style
+    assert off.attention == "unfused" and off.path == "unfused" and not off.flash_style
 
 
 def test_plan_does_not_depend_on_the_flash_attn_package(monkeypatch):
@@ -103,35 +104,41 @@ def test_te_choice_is_read_from_tes_own_record():
     record = {"attention_params": object(), "use_flash_attention": False, "flash_attention_backend": None,
               "use_fused_attention": True, "fused_attention_backend": 1, "use_unfused_attention": True,
               "backend_selection_requires_update": False}
-    assert describe_te_choice(record) == "fused (cuDNN, arbitrary sequence)"
+    assert describe_te_choice(record) == "te-fused (cuDNN, arbitrary sequence)"  # the attention path names
     assert describe_te_choice({**record, "use_fused_attention": False}) == "unfused"
     assert describe_te_choice({**record, "use_flash_attention": True, "flash_attention_backend": "2.8.3"}) == \
-        "flash (flash-attn 2.8.3)"
+        "te-flash (flash-attn 2.8.3)"
     assert describe_te_choice({**record, "attention_params": None}) is None  # no forward yet
     assert te_attention_choice() is None  # no Transformer Engine on this machine
 
 
-@pytest.mark.parametrize("sets,te,field", [
-    ([], False, "use_flash_attention=true"),  # auto + flash, TE missing: no flash attention without TE
-    (["backend.megatron.transformer_impl=transformer_engine", "backend.megatron.use_flash_attention=false"], False,
-     "transformer_impl=transformer_engine"),
-    (["backend.megatron.transformer_impl=local"], True, "use_flash_attention=true"),  # local layers: unfused only
-])
-def test_gpu_recipe_that_cannot_have_te_or_flash_fails_in_one_line(sets, te, field):
+@pytest.mark.parametrize("sets", [
+    ["backend.megatron.transformer_impl=transformer_engine", "backend.megatron.use_flash_attention=false"],
+    ["backend.megatron.transformer_impl=transformer_engine"]])
+def test_gpu_recipe_that_cannot_have_te_fails_in_one_line(sets):
     with pytest.raises(UserError) as err:
-        plan_of(gpt3d(*sets), te=te)
-    assert field in str(err.value) and "\n" not in str(err.value)
+        plan_of(gpt3d(*sets), te=False)
+    assert "transformer_impl=transformer_engine" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("sets, te", [([], False), (["backend.megatron.transformer_impl=local"], True)])
+def test_flash_attention_on_local_layers_runs_sdpa(sets, te):
+    """Issue 43: ``use_flash_attention: true`` on the local layers (auto without TE, or transformer_impl: local) was
+    refused on a GPU; it now runs their attention on torch's SDPA, flash-style in 16-bit."""
+    plan = plan_of(gpt3d(*sets), te=te)
+    assert (plan.layers, plan.attention, plan.path, plan.flash_style) == ("local", "local", "sdpa", True)
 
 
 def test_auto_without_te_falls_back_and_says_so():
     plan = plan_of(gpt3d("backend.megatron.use_flash_attention=false"), te=False)
-    assert plan.layers == "local" and plan.attention == "local"
+    assert plan.layers == "local" and plan.attention == "local" and plan.path == "unfused"
     assert "transformer_engine not importable" in plan.describe()
+    assert "transformer_engine not importable" in plan_of(gpt3d(), te=False).describe()  # (SDPA there)
 
 
 def test_cpu_always_runs_local_layers_and_says_why():
     plan = plan_of(gpt3d(), device="cpu", te=True)
-    assert (plan.layers, plan.attention) == ("local", "local") and "CUDA-only" in plan.note
+    assert (plan.layers, plan.attention, plan.path) == ("local", "local", "sdpa") and "CUDA-only" in plan.note
 
 
 # -- checkpoints of the other layer kind (issue 25 item 5) ------------------------------------------------------------

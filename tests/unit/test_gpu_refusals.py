@@ -196,7 +196,10 @@ def env_refusals(sets: list[str]) -> list[str]:
 @pytest.mark.parametrize("sets, refused", [
     (["cluster.setup.env.NVTE_FLASH_ATTN='0'"], "cluster.setup.env.NVTE_FLASH_ATTN=0"),  # auto asserts on it
     (["cluster.setup.env.NVTE_FUSED_ATTN='0'"], "cluster.setup.env.NVTE_FUSED_ATTN=0"),
-    (["cluster.setup.env.NVTE_FLASH_ATTN='1'"], None),  # what megatron-core sets for auto anyway
+    # 1 with TE (auto), 0 without (issue 43: the local layers with SDPA, AttnBackend local): either node asserts
+    (["cluster.setup.env.NVTE_FLASH_ATTN='1'"], "cluster.setup.env.NVTE_FLASH_ATTN=1"),
+    (["cluster.setup.env.NVTE_FLASH_ATTN='1'", "backend.megatron.transformer_impl=transformer_engine"],
+     None),  # what megatron-core sets for auto anyway
     (["cluster.setup.env.NVTE_FLASH_ATTN='0'", "backend.megatron.use_flash_attention=false",
       "backend.megatron.transformer_impl=transformer_engine"], None),  # TE's unfused: flash off, as asked
     (["cluster.setup.env.NVTE_UNFUSED_ATTN='1'", "backend.megatron.use_flash_attention=false"],

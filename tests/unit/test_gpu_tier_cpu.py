@@ -28,7 +28,8 @@ def test_gpu_mfu_builds_the_real_shape_recipe_and_the_fast_path_plan():
     from hpc_tools.train.megatron.layers import layer_plan
 
     plan = layer_plan(recipe, "cuda", te_available=True)
-    assert plan.describe() == "layers=transformer_engine, attention=auto" and plan.flash_style  # bf16: TE's choice
+    assert plan.attention == "auto" and plan.flash_style  # bf16: TE's choice, named as its two paths
+    assert plan.describe() == "layers=transformer_engine, attention=te-flash|te-fused"
     # gpt_3d's 4.44e15 FLOPs per 256-sequence step, Megatron convention, per 32 sequences
     assert abs(mfu.model_flops(recipe) - 4.44e15 / 8) / 5.55e14 < 0.01
     predicted = mfu.prediction(recipe)

@@ -43,7 +43,7 @@ def fusions(recipe: "Recipe", device_type: str, plan) -> dict[str, bool]:
     return {**off,
             "gradient_accumulation_fusion": module_available(APEX_WGRAD),
             "bias_activation_fusion": m.activation == "swiglu" or bool(m.add_bias_linear),
-            "masked_softmax_fusion": not plan.transformer_engine
+            "masked_softmax_fusion": not plan.transformer_engine and not plan.sdpa
             and module_available("scaled_upper_triang_masked_softmax_cuda"),
             "bias_dropout_fusion": True,
             "apply_rope_fusion": plan.transformer_engine and m.position_embedding == "rope"
