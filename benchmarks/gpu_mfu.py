@@ -1,18 +1,33 @@
-"""MFU of a 1-3B GPT on one GPU with the Megatron-core backend, next to the planner's prediction.
+"""MFU of a 1-3B model on one GPU with the Megatron-core or the FSDP backend, next to the planner's prediction.
 
     python benchmarks/gpu_mfu.py --size 1.3b                 # on a GPU node: trains, prints the figures
     python benchmarks/gpu_mfu.py --size 2.7b --min-mfu 0.45   # exit 1 below the floor
     python benchmarks/gpu_mfu.py --size 1.3b --dry-run        # anywhere: the recipe, layer plan and prediction only
+    python benchmarks/gpu_mfu.py --size 1.3b --layers sdpa    # no Transformer Engine: local layers, SDPA attention
     python benchmarks/gpu_mfu.py --size 1.3b --layers local   # no Transformer Engine: local layers, unfused attention
+    python benchmarks/gpu_mfu.py --backend fsdp --size 1.3b [--liger] [--no-compile]   # the Hugging Face path
 
 MFU uses the Megatron FLOPs convention (``profiling/flops.py``: model FLOPs = 3 x forward FLOPs of the dense
-matrices, attention scores counted for the causal half, logits over the padded vocabulary, no recomputation), over
-the peak of ``profiling/peaks.py`` for the detected GPU and bf16. Step time = the median of the timed steps after
-the warm-up, each bracketed by ``torch.cuda.synchronize()``. The run is TP1 x PP1 on one GPU, bf16, Transformer
-Engine layers with TE's own choice of attention (``attention: auto``; the script refuses to report a figure unless TE
-chose its flash or cuDNN fused attention: anything else measures the slow path), no recomputation, synthetic data.
-``--layers local`` measures Megatron-core's local layers with unfused attention instead (for a GPU machine without
-Transformer Engine): a figure of the slow path, reported as such, not the MFU the recipes are planned for.
+matrices, attention scores counted for the causal half, logits over the vocabulary the model holds (Megatron's padded
+one), no recomputation), over the peak of ``profiling/peaks.py`` for the detected GPU and bf16. Step time = the median
+of the timed steps after the warm-up, each bracketed by ``torch.cuda.synchronize()``. Synthetic data, bf16, no
+recomputation, one GPU.
+
+``--backend megatron`` (default): gpt_3d's recipe as TP1 x PP1, Transformer Engine layers with TE's own choice of
+attention (``attention: auto``; the script refuses to report a figure unless TE chose its flash or cuDNN fused
+attention: anything else measures the slow path). ``--layers sdpa`` measures Megatron-core's local layers with
+attention on torch's scaled_dot_product_attention (a GPU without Transformer Engine); ``--layers local`` the local
+layers with unfused attention (the slow path, reported as such).
+
+``--backend fsdp``: llama_fsdp's recipe on one GPU, the size's shape as a Llama (RMSNorm, SwiGLU with an 8/3 h
+hidden size rounded up to 256, RoPE), Hugging Face's LlamaForCausalLM with SDPA attention, FSDP2 full_shard (one rank:
+``reshard_after_forward: false``, one gather per step), bf16 MixedPrecisionPolicy, each block compiled
+(``backend.fsdp.compile``; ``--no-compile`` for eager) and, with ``--liger``, Liger Kernel's RMSNorm, SwiGLU, RoPE and
+fused linear cross entropy (``backend.fsdp.liger``). The step is the backend's own (``FSDPJob.step``: forward/backward
+of every microbatch, the loss all-reduce, the clipped gradient norm, AdamW). ``--size llama-1b`` is Llama 3.2 1B's
+shape (16 x 2048, 32 heads, 8 key-value groups, ffn 8192, vocabulary 128256, tied embeddings), for either backend:
+``benchmarks/gpu_side_by_side.py`` runs it beside torchtitan's. ``--cpu`` runs the same code on the CPU (gloo, fp32
+for the tiny size: a check of the script, no figure of any use).
 """
 
 from __future__ import annotations
@@ -30,11 +45,35 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-SIZES = {  # name -> (layers, hidden, heads): GPT-3 paper shapes
-    "1.3b": (24, 2048, 16),
-    "2.7b": (32, 2560, 32),
+SIZES = {  # name -> the model section's shape: GPT-3 paper shapes, Llama 3.2 1B, and a tiny one for --cpu checks
+    "1.3b": {"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16, "vocab_size": 50257},
+    "2.7b": {"num_layers": 32, "hidden_size": 2560, "num_attention_heads": 32, "vocab_size": 50257},
+    "llama-1b": {"family": "llama", "num_layers": 16, "hidden_size": 2048, "num_attention_heads": 32,
+                 "num_query_groups": 8, "ffn_hidden_size": 8192, "vocab_size": 128256, "rotary_base": 500000,
+                 "untie_embeddings": False},
+    "tiny": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 512},
 }
 DEFAULT_GPU = "H100-SXM"
+LAYERS = {  # --layers -> Megatron's layer implementation and use_flash_attention
+    "te": ("transformer_engine", True), "sdpa": ("local", True), "local": ("local", False)}
+
+
+def llama_ffn(hidden: int) -> int:
+    """SwiGLU's hidden size for a Llama of width ``hidden``: 8/3 h rounded up to a multiple of 256 (Llama's rule)."""
+    return -(-8 * hidden // 3 // 256) * 256
+
+
+def model_overrides(args: argparse.Namespace) -> list[str]:
+    """``model.*`` overrides of the size: as given, and as a Llama for the FSDP backend (which has no GPT-3 shape:
+    its gpt family is GPT-2 with learned positions)."""
+    shape = dict(SIZES[args.size], seq_length=args.seq)
+    if args.backend == "fsdp" and shape.get("family") != "llama":
+        shape.update(family="llama", num_query_groups=None, ffn_hidden_size=llama_ffn(shape["hidden_size"]))
+    if shape.get("family") == "llama":
+        shape.setdefault("num_query_groups", None)
+        shape.setdefault("rotary_base", 10000)
+    return [f"model.{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"
+            for k, v in shape.items()]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,9 +86,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     parser.add_argument("--gpu-type", default=None,
                         help=f"GPU model for the planner and the peak (default: the detected GPU, else {DEFAULT_GPU})")
-    parser.add_argument("--layers", choices=("te", "local"), default="te",
-                        help="te: Transformer Engine layers and fused attention (default); local: Megatron-core's "
-                             "local layers and unfused attention (no Transformer Engine needed; the slow path)")
+    parser.add_argument("--backend", choices=("megatron", "fsdp"), default="megatron",
+                        help="megatron: Megatron-core GPT (default); fsdp: Hugging Face Llama under FSDP2")
+    parser.add_argument("--layers", choices=tuple(LAYERS), default="te",
+                        help="megatron only. te: Transformer Engine layers and fused attention (default); sdpa: "
+                             "Megatron-core's local layers, attention on torch's SDPA (no Transformer Engine); "
+                             "local: local layers and unfused attention (the slow path)")
+    parser.add_argument("--no-compile", action="store_true", help="fsdp only: eager blocks (default: compiled)")
+    parser.add_argument("--liger", action="store_true",
+                        help="fsdp only: Liger Kernel's RMSNorm, SwiGLU, RoPE and fused linear cross entropy")
+    parser.add_argument("--cpu", action="store_true",
+                        help="run on the CPU (gloo): a check of the script itself, with --size tiny")
     parser.add_argument("--min-mfu", type=float, default=None, help="exit 1 when the measured MFU is below this")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     parser.add_argument("--dry-run", action="store_true",
@@ -58,31 +105,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_recipe(args: argparse.Namespace, gpu_type: str):
-    """gpt_3d's recipe reshaped to one GPU: TP1 x PP1, bf16, TE layers, flash-style attention, no recompute."""
+    """The backend's recipe reshaped to one GPU: TP1 x PP1, bf16 (fp32 for --cpu), no recompute, synthetic data."""
     from hpc_tools.recipe.load import load_recipe
 
-    layers_impl = (["backend.megatron.transformer_impl=transformer_engine", "backend.megatron.use_flash_attention=true"]
-                   if args.layers == "te" else
-                   ["backend.megatron.transformer_impl=local", "backend.megatron.use_flash_attention=false"])
-
-    layers, hidden, heads = SIZES[args.size]
+    common = [*model_overrides(args), "parallel.tensor_size=1", "parallel.pipeline_size=1", "parallel.data_size=-1",
+              "cluster.nodes=1", "cluster.gpus_per_node=1", f"cluster.gpu_type={'cpu' if args.cpu else gpu_type}",
+              "cluster.partition=null", f"training.micro_batch_size={args.micro_batch}",
+              f"training.global_batch_size={args.micro_batch * args.accum}",
+              f"training.train_iters={args.warmup + args.steps}", "training.lr_warmup_iters=1",
+              "training.recompute_granularity=none", f"training.precision={'fp32' if args.cpu else 'bf16'}",
+              "checkpoint.interval_iters=0"]
+    if args.backend == "fsdp":
+        return load_recipe(REPO / "recipes" / "llama_fsdp.yaml", overrides=[
+            *common, "backend.fsdp.strategy=full_shard", "backend.fsdp.reshard_after_forward=false",
+            f"backend.fsdp.compile={str(not args.no_compile).lower()}",
+            f"backend.fsdp.liger={str(args.liger).lower()}"])
+    impl, flash = LAYERS[args.layers]
     return load_recipe(REPO / "recipes" / "gpt_3d.yaml", overrides=[
-        f"model.num_layers={layers}", f"model.hidden_size={hidden}", f"model.num_attention_heads={heads}",
-        f"model.seq_length={args.seq}", "parallel.tensor_size=1", "parallel.pipeline_size=1",
-        "parallel.virtual_pipeline_size=null", "parallel.sequence_parallel=false", "parallel.data_size=-1",
-        "cluster.nodes=1", "cluster.gpus_per_node=1", f"cluster.gpu_type={gpu_type}", "cluster.partition=null",
-        f"training.micro_batch_size={args.micro_batch}", f"training.global_batch_size={args.micro_batch * args.accum}",
-        f"training.train_iters={args.warmup + args.steps}", "training.lr_warmup_iters=1",
-        "training.recompute_granularity=none",
-        "training.precision=bf16", "backend.megatron.distributed_optimizer=false",
-        "backend.megatron.overlap_grad_reduce=false", "backend.megatron.overlap_param_gather=false", *layers_impl])
+        *common, "parallel.virtual_pipeline_size=null", "parallel.sequence_parallel=false",
+        "backend.megatron.distributed_optimizer=false", "backend.megatron.overlap_grad_reduce=false",
+        "backend.megatron.overlap_param_gather=false", f"backend.megatron.transformer_impl={impl}",
+        f"backend.megatron.use_flash_attention={str(flash).lower()}"])
 
 
 def model_flops(recipe) -> float:
-    """Model FLOPs of one step, Megatron convention, over the padded vocabulary (as the step collector counts)."""
+    """Model FLOPs of one step, Megatron convention, over the vocabulary the model holds (Megatron pads it; the
+    Hugging Face model does not), as the step collector counts."""
+    from hpc_tools import backends
     from profiling.flops import model_flops_per_step
 
-    vocab = recipe.model.padded_vocab_size(1)
+    pads = backends.of(recipe).pads_vocab
+    vocab = recipe.model.padded_vocab_size(1) if pads else recipe.model.vocab_size
     return model_flops_per_step(recipe.model, recipe.training.global_batch_size, convention="megatron",
                                 vocab_size=vocab)
 
@@ -102,71 +155,131 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(recipe, args: argparse.Namespace) -> dict:
-    """Train warmup + steps steps on GPU 0; the figures of the timed steps."""
+def _join(cpu: bool):
+    """One-rank process group on GPU 0 (nccl) or the CPU (gloo); the device."""
     import torch
     import torch.distributed as dist
 
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if cpu:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        return torch.device("cpu")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.reset_peak_memory_stats()
+    return torch.device("cuda", 0)
+
+
+def _timed(args: argparse.Namespace, device, run_step, after_first=None) -> tuple[list[float], list[float]]:
+    """(times of the steps after the warm-up, every step's loss): ``run_step(step) -> loss``, each step bracketed by
+    a device synchronisation."""
+    import torch
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times, losses = [], []
+    for step in range(1, args.warmup + args.steps + 1):
+        sync()
+        t0 = time.perf_counter()
+        losses.append(run_step(step))
+        sync()
+        if step > args.warmup:
+            times.append(time.perf_counter() - t0)
+        if step == 1 and after_first:
+            after_first()
+    return times, losses
+
+
+def measure_megatron(recipe, args: argparse.Namespace, device) -> tuple[dict, list[float], list[float]]:
+    """Megatron-core's engine on this device: (what ran, step times, losses)."""
     from hpc_tools.layout import ParallelLayout
     from hpc_tools.train.data import build_samples, microbatches_for_step
     from hpc_tools.train.megatron.engine import Engine
     from hpc_tools.train.megatron.layers import te_attention_choice
-    from profiling.peaks import peak_for_recipe
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
     layout = ParallelLayout.from_recipe(recipe)
-    engine = Engine(recipe, layout, torch.device("cuda", 0))
+    engine = Engine(recipe, layout, device)
     plan = engine.plan
     if args.layers == "te" and not (plan.transformer_engine and plan.flash_style):
         raise SystemExit(f"gpu_mfu: {plan.describe()}: not the fast path (Transformer Engine with flash/fused "
                          "attention); no figure reported")
     samples = build_samples(recipe)
-    times, losses = [], []
-    attention = "unfused (local layers)"
-    torch.cuda.reset_peak_memory_stats()
-    for step in range(1, args.warmup + args.steps + 1):
-        batch = microbatches_for_step(samples, step, 0, layout)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        result = engine.train_step(step, batch)
-        torch.cuda.synchronize()
-        if step > args.warmup:
-            times.append(time.perf_counter() - t0)
-        losses.append(result.loss)
-        if step == 1 and args.layers == "te":
-            attention = te_attention_choice()  # TE chose at the first forward (attention=auto)
-            if not attention or not attention.startswith(("flash", "fused")):
-                raise SystemExit(f"gpu_mfu: Transformer Engine runs {attention or 'no recorded'} attention: not the "
-                                 "fast path; no figure reported (run with NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 for TE's "
-                                 "reasons)")
+    ran = {"layer_plan": plan.describe(), "attention": plan.path}
+
+    def check_te():  # TE chose its kernel at the first forward (attention=auto)
+        choice = te_attention_choice()
+        ran["attention"] = choice
+        if not choice or not choice.startswith(("te-flash", "te-fused")):
+            raise SystemExit(f"gpu_mfu: Transformer Engine runs {choice or 'no recorded'} attention: not the fast "
+                             "path; no figure reported (run with NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 for TE's reasons)")
+
+    times, losses = _timed(args, device, lambda step: engine.train_step(
+        step, microbatches_for_step(samples, step, 0, layout)).loss, check_te if args.layers == "te" else None)
     engine.close()
+    return ran, times, losses
+
+
+def measure_fsdp(recipe, args: argparse.Namespace, device) -> tuple[dict, list[float], list[float]]:
+    """The FSDP backend's own job (``FSDPJob``: model, FSDP2, optimizer, prefetched batches, ``step``) on this
+    device, given the one-rank context it reads: (what ran, step times, losses)."""
+    from types import SimpleNamespace
+
+    from hpc_tools.layout import ParallelLayout
+    from hpc_tools.train.fsdp.trainer import FSDPJob
+
+    notes: list[str] = []
+    ctx = SimpleNamespace(recipe=recipe, layout=ParallelLayout.from_recipe(recipe), device=device, rank=0,
+                          dist=SimpleNamespace(world_size=1), info=lambda fmt, *a: notes.append(fmt % a))
+    job = FSDPJob(ctx)
+    times, losses = _timed(args, device, lambda step: job.step(step, job.batch(step)).loss)
+    ran = {"layer_plan": job.describe(), "attention": "sdpa (Hugging Face)", "notes": notes}
+    job.close()
+    return ran, times, losses
+
+
+def measure(recipe, args: argparse.Namespace) -> dict:
+    """Train warmup + steps steps; the figures of the timed steps."""
+    import torch
+    import torch.distributed as dist
+
+    from profiling.peaks import peak_for_recipe
+
+    device = _join(args.cpu)
+    ran, times, losses = (measure_fsdp if args.backend == "fsdp" else measure_megatron)(recipe, args, device)
     dist.destroy_process_group()
     step_s = statistics.median(times)
-    name = torch.cuda.get_device_name(0)
-    peak = peak_for_recipe(recipe, device_name=name)
+    on_gpu = device.type == "cuda"
+    name = torch.cuda.get_device_name(0) if on_gpu else "cpu"
+    peak = peak_for_recipe(recipe, device_name=name) if on_gpu else None
     flops = model_flops(recipe)
-    return {"device": name, "peak_tflops": peak, "layer_plan": plan.describe(), "attention": attention,
-            "step_s": step_s,
+    return {**ran, "device": name, "peak_tflops": peak, "step_s": step_s,
             "tokens_per_s": recipe.training.global_batch_size * recipe.model.seq_length / step_s,
             "mfu": flops / step_s / (peak * 1e12) if peak else None, "model_flops": flops,
-            "peak_memory_gib": torch.cuda.max_memory_allocated(0) / 2**30, "losses": losses}
+            "peak_memory_gib": torch.cuda.max_memory_allocated(0) / 2**30 if on_gpu else None, "losses": losses}
+
+
+def describe_model(args: argparse.Namespace, recipe) -> str:
+    m = recipe.model
+    kind = "Llama" if m.family == "llama" else "GPT"
+    groups = f", {m.num_query_groups} kv groups" if (m.num_query_groups or m.num_attention_heads) < \
+        m.num_attention_heads else ""
+    how = (f"FSDP2 1 rank, {'compiled blocks' if not args.no_compile else 'eager'}"
+           f"{', Liger' if args.liger else ''}" if args.backend == "fsdp" else f"Megatron-core {args.layers} layers")
+    return (f"gpu_mfu: {kind} {args.size} ({m.num_layers} layers x {m.hidden_size}, {m.num_attention_heads} heads"
+            f"{groups}, vocab {m.vocab_size}), seq {m.seq_length}, micro {args.micro_batch} x {args.accum}, "
+            f"{recipe.training.precision}, {how}, TP1 x PP1 on {recipe.cluster.gpu_type}")
 
 
 def report(args: argparse.Namespace, recipe, predicted: dict, measured: dict | None) -> list[str]:
-    m = recipe.model
-    lines = [f"gpu_mfu: GPT {args.size} ({m.num_layers} layers x {m.hidden_size}, {m.num_attention_heads} heads), "
-             f"seq {m.seq_length}, micro {args.micro_batch} x {args.accum}, bf16, TP1 x PP1 on "
-             f"{recipe.cluster.gpu_type}",
+    lines = [describe_model(args, recipe),
              f"MFU convention: Megatron (profiling/flops.py), {model_flops(recipe):.3e} model FLOPs per step"]
     if measured:
         lines.append(f"layers: {measured['layer_plan']}; attention: {measured['attention']}")
-        mfu = f"{measured['mfu']:.1%}" if measured["mfu"] is not None else "n/a (GPU not in the peak table)"
+        mfu = f"{measured['mfu']:.1%}" if measured["mfu"] is not None else "n/a (no GPU peak)"
+        memory = (f", peak memory {measured['peak_memory_gib']:.1f} GiB" if measured["peak_memory_gib"] is not None
+                  else "")
         lines.append(f"measured:  step {measured['step_s']:.3f} s (median of {args.steps}), "
-                     f"{measured['tokens_per_s']:,.0f} tok/s, MFU {mfu}, "
-                     f"peak memory {measured['peak_memory_gib']:.1f} GiB on {measured['device']}")
+                     f"{measured['tokens_per_s']:,.0f} tok/s, MFU {mfu}{memory} on {measured['device']}")
     if predicted["step_s"] is not None:
         lines.append(f"predicted: step {predicted['step_s']:.3f} s, MFU {predicted['mfu']:.1%}, memory "
                      f"{predicted['memory_gb']:.1f} GB (planner, efficiency {predicted['efficiency']:.2f})")
@@ -176,7 +289,7 @@ def report(args: argparse.Namespace, recipe, predicted: dict, measured: dict | N
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     gpu_type = args.gpu_type
-    if not args.dry_run and gpu_type is None:
+    if not (args.dry_run or args.cpu) and gpu_type is None:
         import torch
 
         from profiling.peaks import canonical_gpu
@@ -191,7 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     for line in report(args, recipe, predicted, measured):
         print(line)
     if args.json:
-        args.json.write_text(json.dumps({"size": args.size, "predicted": predicted, "measured": measured}, indent=2))
+        args.json.write_text(json.dumps({"size": args.size, "backend": args.backend, "layers": args.layers,
+                                         "seq": args.seq, "global_batch": recipe.training.global_batch_size,
+                                         "model_flops": model_flops(recipe), "predicted": predicted,
+                                         "measured": measured}, indent=2))
     if measured and args.min_mfu is not None and (measured["mfu"] or 0.0) < args.min_mfu:
         print(f"gpu_mfu: MFU {measured['mfu']} below the floor {args.min_mfu}", file=sys.stderr)
         return 1

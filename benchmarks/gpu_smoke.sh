@@ -17,15 +17,21 @@
 #   gpu_units      the fast tier's modules with a CUDA branch (test_prefetch's page-locked batches, test_gpu_path,
 #                  test_gpu_refusals, test_megatron_cpu_compat): they must pass on a GPU machine too
 #   deepspeed      tests/integration/test_deepspeed_gpu.py (ZeRO 1-3, bf16/fp16, NCCL)
-#   fsdp           tests/integration/test_fsdp_gpu.py (FSDP2 bf16 against fp32, HSDP/DDP, NCCL)
+#   fsdp           tests/integration/test_fsdp_gpu.py (FSDP2 bf16 against fp32, HSDP/DDP, NCCL) and
+#                  test_fused_kernels_gpu.py (Liger and compiled blocks against the plain losses)
 #   megatron_save  gpt_3d local profile on 1 GPU, bf16, local layers, 10 steps, checkpoint at 10
 #   megatron_resume the same from that checkpoint (checkpoint.load_path) to step 20
 #   export         `hpc_tools export` of the resumed run; hf_forward: one forward with transformers on the GPU
 #   with Transformer Engine importable: megatron_gpu (tests/integration/test_megatron_gpu.py and test_gpu_tier.py)
-#   and gpu_mfu (benchmarks/gpu_mfu.py --size 1.3b); without it gpu_mfu_local (--layers local: the slow path's MFU)
+#   and gpu_mfu (benchmarks/gpu_mfu.py --size 1.3b); without it gpu_mfu_sdpa (--layers sdpa: local layers, SDPA)
+#   gpu_mfu_fsdp   benchmarks/gpu_mfu.py --backend fsdp --size 1.3b (Llama shape, SDPA, compiled blocks, bf16)
+#   side_by_side   benchmarks/gpu_side_by_side.py: torchtitan 0.3.0, the Megatron and the FSDP path on Llama 3.2 1B's
+#                  shape, tok/s, MFU and the ratios to torchtitan (its wheels: titan_install, from --wheels DIR/titan)
 # The pytest steps run without xdist (-n 0): one GPU module at a time on the one GPU (under xdist every gpu-marked
 # test is in one group too, tests/conftest.py). It writes OUT/summary.json: each step's status, exit code, seconds
-# and last lines, the GPU, and gpu_mfu's figures.
+# and last lines, the GPU, and the figures of gpu_mfu, gpu_mfu_fsdp and side_by_side.
+# The timed steps are short (a few after the warm-up) so that the whole run fits one 10-minute device call: about 6
+# minutes measured for the steps before gpu_mfu_fsdp, about 1.5 for it and 3.5 for side_by_side (estimates).
 # A failing step does not stop the others. --dry-run runs nothing on a GPU: it validates the Megatron runs' recipes
 # (offline) and writes the summary with every other step "planned". Exit status: 0 when no step failed.
 set -uo pipefail
@@ -50,14 +56,23 @@ while [ $# -gt 0 ]; do
       dest="$2"; mkdir -p "$dest"
       # pip matches each manylinux tag exactly: megatron-core 0.16.1 is manylinux_2_24/2_28 only
       target=(--only-binary=:all: --python-version "${PY_VERSION:-3.12}" --platform manylinux2014_x86_64
-              --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_28_x86_64
-              -d "$dest")
-      "$py" -m pip download --no-deps "${target[@]}" megatron-core==0.16.1 || exit 1
+              --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_28_x86_64)
+      "$py" -m pip download --no-deps "${target[@]}" -d "$dest" megatron-core==0.16.1 || exit 1
       # shellcheck disable=SC2086  # EXTRA_WHEELS is a list of requirements
-      "$py" -m pip download "${target[@]}" pydantic==2.13.4 submitit==1.5.4 xxhash==4.1.0 Jinja2==3.1.6 \
+      "$py" -m pip download "${target[@]}" -d "$dest" pydantic==2.13.4 submitit==1.5.4 xxhash==4.1.0 Jinja2==3.1.6 \
         PyYAML==6.0.3 einops hjson msgpack ninja py-cpuinfo psutil tqdm ${EXTRA_WHEELS:-} || exit 1
       "$py" -m pip wheel --no-deps --no-build-isolation deepspeed==0.19.8 -w "$dest" || exit 1
-      ls -l "$dest"; exit 0 ;;
+      # Liger Kernel (backend.*.liger): pure Python, its Triton comes with the CUDA torch
+      "$py" -m pip download --no-deps "${target[@]}" -d "$dest" liger-kernel==0.8.5 || exit 1
+      # torchtitan 0.3.0 for side_by_side, in titan/, installed --no-deps by titan_install: it pins datasets<4.8 (the
+      # project pins 5.2) and its trainer imports datasets only for its Hugging Face loaders, which the synthetic run
+      # never builds (gpu_side_by_side.py shims it where absent: no pyarrow/pandas to carry); these are what its
+      # import and train path load beyond torch, numpy, requests, fsspec and safetensors (already there)
+      mkdir -p "$dest/titan"
+      "$py" -m pip download --no-deps "${target[@]}" -d "$dest/titan" torchtitan==0.3.0 torchdata==0.11.0 \
+        torch_checkpointing==0.1.1 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 \
+        tensorboard==2.21.0 protobuf==7.36.2 absl-py==2.5.1 dill==0.4.0 || exit 1
+      ls -l "$dest" "$dest/titan"; exit 0 ;;
     -h|--help) sed -n '2,/^set -uo/{/^set -uo/!p}' "$0"; exit 0 ;;
     *) echo "gpu_smoke: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -126,6 +141,9 @@ newest_run() { ls -td "$out/runs"/*/ 2>/dev/null | head -1; }
 
 if [ -n "$wheels" ]; then
   step install 900 "$py" -m pip install --no-index --find-links "$wheels" "$wheels"/*.whl
+  if [ -d "$wheels/titan" ]; then
+    step titan_install 300 "$py" -m pip install --no-index --no-deps "$wheels"/titan/*.whl
+  fi
 fi
 # Python, packages, CUDA, driver, NCCL, TE / apex / flash-attn, for the Megatron job below: a bare `doctor` needs
 # every backend's package, Horovod's too, which no step here uses
@@ -138,7 +156,8 @@ step profiling 900 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration
 # the fast tier's modules that take another branch where CUDA is there (pinned batches, the CUDA configs and refusals)
 step gpu_units 600 "$py" -m pytest -q -n 0 -p no:cacheprovider "${GPU_UNITS[@]}"
 step deepspeed 1800 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_deepspeed_gpu.py
-step fsdp 1800 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_fsdp_gpu.py
+step fsdp 1800 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_fsdp_gpu.py \
+  tests/integration/test_fused_kernels_gpu.py
 if [ "$dry_run" = 1 ]; then
   # what a dry run can prove: the Megatron runs' recipes (gpt_3d's two, gpt_moe's) are valid as written here
   step_rc=0
@@ -181,11 +200,25 @@ fi
 if [ "$dry_run" = 0 ] && ! "$py" -c "import transformer_engine.pytorch" > "$out/logs/te_import.log" 2>&1; then
   skip megatron_gpu "transformer_engine not importable here (see logs/te_import.log)"
   skip gpu_mfu "transformer_engine not importable here"
-  step gpu_mfu_local 900 "$py" benchmarks/gpu_mfu.py --size 1.3b --layers local --json "$out/mfu_1.3b_local.json"
+  step gpu_mfu_sdpa 900 "$py" benchmarks/gpu_mfu.py --size 1.3b --layers sdpa --steps 6 --warmup 3 \
+    --json "$out/mfu_1.3b_sdpa.json"
 else
   step megatron_gpu 3000 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_megatron_gpu.py \
     tests/integration/test_gpu_tier.py
   step gpu_mfu 1800 "$py" benchmarks/gpu_mfu.py --size 1.3b --json "$out/mfu_1.3b.json"
+fi
+# the Hugging Face path's MFU (compiled blocks), then the same Llama shape under torchtitan, Megatron and FSDP
+step gpu_mfu_fsdp 900 "$py" benchmarks/gpu_mfu.py --backend fsdp --size 1.3b --steps 6 --warmup 3 \
+  --json "$out/mfu_1.3b_fsdp.json"
+step side_by_side 1200 "$py" benchmarks/gpu_side_by_side.py --steps 6 --warmup 3 --out "$out/side_by_side"
+if [ "$dry_run" = 1 ]; then
+  # what a dry run can prove of the two benchmarks: their recipes, the prediction, torchtitan's config and commands
+  step_rc=0
+  "$py" benchmarks/gpu_mfu.py --backend fsdp --size 1.3b --dry-run > "$out/logs/benchmark_plans.log" 2>&1 || step_rc=$?
+  "$py" benchmarks/gpu_side_by_side.py --dry-run --out "$out/side_by_side" >> "$out/logs/benchmark_plans.log" 2>&1 \
+    || step_rc=$?
+  record benchmark_plans "$([ "$step_rc" = 0 ] && echo passed || echo failed)" "$step_rc" 0 \
+    "$out/logs/benchmark_plans.log"
 fi
 
 "$py" - "$out" <<'PY'
@@ -193,11 +226,11 @@ import json, sys, time
 from pathlib import Path
 out = Path(sys.argv[1])
 steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines() if line.strip()]
-mfu, mfu_local = out / "mfu_1.3b.json", out / "mfu_1.3b_local.json"
+figures = {"gpu_mfu": out / "mfu_1.3b.json", "gpu_mfu_sdpa": out / "mfu_1.3b_sdpa.json",
+           "gpu_mfu_fsdp": out / "mfu_1.3b_fsdp.json", "side_by_side": out / "side_by_side" / "side_by_side.json"}
 summary = {"written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": steps,
            "failed": [s["step"] for s in steps if s["status"] == "failed"],
-           "gpu_mfu": json.loads(mfu.read_text()) if mfu.is_file() else None,
-           "gpu_mfu_local": json.loads(mfu_local.read_text()) if mfu_local.is_file() else None}
+           **{k: json.loads(f.read_text()) if f.is_file() else None for k, f in figures.items()}}
 (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 print(f"gpu_smoke: {len(steps)} steps, failed: {summary['failed'] or 'none'}; {out / 'summary.json'}")
 sys.exit(1 if summary["failed"] else 0)

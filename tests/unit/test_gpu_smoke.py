@@ -9,7 +9,9 @@ import subprocess
 from tests.helpers import REPO
 
 STEPS = ["env", "moe_local", "mla_local", "profiling", "gpu_units", "deepspeed", "fsdp", "megatron_recipes",
-         "megatron_save", "megatron_resume", "export", "hf_forward", "megatron_gpu", "gpu_mfu"]
+         "megatron_save", "megatron_resume", "export", "hf_forward", "megatron_gpu", "gpu_mfu", "gpu_mfu_fsdp",
+         "side_by_side", "benchmark_plans"]
+CHECKED = {"megatron_recipes", "benchmark_plans"}  # what a dry run runs: the recipes, and the benchmarks' dry runs
 
 
 def test_dry_run_plans_every_step_and_writes_the_summary(tmp_path):
@@ -21,7 +23,8 @@ def test_dry_run_plans_every_step_and_writes_the_summary(tmp_path):
     status = {s["step"]: s["status"] for s in summary["steps"]}
     assert list(status) == STEPS and summary["failed"] == []
     assert status["megatron_recipes"] == "passed"  # the two Megatron runs' recipes validate here
-    assert {s for s, v in status.items() if v != "planned"} == {"megatron_recipes"}
+    assert status["benchmark_plans"] == "passed"  # gpu_mfu --backend fsdp and gpu_side_by_side dry runs
+    assert {s for s, v in status.items() if v != "planned"} == CHECKED
     planned = {s["step"]: (out / "logs" / f"{s['step']}.log").read_text() for s in summary["steps"]}
     for words in ("--set training.precision=bf16", "--set backend.megatron.transformer_impl=local",
                   "--set cluster.gpus_per_node=1", "--executor local"):
@@ -30,6 +33,14 @@ def test_dry_run_plans_every_step_and_writes_the_summary(tmp_path):
     assert "training.train_iters=20" in planned["megatron_resume"]
     assert "checkpoint.load_path=RUN/checkpoints/iter_0000010" in planned["megatron_resume"]
     assert "benchmarks/gpu_mfu.py --size 1.3b" in planned["gpu_mfu"]
+    assert "benchmarks/gpu_mfu.py --backend fsdp --size 1.3b" in planned["gpu_mfu_fsdp"]
+    assert "benchmarks/gpu_side_by_side.py" in planned["side_by_side"]
+    assert "tests/integration/test_fused_kernels_gpu.py" in planned["fsdp"]
+    # the side-by-side dry run wrote torchtitan's config and printed its three commands
+    assert (out / "side_by_side" / "hpc_side_by_side_titan.py").is_file()
+    for path in ("torchtitan: ", "megatron: ", "fsdp: "):
+        assert path in planned["benchmark_plans"], path
+    assert "FSDP2 1 rank, compiled blocks" in planned["benchmark_plans"]
     assert "tests/integration/test_gpu_tier.py" in planned["megatron_gpu"]
     for words in ("recipes/gpt_moe.yaml", "--set backend.megatron.transformer_impl=local",
                   "--set backend.megatron.use_flash_attention=false", "--set cluster.gpus_per_node=1"):
@@ -44,7 +55,7 @@ def test_only_runs_the_named_steps(tmp_path):
     subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_smoke.sh"), "--dry-run", "--only", "env,gpu_units",
                     "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path, check=True)
     steps = [s["step"] for s in json.loads((out / "summary.json").read_text())["steps"]]
-    assert steps == ["env", "gpu_units", "megatron_recipes"]  # the dry run's recipe check always runs
+    assert steps == ["env", "gpu_units", "megatron_recipes", "benchmark_plans"]  # the dry run's checks always run
 
 
 def test_an_unknown_argument_is_one_line_naming_help(tmp_path):
@@ -84,3 +95,20 @@ def test_every_gpu_marked_test_is_in_one_xdist_group():
     pytest_collection_modifyitems(None, items)
     groups = [item.get_closest_marker("xdist_group").args[0] for item in items]
     assert groups == ["gpu", "gpu", "test_megatron_run"]
+
+
+def test_fetch_wheels_gathers_liger_at_the_gpu_pin_and_torchtitan_apart():
+    """(pip download needs the network: the fetch itself is run by hand, docs/gpu-path.md.) Liger Kernel is fetched
+    at requirements-gpu.txt's pin into the main set; torchtitan 0.3.0 and its import set go to titan/, which
+    titan_install installs without dependencies (torchtitan pins datasets<4.8, the project 5.2)."""
+    import re
+
+    script = (REPO / "benchmarks" / "gpu_smoke.sh").read_text()
+    fetch = script[script.index("--fetch-wheels)"):script.index("-h|--help)")]
+    gpu_pin = re.search(r"^liger-kernel==(\S+)", (REPO / "environment" / "requirements-gpu.txt").read_text(), re.M)
+    assert f'-d "$dest" liger-kernel=={gpu_pin.group(1)}' in fetch
+    titan = fetch[fetch.index('-d "$dest/titan"'):]
+    for wheel in ("torchtitan==0.3.0", "torchdata==", "torch_checkpointing==", "spmd_types==", "tyro==",
+                  "tensorboard=="):
+        assert wheel in titan, wheel
+    assert 'titan_install 300 "$py" -m pip install --no-index --no-deps "$wheels"/titan/*.whl' in script
