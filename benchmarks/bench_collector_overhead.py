@@ -11,15 +11,17 @@ The step time is taken by the workload around start_step..end_step, not by the c
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from hpc_tools.recipe.profiling import ProfilingConfig  # noqa: E402
 from hpc_tools.testing.workload import launch  # noqa: E402
 
-GOALS = {"default": 1.01, "everything": 1.05}
+GOALS = {"default": 1.01, "everything": 1.05}  # "sampled": a window every 5 steps, to price one window
 
 
 def main() -> int:
@@ -45,6 +47,15 @@ def main() -> int:
             inside, mean = res["median_collector_s"][name], res["mean_collector_s"][name]
             print(f"{name:<12} {rank:>4} {median * 1e3:>10.3f}ms {ratio:>7.4f} {goal:>6} "
                   f"{inside * 1e6:>15.1f}us {mean * 1e6:>10.1f}us {100 * mean / median:>6.3f}%")
+    default_every = ProfilingConfig().trace_sample_interval
+    for rank, res in enumerate(results):  # one sampled window: its traced step's start_step + end_step, less default's
+        windows = sorted(res["sampled_windows_s"])
+        window_s = statistics.median(windows) - res["median_collector_s"]["default"]
+        share = window_s / (default_every * res["median_step_s"]["off"]) if default_every else 0.0
+        print(f"sampled trace, rank {rank}: one window {window_s * 1e3:.1f} ms (median of {len(windows)}; first "
+              f"{res['sampled_windows_s'][0] * 1e3:.0f} ms, max {windows[-1] * 1e3:.0f} ms) = "
+              f"{window_s / res['median_step_s']['off']:.2f} median steps; every {default_every} steps "
+              f"(profiling.trace_sample_interval default) {100 * share:.3f} % of the run (goal <= 1 %)")
     print("ratio: median step time over 'off' (end to end, sensitive to machine load); collector/step: host time "
           "inside start_step + end_step (mean includes sampled steps and the profiler window), "
           "share = mean / median step")

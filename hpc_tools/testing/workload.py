@@ -225,7 +225,10 @@ BENCH_CONFIGS = {
     "default": {},
     "everything": {"communication_sample_interval": 1, "gpu_telemetry": True,
                    "torch_profiler": {"enabled": True, "start_step": 3, "num_steps": 2, "ranks": [0]}},
+    # the default set with a sampled one-step trace every SAMPLED_EVERY steps: what one window costs (issue 44)
+    "sampled": {"trace_sample_interval": 5},
 }
+SAMPLED_EVERY = 5
 
 
 def scenario_bench(out: Path, steps: int, rounds: int, pipeline: bool = False) -> dict[str, Any]:
@@ -244,6 +247,7 @@ def scenario_bench(out: Path, steps: int, rounds: int, pipeline: bool = False) -
         run_step, pp_rank, dp_rank, shape = job.step, 0, int(os.environ["RANK"]), {}
     times: dict[str, list[float]] = {name: [] for name in BENCH_CONFIGS}
     inside: dict[str, list[float]] = {name: [] for name in BENCH_CONFIGS}  # time in start_step + end_step
+    windows: list[float] = []  # start_step + end_step of the sampled configuration's traced steps
     for _ in range(3):  # warm the allocator and gloo
         run_step()
     names = list(BENCH_CONFIGS)
@@ -262,6 +266,8 @@ def scenario_bench(out: Path, steps: int, rounds: int, pipeline: bool = False) -
                 t3 = time.perf_counter()
                 times[name].append(t3 - t0)
                 inside[name].append((t1 - t0) + (t3 - t2))
+                if name == "sampled" and step % SAMPLED_EVERY == 0 and step > ctx.recipe.profiling.warmup_steps:
+                    windows.append(inside[name][-1])
             collector.close()
     if pipeline:
         pipe.close()
@@ -270,7 +276,8 @@ def scenario_bench(out: Path, steps: int, rounds: int, pipeline: bool = False) -
     return {"median_step_s": medians, "steps_per_config": len(times["off"]),
             "ratio": {name: medians[name] / medians["off"] for name in medians},
             "median_collector_s": {name: statistics.median(v) for name, v in inside.items()},
-            "mean_collector_s": {name: statistics.fmean(v) for name, v in inside.items()}}
+            "mean_collector_s": {name: statistics.fmean(v) for name, v in inside.items()},
+            "sampled_windows_s": windows}
 
 
 def main(argv: list[str] | None = None) -> int:
