@@ -296,22 +296,11 @@ def breakdown(a: Analysis, out: Path) -> list[Path]:
                    "Step-time breakdown per configuration", grid=False)
 
 
-def memory(a: Analysis, out: Path) -> list[Path]:
-    """Peak memory per rank, one line per configuration (band: min-max over its repeats)."""
-    ranks = a.ranks
-    if ranks.empty or "peak_mem_gb" not in ranks or ranks["peak_mem_gb"].isna().all():
-        return []
-    fig, ax = _figure()
-    named = groups(a)
-    for color, (label, ids) in zip(_colors(len(named)), named):
-        _band(ax, ranks, ids, "rank", "peak_mem_gb", color, label, marker="o", ms=3)
-    kind = a.runs["peak_mem_kind"].dropna() if "peak_mem_kind" in a.runs else pd.Series(dtype=object)
-    return _finish(fig, ax, out / "memory_per_rank.png", "rank",
-                   f"peak memory (GB, {kind.iloc[0] if len(kind) else 'n/a'})", "Peak memory per rank")
-
-
 def heatmaps(a: Analysis, out: Path) -> list[Path]:
-    """Per-rank step-time heatmaps for the runs with the most ranks (at most MAX_HEATMAPS)."""
+    """Per-rank step-time heatmaps for the runs with the most ranks (at most MAX_HEATMAPS); the colour scale spans the
+    bins without warm-up steps (``step_plots.heat_limits``), slower bins show at its top colour."""
+    from hpc_tools.analysis.step_plots import heat_limits
+
     if not a.heatmaps:
         return []
     sizes = dict(zip(a.runs["run_id"], a.runs["world_size"]))
@@ -321,9 +310,12 @@ def heatmaps(a: Analysis, out: Path) -> list[Path]:
     for i, run_id in enumerate(chosen):
         grid, edges, ranks = a.heatmaps[run_id]
         fig, ax = _figure(height=max(2.6, min(8.0, 0.25 * len(ranks) + 1.8)))
+        limits = heat_limits(a, run_id, edges, grid)
         im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis",
-                       extent=(edges[0], edges[-1], len(ranks) - 0.5, -0.5))
-        fig.colorbar(im, ax=ax, label="mean step time (s)")
+                       extent=(edges[0], edges[-1], len(ranks) - 0.5, -0.5),
+                       **({"vmin": limits[0], "vmax": limits[1]} if limits else {}))
+        fig.colorbar(im, ax=ax, label="mean step time (s)" + ("\n(scale without warm-up)" if limits else ""),
+                     extend="max" if limits else "neither")
         ax.set_xlabel("step")
         ax.set_ylabel("rank")
         ax.set_title(f"Step time per rank: {labels.get(run_id, '')} ({run_id})", fontsize=9)
@@ -460,12 +452,17 @@ def predicted_vs_measured(a: Analysis, out: Path) -> list[Path]:
 
 
 PLOTS = (loss, val_loss_vs_tokens, throughput, efficiency, breakdown, predicted_vs_measured, mfu, memory_timeline,
-         memory, heatmaps)
+         heatmaps)
 
 
 def all_plots(a: Analysis, out: Path) -> list[Path]:
+    """Every plot: the loss, then throughput, learning rate and gradient norm over steps (``step_plots``), the rest,
+    the per-rank memory bars before the heatmaps."""
+    from hpc_tools.analysis import step_plots
+
+    order = (loss, *step_plots.PLOTS, *PLOTS[1:-1], step_plots.memory_bars, heatmaps)
     files: list[Path] = []
-    for plot in PLOTS:
+    for plot in order:
         files.extend(plot(a, out))
     return files
 

@@ -5,7 +5,7 @@ and per-step results, never the run's records.
 The files are found and read by ``profiling.records`` (the owner of their names) and reduced by
 ``profiling.figures.RunReducer`` (the owner of every figure's definition), the same reducer the run summary and the
 calibration use. This module adds what only the analysis shows: a binned step-time row per rank for the heatmap and
-per-step timelines over the ranks (MFU, memory) for the report's plots.
+per-step timelines over the ranks (MFU, memory, learning rate, gradient norm) for the report's plots.
 """
 
 from __future__ import annotations
@@ -17,11 +17,15 @@ import numpy as np
 
 from profiling.figures import COLUMNS, RankFigures, RunReducer, StepLayout
 from profiling.records import iter_rank_columns
+from profiling.schema import fields
 
 HEATMAP_BINS = 100
 # Per-step timelines: record field -> how the ranks of a step are combined ("mean", or "range": the max and the min
 # over the ranks, the band of a memory timeline).
-TIMELINES = {"mfu": "mean", "mem_allocated_max_bytes": "range", "mem_reserved_max_bytes": "range", "rss_bytes": "range"}
+TIMELINES = {"mfu": "mean", "mem_allocated_max_bytes": "range", "mem_reserved_max_bytes": "range", "rss_bytes": "range",
+             "lr": "mean", "grad_norm": "mean"}
+# The columns read: the figures' and the timelines' (lr and the gradient norm are the same on every rank that has them).
+READ = tuple(dict.fromkeys(COLUMNS + fields(*TIMELINES)))
 
 __all__ = ["COLUMNS", "HEATMAP_BINS", "TIMELINES", "RunRecords", "read_run"]
 
@@ -69,7 +73,7 @@ def read_run(records_dir: Path, warmup: int, max_step: int | None = None) -> Run
     """Reduce every rank file of a run; ``max_step`` (train_iters) sizes the per-step arrays and heatmap bins."""
     out = RunRecords(reducer=RunReducer(warmup, max_step))
     heat_rows: list[np.ndarray] = []
-    for rank, cols in iter_rank_columns(Path(records_dir), COLUMNS):
+    for rank, cols in iter_rank_columns(Path(records_dir), READ):
         prepared = out.reducer.add_rank(rank, cols)
         if prepared is None:
             continue

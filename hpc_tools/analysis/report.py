@@ -14,7 +14,9 @@ from hpc_tools.analysis.analyze import Analysis
 from hpc_tools.analysis.metrics import GOODPUT_COLUMNS, STRAGGLER_COLUMNS
 from hpc_tools.analysis.plots import all_plots
 from hpc_tools.analysis.scaling import __doc__ as SCALING_METHOD
+from hpc_tools.analysis.summary import summary_lines
 from profiling.figures import definitions_text
+from profiling.units import cell
 
 # The per-run table, split into narrower tables that fit a page; "#" and "config" (the short label, only what varies
 # across the runs: analysis.labels) start each, so a row can be followed across them and into the plots.
@@ -95,12 +97,12 @@ def _goodput_total_line(a: Analysis) -> str:
             f"{t['requeue_wait_hours']:.4g} h.")
 
 
-def _fmt(value) -> str:
+def _fmt(value, column: str = "") -> str:
+    """A table cell: a figure in its one unit (``profiling.units.cell``: shares and goodput in percent, memory in GB),
+    empty when missing."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
+    return cell(column, value)
 
 
 def markdown_table(df: pd.DataFrame, columns=None) -> str:
@@ -109,7 +111,7 @@ def markdown_table(df: pd.DataFrame, columns=None) -> str:
         return "_none_\n"
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in df[cols].itertuples(index=False):
-        lines.append("| " + " | ".join(_fmt(v).replace("|", "/") for v in row) + " |")
+        lines.append("| " + " | ".join(_fmt(v, c).replace("|", "/") for c, v in zip(cols, row)) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -126,7 +128,8 @@ def html_table(df: pd.DataFrame, columns=None) -> str:
     if df.empty or not cols:
         return "<p><em>none</em></p>"
     head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(_cell(_fmt(v)) for v in row) + "</tr>" for row in df[cols].itertuples(index=False))
+    body = "".join("<tr>" + "".join(_cell(_fmt(v, c)) for c, v in zip(cols, row)) + "</tr>"
+                   for row in df[cols].itertuples(index=False))
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -238,7 +241,7 @@ def method_text() -> str:
 
 def render_markdown(a: Analysis, images: list[Path], title: str) -> str:
     runs = numbered_runs(a)
-    parts = [f"# {title}\n", f"{len(a.runs)} run(s){' in sweep ' + ', '.join(a.sweeps) if a.sweeps else ''}.\n"]
+    parts = [f"# {title}\n", "## Summary\n", "".join(f"- {line}\n" for line in summary_lines(a))]
     for heading, cols in RUN_TABLES:
         parts += [f"## {heading}\n", markdown_table(runs, cols)]
     for heading, text, table, proj in _scaling_sections(a):
@@ -286,8 +289,14 @@ CAPTIONS = {
                              "and allocated memory per GPU.",
     "mfu_over_steps": "Model FLOPs utilisation per step (mean over ranks); band: repeats.",
     "memory_timeline": "Memory per step: maximum over ranks, band: the range over ranks (and repeats).",
-    "memory_per_rank": "Peak memory per rank, one line per configuration.",
-    "heatmap": "Step time per rank and step (binned); a slow rank or a slow phase shows as a stripe.",
+    "memory_per_rank": "Peak memory per rank (bars; per configuration, the largest over its repeats).",
+    "heatmap": "Step time per rank and step (binned); a slow rank or a slow phase shows as a stripe. The colour "
+               "scale spans the steps after warm-up; the warm-up steps show at its top colour.",
+    "throughput_over_steps": "Tokens/s per GPU of each step after warm-up (tokens per step / the slowest rank's step "
+                             "time / ranks); one line per configuration, band: its repeats.",
+    "learning_rate": "Learning rate per step (the schedule as the trainer applied it); one line per configuration.",
+    "grad_norm": "Gradient norm before clipping, per step (mean over the ranks that report it); one line per "
+                 "configuration, band: its repeats.",
     "eval_score_vs_tokens": evaluation.CAPTION,
 }
 
@@ -307,7 +316,8 @@ def render_html(a: Analysis, images: list[Path], title: str) -> str:
     """One file: CSS inline, every image a base64 data URI, no scripts, no external resources."""
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
              f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>",
-             f"<p>{len(a.runs)} run(s){html.escape(' in sweep ' + ', '.join(a.sweeps)) if a.sweeps else ''}.</p>"]
+             "<h2>Summary</h2><ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in summary_lines(a))
+             + "</ul>"]
     runs = numbered_runs(a)
     for heading, cols in RUN_TABLES:
         parts += [f"<h2>{html.escape(heading)}</h2>", _scroll(html_table(runs, cols))]

@@ -112,3 +112,43 @@ def test_units_one_way_each():
     assert units.gb(3.9e8) == "0.39 GB" and units.pct(0.4065) == "40.6 %" and units.rate(1741.2) == "1.74k"
     assert units.cell("goodput", 0.4065) == "40.6 %" and units.cell("peak_mem_gb", 0.3912) == "0.39"
     assert units.cell("mfu", float("nan")) == "-" and units.hms(3725) == "1:02:05" and units.sci(3e-4) == "3.00e-04"
+
+
+def test_report_opens_with_a_summary_shows_goodput_one_way_and_draws_lr_norm_throughput_memory_bars(tmp_path):
+    """The summary (what ran, the figures with lr and grad norm, the verdict) comes before every table; goodput is a
+    percent everywhere; the plots users expect are drawn; per-rank memory is bars at whole ranks; the heatmap's scale
+    leaves out the slow warm-up steps."""
+    from hpc_tools.analysis.analyze import analyse
+    from hpc_tools.analysis.plots import kept
+    from hpc_tools.analysis.report import write_report
+
+    st = np.full((4, 20), 0.2)
+    st[:, :2] = 5.0  # warm-up (profiling.warmup_steps = 2): 25x the others
+    st[:, 2:] += 0.01 * np.arange(4)[:, None]
+    run = synthetic_run(tmp_path, ["cluster.gpus_per_node=4", "training.global_batch_size=4"], st,
+                        loss=np.tile(np.linspace(5.0, 4.0, 20), (4, 1)),
+                        lr=np.tile(np.linspace(1e-3, 1e-4, 20), (4, 1)),
+                        grad_norm=np.tile(np.linspace(2.0, 0.5, 20), (4, 1)),
+                        rss_bytes=np.array([[4.0e8], [3.0e8], [3.0e8], [3.0e8]]) * np.ones((4, 20)))
+    a = analyse([str(run.path)])
+    with kept() as figs:
+        files = write_report(a, tmp_path / "report")
+        by_name = {path.name: fig for fig, path in figs}
+    md = (tmp_path / "report" / "report.md").read_text()
+    summary = md.split("## Summary")[1].split("## ")[0]
+    assert md.index("## Summary") < md.index("## Runs") < md.index("## Method")
+    assert f"What ran: {run.run_id} (comm_check" in summary and "s/step (median)" in summary, summary
+    assert "last lr 1.00e-04, grad norm 0.5" in summary and "peak memory 0.40 GB" in summary, summary
+    assert "Stragglers of " in summary
+    goodput = a.runs["goodput"].iloc[0]
+    assert f"goodput {units.pct(goodput)}" in summary and f"| {units.pct(goodput)} |" in md  # one way: percent
+    table = [ln.strip("|").split(" | ") for ln in md.split("## Goodput")[1].splitlines() if ln.startswith("| ")]
+    assert table[1][table[0].index("goodput")].strip() == units.pct(goodput), table
+    names = {p.rsplit("/", 1)[-1] for p in files["plots"]}
+    assert {"throughput_over_steps.png", "learning_rate.png", "grad_norm.png", "memory_per_rank.png"} <= names
+    bars = by_name["memory_per_rank.png"].axes[0].patches
+    assert sorted(round(b.get_height(), 2) for b in bars) == [0.3, 0.3, 0.3, 0.4]  # one bar per rank, no line
+    tput = by_name["throughput_over_steps.png"].axes[0].get_lines()[0]
+    assert min(tput.get_xdata()) == 3  # the warm-up steps are left out
+    heat = by_name["heatmap_0.png"].axes[0].images[0]
+    assert heat.get_clim()[1] == pytest.approx(0.23)  # the slowest step after warm-up sets the top, not 5 s
