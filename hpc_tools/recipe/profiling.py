@@ -24,7 +24,8 @@ class ProfilingConfig(Section):
     enabled: bool = True
     """Write per-rank step records into the run folder."""
     summary_interval: int = Field(default=10, gt=0)
-    """Rank 0 prints a summary line every N steps."""
+    """Every N steps rank 0 logs the bus bandwidth of the collectives that step timed (a `comm at step N` line in its
+    log file; the step figures are the progress line's, every training.log_interval steps)."""
     warmup_steps: int = Field(default=2, ge=0)
     """Steps at the beginning of every start of the job (and of each requeue) excluded from the time and throughput
     figures (compilation, allocator warm-up); the rule is stated in profiling/figures.py."""
