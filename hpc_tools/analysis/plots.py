@@ -500,3 +500,19 @@ def layout_problems(fig) -> list[str]:
                 problems.append(f"tick labels overlap on {ax.get_title()!r}")
                 break
     return problems
+
+
+def step_waterfall(measured: dict[str, float], planned: dict[str, float], title: str, path: Path) -> list[Path]:
+    """One step bucket by bucket, planned beside measured (``analysis.breakdown``): each bucket a bar floating from
+    the sum of the buckets before it, so the last bar's top is the step; buckets neither side has are left out."""
+    names = [k for k in measured if measured.get(k, 0.0) > 0 or planned.get(k, 0.0) > 0]
+    fig, ax = _figure(width=max(6.0, 0.75 * len(names) + 3), height=4.2)
+    x = np.arange(len(names))
+    w = 0.38
+    for offset, values, label, color in ((-w / 2, planned, "planned", "tab:orange"),
+                                         (w / 2, measured, "measured", "tab:blue")):
+        heights = np.array([values.get(k, 0.0) for k in names])
+        bottoms = np.concatenate([[0.0], np.cumsum(heights)[:-1]])
+        ax.bar(x + offset, heights, w, bottom=bottoms, color=color, label=label)
+    _ticks(ax, names)
+    return _finish(fig, ax, path, None, "seconds (cumulative over the step)", title, title_size=9)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from hpc_tools.analysis import evaluation
+from hpc_tools.analysis import breakdown_report, evaluation
 from hpc_tools.analysis.analyze import Analysis
 from hpc_tools.analysis.metrics import GOODPUT_COLUMNS, STRAGGLER_COLUMNS
 from hpc_tools.analysis.plots import all_plots
@@ -263,6 +263,7 @@ def render_markdown(a: Analysis, images: list[Path], title: str) -> str:
     parts += ["## Goodput\n", GOODPUT_TEXT + "\n", *(markdown_table(goodput, cols) for cols in goodput_parts(goodput)),
               _goodput_total_line(a) + "\n"]
     parts += evaluation.markdown(a, markdown_table)
+    parts += breakdown_report.markdown(a, markdown_table)  # issue 44: where the step went (its own module)
     parts += ["## Plots\n"] + [f"![{p.stem}]({p.name})\n\n_{caption(p)}_\n" for p in images]
     parts += ["## Method\n", "```\n" + method_text() + "\n```\n"]
     return "\n".join(parts)
@@ -298,6 +299,7 @@ CAPTIONS = {
     "grad_norm": "Gradient norm before clipping, per step (mean over the ranks that report it); one line per "
                  "configuration, band: its repeats.",
     "eval_score_vs_tokens": evaluation.CAPTION,
+    "step_waterfall": breakdown_report.CAPTION,
 }
 
 
@@ -343,6 +345,7 @@ def render_html(a: Analysis, images: list[Path], title: str) -> str:
               *(_scroll(html_table(numbered_goodput(a), cols)) for cols in goodput_parts(a.goodput)),
               f"<p>{html.escape(_goodput_total_line(a))}</p>",
               *evaluation.html_parts(a, lambda df, cols: _scroll(html_table(df, cols))),
+              *breakdown_report.html_parts(a, lambda df: _scroll(html_table(df))),
               "<h2>Plots</h2>"]
     for p in images:
         data = base64.b64encode(p.read_bytes()).decode("ascii")
@@ -356,7 +359,7 @@ def write_report(a: Analysis, out: str | Path, title: str = "hpc_tools report") 
     """Write every artefact into ``out``; returns {kind: [paths]}."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    images = all_plots(a, out) + evaluation.score_vs_tokens(a, out)
+    images = all_plots(a, out) + evaluation.score_vs_tokens(a, out) + breakdown_report.plots(a, out)
     tables = write_tables(a, out)
     (out / "report.md").write_text(render_markdown(a, images, title))
     (out / "report.html").write_text(render_html(a, images, title))

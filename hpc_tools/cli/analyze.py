@@ -29,12 +29,15 @@ def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
 
 def analysed(args: argparse.Namespace):
     """The analysis of the runs the arguments name."""
+    from hpc_tools.analysis import breakdown_report
     from hpc_tools.analysis.analyze import analyse
     from hpc_tools.errors import UserError
 
     if args.warmup is not None and args.warmup < 0:
         raise UserError(f"--warmup {args.warmup} must be >= 0 (steps excluded from the statistics)")
-    return analyse(args.refs, args.warmup, args.runs_dir, args.scaling)
+    result = analyse(args.refs, args.warmup, args.runs_dir, args.scaling)
+    breakdown_report.remember(result, args.refs, args.runs_dir)  # the report's breakdown section finds the traces
+    return result
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -152,3 +152,28 @@ def test_trace_files_found_plain_and_gzipped(tmp_path):
     paths = trace_paths(tmp_path)
     assert [p.name for p in paths] == ["rank00000.steps5-6.pt.trace.json", "rank00001.steps200-200.pt.trace.json.gz"]
     assert [bd.trace_rank(bd.read_trace(p)) for p in paths] == [0, 1]
+
+
+def test_waterfall_plot_lays_out(tmp_path):
+    from hpc_tools.analysis.plots import kept, layout_problems, step_waterfall
+
+    measured = {"compute": 0.2, "comm.tp": 0.3, "comm.dp": 0.0, "bubble": 0.2, "data": 0.1, "host": 0.04}
+    planned = {"compute": 0.15, "comm.tp": 0.05, "bubble": 0.05}
+    with kept() as figures:
+        [path] = step_waterfall(measured, planned, "run: one step, planned vs measured", tmp_path / "w.png")
+        (fig, _), = figures
+        assert layout_problems(fig) == []
+        ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+        tops = sorted(b.get_y() + b.get_height() for b in fig.axes[0].patches)
+    assert path.stat().st_size > 0
+    assert ticks == ["compute", "comm.tp", "bubble", "data", "host"]
+    assert tops[-1] == pytest.approx(sum(measured.values()))  # the measured bars end at the step
+
+
+def test_report_section_empty_without_traced_runs():
+    from hpc_tools.analysis import breakdown_report
+
+    class Bare:  # an analysis the report section was not told the runs of
+        pass
+
+    assert breakdown_report.markdown(Bare(), str) == [] and breakdown_report.html_parts(Bare(), str) == []
