@@ -9,7 +9,7 @@ The steps, within ``cluster.preflight_budget_s`` (each time slice is a share of 
    its cores; GPU ranks measure at once, each on its own GPU); a node these figures name slow is looked at again
    (``SECOND_LOOKS``: every rank measures once more, the best of all looks kept) before it is named;
 3. the transport: gloo's interface and address on CPU; on GPU NCCL's own INFO lines (``NCCL_DEBUG=INFO`` into
-   ``preflight/nccl-<host>-<pid>.log`` of the run folder, unless the user set ``NCCL_DEBUG``);
+   ``preflight/nccl-<host>-<pid>.log`` of the run folder while preflight runs, unless the user set ``NCCL_DEBUG``);
 4. collectives over all ranks at the layout's message size (all-reduce, all-gather, all-to-all with expert
    parallelism), as bus bandwidth; one all-reduce inside each node with several ranks, all nodes at once;
 5. the search for a slow link (``bisect.find_slow``): all-reduces over halves of the nodes, both halves at once,
@@ -22,13 +22,14 @@ The steps, within ``cluster.preflight_budget_s`` (each time slice is a share of 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from hpc_tools.runtime.preflight import leave_out, measure
 from hpc_tools.runtime.preflight.bisect import find_slow
@@ -194,7 +195,13 @@ def gather_with_clocks(mine: RankResult, world: int, deadline: float) -> tuple[l
 
 
 def check(ctx: "RankContext", mode: str) -> Report:
-    """Every rank measures; every rank returns the same report (rank 0 also writes it and prints the table)."""
+    """Every rank measures; every rank returns the same report (rank 0 also writes it and prints the table). On GPU
+    NCCL's INFO lines go to the run's preflight folder while it runs, and only then (``nccl_info_to_file``)."""
+    with nccl_info_to_file(ctx.run_dir / NCCL_DIR if ctx.device.type == "cuda" else None):
+        return _check(ctx, mode)
+
+
+def _check(ctx: "RankContext", mode: str) -> Report:
     import torch
     import torch.distributed as dist
 
@@ -206,7 +213,6 @@ def check(ctx: "RankContext", mode: str) -> Report:
     gpu = dev == "cuda"
     if gpu:
         torch.cuda.set_device(device)
-        _nccl_log_to_file(ctx)
     node, host = node_label(ctx), socket.gethostname()
     mine = RankResult(rank=ctx.rank, node=node, host=host)
     if not gpu:
@@ -554,15 +560,40 @@ def _peak(recipe) -> float | None:
     return peak_for_recipe(recipe)
 
 
-def _nccl_log_to_file(ctx: "RankContext") -> None:
-    """NCCL's INFO lines of this process into the run folder, to read the transport back (``NCCL_DEBUG`` set by the
-    user wins: then its lines go where the user said and the transport is read only from ``NCCL_DEBUG_FILE``)."""
-    if "NCCL_DEBUG" in os.environ:
+@contextlib.contextmanager
+def nccl_info_to_file(folder: Path | None) -> Iterator[None]:
+    """While preflight runs: NCCL's INFO lines of this process into ``folder`` (``nccl-<host>-<pid>.log``), to read the
+    transport back. Only the ``NCCL_DEBUG*`` variables that are unset are set (``NCCL_DEBUG`` set by the user wins:
+    nothing changes, the transport is read from the user's ``NCCL_DEBUG_FILE`` if any), and they are removed after,
+    so the trainer's NCCL warnings go to the rank's log, not the preflight folder. NCCL reads them once per process:
+    ``ncclResetDebugInit`` (NCCL >= 2.24.3) makes it read them again. ``folder`` None (CPU ranks): nothing."""
+    if folder is None or "NCCL_DEBUG" in os.environ:
+        yield
         return
-    folder = ctx.run_dir / NCCL_DIR
+    wanted = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET",
+              "NCCL_DEBUG_FILE": str(folder / f"nccl-{socket.gethostname()}-{os.getpid()}.log")}
+    added = [k for k in wanted if k not in os.environ]
     folder.mkdir(parents=True, exist_ok=True)
-    os.environ.update({"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET",
-                       "NCCL_DEBUG_FILE": str(folder / f"nccl-{socket.gethostname()}-{os.getpid()}.log")})
+    os.environ.update({k: wanted[k] for k in added})
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+        if not _reset_nccl_debug():
+            log.info("NCCL's INFO lines of this process stay in %s (NCCL not loaded, or older than 2.24.3: no "
+                     "ncclResetDebugInit)", folder)
+
+
+def _reset_nccl_debug() -> bool:
+    """``ncclResetDebugInit()`` of the NCCL this process loaded (never loading one); False without it."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libnccl.so.2", mode=os.RTLD_NOLOAD).ncclResetDebugInit()
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def _nccl_transport_seen(ctx: "RankContext") -> str | None:
