@@ -79,9 +79,11 @@ def mem_gbps(device, nbytes: int, slice_s: float, max_iters: int = 100) -> float
 
 
 def collective_seconds(op: str, nbytes: int, group, n: int, device, rank: int, iters: int = 8,
-                       warmup: bool = True) -> float:
-    """The best time of ``iters`` runs of ``op`` ('all_reduce', 'all_gather', 'all_to_all') moving a buffer of
-    ``nbytes`` (the whole buffer, as nccl-tests sizes it) over ``group`` of ``n`` ranks, after one warm-up run."""
+                       warmup: bool = True, per_sync: int = 1) -> float:
+    """The time of one ``op`` ('all_reduce', 'all_gather', 'all_to_all') moving a buffer of ``nbytes`` (the whole
+    buffer, as nccl-tests sizes it) over ``group`` of ``n`` ranks (None: the default group): the best of ``iters``
+    timings, each of ``per_sync`` back-to-back runs and one synchronize (divided by ``per_sync``), after one warm-up
+    run."""
     import torch
     import torch.distributed as dist
 
@@ -110,11 +112,12 @@ def collective_seconds(op: str, nbytes: int, group, n: int, device, rank: int, i
     best = float("inf")
     for _ in range(iters):
         t0 = time.perf_counter()
-        if slow:
-            time.sleep(SLOW_LINK_S)
-        once()
+        for _ in range(per_sync):
+            if slow:
+                time.sleep(SLOW_LINK_S)
+            once()
         _sync(device)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, (time.perf_counter() - t0) / per_sync)
     return best
 
 

@@ -61,6 +61,15 @@ _CREATED = False  # this process's default group was made by preflight (``close`
 # Message sizes: one micro-batch's activations (b x s x h at the precision's bytes), what a TP all-reduce or an SP
 # all-gather moves, held between these bounds so the checks stay within the budget.
 SIZE_BOUNDS = {"cpu": (256 << 10, 4 << 20), "cuda": (1 << 20, 256 << 20)}
+# The slow-link search's all-reduce message, at least: on GPUs a link's figure near its large-message speed (a 1 MiB
+# all-reduce across nodes is latency-bound, a fraction of it); on CPU the layout's own (the test cluster's timing).
+LINK_BYTES = {"cpu": 0, "cuda": 64 << 20}
+STEP_LATENCY_S = 10e-6
+"""Latency of one step of a ring all-reduce between nodes (2(n-1) steps), assumed (InfiniBand's few microseconds plus
+NCCL's own per step; not measured here): the expected busbw at a message size (``expected_at``)."""
+# GPU collectives are timed over this many back-to-back runs per host synchronize: one synchronize per run would add
+# its own microseconds to every run of a small message.
+PER_SYNC = {"cpu": 1, "cuda": 5}
 GEMM_N = {"cpu": 256, "cuda": 8192}
 MEM_BYTES = {"cpu": 32 << 20, "cuda": 1 << 30}
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -99,6 +108,21 @@ def message_bytes(recipe, device_type: str) -> int:
     lo, hi = SIZE_BOUNDS[device_type]
     act = recipe.training.micro_batch_size * recipe.model.seq_length * recipe.model.hidden_size
     return int(min(max(act * BYTES.get(recipe.training.precision, 4), lo), hi))
+
+
+def link_bytes(nbytes: int, device_type: str) -> int:
+    """The slow-link search's message: the layout's ``nbytes``, at least ``LINK_BYTES``."""
+    return max(nbytes, LINK_BYTES[device_type])
+
+
+def expected_at(bw_gbps: float | None, nbytes: int, n: int) -> float | None:
+    """The all-reduce busbw a link the planner gives ``bw_gbps`` for (its large-message figure) is expected to reach
+    with a message of ``nbytes`` over ``n`` ranks: a ring's 2(n-1) steps each pay ``STEP_LATENCY_S``, and each rank
+    moves 2(n-1)/n x ``nbytes`` at ``bw_gbps`` (nccl-tests' busbw of that time). None without a figure."""
+    if not bw_gbps or n < 2:
+        return bw_gbps
+    moved = nbytes * 2 * (n - 1) / n
+    return moved / (2 * (n - 1) * STEP_LATENCY_S + moved / (bw_gbps * 1e9)) / 1e9
 
 
 def expected_busbw(ctx: "RankContext") -> tuple[float | None, float | None, str]:
@@ -280,7 +304,8 @@ def _check(ctx: "RankContext", mode: str) -> Report:
     whole = group(list(range(world)))
     if world > 1:
         for op in ops:
-            secs = _agreed_seconds(measure.collective_seconds(op, nbytes, whole, world, device, ctx.rank), world)
+            secs = _agreed_seconds(measure.collective_seconds(op, nbytes, whole, world, device, ctx.rank,
+                                                              per_sync=PER_SYNC[dev]), world)
             collectives[op] = {"seconds": round(max(secs), 6),
                                "busbw_gbps": busbw_gbps(op, _bytes_moved(nbytes, world), max(secs), world)}
     if gpu:
@@ -299,7 +324,8 @@ def _check(ctx: "RankContext", mode: str) -> Report:
     inter_exp, intra_exp, exp_source = expected_busbw(ctx)
     node_names = list(nodes)
     figures: dict[frozenset, float | None] = {}
-    if "all_reduce" in collectives:
+    link = link_bytes(nbytes, dev)
+    if "all_reduce" in collectives and link == nbytes:
         figures[frozenset(node_names)] = collectives["all_reduce"]["busbw_gbps"]
     own, late = gather_with_clocks(mine, world, deadline)
     named_alone = {r.node for r in named(judge(own, peak_tflops=_peak(recipe)))}
@@ -310,8 +336,10 @@ def _check(ctx: "RankContext", mode: str) -> Report:
     shared = len({host_of[nodes[n][0]] for n in linked}) < len(linked)
     factor = SHARED_LINK_FACTOR if shared else SLOW_FACTOR
     if len(linked) > 1 and not late:
-        search = find_slow(linked, _RoundRunner(ctx, nodes, nbytes, device, group, figures, inter_exp, host_of,
+        search = find_slow(linked, _RoundRunner(ctx, nodes, link, device, group, figures, inter_exp, host_of,
                                                 factor))
+    if "all_reduce" in collectives:  # the table's figure where no search measured the whole at the link's size
+        figures.setdefault(frozenset(node_names), collectives["all_reduce"]["busbw_gbps"])
     busbw = {n: _smallest_figure(n, figures) for n in node_names}
     link_reasons: dict[str, str] = {}
     if search is not None and search.culprits:
@@ -330,10 +358,10 @@ def _check(ctx: "RankContext", mode: str) -> Report:
                  transport_why=transport_reasons(transports, expected_t, gpu, hosts))
     problems = []
     ar = collectives.get("all_reduce", {}).get("busbw_gbps")
-    exp = inter_exp if len(nodes) > 1 else intra_exp
+    exp = expected_at(inter_exp if len(nodes) > 1 else intra_exp, nbytes, world)  # at the message's size
     if ar is not None and exp and ar < EXPECTED_FLOOR * exp:
         problems.append(f"all-reduce busbw over all {world} ranks {ar:.3g} GB/s is {ar / exp:.2f}x the expected "
-                        f"{exp:.3g} GB/s ({exp_source}; below {EXPECTED_FLOOR}x)")
+                        f"{exp:.3g} GB/s at {nbytes / 2**20:g} MiB ({exp_source}; below {EXPECTED_FLOOR}x)")
     if search is not None and search.between:
         problems.append(f"all-reduce over all nodes is slow but over neither half: {search.note}")
     for g in made:
@@ -462,7 +490,7 @@ def _timed_groups(ctx, measured, ranks, pgs, mine, nbytes, device, hosts_of) -> 
     shared = any(a & b for i, a in enumerate(hosts) for b in hosts[i + 1:])
     if not shared:
         secs = measure.collective_seconds("all_reduce", nbytes, pgs[mine], len(ranks[mine]), device,
-                                          ctx.rank) if mine else 0.0
+                                          ctx.rank, per_sync=PER_SYNC[device.type]) if mine else 0.0
         return _agreed_seconds(secs, world)
     secs = float("inf")  # one timed run per group in turn, SHARED_REPEATS times round: both see the host's load alike
     for i in range(SHARED_REPEATS):
@@ -490,6 +518,12 @@ class _RoundRunner:
         self.figures, self.expected, self.hosts_of, self.factor = figures, expected, hosts_of, factor
         self.by_pairs: dict[str, bool] = {}
 
+    def expected_for(self, group: tuple[str, ...]) -> float | None:
+        """The busbw expected of ``group``'s all-reduce at the search's message size (``expected_at``)."""
+        if not self.expected:
+            return None
+        return expected_at(self.expected, self.nbytes, sum(len(self.nodes[n]) for n in group))
+
     def timed(self, measured, ranks, pgs, mine) -> list[float]:
         return _timed_groups(self.ctx, measured, ranks, pgs, mine, self.nbytes, self.device, self.hosts_of)
 
@@ -512,7 +546,7 @@ class _RoundRunner:
                 self.measure([groups[0]])
             fig = self.figures[frozenset(groups[0])]
             if self.expected and fig is not None:
-                return [fig < self.factor * self.expected]
+                return [fig < self.factor * self.expected_for(groups[0])]
             return [None]
         if self.by_pairs and all(n in self.by_pairs for g in groups for n in g):  # judged from the pairs already
             return [any(self.by_pairs[n] for n in g) for g in groups]
@@ -520,7 +554,7 @@ class _RoundRunner:
             return [None] * len(groups)
         measured = [g for g in groups if len(g) > 1]
         figs = self.measure(measured)
-        ref = max([v for v in figs.values() if v is not None] + [self.expected or 0.0])
+        ref = max([v for v in figs.values() if v is not None] + [self.expected_for(g) or 0.0 for g in measured])
         out: list[bool | None] = [figs[g] < self.factor * ref if figs.get(g) is not None else None for g in groups]
         if len(groups) == 2 and [len(g) for g in groups if len(g) == 1] == [1] and len(measured[0]) == 2:
             lone = next(i for i, g in enumerate(groups) if len(g) == 1)
@@ -543,7 +577,7 @@ class _RoundRunner:
                 fig, old)
         if any(v is None for v in figs.values()):
             return {}
-        ref = max(max(figs.values()), self.expected or 0.0)
+        ref = max(max(figs.values()), self.expected_for(pair) or 0.0)
         slow = {p for p, v in figs.items() if v < self.factor * ref}
         verdict = {n: all(p in slow for p in figs if n in p) and any(p not in slow for p in figs if n not in p)
                    for n in (a, b, lone)}
