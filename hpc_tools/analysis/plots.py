@@ -298,9 +298,7 @@ def breakdown(a: Analysis, out: Path) -> list[Path]:
 
 def heatmaps(a: Analysis, out: Path) -> list[Path]:
     """Per-rank step-time heatmaps for the runs with the most ranks (at most MAX_HEATMAPS); the colour scale spans the
-    bins without warm-up steps (``step_plots.heat_limits``), slower bins show at its top colour."""
-    from hpc_tools.analysis.step_plots import heat_limits
-
+    bins without warm-up steps (``heat_limits``), slower bins show at its top colour."""
     if not a.heatmaps:
         return []
     sizes = dict(zip(a.runs["run_id"], a.runs["world_size"]))
@@ -321,6 +319,22 @@ def heatmaps(a: Analysis, out: Path) -> list[Path]:
         ax.set_title(f"Step time per rank: {labels.get(run_id, '')} ({run_id})", fontsize=9)
         files.append(_save(fig, out / f"heatmap_{i}.png"))
     return files
+
+
+def heat_limits(a: Analysis, run_id: str, edges: np.ndarray, grid: np.ndarray) -> tuple[float, float] | None:
+    """The heatmap's colour range over the bins that hold no warm-up step (the first steps of every start would set
+    the scale and flatten the rest); None when every bin holds one."""
+    steps = a.steps[a.steps["run_id"] == run_id] if not a.steps.empty else a.steps
+    if steps.empty or "warmup" not in steps:
+        return None
+    warm = steps.loc[steps["warmup"].astype(bool), "step"].to_numpy()
+    bins = np.clip(np.searchsorted(edges, warm, side="right") - 1, 0, grid.shape[1] - 1)
+    keep = np.ones(grid.shape[1], dtype=bool)
+    keep[bins] = False
+    values = grid[:, keep]
+    if not keep.any() or np.isnan(values).all():
+        return None
+    return float(np.nanmin(values)), float(np.nanmax(values))
 
 
 def _has(a: Analysis, col: str) -> bool:
@@ -451,20 +465,9 @@ def predicted_vs_measured(a: Analysis, out: Path) -> list[Path]:
     return [_save(fig, out / "predicted_vs_measured.png")]
 
 
+# The plots of this module; the report draws them with those of ``step_plots`` (``step_plots.all_plots``).
 PLOTS = (loss, val_loss_vs_tokens, throughput, efficiency, breakdown, predicted_vs_measured, mfu, memory_timeline,
          heatmaps)
-
-
-def all_plots(a: Analysis, out: Path) -> list[Path]:
-    """Every plot: the loss, then throughput, learning rate and gradient norm over steps (``step_plots``), the rest,
-    the per-rank memory bars before the heatmaps."""
-    from hpc_tools.analysis import step_plots
-
-    order = (loss, *step_plots.PLOTS, *PLOTS[1:-1], step_plots.memory_bars, heatmaps)
-    files: list[Path] = []
-    for plot in order:
-        files.extend(plot(a, out))
-    return files
 
 
 def _inside(inner, outer, tol: float = 1.0) -> bool:

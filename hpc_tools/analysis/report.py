@@ -12,8 +12,8 @@ import pandas as pd
 from hpc_tools.analysis import breakdown_report, evaluation
 from hpc_tools.analysis.analyze import Analysis
 from hpc_tools.analysis.metrics import GOODPUT_COLUMNS, STRAGGLER_COLUMNS
-from hpc_tools.analysis.plots import all_plots
 from hpc_tools.analysis.scaling import __doc__ as SCALING_METHOD
+from hpc_tools.analysis.step_plots import all_plots
 from hpc_tools.analysis.summary import summary_lines
 from profiling.figures import definitions_text
 from profiling.units import cell

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
+from hpc_tools.analysis import plots
 from hpc_tools.analysis.analyze import Analysis
 from hpc_tools.analysis.plots import MAX_BAR_GROUPS, _band, _colors, _figure, _finish, _has, _ticks, groups
 
@@ -74,20 +73,15 @@ def memory_bars(a: Analysis, out: Path) -> list[Path]:
                    f"peak memory (GB, {kind.iloc[0] if len(kind) else 'n/a'})", "Peak memory per rank", grid=False)
 
 
-def heat_limits(a: Analysis, run_id: str, edges: np.ndarray, grid: np.ndarray) -> tuple[float, float] | None:
-    """The heatmap's colour range over the bins that hold no warm-up step (the first steps of every start would set
-    the scale and flatten the rest); None when every bin holds one."""
-    steps = a.steps[a.steps["run_id"] == run_id] if not a.steps.empty else a.steps
-    if steps.empty or "warmup" not in steps:
-        return None
-    warm = steps.loc[steps["warmup"].astype(bool), "step"].to_numpy()
-    bins = np.clip(np.searchsorted(edges, warm, side="right") - 1, 0, grid.shape[1] - 1)
-    keep = np.ones(grid.shape[1], dtype=bool)
-    keep[bins] = False
-    values = grid[:, keep]
-    if not keep.any() or np.isnan(values).all():
-        return None
-    return float(np.nanmin(values)), float(np.nanmax(values))
-
-
 PLOTS = (throughput_over_steps, learning_rate, grad_norm)
+
+
+def all_plots(a: Analysis, out: Path) -> list[Path]:
+    """Every plot of the report, in its order: the loss, then throughput, learning rate and gradient norm over steps,
+    the rest of ``plots.PLOTS``, the per-rank memory bars before the heatmaps."""
+    order = (plots.loss, *PLOTS, *(p for p in plots.PLOTS if p not in (plots.loss, plots.heatmaps)), memory_bars,
+             plots.heatmaps)
+    files: list[Path] = []
+    for plot in order:
+        files.extend(plot(a, out))
+    return files

@@ -128,6 +128,8 @@ def _run_rank(run_dir: str, dist: DistEnv) -> int:
             detail = {}
         if ctx.is_rank0:
             ctx.run.update(event="failed", state="FAILED", ended=now_iso(), error=error, soft=True)
+        if _lost_peer(ctx, exc, detail):  # the log ends with the rank it lost, not the socket error
+            return code
         raise
     finally:
         if ctx.watchdog:  # the heartbeat's exit record: how this rank ended, for the batch script's epilogue
@@ -137,6 +139,24 @@ def _run_rank(run_dir: str, dist: DistEnv) -> int:
     if ctx.is_rank0 and not ctx.stop_requested:
         ctx.run.update(event="completed", state="COMPLETED", ended=now_iso(), wall_s=round(time.perf_counter() - t0, 3))
     return 0
+
+
+def _lost_peer(ctx: RankContext, exc: BaseException, detail: dict) -> bool:
+    """A collective that failed because a peer died: its traceback, then one line naming the rank lost and where
+    (``runtime.peer_loss``), last in the log; False for any other error (raised as it is)."""
+    from hpc_tools.runtime.peer_loss import lost_peer_line
+
+    try:
+        line = lost_peer_line(ctx.run.path, ctx.rank, ctx.dist.restart_count, exc, detail.get("where", ""),
+                              detail.get("step"))
+    except Exception:  # noqa: BLE001 - naming the peer must never hide the error itself
+        return False
+    if line is None:
+        return False
+    log = logging.getLogger("hpc_tools")
+    log.warning("a collective failed on a lost connection:\n%s", "".join(traceback.format_exception(exc)).rstrip())
+    log.error("%s", line)
+    return True
 
 
 def exception_record(exc: BaseException, ctx: RankContext) -> dict:

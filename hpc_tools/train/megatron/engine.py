@@ -17,6 +17,10 @@ from hpc_tools.train.megatron.schedule import apply_lr
 from hpc_tools.train.prefetch import to_device
 from hpc_tools.train.schedule import lr_at
 
+# What megatron-core's DistributedDataParallel.no_sync reads when it exits (megatron/core/distributed/
+# distributed_data_parallel.py, 0.16): kept as empty lists by ``_release_model``.
+_NO_SYNC_ATTRS = ("bucket_groups", "expert_parallel_bucket_groups")
+
 if TYPE_CHECKING:
     from datetime import timedelta
 
@@ -350,10 +354,17 @@ class Engine:
         holds the DDP wrapper; those nodes live in C++, where Python's cycle collector cannot see them, so a closed
         model (and every process group its modules refer to, each with its own gloo threads) would otherwise live
         until the process ends. Emptying each module's attributes cuts every edge from the wrapper to the model, the
-        buffers and the groups; the empty wrapper is all that stays behind. The engine is not used after close."""
+        buffers and the groups; the empty wrapper is all that stays behind. The engine is not used after close.
+
+        A step that raised (a peer died in a collective) leaves Megatron's schedule inside the wrapper's ``no_sync``:
+        the schedule enters that context by hand and exits it only when the step ends, so its generator is finalized
+        later, when the traceback is freed, and its ``finally`` walks the wrapper's bucket groups. Empty lists in
+        their place let it end quietly, instead of an AttributeError printed as the peer's last words."""
         for chunk in self.chunks:
             modules = list(chunk.modules())
             for module in modules:
+                kept = {k: [] for k in _NO_SYNC_ATTRS if k in module.__dict__}
                 module.__dict__.clear()
+                module.__dict__.update(kept)
         self.chunks, self.optimizer = [], None
         self.config.no_sync_func = self.config.grad_scale_func = None  # bound methods of the model and optimizer
