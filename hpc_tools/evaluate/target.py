@@ -104,7 +104,10 @@ def models(target: Target, iterations: list[int] | None) -> list[Model]:
     run = target.run
     recipe = run_recipe(run)
     root = checkpoint_root(recipe, run)
-    per_step = recipe.training.global_batch_size * recipe.model.seq_length
+    from hpc_tools.layout import ParallelLayout
+
+    # the layout's global batch: the recipe's may be null (micro batch x data-parallel size)
+    per_step = ParallelLayout.from_recipe(recipe).global_batch_size * recipe.model.seq_length
     if not iterations:
         ckpt = verified_checkpoint(run, root)
         steps = [(CheckpointDirs.read_meta(ckpt)["step"], ckpt)]
