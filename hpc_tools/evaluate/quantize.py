@@ -4,8 +4,11 @@ torchao's weight-only schemes, written through transformers' ``TorchAoConfig`` (
 
 Schemes (``SCHEMES``): ``int8`` (torchao ``Int8WeightOnlyConfig``: int8 weights, one scale per output row) and
 ``fp8`` (``Float8WeightOnlyConfig``: float8 e4m3 weights, one scale per row). Both quantize every ``nn.Linear``
-but the embedding and output layers' tied weights, and both run on CPU (the matmul dequantizes); fp8's speed-up
-needs a GPU with float8 units (compute capability 8.9+). GPT-2 folders (what Megatron ``model.family: gpt`` runs
+but the embedding and output layers' tied weights. Both save memory, not time: torchao 0.18 runs each layer as the
+weights cast or dequantized to the activations' precision and a GEMM at that precision (``Int8Tensor``'s and
+``Float8Tensor``'s linear), on CPU and on any GPU (no float8 units, compute capability 8.9, needed), and neither is
+faster than the unquantized model without ``torch.compile`` fusing the cast into the GEMM (not measured here: no
+GPU). GPT-2 folders (what Megatron ``model.family: gpt`` runs
 export) keep their weights in ``Conv1D`` layers, which these schemes leave untouched: they are first written as the
 same network in ``nn.Linear`` layers (transformers' GPTBigCode, ``quantize_gpt2``), and that folder is quantized.
 """
@@ -31,7 +34,7 @@ def check(target: Target, scheme: str) -> None:
     """Refusals before anything is exported or written."""
     if scheme not in SCHEMES:
         raise UserError(f"--scheme {scheme!r} is not one of {', '.join(SCHEMES)} (int8: weight-only int8, any "
-                        "machine; fp8: weight-only float8, fast on GPUs of compute capability 8.9+)")
+                        "machine; fp8: weight-only float8, any machine; both save memory, not time)")
     if target.folder is not None:
         if target.meta.get("kind") == QUANTIZE_META:
             raise UserError(f"{target.ref} is already quantized ({target.meta.get('scheme')}) (quantize the "
