@@ -457,13 +457,28 @@ def log_tail(path: Path, nbytes: int = LOG_TAIL_BYTES) -> str | None:
         return None
 
 
+# Lines that begin one life of the job in its batch log: the rendered script's open_run step, submitit's task start, an
+# in-job restart's new step (``hpc_tools.job.restarts``).
+LIFE_START = re.compile(r"^hpc_tools: run folder |submitit INFO .*Starting with JobEnvironment|^hpc_tools: restart ",
+                        re.M)
+
+
+def this_life(text: str) -> str:
+    """The part of a log written by the latest life of the job (requeued jobs append to the same log)."""
+    starts = list(LIFE_START.finditer(text))
+    return text[starts[-1].start():] if starts else text
+
+
 def from_logs(paths: Iterable[Path]) -> Verdict | None:
-    """The most specific failure the tail of any log names (the matching line is the reason), or None."""
+    """The most specific failure the tail of any log names (the matching line is the reason), or None. Only the
+    latest life's part of a log counts (``this_life``): a requeued job's culprit comes from its own evidence, not
+    from an out-of-memory or node failure line an earlier life left in the same batch log."""
     found: dict[str, str] = {}
     for path in paths:
         text = log_tail(path)
         if text is None:
             continue
+        text = this_life(text)
         for status, pattern in LOG_PATTERNS:  # most specific first: one verdict per file
             m = pattern.search(text)
             if m:

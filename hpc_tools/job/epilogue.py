@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpc_tools.registry import RunFolder, now_iso
-from hpc_tools.runstate import HANG_EXIT_CODE, from_logs, is_terminal, log_files, log_tail
+from hpc_tools.runstate import HANG_EXIT_CODE, from_logs, is_terminal, log_files, log_tail, this_life
 from hpc_tools.runtime import heartbeat
 from hpc_tools.runtime.distenv import restart_count
 from hpc_tools.runtime.heartbeat import Beat, ranks_text
@@ -39,10 +39,6 @@ from hpc_tools.runtime.heartbeat import Beat, ranks_text
 SRUN_TASK = re.compile(r"^srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.+?)\s*$", re.M)
 SRUN_NODE_FAIL = re.compile(r"^srun: error: Node failure on (?P<node>\S+)", re.M)
 EXITED = re.compile(r"Exited with exit code (\d+)")
-# Lines that begin one life of the job in its batch log: the rendered script's open_run step, submitit's task start, an
-# in-job restart's new step (``hpc_tools.job.restarts``).
-LIFE_START = re.compile(r"^hpc_tools: run folder |submitit INFO .*Starting with JobEnvironment|^hpc_tools: restart ",
-                        re.M)
 LOG_TAIL_BYTES = 256 * 1024
 SIGNAL_BY_TEXT = {signal.strsignal(s): int(s) for s in signal.Signals if signal.strsignal(s)}
 
@@ -88,12 +84,6 @@ def expand_tasks(spec: str) -> list[int]:
         if lo.isdigit():
             out.extend(range(int(lo), int(hi or lo) + 1))
     return out
-
-
-def this_life(text: str) -> str:
-    """The part of a batch log written by the latest life of the job (requeued jobs append to the same log)."""
-    starts = list(LIFE_START.finditer(text))
-    return text[starts[-1].start():] if starts else text
 
 
 def srun_failures(text: str) -> list[TaskFailure]:

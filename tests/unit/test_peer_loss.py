@@ -65,3 +65,16 @@ def test_other_errors_and_peers_that_failed_the_same_way_get_no_blame(tmp_path):
     assert line.startswith("lost a peer (no heartbeat names it yet"), line  # rank 1 is a victim too, not the culprit
     _beats(tmp_path, {2: {"pid": _dead_pid(), "restart": 1}})
     assert "rank 2" not in lost_peer_line(tmp_path, 0, 0, RuntimeError(GLOO), "", 3, wait_s=0)  # another start's
+
+
+def test_a_requeued_lifes_culprit_comes_from_its_own_part_of_the_batch_log(tmp_path):
+    """Requeued jobs append to one batch log: the first life's out-of-memory line must not name the second's end."""
+    from hpc_tools.runstate import from_logs
+
+    log = tmp_path / "batch.log"
+    log.write_text("hpc_tools: run folder /runs/x\n[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to "
+                   "allocate 2.00 GiB\nsrun: error: n1: task 1: Exited with exit code 1\n"
+                   "hpc_tools: run folder /runs/x\nstep 5 ...\nsrun: error: n2: task 3: Killed\n")
+    assert from_logs([log]) is None  # the second life names no out-of-memory error
+    log.write_text(log.read_text() + "slurmstepd: error: Detected 1 oom_kill event in StepId=1.0\n")
+    assert from_logs([log]).status == "out_of_memory"  # its own evidence still counts
