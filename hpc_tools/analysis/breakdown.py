@@ -210,7 +210,8 @@ def verdict(mean: dict[str, float], planned: dict[str, float], strag: dict[str, 
     k = max(gaps, key=gaps.get)
     plan = f"planned {planned[k]:.3g} s" if k in planned else "not planned"
     line = f"{k} {mean[k]:.3g} s/step, {plan}: {FIXES.get(k, 'a mixed group (e.g. the gradient norm): see the trace')}"
-    if strag and strag["over_median_s"] > max(0.1 * strag["compute_s"], 0.005):
+    # a quarter of its compute: on a loaded host the ranks' compute differs by 10-15 % with nothing injected
+    if strag and strag["over_median_s"] > max(0.25 * strag["compute_s"], 0.005):
         waits = ", ".join(f"rank {w['rank']} in {w['group']} ({w['wait_s']:.3g} s)" for w in strag["waiting"])
         line += (f". Rank {strag['rank']}'s compute is the longest ({strag['compute_s']:.3g} s/step, "
                  f"+{strag['over_median_s']:.3g} s over the median rank)" + (f"; waiting for it: {waits}" if waits

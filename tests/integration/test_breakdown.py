@@ -125,6 +125,17 @@ def test_slow_compute_shows_on_the_rank_and_on_its_peers(gpt_runs):
     assert data[3]["buckets"]["compute"] < slow[3]["buckets"]["compute"]
 
 
+@pytest.mark.megatron
+def test_report_has_the_section_and_the_waterfall(gpt_runs, tmp_path):
+    out = run_cli("report", gpt_runs["data"]["run"], "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    md = (tmp_path / "report.md").read_text()
+    section = md.split("## Where the step went", 1)[1].split("\n## ", 1)[0]
+    assert "| plan |" in section and "Verdict: " + gpt_runs["data"]["json"]["verdict"] in section
+    assert (tmp_path / "step_waterfall.png").stat().st_size > 0 and "step_waterfall" in md
+    assert "Where the step went" in (tmp_path / "report.html").read_text()
+
+
 def test_fsdp_breakdown_adds_up(tmp_path_factory):
     result = launch(tmp_path_factory.mktemp("fsdp"), FSDP,
                     ["cluster.gpus_per_node=2", "profiling.torch_profiler.ranks=[0,1]"], f"*:data:{DATA_S}")
