@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
                    **health, "checkpoints": saves, "checkpoints_kept": kept, "eval": evaluation})
         return 0
     lines = [f"run      {r.run_id}", f"folder   {r.path}", f"status   {verdict.status}: {verdict.reason}"]
-    lines += _job_lines(manifest, profile)
+    lines += _job_lines(manifest, profile, r.path)
     lines += _figure_lines(health.get("figures"), progress)
     lines += _health_lines(health)
     lines += _checkpoint_lines(saves, kept)
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _job_lines(manifest: dict, profile: dict) -> list[str]:
+def _job_lines(manifest: dict, profile: dict, run_dir: Path) -> list[str]:
     """What ran where: the profile and the asked-for cluster, layout, the job's times and its end."""
     lines = [f"profile  {profile['text']}"] if profile.get("text") else []
     for key, label in (("layout", "layout"), ("executor", "executor"), ("job_id", "job id"),
@@ -83,7 +83,7 @@ def _job_lines(manifest: dict, profile: dict) -> list[str]:
     if manifest.get("launcher") == "ray" or manifest.get("ray_dashboard"):  # cluster.launcher: ray (docs/ray.md)
         lines.append(f"ray      {manifest.get('ray_nodes') or '?'} node(s), started in "
                      f"{manifest.get('ray_start_s') or '?'} s, dashboard {manifest.get('ray_dashboard') or 'off'} "
-                     "(while the job runs)")
+                     f"(while the job runs), logs {run_dir / 'ray'}")
     return lines
 
 

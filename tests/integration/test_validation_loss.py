@@ -71,7 +71,7 @@ def test_megatron_main_command_console_progress_and_validation_loss(tmp_path):
 
     status = run_cli("status", str(run.path))
     assert status.returncode == 0, status.stderr
-    assert "progress step 6/6 loss" in status.stdout and f"val loss {val[6]:.4f} at step 6" in status.stdout
+    assert "progress step 6/6, loss " in status.stdout and f"val {val[6]:.4f} at step 6" in status.stdout
     data = json.loads(run_cli("status", str(run.path), "--json").stdout)
     assert data["progress"]["step"] == 6 and data["progress"]["latest_val_loss"] == pytest.approx(val[6])
     assert data["goodput"]["evaluation_s"] > 0  # its own bucket, not step time
