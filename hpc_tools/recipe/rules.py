@@ -1103,22 +1103,22 @@ def trackers_installed(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
                         "pip install mlflow, or set tracking.mlflow.enabled=false")
 
 
-def _liger(r: Recipe) -> bool:
-    """``backend.<kind>.liger`` of a Hugging Face backend (fsdp, deepspeed, horovod)."""
-    return bool(getattr(getattr(r.backend, r.backend.kind, None), "liger", False))
-
 
 @rule
 def liger_needs_llama(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """Liger Kernel is applied to Llama models only (apply_liger_kernel_to_llama)."""
-    if _liger(r) and r.model.family != "llama":
-        yield Violation(f"backend.{r.backend.kind}.liger", True, f"patches Llama models only, not model.family="
-                        f"{r.model.family}", f"use family: llama, or backend.{r.backend.kind}.liger=false")
+    b = r.backend
+    liger = {"fsdp": b.fsdp.liger, "deepspeed": b.deepspeed.liger, "horovod": b.horovod.liger}.get(b.kind, False)
+    if liger and r.model.family != "llama":
+        yield Violation(f"backend.{b.kind}.liger", True, f"patches Llama models only, not model.family="
+                        f"{r.model.family}", f"use family: llama, or backend.{b.kind}.liger=false")
 
 
 @note
 def liger_on_cpu(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """Liger Kernel on CPU ranks: its Triton kernels need CUDA, so the run keeps the plain layers."""
-    if _liger(r) and not r.cluster.uses_gpus:
-        yield Violation(f"backend.{r.backend.kind}.liger", True, "does not apply on CPU ranks (Triton kernels need "
-                        "CUDA): this run trains the plain PyTorch layers and loss", "fine for a CPU rehearsal")
+    b = r.backend
+    liger = {"fsdp": b.fsdp.liger, "deepspeed": b.deepspeed.liger, "horovod": b.horovod.liger}.get(b.kind, False)
+    if liger and not r.cluster.uses_gpus:
+        yield Violation(f"backend.{b.kind}.liger", True, "does not apply on CPU ranks (Triton kernels need CUDA): "
+                        "this run trains the plain PyTorch layers and loss", "fine for a CPU rehearsal")

@@ -96,6 +96,10 @@ CASES = {
     # wandb is installed here (environment/requirements-test.txt): the case hides it (HIDDEN_PACKAGES)
     "trackers_installed": (["tracking.wandb.mode=offline"], "tracking.wandb.enabled=true needs the 'wandb' package",
                            "pip install wandb"),
+    "liger_needs_llama": (["backend.kind=deepspeed", "parallel.tensor_size=1", "parallel.pipeline_size=1",
+                           "backend.deepspeed.liger=true"],
+                          "backend.deepspeed.liger=true patches Llama models only, not model.family=gpt",
+                          "use family: llama, or backend.deepspeed.liger=false"),
     "fsdp_mesh": (["backend.kind=fsdp", "parallel.tensor_size=1", "parallel.pipeline_size=1",
                    "backend.fsdp.strategy=hybrid_shard", "backend.fsdp.shard_size=3"],
                   "backend.fsdp.shard_size=3 must divide the 8 ranks into 2 or more replica groups",
