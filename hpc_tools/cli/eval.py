@@ -34,6 +34,11 @@ def iteration_list(text: str) -> list[int]:
     return values
 
 
+def batch_size(text: str) -> int | str:
+    """--batch-size: a count, or lm-eval's ``auto``."""
+    return "auto" if text == "auto" else COUNT(text)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", metavar="RUN_OR_HF_DIR", help=f"{RUN_REF}, or a Hugging Face model folder")
     p.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated (e.g. hellaswag,arc_easy)")
@@ -44,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="evaluate these checkpoints of the run (default: the newest verified one)")
     p.add_argument("--executor", choices=["local", "slurm"], default="local",
                    help="local: evaluate here, one checkpoint after another; slurm: one job array (default local)")
-    p.add_argument("--batch-size", type=COUNT, default=1, metavar="N", help="lm-eval's batch size (default 1)")
+    p.add_argument("--batch-size", type=batch_size, default=None, metavar="N|auto",
+                   help="lm-eval's batch size: N, or auto (the largest that fits; default auto on GPUs, 1 on CPU)")
     p.add_argument("--render", action="store_true",
                    help="with --executor slurm: write the job array's script under <run>/eval/, submit nothing")
     add_runs_dir(p)

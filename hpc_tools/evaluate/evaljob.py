@@ -27,7 +27,7 @@ class EvalRequest:
     limit: int | None = None
     iterations: list[int] | None = None
     executor: str = "local"
-    batch_size: int = 1
+    batch_size: int | str | None = None  # None: lm-eval's auto on GPUs, 1 on CPU
     runs_dir: str | None = None
     render_only: bool = False
 
@@ -71,7 +71,8 @@ def run_local(p: Plan) -> list[dict[str, Any]]:
     done = []
     for model in p.models:
         folder = ensure_exported(model, p.target.run) if p.target.run is not None else model.folder
-        out = evaluate_folder(folder, p.tasks, p.include_path, p.request.limit, p.request.batch_size)
+        out = evaluate_folder(folder, p.tasks, p.include_path, p.request.limit, p.request.batch_size,
+                              precision=run_precision(p.target, model))
         out[res.META_KEY] = {"iteration": model.iteration, "tokens": model.tokens, "scheme": model.scheme,
                              "model_folder": str(folder), "tasks": p.tasks, "limit": p.request.limit,
                              "include_path": p.include_path, "finished": _now()}
@@ -84,9 +85,50 @@ def run_local(p: Plan) -> list[dict[str, Any]]:
     return done
 
 
+def run_precision(target: Target, model: Model) -> str | None:
+    """The precision a model is evaluated in on GPUs: its run's ``training.precision`` (exports are fp32 on disk),
+    None (the folder's own dtype) for a quantized or foreign folder."""
+    if target.run is None or model.scheme is not None or target.meta.get("kind") == res.QUANTIZE_META:
+        return None
+    from hpc_tools.hf.export import run_recipe
+
+    try:
+        return run_recipe(target.run).training.precision
+    except (OSError, ValueError, UserError):
+        return None
+
+
+def array_gpus(recipe) -> int:
+    """GPUs per array task: the fewest of the node's that hold the model in the run's precision (lm-eval spreads it
+    over them); 0 for CPU ranks. A model no node holds is refused in one line."""
+    import math
+
+    from hpc_tools.evaluate.harness import BYTES, DTYPES, OVERHEAD
+    from hpc_tools.planner.arch import arch_for, total_parameters
+    from hpc_tools.planner.hardware import hardware_for
+
+    c = recipe.cluster
+    if not c.uses_gpus:
+        return 0
+    mem = hardware_for(c, recipe.training.precision).mem_bytes
+    if not mem:
+        return 1
+    count = total_parameters(arch_for(recipe))
+    need = OVERHEAD * count * BYTES[DTYPES[recipe.training.precision]]
+    gpus = max(1, math.ceil(need / mem))
+    if gpus > c.gpus_per_node:
+        raise UserError(f"the model needs about {need / 1e9:.3g} GB of GPU memory to evaluate ({count / 1e9:.3g}B "
+                        f"parameters in {recipe.training.precision} x {OVERHEAD}) and a node of {c.gpus_per_node} "
+                        f"{c.gpu_type} holds {c.gpus_per_node * mem / 1e9:.3g} GB (evaluate on larger nodes, or "
+                        "quantize the export first)")
+    return gpus
+
+
 def eval_args(p: Plan) -> list[str]:
     """The options an array task passes on to its own ``eval``."""
-    args = ["--tasks", ",".join(p.tasks), "--batch-size", str(p.request.batch_size)]
+    args = ["--tasks", ",".join(p.tasks)]
+    if p.request.batch_size is not None:
+        args += ["--batch-size", str(p.request.batch_size)]
     if p.include_path:
         args += ["--include-path", p.include_path]
     if p.request.limit is not None:
@@ -101,7 +143,8 @@ def submit_array(p: Plan) -> dict[str, Any]:
 
     run = p.target.run
     iterations = [m.iteration for m in p.models]
-    text = render_array(run_recipe(run), run.path, iterations, eval_args(p))
+    recipe = run_recipe(run)
+    text = render_array(recipe, run.path, iterations, eval_args(p), array_gpus(recipe))
     script = p.target.eval_dir / f"eval-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%d-%H%M%S')}.sbatch"
     (p.target.eval_dir / "logs").mkdir(parents=True, exist_ok=True)
     atomic_write(script, text)
