@@ -203,6 +203,8 @@ def measure_megatron(recipe, args: argparse.Namespace, device) -> tuple[dict, li
     if args.layers == "te" and not (plan.transformer_engine and plan.flash_style):
         raise SystemExit(f"gpu_mfu: {plan.describe()}: not the fast path (Transformer Engine with flash/fused "
                          "attention); no figure reported")
+    if args.layers == "sdpa" and not plan.sdpa:
+        raise SystemExit(f"gpu_mfu: {plan.describe()}: not the SDPA path; no figure reported")
     samples = build_samples(recipe)
     ran = {"layer_plan": plan.describe(), "attention": plan.path}
 
