@@ -6,7 +6,8 @@
 - The same with rank 3 also spinning 0.2 s per step (``3:compute:0.2``): its compute grows by 0.2 s, its tensor
   peer (rank 2) waits 0.2 s more in comm.tp, its pipeline peer (rank 1) 0.2 s more in the pipeline, and the verdict
   names rank 3.
-- FSDP on 2 ranks: the breakdown exists and adds up for a second backend; its collectives are data-parallel.
+- FSDP and DeepSpeed ZeRO-3 on 2 ranks: the breakdown exists and adds up for other backends; their collectives are
+  data-parallel.
 
 One launch per configuration (module scope); every step after the warm-up traced (steps 3-9), and the figures
 compared are each rank's median over them: on a loaded 2-core machine a single step's compute varies by 2x.
@@ -30,6 +31,7 @@ from tests.helpers import REPO, run_cli
 pytestmark = [pytest.mark.slow]
 GPT = REPO / "recipes" / "gpt_3d.yaml"
 FSDP = REPO / "recipes" / "llama_fsdp.yaml"
+ZERO = REPO / "recipes" / "gpt_zero.yaml"
 # one explicit window over steps 3-9 on every rank: sampled one-step windows would each be written out between
 # steps, and a rank still writing its trace starts the next step late (its peers wait for it inside theirs)
 TRACED = ["training.train_iters=9", "profiling.trace_sample_interval=0", "profiling.warmup_steps=2",
@@ -136,11 +138,14 @@ def test_report_has_the_section_and_the_waterfall(gpt_runs, tmp_path):
     assert "Where the step went" in (tmp_path / "report.html").read_text()
 
 
-def test_fsdp_breakdown_adds_up(tmp_path_factory):
-    result = launch(tmp_path_factory.mktemp("fsdp"), FSDP,
+@pytest.mark.parametrize("recipe", [pytest.param(FSDP, id="fsdp"),
+                                    pytest.param(ZERO, id="deepspeed", marks=pytest.mark.deepspeed)])
+def test_other_backends_add_up(tmp_path_factory, recipe):
+    result = launch(tmp_path_factory.mktemp(recipe.stem), recipe,
                     ["cluster.gpus_per_node=2", "profiling.torch_profiler.ranks=[0,1]"], f"*:data:{DATA_S}")
     print("\n" + result["text"])
     for rank, r in by_rank(result).items():
         assert r["sum_s"] == pytest.approx(r["step_s"], rel=0.05), (rank, r)
         assert r["buckets"]["data"] == pytest.approx(DATA_S, rel=0.2), (rank, r["buckets"])
-        assert r["buckets"]["comm.dp"] > 0, r["buckets"]  # FSDP's all-gathers and reduce-scatters: the dp group
+        assert r["buckets"]["comm.dp"] > 0, r["buckets"]  # all-gathers and reduce-scatters: the dp group
+        assert r["buckets"]["comm.dp"] > 5 * r["buckets"]["other"], r["buckets"]  # assigned, not left unknown
