@@ -270,10 +270,14 @@ def attention_path(recipe: Recipe, te: bool) -> str:
 
 
 def attention_check(recipe: Recipe | None, te: bool) -> Check | None:
-    """The attention path this node gives the recipe's Megatron GPU ranks, with what the planner prices it at; None
-    for other recipes."""
-    if recipe is None or backends.of(recipe).layers != "megatron" or not recipe.cluster.uses_gpus:
+    """The attention path this node gives the recipe's Megatron ranks (GPU: with TE or without; CPU ranks: the local
+    layers, as on a GPU without TE); None for other recipes."""
+    if recipe is None or backends.of(recipe).layers != "megatron":
         return None
+    if not recipe.cluster.uses_gpus:
+        path = attention_path(recipe, False)
+        return Check("attention", "pass", f"{path}: CPU ranks, Megatron-core local layers" + (
+            ", attention on torch's scaled_dot_product_attention (its CPU kernels)" if path == "sdpa" else ""))
     if needs_transformer_engine(recipe) and not te:
         return None  # the transformer-engine row fails already
     path = attention_path(recipe, te)
