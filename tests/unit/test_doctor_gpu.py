@@ -58,13 +58,15 @@ def test_doctors_attention_path_is_the_layer_plans(impl, flash, precision, te):
 
 def test_attention_row_names_the_path_this_node_gives():
     """No TE here: the default recipe's GPU ranks run the local layers with SDPA (a warning, not a failure, since
-    issue 43), Megatron's unfused attention says what it costs, and a CPU recipe has no row."""
+    issue 43), Megatron's unfused attention says what it costs; CPU ranks run SDPA too; no recipe, no row."""
     sdpa = rows(gpt3d())["attention"]
     assert sdpa.status == "warn" and sdpa.detail.startswith("sdpa: Megatron-core local layers")
     unfused = rows(gpt3d("backend.megatron.use_flash_attention=false"))["attention"]
     assert unfused.status == "warn" and unfused.detail.startswith("unfused:") and "use_flash_attention: true" in \
         unfused.fix
-    assert "attention" not in rows(gpt3d("cluster.gpu_type=cpu")) and "attention" not in rows()
+    cpu = rows(gpt3d("cluster.gpu_type=cpu"))["attention"]  # the CPU ranks' path, as their start line names it
+    assert cpu.status == "pass" and cpu.detail.startswith("sdpa: CPU ranks")
+    assert "attention" not in rows()
 
 
 def test_te_row_fails_for_a_recipe_that_needs_it_naming_the_pinned_install():
