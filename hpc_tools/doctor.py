@@ -175,42 +175,51 @@ def torch_checks(wants_gpus: bool | None) -> list[Check]:
     return rows
 
 
-def horovod_wheel_dir(version: str | None = None, torch_version: str | None = None) -> Path:
+def horovod_wheel_dir(version: str | None = None, torch_version: str | None = None, nccl: bool = False) -> Path:
     """Where ``environment/install-horovod.sh`` keeps the Horovod wheel it built for this Python and torch (and the
     log of a build that failed, ``build-failed.log``): ``$HPC_TOOLS_WHEEL_CACHE`` (default
-    ``~/.cache/hpc_tools/wheels``) / ``horovod-<version>-py<XY>-torch<torch version>``; the script asks this
-    function."""
+    ``~/.cache/hpc_tools/wheels``) / ``horovod-<version>-py<XY>-torch<torch version>``, ``-nccl`` for a build with
+    NCCL (a CUDA torch: a gloo-only wheel is never taken for it); the script asks this function."""
     version = version or pins().get("horovod", "unpinned")
     torch_version = torch_version or _installed("torch") or "none"
     root = os.environ.get("HPC_TOOLS_WHEEL_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
                                                            "hpc_tools", "wheels")
-    return Path(root, f"horovod-{version}-py{sys.version_info[0]}{sys.version_info[1]}-torch{torch_version}")
+    return Path(root, f"horovod-{version}-py{sys.version_info[0]}{sys.version_info[1]}-torch{torch_version}"
+                      + ("-nccl" if nccl else ""))
 
 
-def horovod_check(backend: str | None, timeout_s: float = 120) -> Check | None:
+def horovod_check(backend: str | None, timeout_s: float = 120, gpus: bool | None = None) -> Check | None:
     """Whether ``import horovod.torch`` works with this torch (a fresh interpreter: a C extension built against
-    another torch fails to load), or why the build against this torch failed; None where Horovod is neither
-    installed nor tried (its package row says so)."""
+    another torch fails to load), and for a recipe on GPUs (``gpus``) whether it was built with NCCL
+    (``nccl_built()``: else GPU tensors reduce through host memory over gloo); or why the build against this torch
+    failed; None where Horovod is neither installed nor tried (its package row says so)."""
     needed = backend in (None, "horovod")
     level = "fail" if backend == "horovod" else "warn"
     have, torch_version = _installed("horovod"), _installed("torch")
-    failed = horovod_wheel_dir(torch_version=torch_version) / "build-failed.log"
+    failed = next((f for f in (horovod_wheel_dir(torch_version=torch_version, nccl=n) / "build-failed.log"
+                               for n in (True, False)) if f.is_file()), None)
     if have is None:
-        if not failed.is_file():
+        if failed is None:
             return None
         return Check("horovod.torch", level if needed else "warn",
                      f"the build of Horovod against torch {torch_version} failed (its log: {failed})",
                      "Horovod 0.28.1 is its last release and may not build against a newer torch: train with "
                      "backend.kind: fsdp and backend.fsdp.strategy: ddp, or pin the torch it built with")
     try:
-        out = subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True, text=True,
-                             timeout=timeout_s)
+        out = subprocess.run([sys.executable, "-c", "import horovod.torch as h; print(int(h.nccl_built()))"],
+                             capture_output=True, text=True, timeout=timeout_s)
         error = (out.stderr.strip().splitlines() or ["exit status " + str(out.returncode)])[-1] if out.returncode \
             else ""
     except subprocess.TimeoutExpired:
         error = f"the import took over {timeout_s:.0f} s"
+    if not error and gpus and backend == "horovod" and out.stdout.strip() != "1":
+        return Check("horovod.torch", "fail", f"horovod {have} imports with torch {torch_version} but was built "
+                     "without NCCL (nccl_built() is false): this GPU recipe's gradients would reduce through host "
+                     "memory over gloo", f"{HOROVOD_INSTALL} on this CUDA torch, with nvcc on PATH (builds it with "
+                     "HOROVOD_GPU_OPERATIONS=NCCL)")
     if not error:
-        return Check("horovod.torch", "pass", f"horovod {have} imports with torch {torch_version}")
+        return Check("horovod.torch", "pass", f"horovod {have} imports with torch {torch_version}"
+                     + (" (with NCCL)" if out.stdout.strip() == "1" else ""))
     return Check("horovod.torch", level, f"horovod {have} does not load with torch {torch_version} (built against "
                  f"another torch?): {error[:200]}",
                  f"{HOROVOD_INSTALL} (rebuilds it against this torch)")
@@ -545,7 +554,8 @@ def run_doctor(recipe: Recipe | None = None, executor: str = "local", runs_dir: 
     rows = [python_check(), *pins_check(), *package_checks(backend, data_source=recipe and recipe.data.source)]
     if with_torch:
         rows += torch_checks(wants_gpus)
-        rows += [row for row in [_fp8_recipe_row(recipe), te_import_check(), horovod_check(backend)] if row]
+        rows += [row for row in [_fp8_recipe_row(recipe), te_import_check(),
+                                 horovod_check(backend, gpus=wants_gpus)] if row]
     rows += gpu_library_checks(recipe, capability=_gpu_capability() if with_torch else None)
     if with_torch and recipe is not None:
         rows += [row for row in [nvme_offload_check(recipe)] if row]

@@ -52,6 +52,7 @@ class HorovodJob(FSDPJob):
         t0 = time.perf_counter()
         self.horovod = rendezvous.join(ctx)
         hvd = self.horovod.hvd
+        check_nccl(hvd, self.device)
         t_join = time.perf_counter() - t0
         model = build_empty(self.recipe)
         self.fused_loss = apply_liger(model, self.recipe, self.device, ctx.info)
@@ -148,6 +149,16 @@ class HorovodJob(FSDPJob):
         if getattr(self, "horovod", None) is not None:
             self.horovod.close()
             self.horovod = None
+
+
+def check_nccl(hvd, device) -> None:
+    """GPU ranks need a Horovod built with NCCL: a gloo-only build reduces GPU tensors through host memory."""
+    if device.type == "cuda" and not hvd.nccl_built():
+        from hpc_tools.errors import UserError
+
+        raise UserError(f"backend.kind=horovod on GPUs: horovod {_version()} here was built without NCCL "
+                        "(nccl_built() is false), so GPU gradients would reduce through host memory over gloo "
+                        "(rebuild it on this CUDA torch with nvcc on PATH: bash environment/install-horovod.sh)")
 
 
 def _version() -> str:
