@@ -80,16 +80,19 @@ def run_rank(run_dir: str) -> int:
     """Run this rank's share of the job; returns the process exit code."""
     dist = DistEnv.from_environ()
     rank_log = setup_logging(dist.rank, run_dir)
+    last_words: list[str] = []  # the log's last line: the peer this rank lost (``_lost_peer``)
     try:
-        return _run_rank(run_dir, dist)
+        return _run_rank(run_dir, dist, last_words)
     finally:
         line = rank_log.warnings_line()
         if line:  # the one console line about them (rank 0's stdout is the console of a foreground run)
             logging.getLogger("hpc_tools").info("%s", line)
+        for line in last_words:
+            logging.getLogger("hpc_tools").error("%s", line)
         rank_log.close()
 
 
-def _run_rank(run_dir: str, dist: DistEnv) -> int:
+def _run_rank(run_dir: str, dist: DistEnv, last_words: list[str]) -> int:
     ctx = build_context(run_dir)
     if ctx.is_rank0:
         note_restart(ctx.run, dist.restart_count, dist.job_id)
@@ -128,7 +131,7 @@ def _run_rank(run_dir: str, dist: DistEnv) -> int:
             detail = {}
         if ctx.is_rank0:
             ctx.run.update(event="failed", state="FAILED", ended=now_iso(), error=error, soft=True)
-        if _lost_peer(ctx, exc, detail):  # the log ends with the rank it lost, not the socket error
+        if _lost_peer(ctx, exc, detail, last_words):  # the log ends with the rank it lost, not the socket error
             return code
         raise
     finally:
@@ -141,9 +144,10 @@ def _run_rank(run_dir: str, dist: DistEnv) -> int:
     return 0
 
 
-def _lost_peer(ctx: RankContext, exc: BaseException, detail: dict) -> bool:
-    """A collective that failed because a peer died: its traceback, then one line naming the rank lost and where
-    (``runtime.peer_loss``), last in the log; False for any other error (raised as it is)."""
+def _lost_peer(ctx: RankContext, exc: BaseException, detail: dict, last_words: list[str]) -> bool:
+    """A collective that failed because a peer died: its traceback now, and into ``last_words`` one line naming the
+    rank lost and where (``runtime.peer_loss``), for the end of the log; False for any other error (raised as it
+    is)."""
     from hpc_tools.runtime.peer_loss import lost_peer_line
 
     try:
@@ -155,7 +159,7 @@ def _lost_peer(ctx: RankContext, exc: BaseException, detail: dict) -> bool:
         return False
     log = logging.getLogger("hpc_tools")
     log.warning("a collective failed on a lost connection:\n%s", "".join(traceback.format_exception(exc)).rstrip())
-    log.error("%s", line)
+    last_words.append(line)
     return True
 
 
