@@ -177,3 +177,30 @@ def test_report_section_empty_without_traced_runs():
         pass
 
     assert breakdown_report.markdown(Bare(), str) == [] and breakdown_report.html_parts(Bare(), str) == []
+
+
+def test_sampled_and_explicit_windows_write_marked_traces(tmp_path):
+    """profiling.trace.Traces on one process: the explicit window (step 3) and a sampled step every 2 after the
+    warm-up (1): steps 2 and 4, gzipped, none for step 3; each trace holds its step's mark and the data mark."""
+    import torch
+
+    from profiling import trace as tr
+
+    traces = tr.Traces(tmp_path / "profiler", 0, False, (3, 1), every=2, warmup=1)
+    for step in range(1, 6):
+        traces.start_step(step)
+        assert tr.recording() == (step in (2, 3, 4))
+        with tr.span(tr.DATA):
+            x = torch.ones(64, 64)
+        (x @ x).sum()
+        traces.end_step(step)
+    traces.close()
+    assert not tr.recording()
+    names = [p.name for p in tr.trace_paths(tmp_path)]
+    assert names == ["rank00000.steps2-2.pt.trace.json.gz", "rank00000.steps3-3.pt.trace.json",
+                     "rank00000.steps4-4.pt.trace.json.gz"]
+    for path, step in zip(tr.trace_paths(tmp_path), (2, 3, 4)):
+        [t] = bd.timelines(bd.read_trace(path))
+        b = bd.buckets(t, {})
+        assert t.step == step and b["data"] > 0 and b["compute"] > 0
+        assert sum(b.values()) == pytest.approx((t.end - t.start) / 1e6)
