@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     job.check_engine(opts)
     job.check_ports(opts)
     python = job.serve_python() if opts.engine == "triton" else Path("python3")
+    job.check_gpus(opts, python)
     folder = job.model_folder(args.run)
     if folder is not None:  # a Hugging Face folder: checked, then given a run folder of its own
         job.check_memory(job.folder_weight_bytes(folder), job.hf_config(folder), opts)

@@ -86,6 +86,62 @@ def check_engine(opts: ServeOptions) -> None:
                         "(nvidia-smi lists no GPU): serve with --engine triton on CPU")
 
 
+VLLM_ENV = "HPC_TOOLS_VLLM_PYTHON"  # vLLM's interpreter: an environment of its own (vLLM pins its own torch)
+SERVE_CUDA_TORCH = 'HPC_TOOLS_SERVE_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"'
+
+
+def _ask_python(python: str | Path, code: str) -> tuple[int, str]:
+    """(exit status, stdout) of ``python -c code``; (-1, why) when it does not run."""
+    try:
+        out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return -1, str(exc)
+    return out.returncode, out.stdout.strip()
+
+
+def check_gpus(opts: ServeOptions, python: Path) -> None:
+    """--gpus with Triton needs a CUDA torch in the serving environment (the server loads the model on the GPU in
+    bf16 when torch sees one); a CPU-only build (its version's ``+cpu`` tag) would leave the GPUs idle."""
+    if opts.engine != "triton" or not opts.gpus:
+        return
+    code, version = _ask_python(python, "import importlib.metadata as m; print(m.version('torch'))")
+    if code == 0 and version.endswith("+cpu"):
+        raise UserError(f"--gpus {opts.gpus} with --engine triton: the serving environment's torch {version} is a "
+                        f"CPU-only build, so the model would run on the CPU and the GPUs sit idle (install it with a "
+                        f"CUDA torch: {SERVE_CUDA_TORCH} {INSTALL}, or leave --gpus out)")
+
+
+def check_vllm(opts: ServeOptions, config: dict) -> None:
+    """--engine vllm: its interpreter ($HPC_TOOLS_VLLM_PYTHON) imports vLLM, and the tensor-parallel size (--gpus)
+    divides the attention heads (vLLM refuses it otherwise, after the job started)."""
+    if opts.engine != "vllm":
+        return
+    python = os.environ.get(VLLM_ENV) or "python3"
+    code, said = _ask_python(python, "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)")
+    if code != 0:
+        raise UserError(f"--engine vllm: {python} cannot import vllm{'' if code == 1 else f' ({said})'} (set "
+                        f"{VLLM_ENV} to the python of an environment of its own with vLLM, e.g. its container's; not "
+                        "the training environment's: vLLM pins its own torch)")
+    heads = config.get("num_attention_heads") or config.get("n_head")
+    tp = max(opts.gpus, 1)
+    if heads and heads % tp:
+        fits = ", ".join(str(d) for d in range(1, min(heads, 8) + 1) if heads % d == 0)
+        raise UserError(f"--gpus {opts.gpus}: vLLM's tensor-parallel size must divide the model's {heads} attention "
+                        f"heads (give --gpus {fits})")
+
+
+def local_gpu_bytes() -> list[float]:
+    """Each local GPU's memory (nvidia-smi), empty without GPUs."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [float(x) * 2**20 for x in out.stdout.split() if x.replace(".", "", 1).isdigit()]
+
+
 def local_gpus() -> int:
     if not shutil.which("nvidia-smi"):
         return 0
@@ -197,6 +253,10 @@ def node_memory_bytes(opts: ServeOptions) -> tuple[float | None, str]:
 
 
 def check_memory(weights: float, config: dict, opts: ServeOptions) -> None:
+    if opts.engine == "vllm":
+        check_vllm(opts, config)
+        check_gpu_memory(weights, opts)
+        return
     need = OVERHEAD * weights + kv_cache_bytes(config, opts.max_batch_size)
     have, source = node_memory_bytes(opts)
     if have is not None and need > have:
@@ -204,6 +264,22 @@ def check_memory(weights: float, config: dict, opts: ServeOptions) -> None:
                         f"x {OVERHEAD} + the KV cache of {opts.max_batch_size} full-context sequences) and the node "
                         f"has {have / GB:.3g} GB ({source}): serve it on a node with more memory (--mem, "
                         "--partition), or quantize it first")
+
+
+VLLM_MEMORY_SHARE = 0.9  # vLLM's default gpu_memory_utilization
+
+
+def check_gpu_memory(weights: float, opts: ServeOptions) -> None:
+    """vLLM: the weights in 16 bits (its dtype ``auto`` serves an fp32 export in fp16/bf16) within its share of the
+    GPUs' memory, where it is known (the local executor's nvidia-smi; a Slurm node's is not known here)."""
+    gpus = local_gpu_bytes() if opts.executor == "local" else []
+    if not gpus:
+        return
+    have = VLLM_MEMORY_SHARE * sum(sorted(gpus, reverse=True)[:max(opts.gpus, 1)])
+    if weights / 2 > have:
+        raise UserError(f"the model's weights take about {weights / 2 / GB:.3g} GB in 16 bits and vLLM gets "
+                        f"{have / GB:.3g} GB of {max(opts.gpus, 1)} GPU(s) ({VLLM_MEMORY_SHARE} of their memory): "
+                        "give more --gpus, or quantize it first")
 
 
 def hf_config(model_dir: Path) -> dict:

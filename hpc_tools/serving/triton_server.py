@@ -65,6 +65,14 @@ def any_free_port() -> int:
         return s.getsockname()[1]
 
 
+def load_model(auto_class, folder: str, torch):
+    """The model on the GPU in bf16 when torch sees one (the job's --gpus), else on the CPU as the folder stores it
+    (an export is fp32)."""
+    if torch.cuda.is_available():
+        return auto_class.from_pretrained(folder, torch_dtype=torch.bfloat16).to("cuda").eval()
+    return auto_class.from_pretrained(folder).eval()
+
+
 def make_infer(model, tokenizer, torch, np):
     """The inference callable: a list of requests (one dynamic batch) -> one response dict each."""
     eos = model.generation_config.eos_token_id
@@ -101,7 +109,7 @@ def make_infer(model, tokenizer, torch, np):
             if n == 0:
                 generated = [[] for _ in members]
             else:
-                batch = torch.tensor([parsed[i][0] for i in members], dtype=torch.long)
+                batch = torch.tensor([parsed[i][0] for i in members], dtype=torch.long, device=model.device)
                 sampling = {"do_sample": True, "temperature": temp} if temp > 0 else {"do_sample": False}
                 with torch.no_grad():
                     result = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=n,
@@ -161,7 +169,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+        model = load_model(AutoModelForCausalLM, args.model, torch)
     except (OSError, ValueError) as exc:
         fail(args, f"--model {args.model} does not load as a Hugging Face causal LM: {str(exc).splitlines()[0]} "
                    "(give a folder from `hpc_tools export`)")
