@@ -5,8 +5,9 @@ Shared by ``tests/integration/test_planner_activations.py`` and ``benchmarks/ben
 ``sample_cases(n, seed)`` draws configurations from the space the Megatron job supports (GPT and LLaMA shapes: LayerNorm
 or RMSNorm, GELU or SwiGLU, learned or rotary positions, biases, grouped-query attention, hidden and attention
 dropout, bf16 or fp32, no / selective / full (uniform or block) recomputation, TP 1 or 2 with and without sequence
-parallelism, micro batch, sequence length, the attention path: ``sdpa`` or Megatron's ``unfused``) and a pipeline role for the model chunk (first stage: embedding; last
-stage: final norm, output layer and loss; both; or a middle chunk).
+parallelism, micro batch, sequence length, the attention path: ``sdpa`` or Megatron's ``unfused``) and a pipeline
+role for the model chunk (first stage: embedding; last stage: final norm, output layer and loss; both; or a middle
+chunk).
 
 ``measure_cases(cases)`` (run it inside ranks spawned by ``hpc_tools.testing.spawn``; it needs torch and megatron)
 builds each chunk as the job builds it (``train/megatron/config.transformer_config`` and ``model.block_spec``,
