@@ -14,6 +14,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from hpc_tools.planner import steptime as st
 from profiling import breakdown as bd
 from profiling.records import iter_rank_columns
 from profiling.schema import fields
@@ -21,10 +22,9 @@ from profiling.trace import trace_paths
 
 RECORD_COLUMNS = fields("step", "step_time_s", "tp_rank", "pp_rank", "dp_rank", "pp_wait_s", "data_time_s")
 # planner term (hpc_tools.planner.steptime) -> bucket
-_TERM_BUCKET = {"compute": "compute", "recompute of norms / activations (memory-bound)": "compute",
-                "pipeline bubble": "bubble", "tensor-parallel comm": "comm.tp", "pipeline p2p": "comm.pp",
-                "data-parallel comm (exposed)": "comm.dp", "expert all-to-all (exposed)": "comm.ep",
-                "context-parallel K/V exchange (exposed)": "comm.cp", "offload (PCIe + CPU Adam)": "other"}
+_TERM_BUCKET = {st.COMPUTE: "compute", st.RECOMPUTE_ELEMENTWISE: "compute", st.BUBBLE: "bubble", st.TP_COMM: "comm.tp",
+                st.PP_COMM: "comm.pp", st.DP_COMM: "comm.dp", st.EP_COMM: "comm.ep", st.CP_COMM: "comm.cp",
+                st.OFFLOAD: "other"}
 FIXES = {
     "compute": "compute slower than planned: check precision, fusions and the attention backend, then calibrate "
                "the planner on this run (plan --calibrate)",

@@ -204,3 +204,21 @@ def test_sampled_and_explicit_windows_write_marked_traces(tmp_path):
         b = bd.buckets(t, {})
         assert t.step == step and b["data"] > 0 and b["compute"] > 0
         assert sum(b.values()) == pytest.approx((t.end - t.start) / 1e6)
+
+
+def test_planned_buckets_are_the_planners_terms():
+    """A GPU recipe: every term of the plan lands in one bucket (the sum is the planned step), the bubble and the
+    TP term one to one; a term the map does not know would land in 'other' and break the first equality's use."""
+    from hpc_tools.layout import ParallelLayout
+    from hpc_tools.planner import plan_recipe
+    from hpc_tools.recipe.load import load_recipe
+    from tests.helpers import REPO
+
+    recipe = load_recipe(REPO / "recipes" / "gpt_3d.yaml", [])
+    plan = plan_recipe(recipe)
+    planned, source = ab.planned_terms(recipe, ParallelLayout.from_recipe(recipe), [])
+    assert set(plan.time.terms) <= set(ab._TERM_BUCKET), set(plan.time.terms) - set(ab._TERM_BUCKET)
+    assert sum(planned.values()) == pytest.approx(plan.time.total_s)
+    assert planned["bubble"] == pytest.approx(plan.time.terms["pipeline bubble"]) and planned["bubble"] > 0
+    assert planned["comm.tp"] == pytest.approx(plan.time.terms["tensor-parallel comm"]) and planned["comm.tp"] > 0
+    assert planned["data"] == 0.0 and recipe.cluster.gpu_type in source
