@@ -221,6 +221,46 @@ if [ "$dry_run" = 1 ]; then
     "$out/logs/benchmark_plans.log"
 fi
 
+# ---- issue 46: serving, eval and Horovod on the GPU (eval_bf16, serve_gpu, horovod_nccl) ----------------------------
+#   eval_bf16     `eval` of the export above (the run's bf16) with --batch-size auto on a tiny local task
+#   serve_gpu     `serve --gpus 1` (Triton) of that export, nvidia-smi's memory of its process, then `cancel`; skipped
+#                 without a serving environment built on a CUDA torch (environment/install-serve.sh)
+#   horovod_nccl  environment/install-horovod.sh on the CUDA torch: nccl_built() true, or its one-line nvcc refusal
+if [ -n "$second" ] || [ "$dry_run" = 1 ]; then
+  mkdir -p "$out/eval_task"  # one multiple-choice example over a local file (the machine has no network)
+  echo '{"context": "The sun is", "choices": [" hot", " cold"], "label": 0}' > "$out/eval_task/t.jsonl"
+  cat > "$out/eval_task/t.yaml" <<YAML
+task: smoke_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: $out/eval_task/t.jsonl
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{context}}"
+doc_to_target: label
+doc_to_choice: choices
+metric_list:
+  - metric: acc
+YAML
+  step eval_bf16 900 "$py" -m hpc_tools eval "${second:-$out/hf}" --tasks smoke_choice \
+    --include-path "$out/eval_task" --batch-size auto --json
+  if [ "$dry_run" = 1 ] || [ -x "${HPC_TOOLS_SERVE_ENV:-$repo/.venv-serve}/bin/python" ]; then
+    step serve_gpu 900 bash -c 'set -e; "$0" -m hpc_tools serve "$1/hf" --executor local --gpus 1 --json \
+      > "$1/serve.json"; cat "$1/serve.json"; nvidia-smi --query-compute-apps=pid,used_memory --format=csv;
+      "$0" -m hpc_tools cancel "$("$0" -c "import json,sys; print(json.load(open(sys.argv[1]))[\"run_id\"])" \
+      "$1/serve.json")"' "$py" "$out"
+  else
+    skip serve_gpu "no serving environment (bash environment/install-serve.sh with a CUDA torch)"
+  fi
+else
+  skip eval_bf16 "no export"; skip serve_gpu "no export"
+fi
+step horovod_nccl 900 bash -c 'if bash environment/install-horovod.sh; then "$0" -c "import horovod.torch as h,
+  sys; print(\"nccl_built\", h.nccl_built()); sys.exit(not h.nccl_built())"; else grep -q "nvcc is not on PATH" "$LOG";
+  fi' "$py"
+# ---- end of issue 46's steps ----------------------------------------------------------------------------------------
+
 "$py" - "$out" <<'PY'
 import json, sys, time
 from pathlib import Path

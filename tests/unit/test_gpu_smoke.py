@@ -10,7 +10,7 @@ from tests.helpers import REPO
 
 STEPS = ["env", "moe_local", "mla_local", "profiling", "gpu_units", "deepspeed", "fsdp", "megatron_recipes",
          "megatron_save", "megatron_resume", "export", "hf_forward", "megatron_gpu", "gpu_mfu", "gpu_mfu_fsdp",
-         "side_by_side", "benchmark_plans"]
+         "side_by_side", "benchmark_plans", "eval_bf16", "serve_gpu", "horovod_nccl"]
 CHECKED = {"megatron_recipes", "benchmark_plans"}  # what a dry run runs: the recipes, and the benchmarks' dry runs
 
 
@@ -48,6 +48,10 @@ def test_dry_run_plans_every_step_and_writes_the_summary(tmp_path):
     assert "model.multi_latent_attention=true" in planned["mla_local"]
     assert "doctor recipes/gpt_3d.yaml" in planned["env"]  # the job's own packages: no step here needs Horovod
     assert "tests/unit/test_prefetch.py" in planned["gpu_units"]
+    # issue 46's steps: eval in the run's precision at lm-eval's auto batch size, serve on the GPU, Horovod's NCCL
+    assert "--batch-size auto" in planned["eval_bf16"] and "--include-path" in planned["eval_bf16"]
+    assert "--gpus 1" in planned["serve_gpu"] and "nvidia-smi" in planned["serve_gpu"]
+    assert "install-horovod.sh" in planned["horovod_nccl"] and "nccl_built" in planned["horovod_nccl"]
 
 
 def test_only_runs_the_named_steps(tmp_path):
