@@ -187,10 +187,12 @@ def plan_resume(ref: str, runs_dir: str | Path | None = None, executor: str = "a
         raise UserError(f"run {run.run_id} is still live ({live}); wait for it to end, or stop it with "
                         f"`python -m hpc_tools cancel {run.run_id}` and then resume it")
     recipe_text = run.recipe_path.read_text()
-    recipe = resolve(parse_yaml(recipe_text, str(run.recipe_path)), overrides, source=str(run.recipe_path))
+    recipe = resolve(parse_yaml(recipe_text, str(run.recipe_path)), overrides, source=str(run.recipe_path),
+                     layered=False)
     if not recipe.checkpoint.resume:  # the trainer would start over at step 1 in the same folder
         overrides.append("checkpoint.resume=true")
-        recipe = resolve(parse_yaml(recipe_text, str(run.recipe_path)), overrides, source=str(run.recipe_path))
+        recipe = resolve(parse_yaml(recipe_text, str(run.recipe_path)), overrides, source=str(run.recipe_path),
+                         layered=False)
     verdict = classify(run, None, manifest)
     tail = last_step(run) or {}
     done = tail.get("step") or 0
@@ -278,7 +280,7 @@ def begin(plan: ResumePlan) -> dict[str, Any]:
     run = plan.run
     if plan.recipe_text is not None:
         text = plan.recipe_text
-        if dump_resolved(resolve(parse_yaml(text))) != text:
+        if dump_resolved(resolve(parse_yaml(text), layered=False)) != text:
             raise RuntimeError("the resumed recipe did not survive a round trip through recipe.yaml")
         atomic_write(run.recipe_path, text)
     _repair_record_tails(run.records_dir)

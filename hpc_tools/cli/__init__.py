@@ -33,6 +33,14 @@ DESCRIPTION = "From a YAML recipe to a finished, analysed training run on Slurm.
 _SPEC_NAMES = ("NAME", "HELP", "ORDER")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's refusals as one line on stderr, exit 2 (as every other refusal): no usage block above it; the
+    usage stays in --help, which the line names. (Here, not in _common: --help imports no other module.)"""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"error: {self.prog}: {printable(message)} (see `{self.prog} --help`)\n")
+
+
 @dataclass(frozen=True)
 class CommandSpec:
     """What --help shows of one command, and the module that implements it."""
@@ -123,8 +131,6 @@ def build_parser(only: str | None = None, *, lazy: bool = False,
     others are listed for --help and ``invalid choice`` messages. Not lazy: every command is built in full."""
     import importlib
 
-    from hpc_tools.cli._common import OneLineParser
-
     parser = OneLineParser(prog="python -m hpc_tools", description=DESCRIPTION, epilog=EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"hpc_tools {__version__}")
@@ -147,7 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else [*argv]  # not list(): the `list` command module shadows it here
     specs = command_specs()
     parser = build_parser(selected_command(argv, {s.name for s in specs}), lazy=True, specs=specs)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse's one-line refusal (OneLineParser) is a status like any other refusal's
+        if exc.code in (0, None):  # --help, --version
+            raise
+        return exc.code if isinstance(exc.code, int) else UserError.exit_code
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2

@@ -72,16 +72,6 @@ SECONDS = real_number(0.0, what="seconds", above=True)
 """A finite time above 0."""
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse's refusals as one line on stderr, exit 2 (as every other refusal): no usage block above it; the
-    usage stays in --help, which the line names."""
-
-    def error(self, message: str):  # type: ignore[override]
-        from hpc_tools.recipe.text import printable
-
-        self.exit(2, f"error: {self.prog}: {printable(message)} (see `{self.prog} --help`)\n")
-
-
 def add_recipe_args(p: argparse.ArgumentParser, nargs: str | None = None) -> None:
     p.add_argument("recipe", nargs=nargs, help="recipe YAML file" + ("s" if nargs in ("+", "*") else ""))
     add_overrides(p, "override a recipe value (repeatable; the value is read as YAML), "

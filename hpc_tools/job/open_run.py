@@ -32,13 +32,13 @@ def open_run(run_dir: Path, recipe_text: str, script: Path | None, batch_log=_AS
     if run.exists():
         run.update(event="batch started", state="STARTING", batch_started=now_iso(), **job)
         return run
-    recipe = resolve(parse_yaml(recipe_text, "the recipe in the batch script"))
+    recipe = resolve(parse_yaml(recipe_text, "the recipe in the batch script"), layered=False)  # resolved: judged alone
     text = dump_resolved(recipe)
     script_text = script.read_text() if script and script.is_file() else ""
     return RunFolder.create(run.path.parent, run.path.name, text, script_text,
                             {"executor": "sbatch", "state": "STARTING", "batch_started": now_iso(), "name": recipe.name,
                              **job},
-                            check_recipe=lambda t: dump_resolved(resolve(parse_yaml(t))),
+                            check_recipe=lambda t: dump_resolved(resolve(parse_yaml(t), layered=False)),
                             mode=recipe.cluster.run_dir_mode_bits)
 
 

@@ -145,9 +145,10 @@ def resolve(raw: dict[str, Any], overrides: Iterable[str] = (), profile: str | N
         merged.pop("local", None)
     recipe = build(merged, source)
     if layered:
-        from hpc_tools.recipe.provenance import stamp
+        from hpc_tools.recipe.provenance import looks_resolved, stamp
 
-        stamp(recipe, raw.get(profile) if profile is not None else None, overrides)
+        if not looks_resolved(raw):
+            stamp(recipe, raw.get(profile) if profile is not None else None, overrides)
     if check:
         from hpc_tools.recipe.rules import check_recipe
 

@@ -68,6 +68,21 @@ def override_paths(overrides: Iterable[str]) -> set[str]:
     return out
 
 
+def looks_resolved(raw: Any) -> bool:
+    """Whether ``raw`` is a recipe ``dump_resolved`` wrote (a run folder's recipe.yaml, read by any path): every
+    section written out, and under ``backend:`` every kind's options -- which no hand-written recipe needs. Its values
+    carry no layers, so it is judged by what it holds alone (as it was when first resolved)."""
+    from hpc_tools.recipe.backend import BackendConfig
+    from hpc_tools.recipe.schema import Recipe
+
+    if not isinstance(raw, dict) or not isinstance(raw.get("backend"), dict):
+        return False
+    sections = [k for k, info in Recipe.model_fields.items() if k not in ("local", "sweep", "description")
+                and isinstance(info.annotation, type)]
+    options = [k for k in BackendConfig.model_fields if k != "kind"]
+    return all(k in raw for k in sections) and all(isinstance(raw["backend"].get(k), dict) for k in options)
+
+
 def stamp(recipe, profile_block: Any, overrides: Iterable[str]) -> None:
     """Record on ``recipe`` what the layers above its file wrote, and the site file's paths."""
     from hpc_tools.recipe.site import read_site

@@ -248,9 +248,13 @@ def test_a_setting_that_would_do_nothing_is_refused(capsys, tmp_path, command, o
 
 
 def test_a_feature_turned_off_on_purpose_leaves_its_options_alone(capsys, tmp_path):
-    # a profile that turns FP8 or the experts off keeps the recipe's fp8_recipe / router options: no error
-    for extra in (["training.fp8=null", "training.fp8_recipe=blockwise"],
-                  ["model.num_experts=null", "model.moe_router_topk=2"],
+    # a profile that turns FP8 or the experts off keeps the recipe's fp8_recipe / router options: no error (FP8 is
+    # turned off above the file that sets fp8_recipe: beside fp8: null in one layer, fp8_recipe is refused, issue 47)
+    fp8 = {**BASE, "training": {**BASE.get("training", {}), "fp8_recipe": "blockwise"}}
+    code, out, err = run(capsys, argv_for("validate", write_recipe(tmp_path, fp8), tmp_path,
+                                          "--set", "training.fp8=null"))
+    assert code == 0, out + err
+    for extra in (["model.num_experts=null", "model.moe_router_topk=2"],
                   ["training.recompute_granularity=none", "training.recompute_num_layers=2"],
                   ["checkpoint.local_dir=null", "checkpoint.local_replicate=false"]):
         code, out, err = run(capsys, argv_for("validate", write_recipe(tmp_path), tmp_path,

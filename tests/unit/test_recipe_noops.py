@@ -92,6 +92,10 @@ def test_resolved_recipes_and_planner_copies_are_judged_alone(tmp_path, monkeypa
     written = tmp_path / "recipe.yaml"
     written.write_text(dump_resolved(recipe))
     assert load_resolved(written).training.fp8_recipe == "blockwise"  # a run folder's recipe loads (resume, export)
+    assert load_recipe(written).training.fp8_recipe == "blockwise"  # by any path (recognised as resolved)
+    gpt = tmp_path / "gpt.yaml"  # every default written: fp8_recipe beside fp8: null, all kinds' options
+    gpt.write_text(dump_resolved(load_recipe(REPO / "recipes" / "gpt_3d.yaml")))
+    assert load_recipe(gpt).backend.kind == "megatron"
     from hpc_tools.recipe.rules import check_recipe
 
     ds = resolve({**BASE, "parallel": {"tensor_size": 1}, "backend": {"kind": "deepspeed",
