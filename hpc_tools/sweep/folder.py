@@ -38,7 +38,9 @@ class SweepFolder:
         if (path / SWEEP_FILE).is_file():
             return cls(path)
         base = runs_root(root) / "sweeps"
-        matches = sorted(p for p in base.glob(f"{ref}*") if (p / SWEEP_FILE).is_file()) if base.is_dir() else []
+        # a prefix of a folder name, compared as text: the reference is no glob pattern (`/abs`, `[`, `*` in it)
+        matches = sorted(p for p in base.iterdir() if p.name.startswith(ref) and (p / SWEEP_FILE).is_file()) \
+            if ref and base.is_dir() else []
         if len(matches) == 1:
             return cls(matches[0])
         if not matches:
