@@ -134,7 +134,7 @@ class Backend:
     (ZeRO stages 0-3 with optional offload), ``fsdp`` (PyTorch FSDP2: parameters, gradients and optimizer states
     sharded over the shard group, replicated across HSDP's replica groups; or plain DDP) or ``horovod`` (every rank a
     full copy, gradients ring-all-reduced in Horovod's fusion buffer); "" without a model. Each
-    scheme is one class in ``hpc_tools/planner/sharding.py``: a new backend names an existing one here."""
+    scheme is one module of ``hpc_tools/planner/sharding/``: a new backend names an existing one here."""
     packages: tuple[str, ...] = ()
     """The distributions a job of this kind imports beyond every job's set (``doctor``)."""
     flash_attention: Callable[[Any], bool] = _sdpa_flash

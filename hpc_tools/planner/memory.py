@@ -522,7 +522,7 @@ class MemoryPlan:
 
 def stage_memory(arch: Arch, k: Knobs, stage: int, on_gpu: bool = True) -> StageMemory:
     """Every term for one GPU of ``stage``."""
-    scheme = k.scheme  # parameters, gradients, optimizer states and the scheme's own terms (planner/sharding.py)
+    scheme = k.scheme  # parameters, gradients, optimizer states and the scheme's own terms (planner/sharding/)
     n, params, grads, optim = scheme.states(arch, k, stage)
     acts, working = stage_activation_bytes(arch, k, stage)
     terms = {PARAMETERS: params, GRADIENTS: grads, OPTIMIZER: optim, ACTIVATIONS: acts,

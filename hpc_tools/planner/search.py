@@ -172,7 +172,7 @@ def enumerate_knobs(recipe: "Recipe", base: Knobs) -> Iterator[Knobs]:
                 if batch % d:
                     continue
                 per_replica = batch // d
-                opts = list(base.scheme.options(base, t, p, d, overlap))  # the sharding knobs (planner/sharding.py)
+                opts = list(base.scheme.options(base, t, p, d, overlap))  # the sharding knobs (planner/sharding/)
                 for b in _divisors(per_replica):
                     micro = per_replica // b
                     vs = [1]

@@ -140,7 +140,7 @@ def estimate_step_time(arch: Arch, k: Knobs, hw: Hardware, flops: tuple[float, .
     if cp > 1:
         terms[CP_COMM] = _context_comm(arch, k, hw, tok, efficiency) * stage_n * m
 
-    # data-parallel traffic: the sharding scheme's (planner/sharding.py)
+    # data-parallel traffic: the sharding scheme's (planner/sharding/)
     terms[DP_COMM], terms[OFFLOAD] = k.scheme.dp_time(arch, k, hw, compute)
     return StepTime(terms, model_flops, hardware_flops, lay.global_batch_size * arch.seq, lay.world_size,
                     hw.peak_flops, fp8_peak)

@@ -1,4 +1,4 @@
-"""Sharding schemes and layer codes as the planner's classes (hpc_tools/planner/sharding.py, memory.LayerCode): every
+"""Sharding schemes and layer codes as the planner's classes (hpc_tools/planner/sharding/, memory.LayerCode): every
 backend that trains a model names a known scheme and layer code in its row, a scheme's knobs are the ones the search
 turns and writes back to the backend's options section, and a search row names its scheme."""
 
