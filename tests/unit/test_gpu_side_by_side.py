@@ -174,16 +174,30 @@ def test_gpu_mfu_fsdp_dry_run_prints_the_plan(capsys):
 
 @pytest.mark.slow  # two tiny trainings on the CPU through each backend's own step: about a minute
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
-def test_gpu_mfu_measures_on_the_cpu(backend, tmp_path):
-    out = tmp_path / "m.json"
+def test_gpu_mfu_measures_on_the_cpu_and_the_side_by_side_reads_it(backend, tmp_path):
+    """gpu_mfu --cpu through each backend, run and read back as the side-by-side runs and reads its paths."""
     extra = ["--no-compile"] if backend == "fsdp" else ["--layers", "sdpa"]
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_mfu.py"), "--cpu", "--backend", backend,
-                           "--size", "tiny", "--seq", "32", "--micro-batch", "2", "--accum", "2", "--steps", "2",
-                           "--warmup", "1", "--json", str(out), *extra], capture_output=True, text=True, timeout=600,
-                          cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(out.read_text())
-    m = got["measured"]
+    cmd = [sys.executable, "benchmarks/gpu_mfu.py", "--cpu", "--backend", backend, "--size", "tiny", "--seq", "32",
+           "--micro-batch", "2", "--accum", "2", "--steps", "2", "--warmup", "1", "--json",
+           str(tmp_path / f"{backend}.json"), *extra]
+    got = sbs.run_path(backend, cmd, tmp_path, sbs.parse_args(["--warmup", "1", "--timeout", "600"]))
+    assert "error" not in got, got
+    m = json.loads((tmp_path / f"{backend}.json").read_text())["measured"]
     assert len(m["losses"]) == 3 and all(5.0 < x < 8.0 for x in m["losses"])  # ~ln(512) from random init
     assert m["tokens_per_s"] == pytest.approx(4 * 32 / m["step_s"]) and m["mfu"] is None
     assert ("FSDP2 full_shard over 1 ranks" if backend == "fsdp" else "attention=sdpa") in m["layer_plan"]
+    assert got["tokens_per_s"] == m["tokens_per_s"] and got["losses"] == m["losses"]
+    assert got["what"].startswith(m["layer_plan"])
+
+
+def test_side_by_side_runs_a_path_and_reads_torchtitans_log(tmp_path):
+    """A path is a process: its output goes to NAME.log; torchtitan's figures come from that log, a failure is one
+    line naming the exit code and the log."""
+    args = sbs.parse_args(["--warmup", "1", "--timeout", "60"])
+    lines = [titan_line(s, 11.0 - s / 10, 1000.0 * s, None) for s in (1, 2, 3)]
+    printer = [sys.executable, "-c", "import sys; print(sys.argv[1])", "\n".join(lines)]
+    got = sbs.run_path("torchtitan", printer, tmp_path, args)
+    assert (tmp_path / "torchtitan.log").read_text().splitlines() == lines
+    assert got["tokens_per_s"] == 2500.0 and got["own_mfu"] is None and got["steps_logged"] == 3
+    failed = sbs.run_path("fsdp", [sys.executable, "-c", "raise SystemExit(3)"], tmp_path, args)
+    assert failed["error"].startswith("exit 3 after ") and failed["error"].endswith("s (see fsdp.log)")
