@@ -124,24 +124,8 @@ def megatron_layer_terms(s: int, b: int, h: int, a: int, t: int = 1, *, groups: 
         terms["dropout masks"] = 2 * mask * rep * h
     explicit = not flash and not sdpa and recompute != "selective"
     math = sdpa == "math" and recompute != "selective"
-    gqa = g_t < a_t
-    if math:
-        own, views = 0, False
-    elif explicit and gqa:
-        # K and V repeated to a/t heads; Q is RoPE's output, or a copy made for the grouped head layout (1 < g/t) or
-        # for the [s, b x heads, d_h] matmul layout (b > 1); only with g/t = 1 and b = 1 is it still a view
-        q_own = rope or g_t > 1 or b > 1
-        own, views = 2 * a_t + (a_t if q_own else 0), not q_own
-    elif explicit:  # MHA: Q, K, V views of the QKV output, or new Q and K after RoPE (V still a view)
-        own, views = (2 * a_t if rope else 0), True
-    else:  # as they enter the attention core: new Q (RoPE, or a copy when 1 < g/t < a/t: the grouped head layout is
-        # no view of [s, b, heads, d_h]) and new K (RoPE); V a view
-        own, views = (a_t if rope or 1 < g_t < a_t else 0) + (g_t if rope else 0), True
-    if math:  # scaled fp32 Q and K; V an fp32 copy, except in fp32 without GQA: a view of the fused QKV output
-        v_kept = e * tok * (a_t + 2 * g_t) * dh if e == 4 and not gqa else 4 * tok * a_t * dh
-        terms["Q, K, V (+ fused QKV output kept by views)"] = 4 * 2 * tok * a_t * dh + v_kept
-    else:
-        terms["Q, K, V (+ fused QKV output kept by views)"] = e * tok * dh * (own + ((a_t + 2 * g_t) if views else 0))
+    terms["Q, K, V (+ fused QKV output kept by views)"] = _qkv_kept(tok, a_t, g_t, dh, e, b=b, rope=rope,
+                                                                   explicit=explicit, math=math)
     terms["attention output (output projection input)"] = e * tok * a_t * dh
     if rope:
         terms["RoPE cos/sin tables"] = 4 * s * dh * e
@@ -159,6 +143,28 @@ def megatron_layer_terms(s: int, b: int, h: int, a: int, t: int = 1, *, groups: 
     # fc1 output and activation output; SwiGLU: fc1's 2f, silu(gate) f, Megatron's unfused offset copy f, product f
     terms["MLP"] = e * tok * f_t * (5 if gated else 2)
     return terms
+
+
+def _qkv_kept(tok: int, a_t: int, g_t: int, dh: int, e: int, *, b: int, rope: bool, explicit: bool,
+              math: bool) -> float:
+    """Bytes of Q, K and V one layer keeps for backward (with the fused QKV output that views of it keep alive):
+    ``megatron_layer_terms``' item (1), per attention core (``explicit``: the unfused one; ``math``: SDPA's math
+    kernel; otherwise fused, flash-style or selective recomputation's inputs)."""
+    gqa = g_t < a_t
+    if math:  # scaled fp32 Q and K; V an fp32 copy, except in fp32 without GQA: a view of the fused QKV output
+        v_kept = e * tok * (a_t + 2 * g_t) * dh if e == 4 and not gqa else 4 * tok * a_t * dh
+        return 4 * 2 * tok * a_t * dh + v_kept
+    if explicit and gqa:
+        # K and V repeated to a/t heads; Q is RoPE's output, or a copy made for the grouped head layout (1 < g/t) or
+        # for the [s, b x heads, d_h] matmul layout (b > 1); only with g/t = 1 and b = 1 is it still a view
+        q_own = rope or g_t > 1 or b > 1
+        own, views = 2 * a_t + (a_t if q_own else 0), not q_own
+    elif explicit:  # MHA: Q, K, V views of the QKV output, or new Q and K after RoPE (V still a view)
+        own, views = (2 * a_t if rope else 0), True
+    else:  # as they enter the attention core: new Q (RoPE, or a copy when 1 < g/t < a/t: the grouped head layout is
+        # no view of [s, b, heads, d_h]) and new K (RoPE); V a view
+        own, views = (a_t if rope or 1 < g_t < a_t else 0) + (g_t if rope else 0), True
+    return e * tok * dh * (own + ((a_t + 2 * g_t) if views else 0))
 
 
 def _chunks_in_flight(p: int, v: int, m: int, stage: int) -> int:
