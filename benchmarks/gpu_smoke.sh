@@ -32,7 +32,8 @@
 # and last lines, the GPU, and the figures of gpu_mfu, gpu_mfu_fsdp and side_by_side.
 # Time: the steps before gpu_mfu_fsdp took about 6 minutes on the H200 (docs/gpu-path.md), test_fused_kernels_gpu
 # adds about 1 (estimate), gpu_mfu_fsdp about 1.5 and side_by_side about 3.5 (estimates; 6 timed steps after 3 of
-# warm-up each): about 12 minutes in all. Issue 43's figures alone fit one 10-minute device call:
+# warm-up each): about 12 minutes up to side_by_side (issue 46's steps after it come on top). Issue 43's figures
+# alone fit one 10-minute device call:
 #   --only install,titan_install,fsdp,gpu_mfu_sdpa,gpu_mfu,gpu_mfu_fsdp,side_by_side
 # A failing step does not stop the others. --dry-run runs nothing on a GPU: it validates the Megatron runs' recipes
 # (offline) and writes the summary with every other step "planned". Exit status: 0 when no step failed.
