@@ -35,7 +35,7 @@ PARTITION = [f"n{i}" for i in range(1, 9)]  # the stand-in partition: room for a
 @pytest.fixture(autouse=True)
 def _partition(monkeypatch):
     """In-process controller calls see an 8-node partition (``restarts.partition_nodes``: sinfo)."""
-    monkeypatch.setattr(restarts, "partition_nodes", lambda env: list(PARTITION))
+    monkeypatch.setattr(restarts.nodes, "partition_nodes", lambda env: list(PARTITION))
 
 
 def rows(nodes: list[str], bad: str) -> list[NodeRow]:
@@ -72,10 +72,10 @@ def test_the_controller_leaves_a_named_node_out(tmp_path, monkeypatch, need, spa
     step, named = allocation[:need], allocation[bad]
     policy = restarts.Policy(nodes=need, budget=budget, requeue=requeue)
     run = run_folder(tmp_path, "cluster.restarts=2")
-    monkeypatch.setattr(restarts, "allocation_nodes", lambda job, env: list(allocation))
+    monkeypatch.setattr(restarts.nodes, "allocation_nodes", lambda job, env: list(allocation))
     updates, requeued, said = [], [], []
-    monkeypatch.setattr(restarts, "exclude_from_job", lambda job, nodes: updates.append((job, nodes)))
-    monkeypatch.setattr(restarts, "_say", lambda line, restart=False: said.append(line))
+    monkeypatch.setattr(restarts.action, "exclude_from_job", lambda job, nodes: updates.append((job, nodes)))
+    monkeypatch.setattr(restarts.action, "say", lambda line, restart=False: said.append(line))
     # what the controller exported before the step: the rank side decides from it
     hints = restarts.preflight_hints(allocation, step, [], policy, run.manifest(), "77")
     env = {"SLURM_JOB_ID": "77", "HPC_TOOLS_NODELIST": ",".join(step), "HPC_TOOLS_EXCLUDED": "",
@@ -142,8 +142,8 @@ def test_an_elastic_job_without_a_spare_goes_on_without_the_named_node(tmp_path,
     policy = restarts.Policy(nodes=need, budget=1, requeue=requeue, min_nodes=fewest, ranks_per_node=2)
     run = run_folder(tmp_path, "cluster.restarts=2")
     (run.path / "elastic.json").write_text(json.dumps({"layouts": {str(k): [f"cluster.nodes={k}"] for k in planned}}))
-    monkeypatch.setattr(restarts, "allocation_nodes", lambda job, env: list(allocation))
-    monkeypatch.setattr(restarts, "_say", lambda line, restart=False: None)
+    monkeypatch.setattr(restarts.nodes, "allocation_nodes", lambda job, env: list(allocation))
+    monkeypatch.setattr(restarts.action, "say", lambda line, restart=False: None)
     hints = restarts.preflight_hints(allocation, allocation, [], policy, run.manifest(), "77", run_dir=run.path)
     assert hints[leave_out.SPARES_ENV] == 0 and hints[leave_out.FEWER_ENV] == need - min(planned)
     env = {"SLURM_JOB_ID": "77", "HPC_TOOLS_NODELIST": ",".join(allocation), "HPC_TOOLS_EXCLUDED": "",
@@ -168,9 +168,9 @@ def test_the_exclusion_follows_the_requeue_with_sigterm_ignored(tmp_path, monkey
     import signal
 
     run = run_folder(tmp_path)
-    monkeypatch.setattr(restarts, "allocation_nodes", lambda job, env: ["n1", "n2"])
+    monkeypatch.setattr(restarts.nodes, "allocation_nodes", lambda job, env: ["n1", "n2"])
     order = []
-    monkeypatch.setattr(restarts, "exclude_from_job",
+    monkeypatch.setattr(restarts.action, "exclude_from_job",
                         lambda job, nodes: order.append(("update", nodes, signal.getsignal(signal.SIGTERM))))
     marker(run, "n2", ["n1", "n2"])
     before = signal.getsignal(signal.SIGTERM)
@@ -194,7 +194,7 @@ def test_the_next_life_leaves_out_what_a_requeue_excluded(tmp_path, monkeypatch)
     run.update(restarts=[{"cause": "preflight", "kind": "requeue", "nodes_named": ["n2"]}])
     policy = restarts.Policy(nodes=2, budget=2, requeue=True)
     for allocation, nodes, excluded in ((["n1", "n2", "n3"], "n1,n3", "n2"), (["n1", "n2"], "n1,n2", "")):
-        monkeypatch.setattr(restarts, "allocation_nodes", lambda job, env, a=allocation: list(a))
+        monkeypatch.setattr(restarts.nodes, "allocation_nodes", lambda job, env, a=allocation: list(a))
         out = exported(restarts.begin(run.path, {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}, policy))
         assert (out["HPC_TOOLS_NODELIST"], out["HPC_TOOLS_EXCLUDED"]) == (nodes, excluded)
         assert out[leave_out.SPARES_ENV] == "0" and out[leave_out.REQUEUE_ENV] == "1"  # one of 2 spent: 1 left
@@ -397,7 +397,7 @@ def test_a_requeue_leaves_out_no_more_nodes_than_the_partition_has_room_for(name
     (8, 2, 0, 6), (2, 2, 0, 0), (3, 2, 0, 1), (3, 2, 1, 0), (4, 4, 0, 0), (0, 2, 0, 0)])
 def test_the_requeue_room_is_the_partition_beyond_the_job_less_earlier_exclusions(monkeypatch, partition, job_nodes,
                                                                                  excluded, room):
-    monkeypatch.setattr(restarts, "partition_nodes", lambda env: [f"n{i}" for i in range(partition)])
+    monkeypatch.setattr(restarts.nodes, "partition_nodes", lambda env: [f"n{i}" for i in range(partition)])
     manifest = {"restarts": [{"cause": "preflight", "kind": "requeue", "nodes_named": [f"n{i}"]}
                              for i in range(excluded)]}
     policy = restarts.Policy(nodes=job_nodes, budget=3, requeue=True)

@@ -55,7 +55,7 @@ ENV = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-3]"}
 def cluster(monkeypatch):
     """Slurm's view, played: the job's nodes and which of them answer a probe step."""
     state = {"nodes": ["n1", "n2"], "down": set(), "requeued": []}
-    monkeypatch.setattr(restarts, "allocation_nodes", lambda job, env: list(state["nodes"]))
+    monkeypatch.setattr(restarts.nodes, "allocation_nodes", lambda job, env: list(state["nodes"]))
     return state
 
 
@@ -133,7 +133,7 @@ def test_a_node_that_comes_back_is_used_again(tmp_path, cluster, monkeypatch):
     run = run_folder(tmp_path, "cluster.restarts=2")
     kill_report(run)
     answers = iter([False, False, True])  # n2's slurmd answers the third probe
-    monkeypatch.setattr(restarts.time, "sleep", lambda s: None)
+    monkeypatch.setattr(restarts.nodes.time, "sleep", lambda s: None)
     line = restarts.next_step(run.path, 137, dict(ENV), prober=lambda n: n == "n1" or next(answers), wait_s=60)
     assert exported(line)["HPC_TOOLS_NODELIST"] == "n1,n2"
 
@@ -211,7 +211,7 @@ def test_a_step_that_outlives_a_failed_rank_is_cancelled(tmp_path, monkeypatch):
     heartbeat.write(run.path, Beat(rank=0, node="n1", pid=1, restart=0, step=12,
                                    exit={"code": 1, "error": "RuntimeError: Connection closed by peer", "time": 1.0}))
     heartbeat.write(run.path, Beat(rank=1, node="n2", pid=2, restart=0, step=12))
-    monkeypatch.setattr(restarts, "rank_steps", lambda job: ["77.0"])
+    monkeypatch.setattr(restarts.stuck, "rank_steps", lambda job: ["77.0"])
     cancelled = []
     line = restarts.watch(run.path, dict(ENV), grace_s=0.0, poll_s=0.01, cancel=cancelled.append)
     assert cancelled == ["77.0"] and "rank 0 failed" in line
@@ -222,7 +222,7 @@ def test_the_stuck_step_wait_comes_from_the_environment(tmp_path, monkeypatch):
     run = run_folder(tmp_path, "cluster.restarts=2")
     heartbeat.write(run.path, Beat(rank=0, node="n1", pid=1, restart=0, step=12,
                                    exit={"code": 1, "error": "RuntimeError: Connection closed by peer", "time": 1.0}))
-    monkeypatch.setattr(restarts, "rank_steps", lambda job: ["77.0"])
+    monkeypatch.setattr(restarts.stuck, "rank_steps", lambda job: ["77.0"])
     line = restarts.watch(run.path, {**ENV, restarts.STUCK_STEP_ENV: "0.05"}, poll_s=0.01, cancel=lambda s: None)
     assert line.startswith("the rank step did not end 0 s after rank 0 failed"), line
     assert restarts.seconds_from({restarts.STUCK_STEP_ENV: "soon"}, restarts.STUCK_STEP_ENV, 20.0) == 20.0
@@ -234,7 +234,7 @@ def test_an_elastic_job_waits_for_a_lost_node_as_long_as_its_environment_says(tm
     """HPC_TOOLS_ELASTIC_WAIT_S bounds the wait for the lost node (the probes' wait) in place of ELASTIC_WAIT_S."""
     waits = []
     real = restarts.choose_nodes
-    monkeypatch.setattr(restarts, "choose_nodes",
+    monkeypatch.setattr(restarts.nodes, "choose_nodes",
                         lambda *a, **k: waits.append(k["wait_s"]) or real(*a, **{**k, "wait_s": 0.0}))
     cluster["down"] = {"n2"}
     run = run_folder(tmp_path, "cluster.restarts=2")

@@ -1,0 +1,5 @@
+import sys
+
+from hpc_tools.job.restarts.cli import main
+
+sys.exit(main())
