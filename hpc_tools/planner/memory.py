@@ -129,6 +129,18 @@ def megatron_layer_terms(s: int, b: int, h: int, a: int, t: int = 1, *, groups: 
     terms["attention output (output projection input)"] = e * tok * a_t * dh
     if rope:
         terms["RoPE cos/sin tables"] = 4 * s * dh * e
+    terms |= _core_terms(s, b, a_t, e, mask, recompute=recompute, flash=flash, sdpa=sdpa, explicit=explicit,
+                         math=math, attention_dropout=attention_dropout)
+    # fc1 output and activation output; SwiGLU: fc1's 2f, silu(gate) f, Megatron's unfused offset copy f, product f
+    terms["MLP"] = e * tok * f_t * (5 if gated else 2)
+    return terms
+
+
+def _core_terms(s: int, b: int, a_t: int, e: int, mask: int, *, recompute: str, flash: bool, sdpa: str | None,
+                explicit: bool, math: bool, attention_dropout: bool) -> dict[str, float]:
+    """What the attention core itself keeps beyond Q, K and V: the s^2 tensors of the unfused core and of SDPA's
+    math kernel, the flash-style kernels' log-sum-exp, selective recomputation's bookkeeping."""
+    terms: dict[str, float] = {}
     if recompute == "selective" and not flash:
         terms["recompute bookkeeping"] = 4  # one int32 the checkpoint keeps
     if sdpa == "flash" and (recompute != "selective" or flash):  # (flash: the job drops core_attn's recompute)
@@ -140,8 +152,6 @@ def megatron_layer_terms(s: int, b: int, h: int, a: int, t: int = 1, *, groups: 
         quad = (4 if upcast else e) + ((mask + e) if attention_dropout else (e if upcast else 0))
         terms["attention scores (softmax, dropout)"] = quad * a_t * s * s * b
         terms["causal mask"] = s * s
-    # fc1 output and activation output; SwiGLU: fc1's 2f, silu(gate) f, Megatron's unfused offset copy f, product f
-    terms["MLP"] = e * tok * f_t * (5 if gated else 2)
     return terms
 
 
