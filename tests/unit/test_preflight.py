@@ -356,7 +356,7 @@ class _SimulatedRunner:
     the bad node or both ends of the bad link; a figure over three nodes is off by a factor (rank counts differ)."""
 
     def __new__(cls, bad_node=None, bad_link=(), whole_factor=1.0):
-        from hpc_tools.runtime.preflight.run import _RoundRunner
+        from hpc_tools.runtime.preflight.links import RoundRunner as _RoundRunner
 
         class Runner(_RoundRunner):
             def measure(self, measured):

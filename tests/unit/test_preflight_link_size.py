@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from hpc_tools.recipe.load import resolve
-from hpc_tools.runtime.preflight import measure, run
+from hpc_tools.runtime.preflight import links, measure, run
 from hpc_tools.runtime.preflight.bisect import find_slow
 from tests.unit.test_preflight import small_recipe
 
@@ -34,7 +34,7 @@ def test_the_expected_busbw_falls_with_the_message_size_and_nears_the_links_figu
     assert run.expected_at(None, 1 << 20, 16) is None and run.expected_at(H100_INTER, 1 << 20, 1) == H100_INTER
 
 
-class _Measured(run._RoundRunner):
+class _Measured(links.RoundRunner):
     """The search's round function with its collective replaced by a figure: ``share`` of the busbw expected at the
     runner's message size over the group's ranks (healthy links measure near it)."""
 

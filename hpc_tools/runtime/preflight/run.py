@@ -27,12 +27,23 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from hpc_tools.runtime.preflight import leave_out, measure
 from hpc_tools.runtime.preflight.bisect import find_slow
+from hpc_tools.runtime.preflight.links import (
+    PER_SYNC,
+    SHARED_REPEATS,
+    RoundRunner,
+    agreed_seconds,
+    bytes_moved,
+    expected_at,
+    smallest_figure,
+    timed_groups,
+)
 from hpc_tools.runtime.preflight.verdict import (
     EXPECTED_FLOOR,
     SLOW,
@@ -64,18 +75,9 @@ SIZE_BOUNDS = {"cpu": (256 << 10, 4 << 20), "cuda": (1 << 20, 256 << 20)}
 # The slow-link search's all-reduce message, at least: on GPUs a link's figure near its large-message speed (a 1 MiB
 # all-reduce across nodes is latency-bound, a fraction of it); on CPU the layout's own (the test cluster's timing).
 LINK_BYTES = {"cpu": 0, "cuda": 64 << 20}
-STEP_LATENCY_S = 10e-6
-"""Latency of one step of a ring all-reduce between nodes (2(n-1) steps), assumed (InfiniBand's few microseconds plus
-NCCL's own per step; not measured here): the expected busbw at a message size (``expected_at``)."""
-# GPU collectives are timed over this many back-to-back runs per host synchronize: one synchronize per run would add
-# its own microseconds to every run of a small message.
-PER_SYNC = {"cpu": 1, "cuda": 5}
 GEMM_N = {"cpu": 256, "cuda": 8192}
 MEM_BYTES = {"cpu": 32 << 20, "cuda": 1 << 30}
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-# Ranks sharing a host (local ranks standing for nodes) measure in turn, this many times round (a third of it for
-# GEMM and memory), the best kept: another process of the host may take the cores during any one turn.
-SHARED_REPEATS = 9
 SECOND_LOOKS = 2
 """Times the GEMM and memory figures are measured again while they name a node slow (each look as long as the first):
 a node's turns can all fall in a moment other work took the host (on the loaded 2-core test machine a node's memory
@@ -113,16 +115,6 @@ def message_bytes(recipe, device_type: str) -> int:
 def link_bytes(nbytes: int, device_type: str) -> int:
     """The slow-link search's message: the layout's ``nbytes``, at least ``LINK_BYTES``."""
     return max(nbytes, LINK_BYTES[device_type])
-
-
-def expected_at(bw_gbps: float | None, nbytes: int, n: int) -> float | None:
-    """The all-reduce busbw a link the planner gives ``bw_gbps`` for (its large-message figure) is expected to reach
-    with a message of ``nbytes`` over ``n`` ranks: a ring's 2(n-1) steps each pay ``STEP_LATENCY_S``, and each rank
-    moves 2(n-1)/n x ``nbytes`` at ``bw_gbps`` (nccl-tests' busbw of that time). None without a figure."""
-    if not bw_gbps or n < 2:
-        return bw_gbps
-    moved = nbytes * 2 * (n - 1) / n
-    return moved / (2 * (n - 1) * STEP_LATENCY_S + moved / (bw_gbps * 1e9)) / 1e9
 
 
 def expected_busbw(ctx: "RankContext") -> tuple[float | None, float | None, str]:
@@ -225,20 +217,86 @@ def check(ctx: "RankContext", mode: str) -> Report:
         return _check(ctx, mode)
 
 
+@dataclass
+class _Checking:
+    """What the steps of one check share: the rank's context, the mode, the budget and its clock, this rank's result,
+    where every rank runs (``places``: rank, node, host, machine) and the process groups made for the check (ended
+    with it)."""
+
+    ctx: "RankContext"
+    mode: str
+    t0: float
+    budget: float
+    mine: RankResult
+    places: list = field(default_factory=list)
+    made: list = field(default_factory=list)
+    timeout: timedelta | None = None
+
+    @property
+    def deadline(self) -> float:
+        return self.t0 + self.budget
+
+    @property
+    def gpu(self) -> bool:
+        return self.ctx.device.type == "cuda"
+
+    @property
+    def world(self) -> int:
+        return self.ctx.dist.world_size
+
+    @property
+    def nodes(self) -> dict[str, list[int]]:
+        """node -> its ranks, in rank order."""
+        out: dict[str, list[int]] = {}
+        for r, n, _, _ in self.places:
+            out.setdefault(n, []).append(r)
+        return out
+
+    @property
+    def hosts(self) -> dict[str, str]:
+        return {n: h for _, n, h, _ in self.places}
+
+    @property
+    def host_of(self) -> dict[int, str]:
+        """rank -> machine: who shares cores (and takes turns with whom)."""
+        return {r: m for r, _, _, m in self.places}
+
+    def group(self, ranks: list[int]):
+        """A process group of ``ranks`` for this check (None: every rank, the default group; a second world
+        communicator costs memory)."""
+        import torch.distributed as dist
+
+        if len(set(ranks)) == self.world:
+            return None
+        g = dist.new_group(ranks=sorted(ranks), timeout=self.timeout)
+        self.made.append(g)
+        return g
+
+
 def _check(ctx: "RankContext", mode: str) -> Report:
+    """The six steps of the module docstring, in order (3, the transport, is read within 1 and 4)."""
+    t0 = time.perf_counter()
+    s = _join(ctx, mode, t0, float(recipe_budget(ctx.recipe)))  # 1
+    looks = _compute(s)  # 2
+    nbytes = message_bytes(ctx.recipe, ctx.device.type)
+    s.timeout = timedelta(seconds=max(s.deadline - time.perf_counter(), 5.0))
+    collectives, intra = _collectives(s, nbytes)  # 4 (and 3 on GPU)
+    expected = expected_busbw(ctx)
+    search, busbw, link_reasons = _link_search(s, nbytes, collectives, expected[0])  # 5
+    return _verdicts(s, looks, nbytes, collectives, intra, search, busbw, link_reasons, expected)  # 6
+
+
+def _join(ctx: "RankContext", mode: str, t0: float, budget: float) -> _Checking:
+    """Step 1: the process group (made here when none is up, after the ranks' gloo endpoints agree), this rank's
+    node and host (and on CPU gloo's transport), and where every rank runs."""
     import torch
     import torch.distributed as dist
 
-    t0 = time.perf_counter()
-    recipe, budget = ctx.recipe, float(recipe_budget(ctx.recipe))
-    deadline = t0 + budget
-    device = ctx.device
-    dev = device.type
-    gpu = dev == "cuda"
+    gpu = ctx.device.type == "cuda"
     if gpu:
-        torch.cuda.set_device(device)
-    node, host = node_label(ctx), socket.gethostname()
-    mine = RankResult(rank=ctx.rank, node=node, host=host)
+        torch.cuda.set_device(ctx.device)
+    s = _Checking(ctx, mode, t0, budget, RankResult(rank=ctx.rank, node=node_label(ctx), host=socket.gethostname()))
+    mine = s.mine
     if not gpu:
         iface, addr, err = measure.gloo_endpoint(ctx.dist.master_addr, ctx.dist.master_port)
         mine.transport, mine.error = gloo_transport(iface, addr), err
@@ -253,28 +311,29 @@ def _check(ctx: "RankContext", mode: str) -> Report:
         dist.init_process_group(ctx.dist_backend, store=store, rank=ctx.rank, world_size=ctx.dist.world_size,
                                 timeout=ctx.collective_timeout)
         _CREATED = True
-    world = ctx.dist.world_size
-    places: list[Any] = [None] * world
-    dist.all_gather_object(places, (ctx.rank, node, host, machine_id()))
-    nodes: dict[str, list[int]] = {}
-    for r, n, _, _ in places:
-        nodes.setdefault(n, []).append(r)
-    hosts = {n: h for _, n, h, _ in places}
-    host_of = {r: m for r, _, _, m in places}  # the machine: who shares cores (and takes turns with whom)
+    s.places = [None] * s.world
+    dist.all_gather_object(s.places, (ctx.rank, mine.node, mine.host, machine_id()))
+    return s
 
-    # 2. GEMM and memory: ranks of one machine take turns on CPU (several times round, the best kept: a turn that
-    # another process of the machine disturbed is not the node's speed)
-    turn_of = {r: [p[0] for p in places if p[3] == places[r][3]].index(r) for r in range(world)}
-    turns = max(turn_of.values()) + 1 if not gpu else 1
+
+def _compute(s: _Checking) -> list[list[str]]:
+    """Step 2: GEMM and memory until they settle (``look_until_settled``; per look, the nodes named slow); ranks of
+    one machine take turns on CPU (several times round, the best kept: a turn that another process of the machine
+    disturbed is not the node's speed). On GPU also what the driver knows (ECC errors, rows to remap, clocks)."""
+    import torch.distributed as dist
+
+    ctx, mine, places, device, dev = s.ctx, s.mine, s.places, s.ctx.device, s.ctx.device.type
+    turn_of = {r: [p[0] for p in places if p[3] == places[r][3]].index(r) for r in range(s.world)}
+    turns = max(turn_of.values()) + 1 if not s.gpu else 1
     passes = SHARED_REPEATS // 3 if turns > 1 else 1
-    local_s = max(budget * 0.25 / turns / passes, 0.05)
+    local_s = max(s.budget * 0.25 / turns / passes, 0.05)
 
     def look(number: int) -> None:
         for t in list(range(turns)) * passes:
-            if gpu or turn_of[ctx.rank] == t:
+            if s.gpu or turn_of[ctx.rank] == t:
                 try:
-                    g = measure.gemm_tflops(device, recipe.training.precision, GEMM_N[dev], min(0.4, local_s * 0.6),
-                                            ctx.rank, look=number)
+                    g = measure.gemm_tflops(device, ctx.recipe.training.precision, GEMM_N[dev],
+                                            min(0.4, local_s * 0.6), ctx.rank, look=number)
                     m = measure.mem_gbps(device, MEM_BYTES[dev], min(0.2, local_s * 0.4))
                     mine.gemm_tflops, mine.mem_gbps = max(g, mine.gemm_tflops or 0.0), max(m, mine.mem_gbps or 0.0)
                 except Exception as exc:  # noqa: BLE001 - a broken device is a finding, named in the table
@@ -282,53 +341,50 @@ def _check(ctx: "RankContext", mode: str) -> Report:
             if turns > 1:
                 dist.barrier()
 
-    looks = look_until_settled(look, mine, world, deadline)
-
-    if gpu:  # what the driver knows: uncorrected ECC errors, rows to remap, clocks held down
+    looks = look_until_settled(look, mine, s.world, s.deadline)
+    if s.gpu:  # what the driver knows: uncorrected ECC errors, rows to remap, clocks held down
         mine.health = measure.nvml_findings(device)
+    return looks
 
-    # 4. collectives over all ranks, at the layout's size, within what is left of the budget
-    nbytes = message_bytes(recipe, dev)
-    timeout = timedelta(seconds=max(deadline - time.perf_counter(), 5.0))
-    made: list = []
 
-    def group(ranks: list[int]):
-        if len(set(ranks)) == world:  # every rank: the default group (a second world communicator costs memory)
-            return None
-        g = dist.new_group(ranks=sorted(ranks), timeout=timeout)
-        made.append(g)
-        return g
-
+def _collectives(s: _Checking, nbytes: int) -> tuple[dict[str, Any], dict[str, float | None]]:
+    """Step 4: collectives over all ranks at the layout's size (busbw per op), within what is left of the budget;
+    on GPU the transport NCCL reported (step 3); one all-reduce inside each node with several ranks, all at once."""
+    ctx, world, device, nodes = s.ctx, s.world, s.ctx.device, s.nodes
     ops = ["all_reduce", "all_gather"] + (["all_to_all"] if ctx.layout.expert_size > 1 else [])
     collectives: dict[str, Any] = {"bytes": nbytes, "ranks": world}
-    whole = group(list(range(world)))
+    whole = s.group(list(range(world)))
     if world > 1:
         for op in ops:
-            secs = _agreed_seconds(measure.collective_seconds(op, nbytes, whole, world, device, ctx.rank,
-                                                              per_sync=PER_SYNC[dev]), world)
+            secs = agreed_seconds(measure.collective_seconds(op, nbytes, whole, world, device, ctx.rank,
+                                                             per_sync=PER_SYNC[device.type]), world)
             collectives[op] = {"seconds": round(max(secs), 6),
-                               "busbw_gbps": busbw_gbps(op, _bytes_moved(nbytes, world), max(secs), world)}
-    if gpu:
-        mine.transport = _nccl_transport_seen(ctx) if len(nodes) > 1 else "intra-node (one node)"
+                               "busbw_gbps": busbw_gbps(op, bytes_moved(nbytes, world), max(secs), world)}
+    if s.gpu:
+        s.mine.transport = _nccl_transport_seen(ctx) if len(nodes) > 1 else "intra-node (one node)"
     intra: dict[str, float | None] = {}
     multi = {n: rs for n, rs in nodes.items() if len(rs) > 1}
     if multi and len(nodes) > 1:
-        groups = {n: group(rs) for n, rs in multi.items()}
+        groups = {n: s.group(rs) for n, rs in multi.items()}
         mine_group = next((n for n, rs in multi.items() if ctx.rank in rs), None)
-        agreed = _timed_groups(ctx, list(multi), multi, groups, mine_group, nbytes, device, host_of)
+        agreed = timed_groups(ctx, list(multi), multi, groups, mine_group, nbytes, device, s.host_of)
         for n, rs in multi.items():
-            intra[n] = busbw_gbps("all_reduce", _bytes_moved(nbytes, len(rs)), max(agreed[r] for r in rs), len(rs))
+            intra[n] = busbw_gbps("all_reduce", bytes_moved(nbytes, len(rs)), max(agreed[r] for r in rs), len(rs))
+    return collectives, intra
 
-    # 5. the slow-link search over the nodes whose own figures are sound: a node already named by its GEMM, memory,
-    # device or error is slow in every collective it joins, and would make the search name the halves it sits in
-    inter_exp, intra_exp, exp_source = expected_busbw(ctx)
+
+def _link_search(s: _Checking, nbytes: int, collectives: dict[str, Any], inter_exp: float | None):
+    """Step 5: the slow-link search over the nodes whose own figures are sound (a node already named by its GEMM,
+    memory, device or error is slow in every collective it joins, and would make the search name the halves it sits
+    in): (the search's result or None, each node's busbw, the reasons of the nodes it named)."""
+    nodes, host_of = s.nodes, s.host_of
     node_names = list(nodes)
     figures: dict[frozenset, float | None] = {}
-    link = link_bytes(nbytes, dev)
+    link = link_bytes(nbytes, s.ctx.device.type)
     if "all_reduce" in collectives and link == nbytes:
         figures[frozenset(node_names)] = collectives["all_reduce"]["busbw_gbps"]
-    own, late = gather_with_clocks(mine, world, deadline)
-    named_alone = {r.node for r in named(judge(own, peak_tflops=_peak(recipe)))}
+    own, late = gather_with_clocks(s.mine, s.world, s.deadline)
+    named_alone = {r.node for r in named(judge(own, peak_tflops=_peak(s.ctx.recipe)))}
     linked = [n for n in node_names if n not in named_alone]
     search = None
     # nodes that share a machine (namespace nodes of a test cluster) time their links through its shared cores:
@@ -336,26 +392,33 @@ def _check(ctx: "RankContext", mode: str) -> Report:
     shared = len({host_of[nodes[n][0]] for n in linked}) < len(linked)
     factor = SHARED_LINK_FACTOR if shared else SLOW_FACTOR
     if len(linked) > 1 and not late:
-        search = find_slow(linked, _RoundRunner(ctx, nodes, link, device, group, figures, inter_exp, host_of,
-                                                factor))
+        search = find_slow(linked, RoundRunner(s.ctx, nodes, link, s.ctx.device, s.group, figures, inter_exp,
+                                               host_of, factor))
     if "all_reduce" in collectives:  # the table's figure where no search measured the whole at the link's size
         figures.setdefault(frozenset(node_names), collectives["all_reduce"]["busbw_gbps"])
-    busbw = {n: _smallest_figure(n, figures) for n in node_names}
+    busbw = {n: smallest_figure(n, figures) for n in node_names}
     link_reasons: dict[str, str] = {}
     if search is not None and search.culprits:
         for n in search.culprits:
             link_reasons[n] = (f"all-reduce busbw {busbw.get(n) or 0:.3g} GB/s over a group holding it, below "
                                f"{factor}x the other half's (search over halves, {search.rounds} rounds: "
                                f"{search.note})")
+    return search, busbw, link_reasons
 
-    # 6. verdicts, on every rank alike
+
+def _verdicts(s: _Checking, looks, nbytes, collectives, intra, search, busbw, link_reasons, expected) -> Report:
+    """Step 6: the verdicts, on every rank alike; the groups made for the check ended; rank 0 writes and tells."""
+    import torch.distributed as dist
+
+    ctx, world, recipe, nodes, gpu = s.ctx, s.world, s.ctx.recipe, s.nodes, s.gpu
+    inter_exp, intra_exp, exp_source = expected
     results: list[Any] = [None] * world
-    dist.all_gather_object(results, mine)
+    dist.all_gather_object(results, s.mine)
     peak = _peak(recipe)
     expected_t, t_source = expected_transport(gpu, recipe.cluster.setup.env, len(nodes) > 1)
-    transports = {n: next((r.transport for r in results if r.node == n and r.transport), None) for n in node_names}
+    transports = {n: next((r.transport for r in results if r.node == n and r.transport), None) for n in nodes}
     rows = judge(results, busbw=busbw, intra=intra, peak_tflops=peak, link_reasons=link_reasons,
-                 transport_why=transport_reasons(transports, expected_t, gpu, hosts))
+                 transport_why=transport_reasons(transports, expected_t, gpu, s.hosts))
     problems = []
     ar = collectives.get("all_reduce", {}).get("busbw_gbps")
     exp = expected_at(inter_exp if len(nodes) > 1 else intra_exp, nbytes, world)  # at the message's size
@@ -364,10 +427,11 @@ def _check(ctx: "RankContext", mode: str) -> Report:
                         f"{exp:.3g} GB/s at {nbytes / 2**20:g} MiB ({exp_source}; below {EXPECTED_FLOOR}x)")
     if search is not None and search.between:
         problems.append(f"all-reduce over all nodes is slow but over neither half: {search.note}")
-    for g in made:
+    for g in s.made:
         if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
             dist.destroy_process_group(g)
-    report = Report(mode=mode, budget_s=budget, seconds=time.perf_counter() - t0, rows=rows, problems=problems,
+    dev = ctx.device.type
+    report = Report(mode=s.mode, budget_s=s.budget, seconds=time.perf_counter() - s.t0, rows=rows, problems=problems,
                     collectives={**collectives, "expected_busbw_gbps": exp, "expected_source": exp_source},
                     search={"rounds": search.rounds, "note": search.note, "culprits": list(search.culprits),
                             "tested": [[list(g) for g in rnd] for rnd in search.tested]} if search else {},
@@ -376,18 +440,23 @@ def _check(ctx: "RankContext", mode: str) -> Report:
                               + "; ".join(", ".join(n) or "none" for n in looks)] if len(looks) > 1 else []),
                            f"GEMM {GEMM_N[dev]}^3 at {recipe.training.precision}; peak: "
                            + (f"{peak:.4g} TFLOP/s (profiling.peaks)" if peak else "none (not judged)")])
-    if report.seconds > budget:
-        report.problems.append(f"preflight took {report.seconds:.1f} s, over its budget of {budget:g} s "
+    if report.seconds > s.budget:
+        report.problems.append(f"preflight took {report.seconds:.1f} s, over its budget of {s.budget:g} s "
                                "(cluster.preflight_budget_s)")
     if ctx.is_rank0:
-        report.write(ctx.run_dir)
-        for line in table_lines(rows):
-            log.info("preflight: %s", line)
-        log.info("preflight: %s in %.1f s (budget %g s); the table is in %s", "healthy" if report.healthy else
-                 f"NOT healthy ({len(named(rows))} node(s) named, {len(report.problems)} problem(s))",
-                 report.seconds, budget, ctx.run_dir / "preflight.json")
-        preflight_event(ctx, report.seconds)
+        _tell(ctx, report, rows, s.budget)
     return report
+
+
+def _tell(ctx: "RankContext", report: Report, rows, budget: float) -> None:
+    """Rank 0: ``preflight.json``, the table in the log and the goodput's ``preflight`` event."""
+    report.write(ctx.run_dir)
+    for line in table_lines(rows):
+        log.info("preflight: %s", line)
+    log.info("preflight: %s in %.1f s (budget %g s); the table is in %s", "healthy" if report.healthy else
+             f"NOT healthy ({len(named(rows))} node(s) named, {len(report.problems)} problem(s))",
+             report.seconds, budget, ctx.run_dir / "preflight.json")
+    preflight_event(ctx, report.seconds)
 
 
 def _store(ctx: "RankContext"):
@@ -446,10 +515,6 @@ def recipe_budget(recipe) -> float:
     return float(recipe.cluster.preflight_budget_s)
 
 
-def _bytes_moved(nbytes: int, n: int) -> int:
-    return max(nbytes // 4 // n * n, n) * 4
-
-
 def machine_id() -> str:
     """Which machine (kernel) this rank runs on: its boot id, the same in every container and namespace of one
     kernel, so ranks that share cores are known to share them even where each has a host name of its own (the test
@@ -458,132 +523,6 @@ def machine_id() -> str:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or socket.gethostname()
     except OSError:
         return socket.gethostname()
-
-
-def _agreed_seconds(secs: float, world: int) -> list[float]:
-    """Every rank's time, on every rank (one all-gather over the default group)."""
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([float(secs)], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    out = [torch.zeros_like(t) for _ in range(world)]
-    dist.all_gather(out, t)
-    return [float(x.item()) for x in out]
-
-
-def _smallest_figure(node: str, figures: dict[frozenset, float | None]) -> float | None:
-    """The busbw of the smallest group holding ``node`` (of those, the last measured)."""
-    holding = [(len(g), -i, v) for i, (g, v) in enumerate(figures.items()) if node in g and v is not None]
-    return min(holding)[2] if holding else None
-
-
-def _timed_groups(ctx, measured, ranks, pgs, mine, nbytes, device, hosts_of) -> list[float]:
-    """Every rank's all-reduce time over its group of this round, on every rank. Groups on separate machines run
-    at once; groups that share a machine (``machine_id``: local ranks standing for nodes, namespace nodes) run one
-    after another, so that they do not share its cores while they are timed."""
-    import torch.distributed as dist
-
-    world = ctx.dist.world_size
-    hosts = [{hosts_of[r] for r in ranks[g]} for g in measured]
-    shared = any(a & b for i, a in enumerate(hosts) for b in hosts[i + 1:])
-    if not shared:
-        secs = measure.collective_seconds("all_reduce", nbytes, pgs[mine], len(ranks[mine]), device,
-                                          ctx.rank, per_sync=PER_SYNC[device.type]) if mine else 0.0
-        return _agreed_seconds(secs, world)
-    secs = float("inf")  # one timed run per group in turn, SHARED_REPEATS times round: both see the host's load alike
-    for i in range(SHARED_REPEATS):
-        for g in measured:
-            if g == mine:
-                secs = min(secs, measure.collective_seconds("all_reduce", nbytes, pgs[mine], len(ranks[mine]),
-                                                            device, ctx.rank, iters=1, warmup=i == 0))
-            dist.barrier()
-    return _agreed_seconds(secs if mine else 0.0, world)
-
-
-class _RoundRunner:
-    """The search's cost function on the ranks: one round's groups measured at once (an all-reduce each), slow =
-    below ``SLOW_FACTOR`` x the other group's busbw or the expected figure.
-
-    A group of one node has no link of its own to test. The search pairs it with a node already found healthy when
-    there is one; where there is none (a round of a pair and a lone node: three candidates, the first split), the
-    runner measures every pair of the three, one after another, and judges the nodes from the pairs alone (pairs
-    of the same size: a figure over three ranks is not comparable with one over two): a node is slow when every
-    pair holding it is slow and a pair without it is not; a single slow pair names both of its ends (a slow link
-    cannot be pinned on one of them). Later rounds over those nodes answer from the same pairs."""
-
-    def __init__(self, ctx, nodes, nbytes, device, group, figures, expected, hosts_of, factor=SLOW_FACTOR):
-        self.ctx, self.nodes, self.nbytes, self.device, self.group = ctx, nodes, nbytes, device, group
-        self.figures, self.expected, self.hosts_of, self.factor = figures, expected, hosts_of, factor
-        self.by_pairs: dict[str, bool] = {}
-
-    def expected_for(self, group: tuple[str, ...]) -> float | None:
-        """The busbw expected of ``group``'s all-reduce at the search's message size (``expected_at``)."""
-        if not self.expected:
-            return None
-        return expected_at(self.expected, self.nbytes, sum(len(self.nodes[n]) for n in group))
-
-    def timed(self, measured, ranks, pgs, mine) -> list[float]:
-        return _timed_groups(self.ctx, measured, ranks, pgs, mine, self.nbytes, self.device, self.hosts_of)
-
-    def measure(self, measured: list[tuple[str, ...]]) -> dict[tuple[str, ...], float | None]:
-        """One collective round over ``measured`` (disjoint groups of nodes); the figures, also kept for the table."""
-        ranks = {g: [r for n in g for r in self.nodes[n]] for g in measured}
-        pgs = {g: self.group(ranks[g]) for g in measured}
-        mine = next((g for g in measured if self.ctx.rank in ranks[g]), None)
-        agreed = self.timed(measured, ranks, pgs, mine)
-        figs: dict[tuple[str, ...], float | None] = {}
-        for g in measured:
-            figs[g] = busbw_gbps("all_reduce", _bytes_moved(self.nbytes, len(ranks[g])),
-                                 max(agreed[r] for r in ranks[g]), len(ranks[g]))
-            self.figures[frozenset(g)] = figs[g]
-        return figs
-
-    def __call__(self, groups: list[tuple[str, ...]]) -> list[bool | None]:
-        if len(groups) == 1:  # the whole group (measured already, or now: the nodes a node named alone left)
-            if frozenset(groups[0]) not in self.figures:
-                self.measure([groups[0]])
-            fig = self.figures[frozenset(groups[0])]
-            if self.expected and fig is not None:
-                return [fig < self.factor * self.expected_for(groups[0])]
-            return [None]
-        if self.by_pairs and all(n in self.by_pairs for g in groups for n in g):  # judged from the pairs already
-            return [any(self.by_pairs[n] for n in g) for g in groups]
-        if all(len(g) == 1 for g in groups):
-            return [None] * len(groups)
-        measured = [g for g in groups if len(g) > 1]
-        figs = self.measure(measured)
-        ref = max([v for v in figs.values() if v is not None] + [self.expected_for(g) or 0.0 for g in measured])
-        out: list[bool | None] = [figs[g] < self.factor * ref if figs.get(g) is not None else None for g in groups]
-        if len(groups) == 2 and [len(g) for g in groups if len(g) == 1] == [1] and len(measured[0]) == 2:
-            lone = next(i for i, g in enumerate(groups) if len(g) == 1)
-            self.by_pairs = self.judge_triangle(measured[0], groups[lone][0], figs[measured[0]])
-            out[lone] = self.by_pairs.get(groups[lone][0])
-            out[1 - lone] = any(self.by_pairs.get(n) for n in measured[0]) if self.by_pairs else out[1 - lone]
-        return out
-
-    def judge_triangle(self, pair: tuple[str, ...], lone: str, pair_fig: float | None) -> dict[str, bool]:
-        """Every pair of the three nodes measured twice (one at a time: they share nodes), the better figure of each
-        kept; each node's verdict."""
-        a, b = pair
-        figs = {frozenset(pair): pair_fig}
-        for other in ((a, lone), (b, lone)):
-            figs[frozenset(other)] = self.measure([other])[other]
-        for again in (pair, (a, lone), (b, lone)):  # each pair twice, the better kept: one disturbed measurement of
-            fig = self.measure([again])[again]      # a healthy pair on a shared host is not a slow link
-            old = figs[frozenset(again)]
-            figs[frozenset(again)] = self.figures[frozenset(again)] = None if fig is None or old is None else max(
-                fig, old)
-        if any(v is None for v in figs.values()):
-            return {}
-        ref = max(max(figs.values()), self.expected_for(pair) or 0.0)
-        slow = {p for p, v in figs.items() if v < self.factor * ref}
-        verdict = {n: all(p in slow for p in figs if n in p) and any(p not in slow for p in figs if n not in p)
-                   for n in (a, b, lone)}
-        if len(slow) == 1:  # one slow link: both of its ends
-            verdict.update({n: True for n in next(iter(slow))})
-        return verdict
 
 
 def _peak(recipe) -> float | None:
