@@ -148,7 +148,7 @@ def resolve(raw: dict[str, Any], overrides: Iterable[str] = (), profile: str | N
         from hpc_tools.recipe.provenance import looks_resolved, stamp
 
         if not looks_resolved(raw):
-            stamp(recipe, raw.get(profile) if profile is not None else None, overrides)
+            stamp(recipe, raw.get(profile) if profile is not None else None, _override_paths(overrides))
     if check:
         from hpc_tools.recipe.rules import check_recipe
 
@@ -156,6 +156,17 @@ def resolve(raw: dict[str, Any], overrides: Iterable[str] = (), profile: str | N
         if violations:
             raise RecipeError(violations, source)
     return recipe
+
+
+def _override_paths(overrides: Iterable[str]) -> set[str]:
+    """The dotted paths ``--set PATH=VALUE`` overrides write (a mapping value: its keys too)."""
+    from hpc_tools.recipe.provenance import paths
+
+    out: set[str] = set()
+    for text in overrides:
+        keys, value = parse_override(text)
+        out |= {".".join(keys)} | paths(value, ".".join(keys) + ".")
+    return out
 
 
 def load_resolved(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:

@@ -5,7 +5,7 @@ A value is *set* when the recipe wrote it (file, site file, profile, ``--set``) 
 left alone when a layer above the one that set it turned the feature off or chose another kind (``recipe.provenance``:
 the deepseek_v3 recipe's local profile writes ``fp8: null`` over its FP8 settings; a sweep cell or ``--set
 backend.kind=...`` picks another kind), or when it is a site file's default (a site sets options for every kind). The
-rules register with ``recipe.rules`` (imported there, last).
+rules are registered by ``recipe.rules`` (which imports them; this module imports nothing of it).
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from hpc_tools import backends
 from hpc_tools.errors import Violation
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.backend import BackendConfig
-from hpc_tools.recipe.provenance import provenance
-from hpc_tools.recipe.rules import rule
 from hpc_tools.recipe.schema import Recipe
 from hpc_tools.recipe.training import TrainingConfig
 
@@ -34,11 +32,16 @@ def set_options(section, name: str) -> list[tuple[str, Any]]:
             if field in section.model_fields_set or getattr(section, field) != default]
 
 
-@rule
+def _provenance(r: Recipe):
+    """The recipe's ``recipe.provenance.Provenance`` (set by ``resolve``; None: judged by what it holds alone). Read
+    as an attribute: importing that module here would close an import cycle through the site file's reader."""
+    return r._provenance
+
+
 def fp8_recipe_without_fp8(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """training.fp8_recipe written beside training.fp8: null does nothing (the rule in ``settings_take_effect``
     covers fp8 left out); an fp8: null from a layer above the recipe's FP8 settings turns them off on purpose."""
-    t, known = r.training, provenance(r)
+    t, known = r.training, _provenance(r)
     if known is None or t.fp8 is not None or "fp8" not in t.model_fields_set:
         return
     written = "fp8_recipe" in t.model_fields_set or t.fp8_recipe != FP8_RECIPE_DEFAULT
@@ -48,11 +51,10 @@ def fp8_recipe_without_fp8(r: Recipe, lay: ParallelLayout) -> Iterator[Violation
                         "set training.fp8: e4m3 or hybrid, or remove fp8_recipe")
 
 
-@rule
 def other_backend_options(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """Options of a backend kind the recipe does not train with (backend.deepspeed.* with backend.kind: horovod) are
     never read; the first one set is named, with the kind that reads it."""
-    known = provenance(r)
+    known = _provenance(r)
     if known is None:
         return
     b, ours = r.backend, backends.backend(r.backend.kind).options

@@ -56,18 +56,6 @@ def paths(data: Any, prefix: str = "") -> set[str]:
     return out
 
 
-def override_paths(overrides: Iterable[str]) -> set[str]:
-    """The paths ``--set PATH=VALUE`` overrides write (a mapping value: its keys too)."""
-    from hpc_tools.recipe.load import parse_override
-
-    out: set[str] = set()
-    for text in overrides:
-        keys, value = parse_override(text)
-        path = ".".join(keys)
-        out |= {path} | paths(value, path + ".")
-    return out
-
-
 def looks_resolved(raw: Any) -> bool:
     """Whether ``raw`` is a recipe ``dump_resolved`` wrote (a run folder's recipe.yaml, read by any path): every
     section written out, and under ``backend:`` every kind's options -- which no hand-written recipe needs. Its values
@@ -83,8 +71,9 @@ def looks_resolved(raw: Any) -> bool:
     return all(k in raw for k in sections) and all(isinstance(raw["backend"].get(k), dict) for k in options)
 
 
-def stamp(recipe, profile_block: Any, overrides: Iterable[str]) -> None:
-    """Record on ``recipe`` what the layers above its file wrote, and the site file's paths."""
+def stamp(recipe, profile_block: Any, override_paths: Iterable[str]) -> None:
+    """Record on ``recipe`` what the layers above its file wrote (``override_paths``: what --set and sweep cells
+    wrote, a mapping value's keys included), and the site file's paths."""
     from hpc_tools.recipe.site import read_site
 
     try:
@@ -92,7 +81,7 @@ def stamp(recipe, profile_block: Any, overrides: Iterable[str]) -> None:
     except Exception:  # noqa: BLE001 - read_yaml told a bad site file already; here it only exempts its defaults
         site = {}
     above = {p: 1 for p in paths(profile_block if isinstance(profile_block, dict) else {})}
-    above.update({p: 2 for p in override_paths(overrides)})
+    above.update({p: 2 for p in override_paths})
     recipe._provenance = Provenance(above, frozenset(paths(site)),
                                     {s: _value(recipe, s) for s in SWITCHES})
 

@@ -972,8 +972,12 @@ def settings_take_effect(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
                         "put a 1 at each MoE layer, or set num_experts: null")
 
 
-# The no-op rules that need to know which layer wrote a value (another kind's options, fp8_recipe beside fp8: null)
-from hpc_tools.recipe import noops  # noqa: E402,F401 - registers its rules here, after settings_take_effect
+# The no-op rules that need to know which layer wrote a value (another kind's options, fp8_recipe beside fp8: null),
+# registered here, after settings_take_effect (noops imports nothing of this module: no import cycle)
+from hpc_tools.recipe.noops import fp8_recipe_without_fp8, other_backend_options  # noqa: E402
+
+rule(fp8_recipe_without_fp8)
+rule(other_backend_options)
 
 
 @rule
