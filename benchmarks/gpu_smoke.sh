@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_smoke.sh --fetch-wheels DIR   # on a machine with network and torch: the wheels to carry
 #   bash benchmarks/gpu_smoke.sh [--wheels DIR] [--out DIR (default $OUT, else a temp folder)] [--dry-run]
 #                                [--only STEP,STEP... (those steps alone: a rerun of what failed)]
+#                                [--budget-s S (no step starts after S seconds; each step's limit ends by then)]
 #
 # On the GPU machine (no network): installs what --wheels holds (megatron-core, a pure-Python deepspeed wheel,
 # pydantic and its parts, submitit, transformers...), then runs, each step with its own time limit and log:
@@ -30,11 +31,14 @@
 # The pytest steps run without xdist (-n 0): one GPU module at a time on the one GPU (under xdist every gpu-marked
 # test is in one group too, tests/conftest.py). It writes OUT/summary.json: each step's status, exit code, seconds
 # and last lines, the GPU, and the figures of gpu_mfu, gpu_mfu_fsdp and side_by_side.
-# Time: the steps before gpu_mfu_fsdp took about 6 minutes on the H200 (docs/gpu-path.md), test_fused_kernels_gpu
-# adds about 1 (estimate), gpu_mfu_fsdp about 1.5 and side_by_side about 3.5 (estimates; 6 timed steps after 3 of
-# warm-up each): about 12 minutes up to side_by_side (issue 46's steps after it come on top). Issue 43's figures
-# alone fit one 10-minute device call:
-#   --only install,titan_install,fsdp,gpu_mfu_sdpa,gpu_mfu,gpu_mfu_fsdp,side_by_side
+# Order: the open issues' figures first (gpu_mfu or gpu_mfu_sdpa, gpu_mfu_fsdp, side_by_side), then the Megatron run
+# and what reads it (save, resume, export, hf_forward, eval_bf16, serve_gpu), horovod_nccl, then the regression checks
+# (moe_local, mla_local, profiling, gpu_units, deepspeed, fsdp, megatron_gpu). Time: the regression checks and the
+# Megatron run took about 6 minutes on the H200 (docs/gpu-path.md); gpu_mfu_fsdp about 1.5 and side_by_side about 3.5
+# more (estimates; 6 timed steps after 3 of warm-up each): about 12 minutes in all. One 10-minute device call:
+#   bash benchmarks/gpu_smoke.sh --wheels .whl --budget-s 540
+# gets the figures first; a step that would start after the budget is recorded "skipped" (budget), and --only reruns
+# what was left.
 # A failing step does not stop the others. --dry-run runs nothing on a GPU: it validates the Megatron runs' recipes
 # (offline) and writes the summary with every other step "planned". Exit status: 0 when no step failed.
 set -uo pipefail
@@ -45,12 +49,16 @@ out="${OUT:-${TMPDIR:-/tmp}/hpc_tools_gpu_smoke}"
 wheels=""
 dry_run=0
 only=""
+budget=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
     --wheels) wheels="$2"; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
     --only) only=",$2,"; shift 2 ;;
+    --budget-s)
+      [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "gpu_smoke: --budget-s ${2:-} must be a whole number of seconds" >&2; exit 2; }
+      budget="$2"; shift 2 ;;
     --fetch-wheels)
       # What the lent machine lacks (it has torch and transformers): megatron-core (its own wheel, without torch),
       # deepspeed built here as a pure-Python wheel (no ops compiled; torch must be installed here) and, resolved for
@@ -107,6 +115,14 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run it (unless --dry-run), log it, r
   local name="$1" limit="$2"; shift 2
   local log="$out/logs/$name.log" start=$SECONDS rc
   selected "$name" || return 0
+  if [ -n "$budget" ] && [ "$dry_run" = 0 ]; then  # the call's budget: skip what cannot finish, end the rest by it
+    local left=$((budget - SECONDS))
+    if [ "$left" -lt 30 ]; then
+      echo "budget: ${budget} s spent before this step" > "$log"; record "$name" skipped 0 0 "$log"
+      echo "gpu_smoke: $name skipped: budget"; return 1
+    fi
+    [ "$left" -lt "$limit" ] && limit="$left"
+  fi
   if [ "$dry_run" = 1 ]; then
     printf '%q ' "$@" > "$log"; echo >> "$log"
     record "$name" planned 0 0 "$log"; echo "gpu_smoke: $name planned"; return 0
@@ -151,16 +167,31 @@ fi
 # Python, packages, CUDA, driver, NCCL, TE / apex / flash-attn, for the Megatron job below: a bare `doctor` needs
 # every backend's package, Horovod's too, which no step here uses
 step env 300 "$py" -m hpc_tools doctor "${MEGATRON[@]}"
-step moe_local 600 "$py" -m hpc_tools submit "${MOE[@]}" --executor local
-# MLA on local layers: the refusal is the pass (exit 2 and one "error:" line); anything else fails the step
-step mla_local 300 bash -c '"$0" -m hpc_tools submit "$@" --executor local; rc=$?; echo "exit $rc";
-  [ "$rc" = 2 ] && [ "$(grep -c "^error:" "$LOG")" = 1 ]' "$py" "${MOE[@]}" --set model.multi_latent_attention=true
-step profiling 900 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_profiling_gpu.py
-# the fast tier's modules that take another branch where CUDA is there (pinned batches, the CUDA configs and refusals)
-step gpu_units 600 "$py" -m pytest -q -n 0 -p no:cacheprovider "${GPU_UNITS[@]}"
-step deepspeed 1800 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_deepspeed_gpu.py
-step fsdp 1800 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_fsdp_gpu.py \
-  tests/integration/test_fused_kernels_gpu.py
+# The open issues' figures first (a --budget-s call gets them before the regression checks): the Megatron path's MFU
+# (with Transformer Engine, or without it the local layers on SDPA), the Hugging Face path's (compiled blocks), then the
+# same Llama shape under torchtitan, Megatron and FSDP
+have_te=1
+if [ "$dry_run" = 0 ] && ! "$py" -c "import transformer_engine.pytorch" > "$out/logs/te_import.log" 2>&1; then
+  have_te=0
+  skip gpu_mfu "transformer_engine not importable here"
+  step gpu_mfu_sdpa 900 "$py" benchmarks/gpu_mfu.py --size 1.3b --layers sdpa --steps 6 --warmup 3 \
+    --json "$out/mfu_1.3b_sdpa.json"
+else
+  step gpu_mfu 1800 "$py" benchmarks/gpu_mfu.py --size 1.3b --json "$out/mfu_1.3b.json"
+fi
+step gpu_mfu_fsdp 900 "$py" benchmarks/gpu_mfu.py --backend fsdp --size 1.3b --steps 6 --warmup 3 \
+  --json "$out/mfu_1.3b_fsdp.json"
+step side_by_side 1200 "$py" benchmarks/gpu_side_by_side.py --steps 6 --warmup 3 --out "$out/side_by_side"
+if [ "$dry_run" = 1 ]; then
+  # what a dry run can prove of the two benchmarks: their recipes, the prediction, torchtitan's config and commands
+  step_rc=0
+  "$py" benchmarks/gpu_mfu.py --backend fsdp --size 1.3b --dry-run > "$out/logs/benchmark_plans.log" 2>&1 || step_rc=$?
+  "$py" benchmarks/gpu_side_by_side.py --dry-run --out "$out/side_by_side" >> "$out/logs/benchmark_plans.log" 2>&1 \
+    || step_rc=$?
+  record benchmark_plans "$([ "$step_rc" = 0 ] && echo passed || echo failed)" "$step_rc" 0 \
+    "$out/logs/benchmark_plans.log"
+fi
+
 if [ "$dry_run" = 1 ]; then
   # what a dry run can prove: the Megatron runs' recipes (gpt_3d's two, gpt_moe's) are valid as written here
   step_rc=0
@@ -199,29 +230,6 @@ assert torch.isfinite(out.loss), out.loss
 print('forward ok:', type(model).__name__, 'loss', float(out.loss))"
 else
   skip export "no resumed run"; skip hf_forward "no export"
-fi
-if [ "$dry_run" = 0 ] && ! "$py" -c "import transformer_engine.pytorch" > "$out/logs/te_import.log" 2>&1; then
-  skip megatron_gpu "transformer_engine not importable here (see logs/te_import.log)"
-  skip gpu_mfu "transformer_engine not importable here"
-  step gpu_mfu_sdpa 900 "$py" benchmarks/gpu_mfu.py --size 1.3b --layers sdpa --steps 6 --warmup 3 \
-    --json "$out/mfu_1.3b_sdpa.json"
-else
-  step megatron_gpu 3000 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_megatron_gpu.py \
-    tests/integration/test_gpu_tier.py
-  step gpu_mfu 1800 "$py" benchmarks/gpu_mfu.py --size 1.3b --json "$out/mfu_1.3b.json"
-fi
-# the Hugging Face path's MFU (compiled blocks), then the same Llama shape under torchtitan, Megatron and FSDP
-step gpu_mfu_fsdp 900 "$py" benchmarks/gpu_mfu.py --backend fsdp --size 1.3b --steps 6 --warmup 3 \
-  --json "$out/mfu_1.3b_fsdp.json"
-step side_by_side 1200 "$py" benchmarks/gpu_side_by_side.py --steps 6 --warmup 3 --out "$out/side_by_side"
-if [ "$dry_run" = 1 ]; then
-  # what a dry run can prove of the two benchmarks: their recipes, the prediction, torchtitan's config and commands
-  step_rc=0
-  "$py" benchmarks/gpu_mfu.py --backend fsdp --size 1.3b --dry-run > "$out/logs/benchmark_plans.log" 2>&1 || step_rc=$?
-  "$py" benchmarks/gpu_side_by_side.py --dry-run --out "$out/side_by_side" >> "$out/logs/benchmark_plans.log" 2>&1 \
-    || step_rc=$?
-  record benchmark_plans "$([ "$step_rc" = 0 ] && echo passed || echo failed)" "$step_rc" 0 \
-    "$out/logs/benchmark_plans.log"
 fi
 
 # ---- issue 46: serving, eval and Horovod on the GPU (eval_bf16, serve_gpu, horovod_nccl) ----------------------------
@@ -263,6 +271,24 @@ step horovod_nccl 900 bash -c 'if bash environment/install-horovod.sh; then "$0"
   sys; print(\"nccl_built\", h.nccl_built()); sys.exit(not h.nccl_built())"; else grep -q "nvcc is not on PATH" "$LOG";
   fi' "$py"
 # ---- end of issue 46's steps ----------------------------------------------------------------------------------------
+
+# The regression checks: what earlier reviews fixed must stay fixed on a GPU
+step moe_local 600 "$py" -m hpc_tools submit "${MOE[@]}" --executor local
+# MLA on local layers: the refusal is the pass (exit 2 and one "error:" line); anything else fails the step
+step mla_local 300 bash -c '"$0" -m hpc_tools submit "$@" --executor local; rc=$?; echo "exit $rc";
+  [ "$rc" = 2 ] && [ "$(grep -c "^error:" "$LOG")" = 1 ]' "$py" "${MOE[@]}" --set model.multi_latent_attention=true
+step profiling 900 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_profiling_gpu.py
+# the fast tier's modules that take another branch where CUDA is there (pinned batches, the CUDA configs and refusals)
+step gpu_units 600 "$py" -m pytest -q -n 0 -p no:cacheprovider "${GPU_UNITS[@]}"
+step deepspeed 1800 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_deepspeed_gpu.py
+step fsdp 1800 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_fsdp_gpu.py \
+  tests/integration/test_fused_kernels_gpu.py
+if [ "$have_te" = 0 ]; then
+  skip megatron_gpu "transformer_engine not importable here (see logs/te_import.log)"
+else
+  step megatron_gpu 3000 "$py" -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_megatron_gpu.py \
+    tests/integration/test_gpu_tier.py
+fi
 
 "$py" - "$out" <<'PY'
 import json, sys, time

@@ -8,9 +8,9 @@ import subprocess
 
 from tests.helpers import REPO
 
-STEPS = ["env", "moe_local", "mla_local", "profiling", "gpu_units", "deepspeed", "fsdp", "megatron_recipes",
-         "megatron_save", "megatron_resume", "export", "hf_forward", "megatron_gpu", "gpu_mfu", "gpu_mfu_fsdp",
-         "side_by_side", "benchmark_plans", "eval_bf16", "serve_gpu", "horovod_nccl"]
+STEPS = ["env", "gpu_mfu", "gpu_mfu_fsdp", "side_by_side", "benchmark_plans", "megatron_recipes",
+         "megatron_save", "megatron_resume", "export", "hf_forward", "eval_bf16", "serve_gpu", "horovod_nccl",
+         "moe_local", "mla_local", "profiling", "gpu_units", "deepspeed", "fsdp", "megatron_gpu"]
 CHECKED = {"megatron_recipes", "benchmark_plans"}  # what a dry run runs: the recipes, and the benchmarks' dry runs
 
 
@@ -59,7 +59,7 @@ def test_only_runs_the_named_steps(tmp_path):
     subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_smoke.sh"), "--dry-run", "--only", "env,gpu_units",
                     "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path, check=True)
     steps = [s["step"] for s in json.loads((out / "summary.json").read_text())["steps"]]
-    assert steps == ["env", "gpu_units", "megatron_recipes", "benchmark_plans"]  # the dry run's checks always run
+    assert steps == ["env", "benchmark_plans", "megatron_recipes", "gpu_units"]  # the dry run's checks always run
 
 
 def test_an_unknown_argument_is_one_line_naming_help(tmp_path):
@@ -116,3 +116,28 @@ def test_fetch_wheels_gathers_liger_at_the_gpu_pin_and_torchtitan_apart():
                   "tensorboard=="):
         assert wheel in titan, wheel
     assert 'titan_install 300 "$py" -m pip install --no-index --no-deps "$wheels"/titan/*.whl' in script
+
+
+def test_the_open_issues_figures_come_before_the_regression_checks():
+    """A budgeted call (one 10-minute device call) gets the figures first: the MFU benchmarks and the side by side
+    before the Megatron run, and those before the regression checks."""
+    assert STEPS.index("side_by_side") < STEPS.index("megatron_save") < STEPS.index("moe_local")
+
+
+def test_a_budget_spent_skips_every_step_and_runs_nothing(tmp_path):
+    out = tmp_path / "smoke"
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_smoke.sh"), "--budget-s", "0", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = json.loads((out / "summary.json").read_text())["steps"]
+    assert steps and all(s["status"] == "skipped" for s in steps), steps
+    budget = [s["step"] for s in steps if s["tail"] == ["budget: 0 s spent before this step"]]
+    assert {"env", "gpu_mfu_fsdp", "side_by_side", "megatron_save", "horovod_nccl", "moe_local"} <= set(budget)
+    assert not (out / "runs").exists()  # nothing ran
+
+
+def test_a_budget_that_is_not_a_number_is_one_line(tmp_path):
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_smoke.sh"), "--budget-s", "ten"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "gpu_smoke: --budget-s ten must be a whole number of seconds"
