@@ -237,65 +237,15 @@ def megatron_to_hf(mc: dict[str, "torch.Tensor"], m: "ModelConfig", layers: str 
                    ) -> dict[str, "torch.Tensor"]:
     """Global Megatron-core tensors of a model built with ``layers`` -> Hugging Face state dict (as
     ``save_pretrained`` writes it: a tied output projection is not stored)."""
-    import torch
-
-    arch, V, heads, groups = architecture(m), m.vocab_size, m.num_attention_heads, m.num_query_groups
+    arch, V = architecture(m), m.vocab_size
     missing = [k for k in megatron_keys(m, layers) if k not in mc]
     if missing:
         raise KeyError(f"missing Megatron tensors {missing[:4]}")
-    bias = m.add_bias_linear
     norm2 = norm2_prefix(m, layers)  # NORM2, or the TE MoE layer's own norm
-
-    def zeros(n: int) -> "torch.Tensor":
-        return torch.zeros(n, dtype=mc[EMBED].dtype)
-
-    out: dict[str, torch.Tensor] = {}
+    layer_to_hf = {MIXTRAL: _mixtral_layer_to_hf, GPT2: _gpt2_layer_to_hf}.get(arch, _llama_layer_to_hf)
+    out: dict[str, "torch.Tensor"] = {}
     for i in range(m.num_layers):
-        q, k, v = split_qkv(mc[QKV + "weight"][i], heads, groups)
-        qkv_b = split_qkv(mc[QKV + "bias"][i], heads, groups) if bias else None
-        if arch == MIXTRAL:
-            p, ffn = f"model.layers.{i}.", m.moe_ffn_hidden_size
-            out[p + "input_layernorm.weight"] = _c(mc[NORM1 + "weight"][i])
-            out[p + "post_attention_layernorm.weight"] = _c(mc[norm2 + "weight"][i])
-            out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = q, k
-            out[p + "self_attn.v_proj.weight"], out[p + "self_attn.o_proj.weight"] = v, _c(mc[PROJ + "weight"][i])
-            out[p + "block_sparse_moe.gate.weight"] = _c(mc[ROUTER][i])
-            for j in range(m.num_experts):
-                e = p + f"block_sparse_moe.experts.{j}."
-                fc1 = mc[EXPERT_FC1][i, j]
-                out[e + "w1.weight"], out[e + "w3.weight"] = _c(fc1[:ffn]), _c(fc1[ffn:])
-                out[e + "w2.weight"] = _c(mc[EXPERT_FC2][i, j])
-            continue
-        proj_w, fc1_w, fc2_w = mc[PROJ + "weight"][i], mc[FC1 + "weight"][i], mc[FC2 + "weight"][i]
-        if arch == GPT2:
-            p = f"transformer.h.{i}."
-            h, ffn = m.hidden_size, m.ffn_hidden_size
-            out[p + "ln_1.weight"], out[p + "ln_1.bias"] = _c(mc[NORM1 + "weight"][i]), _c(mc[NORM1 + "bias"][i])
-            out[p + "attn.c_attn.weight"] = _c(torch.cat([q, k, v]).t())  # Conv1D: [in, out]
-            out[p + "attn.c_attn.bias"] = torch.cat(qkv_b) if bias else zeros(3 * h)
-            out[p + "attn.c_proj.weight"] = _c(proj_w.t())
-            out[p + "attn.c_proj.bias"] = _c(mc[PROJ + "bias"][i]) if bias else zeros(h)
-            out[p + "ln_2.weight"], out[p + "ln_2.bias"] = _c(mc[norm2 + "weight"][i]), _c(mc[norm2 + "bias"][i])
-            out[p + "mlp.c_fc.weight"] = _c(fc1_w.t())
-            out[p + "mlp.c_fc.bias"] = _c(mc[FC1 + "bias"][i]) if bias else zeros(ffn)
-            out[p + "mlp.c_proj.weight"] = _c(fc2_w.t())
-            out[p + "mlp.c_proj.bias"] = _c(mc[FC2 + "bias"][i]) if bias else zeros(h)
-        else:
-            p = f"model.layers.{i}."
-            ffn = m.ffn_hidden_size
-            out[p + "input_layernorm.weight"] = _c(mc[NORM1 + "weight"][i])
-            out[p + "post_attention_layernorm.weight"] = _c(mc[norm2 + "weight"][i])
-            out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = q, k
-            out[p + "self_attn.v_proj.weight"], out[p + "self_attn.o_proj.weight"] = v, _c(proj_w)
-            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = _c(fc1_w[:ffn]), _c(fc1_w[ffn:])
-            out[p + "mlp.down_proj.weight"] = _c(fc2_w)
-            if bias:
-                for name, t in zip(("q_proj", "k_proj", "v_proj"), qkv_b):
-                    out[p + f"self_attn.{name}.bias"] = t
-                out[p + "self_attn.o_proj.bias"] = _c(mc[PROJ + "bias"][i])
-                out[p + "mlp.gate_proj.bias"] = _c(mc[FC1 + "bias"][i][:ffn])
-                out[p + "mlp.up_proj.bias"] = _c(mc[FC1 + "bias"][i][ffn:])
-                out[p + "mlp.down_proj.bias"] = _c(mc[FC2 + "bias"][i])
+        layer_to_hf(out, mc, m, i, norm2)
     if arch == GPT2:
         out["transformer.wte.weight"] = _c(mc[EMBED][:V])
         out["transformer.wpe.weight"] = _c(mc[POSITIONS])
@@ -307,6 +257,72 @@ def megatron_to_hf(mc: dict[str, "torch.Tensor"], m: "ModelConfig", layers: str 
     if m.untie_embeddings:
         out["lm_head.weight"] = _c(mc[OUTPUT][:V])
     return out
+
+
+def _mixtral_layer_to_hf(out: dict, mc: dict[str, "torch.Tensor"], m: "ModelConfig", i: int, norm2: str) -> None:
+    """Layer ``i`` of a Mixtral model into ``out`` (the router and each expert's w1/w3 halves of fc1 and w2)."""
+    q, k, v = split_qkv(mc[QKV + "weight"][i], m.num_attention_heads, m.num_query_groups)
+    p, ffn = f"model.layers.{i}.", m.moe_ffn_hidden_size
+    out[p + "input_layernorm.weight"] = _c(mc[NORM1 + "weight"][i])
+    out[p + "post_attention_layernorm.weight"] = _c(mc[norm2 + "weight"][i])
+    out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = q, k
+    out[p + "self_attn.v_proj.weight"], out[p + "self_attn.o_proj.weight"] = v, _c(mc[PROJ + "weight"][i])
+    out[p + "block_sparse_moe.gate.weight"] = _c(mc[ROUTER][i])
+    for j in range(m.num_experts):
+        e = p + f"block_sparse_moe.experts.{j}."
+        fc1 = mc[EXPERT_FC1][i, j]
+        out[e + "w1.weight"], out[e + "w3.weight"] = _c(fc1[:ffn]), _c(fc1[ffn:])
+        out[e + "w2.weight"] = _c(mc[EXPERT_FC2][i, j])
+
+
+def _gpt2_layer_to_hf(out: dict, mc: dict[str, "torch.Tensor"], m: "ModelConfig", i: int, norm2: str) -> None:
+    """Layer ``i`` of a GPT-2 model into ``out`` (Conv1D weights are [in, out]; biases zero where Megatron has
+    none)."""
+    import torch
+
+    heads, groups, bias = m.num_attention_heads, m.num_query_groups, m.add_bias_linear
+    q, k, v = split_qkv(mc[QKV + "weight"][i], heads, groups)
+    qkv_b = split_qkv(mc[QKV + "bias"][i], heads, groups) if bias else None
+
+    def zeros(n: int) -> "torch.Tensor":
+        return torch.zeros(n, dtype=mc[EMBED].dtype)
+
+    proj_w, fc1_w, fc2_w = mc[PROJ + "weight"][i], mc[FC1 + "weight"][i], mc[FC2 + "weight"][i]
+    p = f"transformer.h.{i}."
+    h, ffn = m.hidden_size, m.ffn_hidden_size
+    out[p + "ln_1.weight"], out[p + "ln_1.bias"] = _c(mc[NORM1 + "weight"][i]), _c(mc[NORM1 + "bias"][i])
+    out[p + "attn.c_attn.weight"] = _c(torch.cat([q, k, v]).t())  # Conv1D: [in, out]
+    out[p + "attn.c_attn.bias"] = torch.cat(qkv_b) if bias else zeros(3 * h)
+    out[p + "attn.c_proj.weight"] = _c(proj_w.t())
+    out[p + "attn.c_proj.bias"] = _c(mc[PROJ + "bias"][i]) if bias else zeros(h)
+    out[p + "ln_2.weight"], out[p + "ln_2.bias"] = _c(mc[norm2 + "weight"][i]), _c(mc[norm2 + "bias"][i])
+    out[p + "mlp.c_fc.weight"] = _c(fc1_w.t())
+    out[p + "mlp.c_fc.bias"] = _c(mc[FC1 + "bias"][i]) if bias else zeros(ffn)
+    out[p + "mlp.c_proj.weight"] = _c(fc2_w.t())
+    out[p + "mlp.c_proj.bias"] = _c(mc[FC2 + "bias"][i]) if bias else zeros(h)
+
+
+def _llama_layer_to_hf(out: dict, mc: dict[str, "torch.Tensor"], m: "ModelConfig", i: int, norm2: str) -> None:
+    """Layer ``i`` of a Llama-shaped model into ``out`` (fc1 split into gate and up projections)."""
+    heads, groups, bias = m.num_attention_heads, m.num_query_groups, m.add_bias_linear
+    q, k, v = split_qkv(mc[QKV + "weight"][i], heads, groups)
+    qkv_b = split_qkv(mc[QKV + "bias"][i], heads, groups) if bias else None
+    proj_w, fc1_w, fc2_w = mc[PROJ + "weight"][i], mc[FC1 + "weight"][i], mc[FC2 + "weight"][i]
+    p = f"model.layers.{i}."
+    ffn = m.ffn_hidden_size
+    out[p + "input_layernorm.weight"] = _c(mc[NORM1 + "weight"][i])
+    out[p + "post_attention_layernorm.weight"] = _c(mc[norm2 + "weight"][i])
+    out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = q, k
+    out[p + "self_attn.v_proj.weight"], out[p + "self_attn.o_proj.weight"] = v, _c(proj_w)
+    out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = _c(fc1_w[:ffn]), _c(fc1_w[ffn:])
+    out[p + "mlp.down_proj.weight"] = _c(fc2_w)
+    if bias:
+        for name, t in zip(("q_proj", "k_proj", "v_proj"), qkv_b):
+            out[p + f"self_attn.{name}.bias"] = t
+        out[p + "self_attn.o_proj.bias"] = _c(mc[PROJ + "bias"][i])
+        out[p + "mlp.gate_proj.bias"] = _c(mc[FC1 + "bias"][i][:ffn])
+        out[p + "mlp.up_proj.bias"] = _c(mc[FC1 + "bias"][i][ffn:])
+        out[p + "mlp.down_proj.bias"] = _c(mc[FC2 + "bias"][i])
 
 
 def hf_to_megatron(hf: Mapping[str, "torch.Tensor"], m: "ModelConfig", padded_vocab: int,
