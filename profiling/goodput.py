@@ -214,16 +214,7 @@ def measure(records_dir: Path, manifest: dict[str, Any], world_size: int, gpu: b
                 life.evaluation_s = float(np.nansum(cols["eval_time_s"][in_life]))
                 # an evaluation ends after its step's record time: the life lasted at least that long
                 last_activity += float(np.nan_to_num(cols["eval_time_s"][in_life][-1:]).sum())
-        saves: dict[Any, float] = {}
-        for e in owned.get(k, []):
-            last_activity = max(last_activity, e["time"])
-            if e.get("event") == "checkpoint_load":
-                life.checkpoint_load_s = max(life.checkpoint_load_s, float(e.get("seconds") or 0.0))
-            elif e.get("event") == "checkpoint_save":
-                saves[e.get("step")] = max(saves.get(e.get("step"), 0.0), float(e.get("seconds") or 0.0))
-            elif e.get("event") == "recovery":  # one per life (a restart starts a life): the slowest rank's
-                life.recovery_s = max(life.recovery_s, float(e.get("seconds") or 0.0))
-        life.checkpoint_blocked_s, life.saves = float(sum(saves.values())), len(saves)
+        last_activity = _count_events(life, owned.get(k, []), last_activity)
         life.preflight_s = preflight.get(k, 0.0)
         ends = [t for t in ended if last_activity - 1 <= t < nxt]
         if ends:
@@ -238,6 +229,23 @@ def measure(records_dir: Path, manifest: dict[str, Any], world_size: int, gpu: b
     out.lives = lives
     out.requeue_wait_s = float(sum(max(b.start - a.end, 0.0) for a, b in zip(lives, lives[1:])))
     return out
+
+
+def _count_events(life: Life, owned: list[dict[str, Any]], last_activity: float) -> float:
+    """A life's own events into ``life``: its checkpoint load and recovery (the slowest rank's), each step's save
+    once (the slowest rank's seconds, summed as the time saves blocked); returns the latest event time, or
+    ``last_activity`` when that is later."""
+    saves: dict[Any, float] = {}
+    for e in owned:
+        last_activity = max(last_activity, e["time"])
+        if e.get("event") == "checkpoint_load":
+            life.checkpoint_load_s = max(life.checkpoint_load_s, float(e.get("seconds") or 0.0))
+        elif e.get("event") == "checkpoint_save":
+            saves[e.get("step")] = max(saves.get(e.get("step"), 0.0), float(e.get("seconds") or 0.0))
+        elif e.get("event") == "recovery":  # one per life (a restart starts a life): the slowest rank's
+            life.recovery_s = max(life.recovery_s, float(e.get("seconds") or 0.0))
+    life.checkpoint_blocked_s, life.saves = float(sum(saves.values())), len(saves)
+    return last_activity
 
 
 def _preflight_by_life(events: dict[int, list[dict[str, Any]]], anchors: list[float]) -> dict[int, float]:
