@@ -141,7 +141,7 @@ def wait_ready(port: int, timeout_s: float) -> bool:
     return False
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="Hugging Face model folder")
     p.add_argument("--http-port", type=int, default=8000, help="0: any free port")
@@ -152,8 +152,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--queue-delay-us", type=int, default=2000, help="dynamic batcher's max queue delay")
     p.add_argument("--ready-timeout-s", type=float, default=300)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def choose_ports(args: argparse.Namespace) -> tuple[int, int]:
+    """(HTTP, gRPC) ports: the ones asked for, refused in one line when in use, or any two free ones for 0."""
     for flag in ("http_port", "grpc_port"):
         port = getattr(args, flag)
         if port and not port_free(port):
@@ -163,6 +166,32 @@ def main(argv=None) -> int:
     grpc_port = args.grpc_port or any_free_port()
     while grpc_port == http_port:
         grpc_port = any_free_port()
+    return http_port, grpc_port
+
+
+def bind_generate(triton, args: argparse.Namespace, model, tokenizer, torch, np) -> None:
+    """The ``generate`` model: token ids or text in, greedy (or sampled) tokens out, dynamically batched."""
+    from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+
+    triton.bind(
+        model_name=MODEL,
+        infer_func=make_infer(model, tokenizer, torch, np),
+        inputs=[Tensor(name="input_ids", dtype=np.int64, shape=(-1,), optional=True),
+                Tensor(name="text", dtype=bytes, shape=(1,), optional=True),
+                Tensor(name="max_tokens", dtype=np.int32, shape=(1,)),
+                Tensor(name="temperature", dtype=np.float32, shape=(1,), optional=True)],
+        outputs=[Tensor(name="output_ids", dtype=np.int64, shape=(-1,)),
+                 Tensor(name="text", dtype=bytes, shape=(1,)),
+                 Tensor(name="batch_size", dtype=np.int32, shape=(1,))],
+        config=ModelConfig(max_batch_size=args.max_batch_size,
+                           batcher=DynamicBatcher(max_queue_delay_microseconds=args.queue_delay_us)),
+        strict=False,
+    )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    http_port, grpc_port = choose_ports(args)
 
     import numpy as np
     import torch
@@ -178,7 +207,6 @@ def main(argv=None) -> int:
     except (OSError, ValueError):
         tokenizer = None
 
-    from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
     from pytriton.triton import Triton, TritonConfig
 
     config = TritonConfig(http_port=http_port, grpc_port=grpc_port, allow_metrics=False, exit_on_error=True)
@@ -186,20 +214,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     started = time.monotonic()
     with Triton(config=config) as triton:
-        triton.bind(
-            model_name=MODEL,
-            infer_func=make_infer(model, tokenizer, torch, np),
-            inputs=[Tensor(name="input_ids", dtype=np.int64, shape=(-1,), optional=True),
-                    Tensor(name="text", dtype=bytes, shape=(1,), optional=True),
-                    Tensor(name="max_tokens", dtype=np.int32, shape=(1,)),
-                    Tensor(name="temperature", dtype=np.float32, shape=(1,), optional=True)],
-            outputs=[Tensor(name="output_ids", dtype=np.int64, shape=(-1,)),
-                     Tensor(name="text", dtype=bytes, shape=(1,)),
-                     Tensor(name="batch_size", dtype=np.int32, shape=(1,))],
-            config=ModelConfig(max_batch_size=args.max_batch_size,
-                               batcher=DynamicBatcher(max_queue_delay_microseconds=args.queue_delay_us)),
-            strict=False,
-        )
+        bind_generate(triton, args, model, tokenizer, torch, np)
         triton.run()
         if not wait_ready(http_port, args.ready_timeout_s):
             fail(args, f"Triton did not report model {MODEL} ready within {args.ready_timeout_s:.0f} s "
@@ -213,7 +228,6 @@ def main(argv=None) -> int:
         while not stopping and triton.is_alive():
             time.sleep(0.5)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
