@@ -293,10 +293,7 @@ def measured_search(recipe_path: str | Path, k: int, overrides: list[str] = (), 
     from hpc_tools.planner.search import search
     from hpc_tools.planner.steptime import DEFAULT_EFFICIENCY
     from hpc_tools.recipe.load import read_yaml, resolve
-    from hpc_tools.recipe.sweep import SweepConfig
     from hpc_tools.submission import choose_executor
-    from hpc_tools.sweep.grid import SweepPlan
-    from hpc_tools.sweep.runner import create_sweep, submit_cells
 
     if k < 1:
         raise UserError(f"--measure {k} must be >= 1 (the number of candidates to run)")
@@ -328,23 +325,36 @@ def measured_search(recipe_path: str | Path, k: int, overrides: list[str] = (), 
         report.notes.append(f"{recipe.cluster.gpu_type} ranks have no peak FLOP/s: candidates are predicted with a "
                             f"planning peak of {peak} TFLOP/s per rank (never recorded as MFU)")
     cells = _candidate_cells(raw, source, profile, user, extra, candidates)
+    _run_cells(report, cells, source, root, user + extra, say, poll_s)
+    feed_calibration(report, calibration, save)
+    report.outcomes = rank_outcomes(report.outcomes)
+    return report
+
+
+def _run_cells(report: MeasureReport, cells: list, source: str, root: str | Path | None, base_overrides: list[str],
+               say: Say, poll_s: float) -> None:
+    """The candidates' cells run as one sweep on ``report.executor`` and waited for, their figures collected into
+    ``report.outcomes``; a cell that is not valid is not run (its reasons are the outcome's)."""
+    from hpc_tools.recipe.sweep import SweepConfig
+    from hpc_tools.sweep.grid import SweepPlan
+    from hpc_tools.sweep.runner import create_sweep, submit_cells
+
     for cell, o in zip(cells, report.outcomes):
         if not cell.valid:
             o.status, o.reason = NOT_RUN, "; ".join(cell.reasons)
     valid = [c for c in cells if c.valid]
-    if valid:
-        plan = SweepPlan(name=f"{recipe.name}-measure", config=SweepConfig(grid=_grid(cells), scaling="none"),
-                         cells=cells, base_overrides=user + extra, profile=profile)
-        folder = create_sweep(plan, source, chosen, root)
-        report.sweep = str(folder.path)
-        say(f"measuring {len(valid)} candidate(s), {report.warmup_steps} warm-up + {steps} measured step(s) each, "
-            f"executor {chosen}: {folder.path}")
-        submit_cells(folder, [c["id"] for c in folder.read()["cells"]], chosen, say)
-        data = _wait_slurm(folder, say, poll_s) if chosen == "slurm" else folder.read()
-        collect(report.outcomes, data["cells"], folder.path)
-    feed_calibration(report, calibration, save)
-    report.outcomes = rank_outcomes(report.outcomes)
-    return report
+    if not valid:
+        return
+    chosen = report.executor
+    plan = SweepPlan(name=f"{report.recipe}-measure", config=SweepConfig(grid=_grid(cells), scaling="none"),
+                     cells=cells, base_overrides=base_overrides, profile=report.profile)
+    folder = create_sweep(plan, source, chosen, root)
+    report.sweep = str(folder.path)
+    say(f"measuring {len(valid)} candidate(s), {report.warmup_steps} warm-up + {report.steps} measured step(s) each, "
+        f"executor {chosen}: {folder.path}")
+    submit_cells(folder, [c["id"] for c in folder.read()["cells"]], chosen, say)
+    data = _wait_slurm(folder, say, poll_s) if chosen == "slurm" else folder.read()
+    collect(report.outcomes, data["cells"], folder.path)
 
 
 def _memory(value: float | None, unit) -> str:
