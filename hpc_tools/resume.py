@@ -171,6 +171,26 @@ def _check_world(recipe, executor: str, source: str) -> None:
         raise RecipeError(found, source)
 
 
+def _resume_executor(run, manifest: dict, executor: str, exclude: str | None) -> str:
+    """The executor a resume submits with (``auto``: the one the run recorded), refused in one line where it cannot
+    (no job.sbatch to resubmit, ``--exclude`` on this machine, Slurm not answering)."""
+    chosen = (manifest.get("executor") or "local") if executor == "auto" else executor
+    if chosen not in ("local", "slurm", "sbatch"):
+        raise UserError(f"run {run.run_id} records executor {chosen!r}; resume it with --executor local or slurm")
+    if chosen == "sbatch" and not (run.path / "job.sbatch").is_file():
+        raise UserError(f"run {run.run_id} has no job.sbatch to resubmit; use --executor slurm")
+    if chosen == "local" and exclude:
+        raise UserError("--exclude names Slurm nodes; it needs --executor slurm or sbatch")
+    if chosen != "local":
+        from hpc_tools.executors.slurm import slurm_available
+
+        ok, why = slurm_available()
+        if not ok:
+            raise UserError(f"Slurm does not answer: {why} (retry when it does, or resume on this machine with "
+                            "--executor local)")
+    return chosen
+
+
 def plan_resume(ref: str, runs_dir: str | Path | None = None, executor: str = "auto", exclude: str | None = None,
                 overrides: Iterable[str] = ()) -> ResumePlan:
     """Check that run ``ref`` can be resumed and how; raises UserError (nothing written) when it cannot."""
@@ -212,20 +232,7 @@ def plan_resume(ref: str, runs_dir: str | Path | None = None, executor: str = "a
     if from_step >= iters:
         raise UserError(f"run {run.run_id}'s newest checkpoint ({newest.name}) holds its last step ({iters}): "
                         f"nothing to resume ({fresh})")
-    chosen = (manifest.get("executor") or "local") if executor == "auto" else executor
-    if chosen not in ("local", "slurm", "sbatch"):
-        raise UserError(f"run {run.run_id} records executor {chosen!r}; resume it with --executor local or slurm")
-    if chosen == "sbatch" and not (run.path / "job.sbatch").is_file():
-        raise UserError(f"run {run.run_id} has no job.sbatch to resubmit; use --executor slurm")
-    if chosen == "local" and exclude:
-        raise UserError("--exclude names Slurm nodes; it needs --executor slurm or sbatch")
-    if chosen != "local":
-        from hpc_tools.executors.slurm import slurm_available
-
-        ok, why = slurm_available()
-        if not ok:
-            raise UserError(f"Slurm does not answer: {why} (retry when it does, or resume on this machine with "
-                            "--executor local)")
+    chosen = _resume_executor(run, manifest, executor, exclude)
     _check_world(recipe, chosen, str(run.recipe_path))
     restart = max(int(manifest.get("restart_count") or 0), int(tail.get("restart") or 0)) + 1
     new_text = dump_resolved(recipe)
