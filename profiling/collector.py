@@ -183,8 +183,13 @@ class StepCollector:
             "model_flops_per_step": model_flops, "hardware_flops_per_step": hardware_flops,
             "tokens_per_step": tokens_per_step, "bubble_theory": theory_bubble,
             "timing": "cuda-events" if cuda else "perf_counter", **(header or {})})
-        if not self.enabled:
-            return
+        if self.enabled:
+            self._start(pipeline_size, device_index)
+
+    def _start(self, pipeline_size: int, device_index: int) -> None:
+        """An enabled collector's parts: the record writer and its start event, the stall clock, the collective
+        tracer (communication, or the pipeline bubble's p2p waits), GPU telemetry and the torch-profiler traces."""
+        rank, cuda = self.rank, self.cuda
         self.writer = RecordWriter(self.records_dir, rank)
         self.event("start", process_start=process_start_time(), node=self.node)
         self._stall = StallClock()
