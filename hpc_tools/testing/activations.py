@@ -166,6 +166,22 @@ def _build(recipe, case: Case):
     return wrapped, model, cfg
 
 
+def _inputs(recipe, case: Case, model, cfg) -> tuple[Any, Any, Any]:
+    """One micro-batch: its tokens, their positions (as the engine builds them) and, on a chunk that computes the
+    loss, its labels (else None); a chunk after the first gets its hidden input from the previous stage's shape."""
+    import torch
+
+    m, b, t = recipe.model, recipe.training.micro_batch_size, case.tensor
+    s = m.seq_length
+    tokens = torch.randint(0, m.vocab_size, (b, s))
+    positions = torch.arange(s, dtype=torch.long).unsqueeze(0).expand_as(tokens)  # as the engine builds them
+    if case.role in ("middle", "last"):
+        tokens_here = s // t if case.sp else s
+        hidden = torch.randn(tokens_here, b, m.hidden_size, dtype=cfg.params_dtype, requires_grad=True)
+        model.set_input_tensor(hidden)
+    return tokens, positions, tokens if case.role in ("both", "last") else None
+
+
 def measure_case(case: Case) -> dict[str, Any]:
     """Bytes autograd saves in one forward of this chunk (per layer, edges, total)."""
     import gc
@@ -179,14 +195,7 @@ def measure_case(case: Case) -> dict[str, Any]:
     torch.manual_seed(0)
     wrapped, model, cfg = _build(recipe, case)
     wrapped.train()
-    m, b, t = recipe.model, recipe.training.micro_batch_size, case.tensor
-    s = m.seq_length
-    tokens = torch.randint(0, m.vocab_size, (b, s))
-    positions = torch.arange(s, dtype=torch.long).unsqueeze(0).expand_as(tokens)  # as the engine builds them
-    if case.role in ("middle", "last"):
-        tokens_here = s // t if case.sp else s
-        hidden = torch.randn(tokens_here, b, m.hidden_size, dtype=cfg.params_dtype, requires_grad=True)
-        model.set_input_tensor(hidden)
+    tokens, positions, labels = _inputs(recipe, case, model, cfg)
     skip = {p.untyped_storage().data_ptr() for p in wrapped.parameters()}
     owner = ["edge"]
     packed: list[tuple[int, int, str, weakref.ref]] = []  # (storage address, bytes, owner, holder)
@@ -209,7 +218,6 @@ def measure_case(case: Case) -> dict[str, Any]:
     for i, layer in enumerate(layers):
         hooks.append(layer.register_forward_pre_hook(lambda *_, i=i: owner.__setitem__(0, f"layer{i}")))
         hooks.append(layer.register_forward_hook(lambda *_: owner.__setitem__(0, "edge")))
-    labels = tokens if case.role in ("both", "last") else None
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.x):
         out = wrapped(tokens, positions, None, labels=labels)
         if labels is not None:
