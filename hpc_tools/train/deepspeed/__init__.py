@@ -2,6 +2,6 @@
 
 Modules: ``ds_config`` (recipe -> ds_config.json), ``schedule`` (the learning-rate shape), ``model`` (the HF model
 from ``model:`` or a local folder), ``pipeline`` (the same model as a DeepSpeed PipelineModule), ``trainer``
-(``run(ctx)`` on every rank), ``export`` (a trained run -> a plain Hugging Face model folder), ``device`` (the rank's device as DeepSpeed sees it). Only ``trainer`` and
-``export`` import torch/deepspeed, and only when called.
+(``run(ctx)`` on every rank), ``export`` (a trained run -> a plain Hugging Face model folder), ``device`` (the rank's
+device as DeepSpeed sees it). Only ``trainer`` and ``export`` import torch/deepspeed, and only when called.
 """
