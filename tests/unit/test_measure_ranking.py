@@ -13,7 +13,7 @@ import yaml
 
 from hpc_tools.cli import main
 from hpc_tools.errors import UserError
-from hpc_tools.planner.efficiency import efficiency_for
+from hpc_tools.planner.efficiency import efficiency_for, efficiency_key
 from hpc_tools.planner.search import search
 from hpc_tools.recipe.load import dump_resolved, resolve
 from hpc_tools.sweep.measure import (
@@ -119,10 +119,13 @@ def test_calibration_is_fed_relative_to_the_planning_peak(measured):
     report, truth, store = measured
     feed_calibration(report, store, save=True)
     fitted = report.calibration["fitted"]
-    assert list(fitted) == ["cpu/megatron"] and len(fitted["cpu/megatron"]["runs"]) == 3
-    eff = fitted["cpu/megatron"]["efficiency"]
+    key = efficiency_key(tiny())  # the kind and the attention path: megatron+sdpa (local layers, flash on)
+    assert key == "megatron+sdpa"
+    assert list(fitted) == [f"cpu/{key}"] and len(fitted[f"cpu/{key}"]["runs"]) == 3
+    eff = fitted[f"cpu/{key}"]["efficiency"]
     assert 0 < eff < report.efficiency  # a CPU is far slower than the planning figures
-    assert efficiency_for(tiny().cluster, "megatron", store)[0] == pytest.approx(eff)
+    assert efficiency_for(tiny().cluster, key, store)[0] == pytest.approx(eff)
+    assert efficiency_for(tiny().cluster, "megatron", store) is None  # never prices TE layers
     assert efficiency_for(tiny().cluster, "fsdp", store) is None  # a Megatron calibration never prices FSDP
     for o in report.measured:  # the fit's predictions bracket the measured times
         assert o.predicted_step_s_after_fit is not None
@@ -145,7 +148,8 @@ def test_report_table_and_json(measured, capsys):
     assert f"{truth[2]:.4f}" in rows[0] and f"{truth[0]:.4f}" in rows[2]
     assert "out_of_memory: predicted #4" in out and "OutOfMemoryError" in out
     assert "Kendall tau -1.00" in out and "did not win" in out
-    assert "calibration cpu/megatron: efficiency 0.5 (default) ->" in out and "not stored" in out
+    assert f"calibration cpu/megatron+sdpa: efficiency {report.efficiency:g} (default) ->" in out
+    assert "not stored" in out
     assert "Apply it: --set parallel.tensor_size=" in out
     data = json.loads(json.dumps(report.as_dict(), default=str))
     assert data["measured"] == 3 and data["failed"] == 1
@@ -180,8 +184,8 @@ def test_invalid_status_is_never_measured():
 
 @pytest.mark.parametrize("argv, message", [
     (["plan", "RECIPE", "--measure", "3"], "use it with --search"),
-    (["plan", "RECIPE", "--search", "--measure", "0"], "--measure 0 must be >= 1"),
-    (["plan", "RECIPE", "--search", "--measure", "2", "--measure-steps", "0"], "--measure-steps 0 must be >= 1"),
+    (["plan", "RECIPE", "--search", "--measure", "0"], "argument --measure: '0' is below 1"),
+    (["plan", "RECIPE", "--search", "--measure", "2", "--measure-steps", "0"], "argument --measure-steps: '0' is below 1"),
     (["submit", "RECIPE", "--measure", "2"], "use it with --auto"),
     (["submit", "RECIPE", "--auto", "--measure", "2", "--dry-run"], "--dry-run never does"),
 ])
