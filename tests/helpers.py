@@ -174,3 +174,22 @@ def need_slurm(min_nodes: int) -> int:
     if os.environ.get("HPC_TOOLS_REQUIRE_SLURM") == "1":
         pytest.fail(why)
     pytest.skip(why)
+
+
+@contextlib.contextmanager
+def srun_on_path():
+    """A stand-in ``srun`` first on PATH while submitit's Slurm executor is built (it refuses to start where
+    ``srun`` is missing): rendering its batch script needs no Slurm client on this machine."""
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="srun-stand-in-"))
+    (folder / "srun").write_text("#!/bin/sh\nexit 0\n")
+    (folder / "srun").chmod(0o755)
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = f"{folder}{os.pathsep}{old}"
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+        shutil.rmtree(folder, ignore_errors=True)

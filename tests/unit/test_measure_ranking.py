@@ -185,7 +185,8 @@ def test_invalid_status_is_never_measured():
 @pytest.mark.parametrize("argv, message", [
     (["plan", "RECIPE", "--measure", "3"], "use it with --search"),
     (["plan", "RECIPE", "--search", "--measure", "0"], "argument --measure: '0' is below 1"),
-    (["plan", "RECIPE", "--search", "--measure", "2", "--measure-steps", "0"], "argument --measure-steps: '0' is below 1"),
+    (["plan", "RECIPE", "--search", "--measure", "2", "--measure-steps", "0"],
+     "argument --measure-steps: '0' is below 1"),
     (["submit", "RECIPE", "--measure", "2"], "use it with --auto"),
     (["submit", "RECIPE", "--auto", "--measure", "2", "--dry-run"], "--dry-run never does"),
 ])

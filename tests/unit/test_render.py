@@ -15,7 +15,7 @@ import yaml
 from hpc_tools.recipe.load import load_recipe, resolve
 from hpc_tools.render.envsetup import launch_prefix, setup_lines, srun_args
 from hpc_tools.render.sbatch import job_script_path, render_sbatch
-from tests.helpers import RECIPES, REPO
+from tests.helpers import RECIPES, REPO, srun_on_path
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
@@ -218,7 +218,8 @@ def submitit_script(recipe, run_dir: Path) -> str:
     """The batch script submitit would submit for this run (its own renderer, nothing submitted)."""
     from hpc_tools.executors.slurm import make_executor
 
-    executor = make_executor(recipe, run_dir / "submitit", run_dir=run_dir)
+    with srun_on_path():
+        executor = make_executor(recipe, run_dir / "submitit", run_dir=run_dir)
     return executor._make_submission_file_text(executor._submitit_command_str, "uid")
 
 

@@ -150,7 +150,9 @@ def test_a_hang_verdict_is_the_cause_and_is_set_aside(tmp_path, cluster):
     assert run.manifest()["state"] == "STARTING"
 
 
-def test_a_requeued_life_numbers_its_start_above_the_in_job_restarts(tmp_path):
+def test_a_requeued_life_numbers_its_start_above_the_in_job_restarts(tmp_path, monkeypatch):
+    # the allocation as scontrol would give it (no Slurm client needed here; the Slurm tests ask the real one)
+    monkeypatch.setattr(restarts.nodes, "allocation_nodes", lambda job, env: ["n1"])
     run = run_folder(tmp_path, "cluster.restarts=2")
     run.update(event="started", state="RUNNING", restart_count=1)  # an in-job restart of the first life
     line = restarts.begin(run.path, {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1", "SLURM_JOB_NODELIST": "n1"})

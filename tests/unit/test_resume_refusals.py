@@ -21,7 +21,7 @@ from hpc_tools.resume import launch, plan_resume
 from hpc_tools.runstate import SacctReader
 from hpc_tools.runtime.distenv import RESTART_BASE_ENV, DistEnv
 from hpc_tools.submission import new_run
-from tests.helpers import REPO, run_cli
+from tests.helpers import REPO, run_cli, srun_on_path
 
 ITERS = 12
 
@@ -185,8 +185,9 @@ def test_submitit_script_carries_the_exclusion_and_the_restart_base(tmp_path):
     from hpc_tools.executors.slurm import make_executor
 
     recipe = load_recipe(REPO / "recipes" / "gpt_3d.yaml", profile="local")
-    text = make_executor(recipe, tmp_path, exclude="n2", env={RESTART_BASE_ENV: "1"})._make_submission_file_text(
-        "python -c pass", "uid")
+    with srun_on_path():
+        executor = make_executor(recipe, tmp_path, exclude="n2", env={RESTART_BASE_ENV: "1"})
+    text = executor._make_submission_file_text("python -c pass", "uid")
     assert "#SBATCH --exclude=n2" in text and f"export {RESTART_BASE_ENV}=1" in text
     assert text.index(f"export {RESTART_BASE_ENV}=1") < text.index("srun")
 
