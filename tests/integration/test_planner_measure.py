@@ -26,9 +26,12 @@ K = 2
 STEPS = 3  # measured steps per candidate, after the recipe's warm-up steps
 
 
+KEY = "cpu/megatron+sdpa"  # CPU ranks; the local profile's Megatron layers are local, with the sdpa attention path
+
+
 def seed_calibration(path: Path) -> dict:
     """A stored efficiency for CPU ranks that the search must start from and the measurement must replace."""
-    data = {"version": 2, "clusters": {"cpu/megatron": {"efficiency": 0.5, "runs": ["seed"], "fitted": "2026-01-01"}}}
+    data = {"version": 2, "clusters": {KEY: {"efficiency": 0.5, "runs": ["seed"], "fitted": "2026-01-01"}}}
     path.write_text(json.dumps(data))
     return data
 
@@ -68,10 +71,10 @@ def test_measured_search_locally(tmp_path):
     assert {r[8]: float(r[2]) for r in rows} == pytest.approx(by_config, abs=6e-5)  # printed with 4 decimals
 
     # The search started from the stored efficiency; the fitted one replaced it.
-    assert "efficiency 0.5 (calibrated cpu/megatron, 1 run(s)) ->" in out.stdout
+    assert f"efficiency 0.5 (calibrated {KEY}, 1 run(s)) ->" in out.stdout
     after = json.loads(cal.read_text())
-    assert after != before and after["clusters"]["cpu/megatron"]["efficiency"] != 0.5
-    assert sorted(after["clusters"]["cpu/megatron"]["runs"]) == sorted(c["run_dir"] for c in cells)
+    assert after != before and after["clusters"][KEY]["efficiency"] != 0.5
+    assert sorted(after["clusters"][KEY]["runs"]) == sorted(c["run_dir"] for c in cells)
 
 
 @pytest.mark.slurm
@@ -104,7 +107,7 @@ def test_submit_auto_measure_on_slurm_submits_the_winner(slurm_multinode, tmp_pa
             assert m.steps == STEPS and m.step_time_s == pytest.approx(c["measured_step_s"])
             assert m.recipe.cluster.nodes == 2 and len(list(Path(c["run_dir"], "records").glob("rank*"))) >= 4
         after = json.loads(cal.read_text())
-        assert after != before and sorted(after["clusters"]["cpu/megatron"]["runs"]) == \
+        assert after != before and sorted(after["clusters"][KEY]["runs"]) == \
             sorted(Path(c["run_dir"]).name for c in cands)
 
         # The submitted job runs the winner's layout, with the recipe's own length.
