@@ -88,15 +88,27 @@ def copy_new(run, rank: int | None, offsets: dict[Path, int], out: BinaryIO, fin
 def follow(run, rank: int | None, out: BinaryIO, poll_s: float = 1.0) -> None:
     """Print the log as it grows until the run ends: the shared terminal test (``runstate.ended``) on the manifest
     refreshed from Slurm, so every terminal Slurm state (TIMEOUT, DEADLINE, BOOT_FAIL, ...) ends it."""
-    from hpc_tools.runstate import ended, refresh
-
     offsets: dict[Path, int] = {}
     while True:
         copy_new(run, rank, offsets, out, final=False)
-        if ended(refresh(run)):
+        if over(run):
             copy_new(run, rank, offsets, out)  # drain what was written last
             return
         time.sleep(poll_s)
+
+
+def over(run) -> bool:
+    """Whether there is nothing more to follow: the run has ended (``runstate.ended``), or, for a served model folder
+    (kind serve: no training of its own), its server is not live (it never started, or it stopped)."""
+    from hpc_tools.runstate import ended, refresh
+
+    manifest = refresh(run)
+    if manifest.get("kind") == "serve":
+        from hpc_tools.serving.job import LIVE
+        from hpc_tools.serving.job import refresh as server
+
+        return (server(run) or {}).get("state") not in LIVE
+    return ended(manifest)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +39,30 @@ REPO = Path(__file__).resolve().parents[2]
 
 class WouldStart(BaseException):
     """Raised by a stand-in for a launch point: the command got as far as starting something."""
+
+
+class CommandTimeout(Exception):
+    pass
+
+
+# Wall seconds for one command on the fixture (they take milliseconds to a few seconds): more is a hang, a defect of
+# its own (``logs -f`` of a served folder whose server never started polled forever). Wall, not CPU, time: a hang
+# sleeps.
+COMMAND_LIMIT_S = 120.0
+
+
+@contextmanager
+def time_limit(seconds: float):
+    def expired(*_):
+        raise CommandTimeout(f"still running after {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 # module, attribute: the launch points (the command's code imports them at call time, so patching the module holds)
@@ -112,7 +138,8 @@ def run_one(capsys, argv: list[str]) -> tuple[int | str | None, str, str]:
     """(exit code, or the traceback's text, or None when a launch point was reached; stdout; stderr)."""
     capsys.readouterr()
     try:
-        code: int | str | None = main(argv)
+        with time_limit(COMMAND_LIMIT_S):
+            code: int | str | None = main(argv)
     except SystemExit as exc:  # argparse's refusal (exit 2)
         code = exc.code if isinstance(exc.code, int) else 2
     except WouldStart:
@@ -190,6 +217,17 @@ def filled(argv: list[str], world: Places) -> list[str]:
 @pytest.mark.parametrize("argv", FOUND, ids=lambda a: " ".join(a[:3]))
 def test_what_the_property_found(capsys, monkeypatch, world, argv):
     assert check_command_line(capsys, monkeypatch, world, filled(argv, world)) == 2
+
+
+def test_following_a_served_folder_whose_server_never_started_ends(capsys, monkeypatch, world, tmp_path):
+    """Found by the property (a hang): `serve MODEL_DIR` makes a run of kind serve before it starts the server; when
+    the server never started, `logs -f` of that run (the latest) polled forever. It ends, as a run that has ended."""
+    root = tmp_path / "runs"
+    other = Places(**{**world.__dict__, "runs_root": str(root)})
+    root.mkdir()
+    assert check_command_line(capsys, monkeypatch, other, ["serve", world.model, "--runs-dir", str(root)]) is None
+    assert [p.name.startswith("serve-") for p in root.iterdir()] == [True]  # the serve run, server never started
+    assert check_command_line(capsys, monkeypatch, other, ["logs", "-f", "--runs-dir", str(root)]) == 0
 
 
 @pytest.mark.parametrize("argv", ISSUE_47, ids=lambda a: " ".join(a[:1] + a[2:]))
