@@ -175,6 +175,12 @@ def check_command_line(capsys, monkeypatch, world: Places, argv: list[str], must
         assert code == 2, f"{argv!r}: {must_refuse}, but it " + (f"exited {code}" if code is not None else
                                                                   f"started {started}")
     if code is None:  # accepted: it reached a launch point (run for real by the tests named in the module doc)
+        # what it made for the launch (a run folder, a sweep) would be launched in earnest: not left behind as a run
+        # that never starts, which no later example of a real session meets
+        for name in sorted(set(after) - set(before), key=len):
+            path = base / name
+            if path.is_dir() and Path(world.runs_root) in path.parents:
+                shutil.rmtree(path, ignore_errors=True)
         return None
     assert code in (0, 1, 2), f"{argv!r} exited {code}:\n{err[-1500:]}"
     assert not started, f"{argv!r} exited {code} after starting {started}"
@@ -225,7 +231,10 @@ def test_following_a_served_folder_whose_server_never_started_ends(capsys, monke
     root = tmp_path / "runs"
     other = Places(**{**world.__dict__, "runs_root": str(root)})
     root.mkdir()
-    assert check_command_line(capsys, monkeypatch, other, ["serve", world.model, "--runs-dir", str(root)]) is None
+    with monkeypatch.context() as m:  # as check_command_line runs it, but keeping the run serve made
+        m.setenv("HPC_TOOLS_SITE", "none")
+        stand_ins(m, [])
+        assert run_one(capsys, ["serve", world.model, "--runs-dir", str(root), "--executor", "local"])[0] is None
     assert [p.name.startswith("serve-") for p in root.iterdir()] == [True]  # the serve run, server never started
     assert check_command_line(capsys, monkeypatch, other, ["logs", "-f", "--runs-dir", str(root)]) == 0
 
