@@ -27,6 +27,10 @@ from tests.helpers import INTEGRATION, REPO, need_slurm, run_cli, settle_cluster
 # Hermetic recipes: a developer's site file (~/.config/hpc_tools/site.yaml) must not change what the tests resolve;
 # tests of the site file set HPC_TOOLS_SITE themselves.
 os.environ["HPC_TOOLS_SITE"] = "none"
+# pytest-xdist's workers run with COLUMNS=80, which the commands read as a terminal's width (hpc_tools/cli/_screen.py):
+# their output into the tests' pipes is whole lines, as a user's pipe gets; tests of the width set COLUMNS themselves.
+for _var in ("COLUMNS", "LINES"):
+    os.environ.pop(_var, None)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects and before xdist reads the groups

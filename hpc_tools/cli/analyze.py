@@ -98,8 +98,8 @@ GOODPUT_SHOWN = ("run_id", "allocation_hours", "goodput", "productive_hours", "l
 
 
 def print_analysis(result) -> None:
-    """The per-run table, the straggler verdicts, goodput and scaling, fitted to the terminal (``cli.screen``)."""
-    from hpc_tools.cli.screen import echo, table
+    """The per-run table, the straggler verdicts, goodput and scaling, fitted to the terminal (``cli._screen``)."""
+    from hpc_tools.cli._screen import echo, table
     from profiling.units import cell, pct
 
     def rows(df) -> list[dict]:

@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         print("no runs")
         return 0
-    from hpc_tools.cli.screen import table
+    from hpc_tools.cli._screen import table
 
     for row in rows:  # why a run is where it is matters for the ones that ended badly (or hang)
         row["why"] = row["reason"] if row["status"] not in ("pending", "running", "completed") else ""

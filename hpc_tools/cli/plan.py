@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"elastic: not on {k} node(s): {why}")
         for v in violations:
             say(f"error: {args.recipe}: {v}")
-        from hpc_tools.cli.screen import echo
+        from hpc_tools.cli._screen import echo
         from hpc_tools.planner.report import verdict_line
 
         echo(verdict_line(plan, args.recipe))
@@ -124,8 +124,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _fit_width() -> None:
-    """The tables to the terminal's width (``cli.screen``), at most the planner report's own ``WIDTH``."""
-    from hpc_tools.cli.screen import PIPE_WIDTH, width
+    """The tables to the terminal's width (``cli._screen``), at most the planner report's own ``WIDTH``."""
+    from hpc_tools.cli._screen import PIPE_WIDTH, width
     from hpc_tools.planner.report import WIDTH, set_width
 
     columns = width()

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from hpc_tools.cli._common import add_json, add_run_ref, add_runs_dir, emit_json
-from hpc_tools.cli.screen import echo
+from hpc_tools.cli._screen import echo
 from profiling import units
 from profiling.units import gb, hms, pct, rate, sci, seconds_per_step
 

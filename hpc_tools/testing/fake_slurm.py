@@ -2,7 +2,8 @@
 with the states the test sets, ``scancel`` cancels; nothing ever runs.
 
 It is what submitit's own tests do with ``MockedSubprocess``, one level lower: the fake is a folder of executables
-(``sbatch``, ``sacct``, ``squeue``, ``scancel``, ``scontrol``, ``sinfo``) put first on PATH, so every caller --
+(``sbatch``, ``sacct``, ``squeue``, ``scancel``, ``scontrol``, ``sinfo``; ``srun``, which submitit looks for
+before it submits, refuses every step) put first on PATH, so every caller --
 ``hpc_tools``' own subprocess calls, submitit's, a CLI started in a child process -- goes the path it goes on a
 cluster, down to parsing what the commands print. Their state is one JSON file, locked per call (twenty concurrent
 ``submit``\\ s get twenty ids)::
@@ -30,7 +31,7 @@ import shlex
 import sys
 from pathlib import Path
 
-COMMANDS = ("sbatch", "sacct", "squeue", "scancel", "scontrol", "sinfo")
+COMMANDS = ("sbatch", "sacct", "squeue", "scancel", "scontrol", "sinfo", "srun")
 FINISHED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
             "OUT_OF_MEMORY")
 NODES = ("n1", "n2")
@@ -217,6 +218,11 @@ def scontrol(st: dict, args: list[str]) -> tuple[int, str, str]:
         hosts = [f"{m.group(1)}{n}" for n in range(int(m.group(2)), int(m.group(3)) + 1)] if m else args[2].split(",")
         return 0, "".join(h + "\n" for h in hosts), ""
     return 2, "", f"scontrol: the fake does not answer {' '.join(args)!r}\n"
+
+
+def srun(st: dict, args: list[str]) -> tuple[int, str, str]:
+    """There for submitit's start-up check (it refuses to submit where ``srun`` is missing); nothing runs here."""
+    return 2, "", "srun: the fake runs no job steps\n"
 
 
 def sinfo(st: dict, args: list[str]) -> tuple[int, str, str]:

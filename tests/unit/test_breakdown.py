@@ -1,6 +1,6 @@
 """The breakdown's arithmetic on synthetic traces (profiling/breakdown.py) and its verdict (analysis/breakdown.py):
 overlap, nesting, groups, p2p, CPU and GPU timelines. The same code on real gloo traces: the integration test
-tests/integration/test_breakdown.py."""
+tests/integration/test_breakdown_runs.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A surviving rank names the peer it lost (hpc_tools.runtime.peer_loss), from this start's heartbeats: the real
-end-to-end case (a SIGKILLed rank of a TP2 x PP2 Megatron job) is tests/integration/test_peer_loss.py."""
+end-to-end case (a SIGKILLed rank of a TP2 x PP2 Megatron job) is tests/integration/test_peer_loss_runs.py."""
 
 from __future__ import annotations
 

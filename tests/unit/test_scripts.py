@@ -200,10 +200,12 @@ def test_logs_rank_picks_a_file_or_the_labelled_lines(tmp_path):
     copy_new(run, 1, offsets, out, final=False)
     assert out.getvalue() == b"one a\none b\nhalf done\n"
 
-    for bad in ("2", "-1"):
-        told = run_cli("logs", str(run.path), "--rank", bad)
-        assert told.returncode == 2 and f"--rank {bad} is not a rank of run" in told.stderr and "0..1" in told.stderr
-        assert not told.stdout
+    told = run_cli("logs", str(run.path), "--rank", "2")  # beyond the run's ranks: the run says which it has
+    assert told.returncode == 2 and "--rank 2 is not a rank of run" in told.stderr and "0..1" in told.stderr
+    assert not told.stdout
+    told = run_cli("logs", str(run.path), "--rank", "-1")  # no rank of any run: refused by the argument's type
+    assert told.returncode == 2 and "argument --rank: '-1' is below 0" in told.stderr
+    assert len(told.stderr.strip().splitlines()) == 1 and not told.stdout
 
 
 def test_label_filter_reads_padded_labels():
