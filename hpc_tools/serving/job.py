@@ -87,6 +87,19 @@ def check_engine(opts: ServeOptions) -> None:
 
 
 VLLM_ENV = "HPC_TOOLS_VLLM_PYTHON"  # vLLM's interpreter: an environment of its own (vLLM pins its own torch)
+VLLM_VENV = "HPC_TOOLS_VLLM_ENV"  # where environment/install-vllm.sh puts that environment (default <repo>/.venv-vllm)
+VLLM_INSTALL = "bash environment/install-vllm.sh"
+
+
+def vllm_python() -> str:
+    """vLLM's interpreter: $HPC_TOOLS_VLLM_PYTHON, else the python of the environment install-vllm.sh completed
+    ($HPC_TOOLS_VLLM_ENV, default <repo>/.venv-vllm), else ``python3`` (a container's own)."""
+    if os.environ.get(VLLM_ENV):
+        return os.environ[VLLM_ENV]
+    env = Path(os.environ.get(VLLM_VENV) or REPO / ".venv-vllm")
+    if (env / ".hpc_tools-vllm-complete").is_file() and (env / "bin" / "python").exists():
+        return str(env / "bin" / "python")
+    return "python3"
 SERVE_CUDA_TORCH = 'HPC_TOOLS_SERVE_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"'
 
 
@@ -116,12 +129,12 @@ def check_vllm(opts: ServeOptions, config: dict) -> None:
     divides the attention heads (vLLM refuses it otherwise, after the job started)."""
     if opts.engine != "vllm":
         return
-    python = os.environ.get(VLLM_ENV) or "python3"
+    python = vllm_python()
     code, said = _ask_python(python, "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)")
     if code != 0:
-        raise UserError(f"--engine vllm: {python} cannot import vllm{'' if code == 1 else f' ({said})'} (set "
-                        f"{VLLM_ENV} to the python of an environment of its own with vLLM, e.g. its container's; not "
-                        "the training environment's: vLLM pins its own torch)")
+        raise UserError(f"--engine vllm: {python} cannot import vllm{'' if code == 1 else f' ({said})'} (install "
+                        f"its environment on a GPU node: {VLLM_INSTALL}, or set {VLLM_ENV} to the python of one "
+                        "with vLLM, e.g. its container's; not the training environment's: vLLM pins its own torch)")
     heads = config.get("num_attention_heads") or config.get("n_head")
     tp = max(opts.gpus, 1)
     if heads and heads % tp:
@@ -336,9 +349,9 @@ def render_script(run: RunFolder, model_dir: Path, opts: ServeOptions, python: P
                      f"--http-port {opts.http_port} --grpc-port {opts.grpc_port} --host \"$HOST\" "
                      f"--endpoint-file {endpoint} --error-file {error} --max-batch-size {opts.max_batch_size} "
                      f"--ready-timeout-s {opts.ready_timeout_s:.0f}")
-    else:  # vLLM's OpenAI-compatible server (HTTP only), in $HPC_TOOLS_VLLM_PYTHON's environment
+    else:  # vLLM's OpenAI-compatible server (HTTP only), in its own environment (vllm_python, checked before)
         port = opts.http_port or 8000
-        lines += [f'{limit} "${{HPC_TOOLS_VLLM_PYTHON:-python3}}" -m vllm.entrypoints.openai.api_server '
+        lines += [f'{limit} {q(vllm_python())} -m vllm.entrypoints.openai.api_server '
                   f"--model {q(str(model_dir))} --host 0.0.0.0 --port {port} "
                   f"--tensor-parallel-size {max(opts.gpus, 1)} &",
                   "PID=$!",

@@ -75,3 +75,42 @@ def test_vllm_tensor_parallel_size_must_divide_the_heads(tmp_path, monkeypatch):
     assert str(err.value) == ("--gpus 5: vLLM's tensor-parallel size must divide the model's 12 attention heads "
                               "(give --gpus 1, 2, 3, 4, 6)")
     job.check_vllm(job.ServeOptions(engine="vllm", executor="slurm", gpus=4), {"num_attention_heads": 12})
+
+
+def test_vllm_runs_in_the_environment_install_vllm_completed(tmp_path, monkeypatch):
+    """No $HPC_TOOLS_VLLM_PYTHON: the python of the environment install-vllm.sh completed, else python3; the check
+    and the rendered server line use the same interpreter."""
+    monkeypatch.delenv(job.VLLM_ENV, raising=False)
+    venv = tmp_path / "vllm-env"
+    monkeypatch.setenv(job.VLLM_VENV, str(venv))
+    assert job.vllm_python() == "python3"  # nothing installed there
+    (venv / "bin").mkdir(parents=True)
+    fake_python(venv / "bin", "python", "exit 0")
+    assert job.vllm_python() == "python3"  # not complete: install-vllm.sh writes its stamp last
+    (venv / ".hpc_tools-vllm-complete").write_text("vllm==0.34.0")
+    assert job.vllm_python() == str(venv / "bin" / "python")
+    job.check_vllm(job.ServeOptions(engine="vllm", executor="slurm", gpus=2), {"num_attention_heads": 4})
+    monkeypatch.setenv(job.VLLM_ENV, "/opt/vllm/bin/python")  # the variable wins
+    assert job.vllm_python() == "/opt/vllm/bin/python"
+
+
+def test_install_vllm_refuses_without_a_gpu_in_one_line(tmp_path):
+    """vLLM's wheels are several GB of CUDA builds: without an NVIDIA GPU the script says so and writes nothing."""
+    import subprocess
+
+    from tests.helpers import REPO
+
+    env_dir = tmp_path / "venv"
+    out = subprocess.run(["bash", str(REPO / "environment" / "install-vllm.sh")], capture_output=True, text=True,
+                         timeout=60, env={"PATH": "/usr/bin:/bin", "HPC_TOOLS_VLLM_ENV": str(env_dir)})
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "no NVIDIA GPU here" in out.stderr and "HPC_TOOLS_VLLM_ANYWAY=1" in out.stderr
+    assert not env_dir.exists() and not (tmp_path / "venv.lock").exists()
+
+
+def test_the_vllm_pin_is_one_exact_version():
+    from tests.helpers import REPO
+
+    lines = [ln.strip() for ln in (REPO / "environment" / "requirements-vllm.txt").read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
+    assert len(lines) == 1 and lines[0].startswith("vllm==") and lines[0].count(".") == 2
