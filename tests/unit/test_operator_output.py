@@ -152,3 +152,17 @@ def test_report_opens_with_a_summary_shows_goodput_one_way_and_draws_lr_norm_thr
     assert min(tput.get_xdata()) == 3  # the warm-up steps are left out
     heat = by_name["heatmap_0.png"].axes[0].images[0]
     assert heat.get_clim()[1] == pytest.approx(0.23)  # the slowest step after warm-up sets the top, not 5 s
+
+
+def test_report_of_one_run_goes_to_its_folder_and_several_need_out(tmp_path, cli):
+    """README's `hpc-tools report runs/<id>`: without --out, report/ inside the one run named (by folder or id);
+    several runs or sweeps need --out, refused in one line before anything is read or written."""
+    run, _ = _run_with_saves(tmp_path)
+    by_id = cli("report", run.run_id, "--runs-dir", str(run.path.parent))
+    assert by_id.returncode == 0, by_id.stderr
+    assert (run.path / "report" / "report.md").is_file() and (run.path / "report" / "report.html").is_file()
+    assert by_id.stdout.strip().splitlines()[-1] == str(run.path / "report" / "report.html")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    two = cli("report", str(run.path), str(run.path))
+    assert two.returncode == 2 and len(two.stderr.strip().splitlines()) == 1 and "give --out DIR" in two.stderr
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
