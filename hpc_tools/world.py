@@ -1,7 +1,7 @@
 """A resolved recipe checked against the world it will meet: the files it names on this machine, and the live Slurm
 cluster (``sinfo``) it would be submitted to.
 
-``validate`` and ``submit`` call ``world_violations``; the recipe's own rules (``recipe/rules.py``) and the planner's
+``validate`` and ``submit`` call ``world_violations``; the recipe's own rules (``recipe/rules/``) and the planner's
 memory fit run first, so these checks see a coherent recipe. Every problem is one ``Violation`` naming the field,
 collected all at once. Slurm is asked once per process with a short timeout (``SLURM_TIMEOUT_S``): a controller that
 does not answer means "not checked against Slurm", never an error and never a long wait. The Slurm figures a job asks

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         say(note)
     if not args.json:
         for line in dict.fromkeys(n for _, _, _, notes in rendered for n in notes):
-            say(line)  # valid but unusual choices (recipe/rules.py NOTES)
+            say(line)  # valid but unusual choices (recipe/rules NOTES)
     if not args.check and args.output != "-":
         for _, out, _, _ in rendered:
             _check_output(out)

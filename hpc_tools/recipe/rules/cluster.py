@@ -1,0 +1,161 @@
+"""Rules of the cluster and the launch: the preemption signal, spare nodes and elastic restarts, the Ray launcher,
+switches, the profiler's ranks, trackers and Liger kernels."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from hpc_tools import backends
+from hpc_tools.errors import Violation
+from hpc_tools.layout import ParallelLayout
+from hpc_tools.recipe.rules.registry import note, rule
+from hpc_tools.recipe.schema import Recipe
+
+# --- cluster, launcher, profiler, trackers ----------------------------------------------------------------------------
+
+@rule
+def signal_before_limit(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """The preemption signal comes before the time limit."""
+    c = r.cluster
+    if c.signal_delay_s >= c.time_limit_min * 60:
+        yield Violation("cluster.signal_delay_s", c.signal_delay_s,
+                        f"must be shorter than cluster.time_limit={c.time_limit} ({c.time_limit_min * 60:.0f} s)",
+                        "lower it or raise the time limit")
+
+
+@rule
+def spares_need_restarts(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """Spare nodes are used by in-job restarts only."""
+    c = r.cluster
+    if c.spare_nodes and not c.restarts:
+        yield Violation("cluster.spare_nodes", c.spare_nodes, "are only used by in-job restarts, and "
+                        "cluster.restarts is 0", "set cluster.restarts (e.g. 2) or spare_nodes: 0")
+
+
+@note
+def spares_beyond_nodes(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """More spare nodes than nodes: valid, but the job holds more idle nodes than training ones."""
+    c = r.cluster
+    if c.restarts and c.spare_nodes > c.nodes:
+        yield Violation("cluster.spare_nodes", c.spare_nodes, f"exceeds cluster.nodes={c.nodes}: the job holds "
+                        f"{c.nodes + c.spare_nodes} nodes, {c.spare_nodes} of them idle until a node fails",
+                        f"fine if failures are that likely; else spare_nodes <= {c.nodes}")
+
+
+@rule
+def min_nodes_within_nodes(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """Elastic training continues on fewer nodes than the layout's, never more."""
+    c = r.cluster
+    if c.min_nodes is not None and c.min_nodes > c.nodes:
+        yield Violation("cluster.min_nodes", c.min_nodes, f"exceeds cluster.nodes={c.nodes}: it is the fewest nodes "
+                        "the run may continue on after losing some", f"set min_nodes <= {c.nodes} (null: off)")
+
+
+@rule
+def elastic_needs_restarts(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """Continuing on fewer nodes is a kind of in-job restart."""
+    c = r.cluster
+    if c.fewest_nodes < c.nodes and not c.restarts:
+        yield Violation("cluster.min_nodes", c.min_nodes, f"continues on fewer than cluster.nodes={c.nodes} nodes at "
+                        "an in-job restart, and cluster.restarts is 0", "set cluster.restarts (e.g. 2) or "
+                        f"min_nodes: {c.nodes}")
+
+
+@rule
+def elastic_backend(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """A backend whose checkpoint cannot be resharded into fewer nodes cannot be elastic."""
+    c, row = r.cluster, backends.of(r)
+    if c.elastic and not row.elastic:
+        yield Violation("cluster.min_nodes", c.min_nodes, f"backend.kind={r.backend.kind} cannot continue on fewer "
+                        f"nodes: {row.no_elastic_why}", f"set min_nodes: {c.nodes}, or use backend.kind "
+                        f"{' or '.join(backends.with_feature('elastic'))}")
+
+
+RAY_BACKENDS = ("fsdp",)
+"""The backends Ray Train launches (cluster.launcher: ray): the PyTorch-native one, any strategy (its rank program
+makes its own process group; docs/ray.md)."""
+
+
+@rule
+def ray_launcher_backend(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """Ray Train launches the PyTorch-native backend only (FSDP2, HSDP, DDP)."""
+    if r.cluster.launcher == "ray" and r.backend.kind not in RAY_BACKENDS:
+        yield Violation("cluster.launcher", "ray", f"launches backend.kind={' or '.join(RAY_BACKENDS)} only "
+                        f"(PyTorch-native: FSDP2, HSDP, DDP), not backend.kind={r.backend.kind}",
+                        f"use cluster.launcher: srun, or backend.kind: {RAY_BACKENDS[0]}")
+
+
+@rule
+def ray_launcher_container(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """The batch script starts Ray's nodes and driver on the hosts, never inside a container."""
+    if r.cluster.launcher == "ray" and r.cluster.setup.container is not None:
+        yield Violation("cluster.setup.container.kind", r.cluster.setup.container.kind, "is not started around the "
+                        "Ray nodes and driver (cluster.launcher=ray runs them on the hosts)", "install Ray and "
+                        "hpc_tools on the nodes (cluster.setup.venv or conda_env) and drop the container, or use "
+                        "cluster.launcher: srun")
+
+
+@note
+def ray_no_time_limit_stop(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """Ray runs get no stop signal before the time limit: the signal ends Ray's own processes before a checkpoint."""
+    c = r.cluster
+    if c.launcher == "ray":
+        yield Violation("cluster.launcher", "ray", f"gets no stop signal before cluster.time_limit={c.time_limit} "
+                        f"(Slurm's signal would end Ray's processes before any worker checkpoints): no stop "
+                        f"checkpoint and no requeue at the limit, cluster.signal_delay_s is not used; the run resumes "
+                        f"from its newest periodic checkpoint (checkpoint.interval_iters="
+                        f"{r.checkpoint.interval_iters}) with `hpc_tools resume`", "use cluster.launcher: srun for a "
+                        "checkpoint at the time limit, or a time limit the run fits in")
+
+
+@rule
+def switch_wait_needs_switches(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """cluster.switch_wait_min is the wait for cluster.switches, which must be set."""
+    c = r.cluster
+    if c.switch_wait_min is not None and c.switches is None:
+        yield Violation("cluster.switch_wait_min", c.switch_wait_min, "is the wait for cluster.switches, which is "
+                        "not set", "set cluster.switches (the most leaf switches the job may span) or remove "
+                        "switch_wait_min")
+
+
+@rule
+def profiler_ranks_exist(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """torch_profiler.ranks are ranks of this job."""
+    bad = [x for x in r.profiling.torch_profiler.ranks if not 0 <= x < lay.world_size]
+    if r.profiling.torch_profiler.enabled and bad:
+        yield Violation("profiling.torch_profiler.ranks", bad, f"are not ranks of a {lay.world_size}-rank job",
+                        f"use ranks in 0..{lay.world_size - 1}")
+
+
+@rule
+def trackers_installed(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """An enabled tracking.wandb or tracking.mlflow needs its package installed."""
+    from importlib.util import find_spec  # looked up, never imported: validate stays light
+
+    if r.tracking.wandb is not None and r.tracking.wandb.enabled and find_spec("wandb") is None:
+        yield Violation("tracking.wandb.enabled", True, "needs the 'wandb' package, which is not installed",
+                        "pip install wandb, or set tracking.wandb.enabled=false")
+    if r.tracking.mlflow is not None and r.tracking.mlflow.enabled and find_spec("mlflow") is None:
+        yield Violation("tracking.mlflow.enabled", True, "needs the 'mlflow' package, which is not installed",
+                        "pip install mlflow, or set tracking.mlflow.enabled=false")
+
+
+
+@rule
+def liger_needs_llama(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """Liger Kernel is applied to Llama models only (apply_liger_kernel_to_llama)."""
+    b = r.backend
+    liger = {"fsdp": b.fsdp.liger, "deepspeed": b.deepspeed.liger, "horovod": b.horovod.liger}.get(b.kind, False)
+    if liger and r.model.family != "llama":
+        yield Violation(f"backend.{b.kind}.liger", True, f"patches Llama models only, not model.family="
+                        f"{r.model.family}", f"use family: llama, or backend.{b.kind}.liger=false")
+
+
+@note
+def liger_on_cpu(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """Liger Kernel on CPU ranks: its Triton kernels need CUDA, so the run keeps the plain layers."""
+    b = r.backend
+    liger = {"fsdp": b.fsdp.liger, "deepspeed": b.deepspeed.liger, "horovod": b.horovod.liger}.get(b.kind, False)
+    if liger and not r.cluster.uses_gpus:
+        yield Violation(f"backend.{b.kind}.liger", True, "does not apply on CPU ranks (Triton kernels need CUDA): "
+                        "this run trains the plain PyTorch layers and loss", "fine for a CPU rehearsal")
