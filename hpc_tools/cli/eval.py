@@ -12,13 +12,13 @@ ORDER = 62
 HELP = ("evaluate a run's checkpoints (or a Hugging Face folder) with lm-evaluation-harness; results in the run's "
         "eval/ folder, status and the report")
 DESCRIPTION = """\
-Exports the run's newest verified checkpoint (or each of --iterations) as a Hugging Face folder under
-<run>/eval/models/, runs lm-evaluation-harness's Hugging Face backend on it offline (HF_HUB_OFFLINE and
-HF_DATASETS_OFFLINE default to 1) and writes lm-eval's results JSON as <run>/eval/iter_NNNNNNN.json. A model folder
-(an export, or a quantize output) is evaluated as it is; a quantized folder's results go to its run beside the
-unquantized ones (iter_NNNNNNN-SCHEME.json). Local tasks: lm-eval YAML files under --include-path over local files;
-a site's dataset cache: HF_DATASETS_CACHE. With --executor slurm, the checkpoints are one job array (one task each);
---render writes its script without submitting it.
+Exports the run's newest verified checkpoint (or each of --iterations) as a Hugging Face folder under <run>/exports/
+(shared with quantize and serve), runs lm-evaluation-harness's Hugging Face backend on it offline (HF_HUB_OFFLINE
+and HF_DATASETS_OFFLINE default to 1) and writes lm-eval's results JSON as <run>/eval/iter_NNNNNNN.json. A model
+folder (an export, or a quantize output) is evaluated as it is; a quantized folder's results go to its run beside
+the unquantized ones (iter_NNNNNNN-SCHEME.json). Local tasks: lm-eval YAML files under --include-path over local
+files; a site's dataset cache: HF_DATASETS_CACHE. With --executor slurm, the checkpoints are one job array (one task
+each); --render writes its script without submitting it.
 """
 
 

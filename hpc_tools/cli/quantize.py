@@ -11,10 +11,11 @@ ORDER = 63
 HELP = ("quantize a run's newest checkpoint (or a Hugging Face folder) to weight-only int8 or fp8 with torchao; "
         "a folder that eval, transformers and vLLM load")
 DESCRIPTION = """\
-A run is exported first (its newest verified checkpoint, under <run>/eval/models/). Schemes: int8 (torchao
-Int8WeightOnlyConfig) and fp8 (Float8WeightOnlyConfig), both on every nn.Linear, both runnable on CPU. The folder
-carries hpc_tools_quantize.json: the linear weights' bytes before (as bf16) and after, and the folder's size; `eval`
-on it writes its scores beside the unquantized ones in the run's eval/ folder. docs/evaluate-and-quantize.md.
+A run is exported first (its newest verified checkpoint, under <run>/exports/, shared with eval and serve).
+Schemes: int8 (torchao Int8WeightOnlyConfig) and fp8 (Float8WeightOnlyConfig), both on every nn.Linear, both
+runnable on CPU. The folder carries hpc_tools_quantize.json: the linear weights' bytes before (as bf16) and after,
+and the folder's size; `eval` on it writes its scores beside the unquantized ones in the run's eval/ folder.
+docs/evaluate-and-quantize.md.
 """
 
 

@@ -21,8 +21,8 @@ ORDER = 62
 HELP = ("serve a run (exported first) or a Hugging Face folder behind Triton Inference Server, as a local process "
         "or a Slurm job on a node of its own; returns once the server is ready and records its endpoint")
 DESCRIPTION = """\
-Starts a serving job over the model: the run's newest verified checkpoint, exported to <run>/serve/model (kept while
-it is that checkpoint's export), or a Hugging Face folder (it gets a run folder of its own, kind serve). With
+Starts a serving job over the model: the run's newest verified checkpoint, exported once to <run>/exports/ (the
+export eval and quantize read too), or a Hugging Face folder (it gets a run folder of its own, kind serve). With
 --engine triton (the default, CPU or GPU) the job runs, in the serving environment (environment/install-serve.sh;
 $HPC_TOOLS_SERVE_ENV), Triton Inference Server through PyTriton with a model named generate behind Triton's dynamic
 batcher (inputs input_ids or text, max_tokens, optional temperature; greedy decoding by default); with --engine vllm
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
             verified_checkpoint(run, checkpoint_root(run_recipe(run), run), None)  # one line when there is none
             job.check_memory(job.run_weight_bytes(run), {}, opts)  # the planner's count, before any export
-            model_dir = job.export_for_serving(run, run.path / job.SERVE_DIR / "model")
+            model_dir = job.export_for_serving(run)
         job.check_memory(job.folder_weight_bytes(model_dir), job.hf_config(model_dir), opts)
     endpoint = job.start(run, model_dir, opts, python)
     if args.json:

@@ -19,7 +19,6 @@ from hpc_tools.evaluate.results import EVAL_DIR, QUANTIZE_META
 from hpc_tools.registry import MANIFEST, RunFolder, find_run, runs_root
 
 EXPORT_META = "hpc_tools_export.json"  # hpc_tools.hf.export.EXPORT_META (read here without importing the exporter)
-MODELS_DIR = "models"
 
 
 @dataclass
@@ -123,16 +122,17 @@ def models(target: Target, iterations: list[int] | None) -> list[Model]:
 
 
 def export_folder(run: RunFolder, iteration: int) -> Path:
-    """Where the checkpoint of ``iteration`` is exported for evaluation (reused once complete)."""
-    return run.path / EVAL_DIR / MODELS_DIR / f"iter_{iteration:07d}"
+    """Where the checkpoint of ``iteration`` is exported (the run's one export of it: ``hf.export.export_dir``)."""
+    from hpc_tools.hf.export import export_dir
+
+    return export_dir(run, iteration)
 
 
 def ensure_exported(model: Model, run: RunFolder) -> Path:
-    """The model's Hugging Face folder, exported from its checkpoint first unless a complete export is there."""
-    if model.checkpoint is None or (model.folder / EXPORT_META).is_file():
+    """The model's Hugging Face folder: the run's one export of its checkpoint (``hf.export.shared_export``), written
+    first unless it is there."""
+    if model.checkpoint is None:
         return model.folder
-    from hpc_tools.hf.export import export_run
+    from hpc_tools.hf.export import shared_export
 
-    model.folder.parent.mkdir(parents=True, exist_ok=True)
-    export_run(run.path, model.folder, model.iteration, overwrite=True)
-    return model.folder
+    return shared_export(run, model.checkpoint)

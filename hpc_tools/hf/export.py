@@ -29,6 +29,8 @@ log = logging.getLogger("hpc_tools.hf")
 
 EXPORT_META = "hpc_tools_export.json"
 """What the folder was exported from (run, step, checkpoint, layout), beside the model files."""
+EXPORTS_DIR = "exports"
+"""``<run>/exports/iter_NNNNNNN/``: the one export of each checkpoint, shared by eval, quantize and serve."""
 
 
 def run_recipe(run: RunFolder):
@@ -69,6 +71,30 @@ def verified_checkpoint(run: RunFolder, root: Path, step: int | None = None) -> 
         bad.append(problems[0].line(path))
         log.warning("checkpoint %s failed verification (%s); trying the previous one", path, problems[0].line(path))
         skip.append(path)
+
+
+def export_dir(run: RunFolder, iteration: int) -> Path:
+    """Where checkpoint ``iteration`` of ``run`` is exported for the commands that read it (``shared_export``)."""
+    return run.path / EXPORTS_DIR / f"iter_{iteration:07d}"
+
+
+def shared_export(run: RunFolder, checkpoint: Path) -> Path:
+    """The run's one export of ``checkpoint`` (a verified checkpoint folder): reused while its record names that
+    checkpoint, else written (``eval``, ``quantize`` and ``serve`` read the same folder: one copy per checkpoint)."""
+    from hpc_tools.checkpoints.dirs import parse_step
+
+    iteration = parse_step(checkpoint.name)
+    if iteration is None:
+        raise UserError(f"{checkpoint} is not a checkpoint folder of run {run.run_id} (iter_NNNNNNN)")
+    folder = export_dir(run, iteration)
+    try:
+        if json.loads((folder / EXPORT_META).read_text()).get("checkpoint") == str(checkpoint):
+            return folder
+    except (OSError, ValueError):
+        pass
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    export_run(run.path, folder, iteration, overwrite=True)
+    return folder
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,

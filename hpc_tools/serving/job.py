@@ -1,11 +1,11 @@
 """The serving job: a script that runs the server in the serving environment, started as a local process group or
 as a Slurm job on a node of its own; the readiness wait; the run folder's serving record; stopping it.
 
-Files, under ``<run>/serve/``: ``model/`` (the run's export, when a run is served), ``serve.sbatch`` (the script, for
-both executors), ``serve-<job id>.out`` / ``serve-local.out`` (its log), ``endpoint.json`` (written by the server once
-``generate`` is ready) and ``error`` (the one line of a bad start). The manifest holds ``serve`` (engine, executor,
-job id or process group, state, model folder, script, log) and ``endpoint`` ``{host, http_port, grpc_port}`` while the
-server runs (None once it stopped).
+Files, under ``<run>/serve/``: ``serve.sbatch`` (the script, for both executors; a run's model is its export of the
+newest checkpoint under ``<run>/exports/``, shared with ``eval`` and ``quantize``), ``serve-<job id>.out`` /
+``serve-local.out`` (its log), ``endpoint.json`` (written by the server once ``generate`` is ready) and ``error``
+(the one line of a bad start). The manifest holds ``serve`` (engine, executor, job id or process group, state, model
+folder, script, log) and ``endpoint`` ``{host, http_port, grpc_port}`` while the server runs (None once it stopped).
 
 A Hugging Face folder given directly gets a run folder of its own (``kind: serve``) under the runs root, so that
 ``status``, ``generate`` and ``cancel`` name it like any run.
@@ -302,23 +302,16 @@ def hf_config(model_dir: Path) -> dict:
         return {}
 
 
-def export_for_serving(run: RunFolder, out: Path) -> Path:
-    """The run's newest verified checkpoint as a Hugging Face folder ``out`` (kept when it is that checkpoint's)."""
+def export_for_serving(run: RunFolder) -> Path:
+    """The run's newest verified checkpoint as a Hugging Face folder: the run's one export of it, which ``eval`` and
+    ``quantize`` read too (``hf.export.shared_export``; written now unless it is there)."""
     import sys
 
-    from hpc_tools.hf.export import EXPORT_META, checkpoint_root, run_recipe, verified_checkpoint
+    from hpc_tools.hf.export import checkpoint_root, run_recipe, shared_export, verified_checkpoint
 
     ckpt = verified_checkpoint(run, checkpoint_root(run_recipe(run), run), None)
-    try:
-        if json.loads((out / EXPORT_META).read_text()).get("checkpoint") == str(ckpt):
-            return out
-    except (OSError, ValueError):
-        pass
     with contextlib.redirect_stdout(sys.stderr):
-        from hpc_tools.hf.export import export_run
-
-        export_run(run.path, out, overwrite=True)
-    return out
+        return shared_export(run, ckpt)
 
 
 # -- the script -------------------------------------------------------------------------------------------------------

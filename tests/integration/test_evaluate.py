@@ -106,7 +106,7 @@ def test_llama_three_checkpoints_in_turn_and_plotted(llama_run, task_dir, tmp_pa
     assert [d["iteration"] for d in out["evaluated"]] == list(LLAMA_ITERS)
     for it in LLAMA_ITERS:
         assert 0.0 <= acc_of(llama_run / "eval" / f"iter_{it:07d}.json") <= 1.0
-        assert (llama_run / "eval" / "models" / f"iter_{it:07d}" / "config.json").is_file()
+        assert (llama_run / "exports" / f"iter_{it:07d}" / "config.json").is_file()
     rows = [r for r in cli_json("status", str(llama_run))["eval"]["results"] if r["model"] == "unquantized"]
     assert sorted(r["iteration"] for r in rows) == list(LLAMA_ITERS)
     tokens = [r["tokens"] for r in sorted(rows, key=lambda r: r["iteration"])]
@@ -185,7 +185,7 @@ def places(gpt_run, llama_run, tmp_path_factory) -> dict:
     (base / "empty").mkdir()
     (base / "full").mkdir()
     (base / "full" / "keep.txt").write_text("x")
-    model = llama_run / "eval" / "models" / "iter_0000004"
+    model = llama_run / "exports" / "iter_0000004"
     if not (model / "config.json").is_file():
         from hpc_tools.hf.export import export_run
 

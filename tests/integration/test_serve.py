@@ -57,7 +57,8 @@ def test_serve_returns_ready_with_the_endpoint_recorded(served):
     assert json.loads(status.stdout)["endpoint"] == endpoint
     text = run_cli("status", str(served["run"])).stdout
     assert f"endpoint http://127.0.0.1:{endpoint['http_port']} (gRPC {endpoint['grpc_port']})" in text
-    assert Path(served["model_dir"]) == served["run"] / "serve" / "model"  # the run was exported first
+    model_dir = Path(served["model_dir"])  # the run was exported first, into its one export of that checkpoint
+    assert model_dir.parent == served["run"] / "exports" and model_dir.name.startswith("iter_")
 
 
 def test_greedy_ids_equal_transformers_generate(served):
