@@ -114,6 +114,20 @@ def _install_extra_envs() -> None:
 
 
 @pytest.fixture(autouse=True)
+def _attention_environment_restored():
+    """Megatron-core writes NVTE_FLASH_ATTN / NVTE_FUSED_ATTN / NVTE_UNFUSED_ATTN into os.environ when it builds a
+    model in-process (``LanguageModule``, for the attention backend it was given), and a rank refuses to start when
+    its environment pins another backend (``layers.attention_environment_check``): a test that builds a model leaves
+    them for the next test's subprocesses in the same worker. Each test starts and ends with the NVTE_* variables it
+    began with."""
+    before = {k: v for k, v in os.environ.items() if k.startswith("NVTE_")}
+    yield
+    for key in [k for k in os.environ if k.startswith("NVTE_") and k not in before]:
+        del os.environ[key]
+    os.environ.update(before)
+
+
+@pytest.fixture(autouse=True)
 def _no_slurm_unless_asked(request, monkeypatch) -> None:
     """Hermetic about this machine's Slurm: a test that asks for no Slurm cluster (its fixtures or markers ``slurm``,
     ``multinode``) nor puts its own Slurm stand-ins on PATH (marker ``slurm_client``) runs with HPC_TOOLS_SLURM=off, so
