@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -149,24 +148,22 @@ def prediction(recipe) -> dict:
             "memory_gb": plan.memory.total / 1e9, "efficiency": plan.efficiency}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _join(cpu: bool):
-    """One-rank process group on GPU 0 (nccl) or the CPU (gloo); the device."""
+    """One-rank process group on GPU 0 (nccl) or the CPU (gloo); the device. It joins as every rank does
+    (``distenv.join_world``), serving its store on a port held from the moment it is chosen (``listening_socket``):
+    the CPU check runs beside other tests' ranks, which could take a port chosen and let go."""
     import torch
-    import torch.distributed as dist
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    from hpc_tools.runtime.distenv import STORE_FD_ENV, join_world, listening_socket
+
+    sock = listening_socket()
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(sock.getsockname()[1]), "RANK": "0",
+                       "WORLD_SIZE": "1", "LOCAL_RANK": "0", STORE_FD_ENV: str(sock.fileno())})
     if cpu:
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        join_world("gloo")
         return torch.device("cpu")
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    join_world("nccl")
     torch.cuda.reset_peak_memory_stats()
     return torch.device("cuda", 0)
 
