@@ -178,16 +178,17 @@ def need_slurm(min_nodes: int) -> int:
 
 @contextlib.contextmanager
 def srun_on_path():
-    """A stand-in ``srun`` first on PATH while submitit's Slurm executor is built (it refuses to start where
-    ``srun`` is missing): rendering its batch script needs no Slurm client on this machine."""
+    """The fake Slurm's commands (``hpc_tools.testing.fake_slurm``: its ``srun`` runs nothing) first on PATH while
+    submitit's Slurm executor is built (it refuses to start where ``srun`` is missing): rendering its batch script
+    needs no Slurm client on this machine."""
     import shutil
     import tempfile
 
-    folder = Path(tempfile.mkdtemp(prefix="srun-stand-in-"))
-    (folder / "srun").write_text("#!/bin/sh\nexit 0\n")
-    (folder / "srun").chmod(0o755)
+    from hpc_tools.testing.fake_slurm import FakeSlurm
+
+    folder = Path(tempfile.mkdtemp(prefix="fake-slurm-"))
     old = os.environ.get("PATH", "")
-    os.environ["PATH"] = f"{folder}{os.pathsep}{old}"
+    os.environ["PATH"] = FakeSlurm(folder).path
     try:
         yield
     finally:

@@ -33,7 +33,11 @@ def errors(raw, overrides=(), profile=None):
 @pytest.mark.parametrize("profile", [None, "local"])
 def test_shipped_recipes_still_validate(path, profile, monkeypatch):
     monkeypatch.setenv("HPC_TOOLS_SITE", "none")
-    load_recipe(path, profile=profile)
+    try:
+        recipe = load_recipe(path, profile=profile)
+    except RecipeError as exc:
+        pytest.fail(f"{path.name} (profile {profile}) is refused: {[str(v) for v in exc.violations]}")
+    assert recipe.name
 
 
 @pytest.mark.parametrize("overrides,field", [
