@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 
 from hpc_tools.errors import UserError
 
@@ -34,3 +35,9 @@ def absent_reason(name: str) -> str | None:
     """Why Slurm's client command ``name`` (``sbatch``, ``sinfo``) is not run here: ``HPC_TOOLS_SLURM=off`` or
     ``NAME is not on PATH``; None when it is on PATH and Slurm is not turned off."""
     return off_reason() or (None if shutil.which(name) else f"{name} is not on PATH")
+
+
+def requeue(job_id: str, run=subprocess.run) -> str | None:
+    """``scontrol requeue JOB_ID``: None when Slurm took it, else what Slurm said (``run``: the command runner)."""
+    out = run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=30)
+    return None if out.returncode == 0 else (out.stderr or out.stdout or f"exit code {out.returncode}").strip()

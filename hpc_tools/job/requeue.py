@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hpc_tools import slurm_client
 from hpc_tools.job.epilogue import find_own_run
 from hpc_tools.runtime.preemption import REQUEUE_MARKER
 
@@ -38,8 +39,7 @@ def requeue(run_dir: Path, env: dict[str, str], run_command=subprocess.run) -> s
     if asked != job_id:
         return None
     try:
-        out = run_command(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=30)
-        error = (out.stderr or out.stdout or f"exit code {out.returncode}").strip() if out.returncode else None
+        error = slurm_client.requeue(job_id, run_command)
     except (OSError, subprocess.SubprocessError) as exc:
         error = str(exc)
     if error is None:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 
+from hpc_tools import slurm_client
 from hpc_tools.job.restarts.facts import RESTART_LINE, Policy, step_counts, step_port
 from hpc_tools.registry import RunFolder
 from hpc_tools.runstate import HANG_MARKER
@@ -44,8 +45,7 @@ def stop(run: RunFolder, manifest: dict, entry: dict) -> None:
 def requeue_job(job_id: str | None) -> bool:
     if not job_id:
         return False
-    out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=30)
-    return out.returncode == 0
+    return slurm_client.requeue(job_id) is None
 
 
 @contextlib.contextmanager
