@@ -45,8 +45,13 @@ def test_every_rank_gets_its_environment(monkeypatch):
 
 
 def test_first_failure_stops_the_others(tmp_path):
-    code = "import os, sys, time; r = int(os.environ['RANK']); print('rank', r, flush=True); " \
-           "sys.exit(3) if r == 1 else time.sleep(60)"
+    # rank 1 fails only once the others have written their line: on a loaded machine a rank's interpreter can
+    # start after rank 1 has already failed, and be stopped before it prints anything
+    code = ("import os, sys, time, pathlib; r = int(os.environ['RANK']); print('rank', r, flush=True); "
+            f"logs = [pathlib.Path({str(tmp_path)!r}) / f'rank{{i}}.log' for i in (0, 2)]; "
+            "[time.sleep(0.05) for _ in range(1200) if r == 1 and not all("
+            "p.exists() and p.read_text().strip() for p in logs)]; "
+            "sys.exit(3) if r == 1 else time.sleep(60)")
     t0 = time.monotonic()
     with pytest.raises(RanksFailed, match=r"rank 1 exited 3 first") as failed:
         spawn_ranks([sys.executable, "-c", code], 3, timeout_s=60, log_dir=tmp_path, check=True)
