@@ -41,3 +41,23 @@ def requeue(job_id: str, run=subprocess.run) -> str | None:
     """``scontrol requeue JOB_ID``: None when Slurm took it, else what Slurm said (``run``: the command runner)."""
     out = run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=30)
     return None if out.returncode == 0 else (out.stderr or out.stdout or f"exit code {out.returncode}").strip()
+
+
+def show_config(run=subprocess.run) -> dict[str, str]:
+    """``scontrol show config`` as a mapping (``MaxArraySize`` -> ``"1001"``); raises UserError in one line when
+    Slurm does not answer (``run``: the command runner)."""
+    try:
+        out = run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise UserError(f"scontrol show config did not answer ({exc}); check that Slurm's controller is up "
+                        "(sinfo), or set HPC_TOOLS_SLURM=off") from None
+    if out.returncode != 0:
+        said = (out.stderr or out.stdout or f"exit code {out.returncode}").strip().splitlines()
+        raise UserError(f"scontrol show config failed: {said[-1] if said else out.returncode}; check that Slurm's "
+                        "controller is up (sinfo), or set HPC_TOOLS_SLURM=off")
+    config = {}
+    for line in out.stdout.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() and " " not in key.strip():
+            config[key.strip()] = value.strip()
+    return config
