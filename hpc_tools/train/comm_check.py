@@ -21,7 +21,7 @@ def run(ctx: RankContext) -> None:
 
 
 class CommCheck:
-    """``engine.Engine`` without a model: a step is one all-reduce of the next size of ``SIZES_BYTES``."""
+    """``engine.RankJob`` without a model: a step is one all-reduce of the next size of ``SIZES_BYTES``."""
 
     checkpoints = False
 

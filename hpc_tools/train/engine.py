@@ -1,10 +1,11 @@
 """What the training loop (``hpc_tools.train.loop``) and the saver (``hpc_tools.train.checkpointing.saver``) need
-from the pieces they drive: a backend's ``Engine`` (with the ``Write`` its background saves return), the ``StepResult``
-of one step, and the ``Collector`` of the step records.
+from the pieces they drive: a backend's ``RankJob`` (with the ``Write`` its background saves return), the
+``StepResult`` of one step, and the ``Collector`` of the step records.
 
-Every backend's engine (``megatron.trainer.MegatronJob``, ``deepspeed.trainer.DeepSpeedJob``, ``fsdp.trainer.FSDPJob``,
-``comm_check.CommCheck``) implements the whole ``Engine``; ``profiling.collector.StepCollector`` is the ``Collector``
-of a run, and ``NullCollector`` the one a harness gives when it keeps no records (subclass it to watch a few calls).
+Every backend's job (``megatron.trainer.MegatronJob``, ``deepspeed.trainer.DeepSpeedJob``, ``fsdp.trainer.FSDPJob``,
+``horovod.trainer.HorovodJob``, ``comm_check.CommCheck``) implements the whole ``RankJob``;
+``profiling.collector.StepCollector`` is the ``Collector`` of a run, and ``NullCollector`` the one a harness gives
+when it keeps no records (subclass it to watch a few calls).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class StepResult:
 
 
 class Write(Protocol):
-    """One rank's background write of a checkpoint (what ``Engine.write_checkpoint(..., background=True)`` returns)."""
+    """One rank's background write of a checkpoint (what ``RankJob.write_checkpoint(..., background=True)`` returns)."""
 
     ended: float | None
     """``time.perf_counter()`` when this rank's write ended, when known (else the poll that found it done)."""
@@ -75,7 +76,7 @@ class Checkpointable(Protocol):
         """What the meta file of the checkpoint of ``step`` records besides its files (format, layout...)."""
 
 
-class Engine(Checkpointable, Protocol):
+class RankJob(Checkpointable, Protocol):
     """One rank's share of a job as the loop drives it. Every method except ``describe`` and ``coords`` may be a
     collective: all ranks call it at the same point."""
 

@@ -1,4 +1,4 @@
-"""The one training loop every backend runs (Megatron, DeepSpeed, FSDP, comm_check), driving the ``Engine`` and
+"""The one training loop every backend runs (Megatron, DeepSpeed, FSDP, comm_check), driving the ``RankJob`` and
 ``Collector`` protocols of ``hpc_tools.train.engine``.
 
 What the loop owns, in this order for each step ``s`` of ``start+1 .. training.train_iters``::
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from hpc_tools.train.checkpointing.resume import resume
 from hpc_tools.train.checkpointing.saver import Saver
-from hpc_tools.train.engine import Collector, Engine, StepResult
+from hpc_tools.train.engine import Collector, RankJob, StepResult
 
 if TYPE_CHECKING:
     from hpc_tools.runtime.context import RankContext
@@ -60,7 +60,7 @@ def nonfinite_injected(step: int, rank: int) -> bool:
     return str(step) in steps.split(",") and (not on or int(on) == rank)
 
 
-def run(ctx: "RankContext", build: Callable[["RankContext"], Engine]) -> None:
+def run(ctx: "RankContext", build: Callable[["RankContext"], RankJob]) -> None:
     """A backend's ``run(ctx)``: join the process group on this rank's device, build the engine, ``train`` it;
     rank 0 logs the start-up phases (imports, process group, model build; ``train`` the rest) as they end."""
     from hpc_tools.runtime.progress import StartupLog, process_age_s
@@ -136,11 +136,11 @@ def eval_due(step: int, last: int, interval: int | None) -> bool:
 
 
 class Evaluation:
-    """The validation loss of the engine (``Engine.evaluate``): ``training.eval_iters`` global batches of the
+    """The validation loss of the engine (``RankJob.evaluate``): ``training.eval_iters`` global batches of the
     validation samples (``hpc_tools.train.data.validation_samples``), the same batches at every evaluation (so that
     evaluations compare), each rank its data-parallel share, as a training step takes its own."""
 
-    def __init__(self, ctx: "RankContext", engine: Engine):
+    def __init__(self, ctx: "RankContext", engine: RankJob):
         self.ctx, self.engine = ctx, engine
         self._samples, self._batches = None, None
 
@@ -183,7 +183,7 @@ def _open_trackers(ctx: "RankContext"):
         return None
 
 
-def train(ctx: "RankContext", engine: Engine, collector_for: Callable[..., Collector] = default_collector,
+def train(ctx: "RankContext", engine: RankJob, collector_for: Callable[..., Collector] = default_collector,
           startup=None) -> None:
     """Steps ``resume+1 .. training.train_iters`` of ``engine`` with records, heartbeats, the stop agreement,
     evaluations, progress lines and the saves (see the module docstring); closes the trackers, the collector, then
@@ -237,7 +237,7 @@ class _Steps:
     """One step of ``train`` after another: the records, the data time, the non-finite count, evaluations and rank
     0's progress lines, ``progress.json`` and trackers."""
 
-    def __init__(self, ctx: "RankContext", engine: Engine, collector: Collector, first: int, last: int):
+    def __init__(self, ctx: "RankContext", engine: RankJob, collector: Collector, first: int, last: int):
         from hpc_tools.runtime.progress import ProgressMeter
 
         training = ctx.recipe.training

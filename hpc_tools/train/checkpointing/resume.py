@@ -20,7 +20,7 @@ from hpc_tools.checkpoints.verify import Problem
 from hpc_tools.errors import UserError
 from hpc_tools.train.checkpointing import agree, node_tier
 from hpc_tools.train.checkpointing.saver import tiers
-from hpc_tools.train.engine import Engine
+from hpc_tools.train.engine import RankJob
 
 if TYPE_CHECKING:
     from hpc_tools.runtime.context import RankContext
@@ -32,7 +32,7 @@ class CheckpointError(RuntimeError):
     """Every checkpoint the run could resume from failed verification or loading."""
 
 
-def resume(ctx: "RankContext", engine: Engine) -> int:
+def resume(ctx: "RankContext", engine: RankJob) -> int:
     """Load the checkpoint the recipe asks for into ``engine``; the last completed step (0 for a fresh start).
 
     Collective. Each candidate (``resume_source``, newest first) is verified by every rank's share and then loaded;
@@ -84,7 +84,7 @@ def resume(ctx: "RankContext", engine: Engine) -> int:
         agree.gather(None)  # the others wait for the rename before listing the folder again
 
 
-def _verified_load(ctx: "RankContext", engine: Engine, source: Path, *, checksum: bool,
+def _verified_load(ctx: "RankContext", engine: RankJob, source: Path, *, checksum: bool,
                    share: tuple[int, int] | None = None):
     """Collective: (step, None) once ``source`` verified and loaded on every rank, else (None, the first problem).
     ``share``: this rank's part among the ranks that see the same copy (``agree.agree``)."""
