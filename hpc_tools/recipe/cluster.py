@@ -157,10 +157,16 @@ class ClusterConfig(Section):
     launcher: Literal["srun", "ray"] = "srun"
     """What starts the ranks: `srun` (one task per GPU, the default) or `ray` (a Ray cluster over the allocation
     drives the training loop as Ray Train's per-worker loop; the PyTorch-native backends; docs/ray.md)."""
-    hang_timeout_min: float = Field(default=30.0, ge=0.0)
-    """Abort with stack traces when no step completes for this long (a float: 0.25 = 15 s; 10 minutes more before
-    the first step of a start), naming the rank that stopped in HANG.txt and the manifest; 0 = off. The process
-    group's own timeout is set 5 minutes longer, so this watchdog fires before NCCL's or gloo's abort."""
+    hang_timeout_min: float | None = Field(default=None, ge=0.0)
+    """The hang watchdog's timeout: when a phase (the first step of a start, a training step, a checkpoint save, an
+    evaluation) makes no progress for its bound, the job aborts with stack traces, naming the rank that stopped in
+    HANG.txt and the manifest (with the detection time). null (the default) = calibrated per phase from the run's
+    own observed maxima x 5, with floors (a step: max(60 s, 5 x the slowest observed step) after a 5-step warm-up;
+    a save 300 s, an evaluation 120 s, the first step 10 minutes), carried across restarts and requeues in the run
+    folder, each at most 30 minutes (10 minutes more before the first step); a number = that fixed timeout for
+    every phase (a float: 0.25 = 15 s; 10 minutes more before the first step of a start), an explicit override;
+    0 = off. The process group's own timeout is set 5 minutes longer than the cap, so this watchdog fires before
+    NCCL's or gloo's abort (docs/failure-recording.md)."""
     switches: int | None = Field(default=None, gt=0, le=1 << 16)
     """Most leaf switches the job may span (sbatch --switches; Slurm's topology/tree plugin): Slurm keeps the job
     pending until it finds such an allocation, or the site's max_switch_wait passes (then it starts anyway); null = no

@@ -16,6 +16,7 @@ from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.schema import Recipe
 from hpc_tools.registry import RunFolder
 from hpc_tools.runtime.distenv import DistEnv
+from hpc_tools.runtime.hang_bounds import DEFAULT_CAP_MIN
 from hpc_tools.runtime.preemption import StopFlag, request_requeue
 from hpc_tools.runtime.watchdog import Watchdog
 
@@ -177,10 +178,12 @@ class RankContext:
 
     @property
     def collective_timeout(self) -> "timedelta | None":
-        """The process group's timeout: longer than the hang watchdog's (by ``WATCHDOG_MARGIN_S``), so that the
-        watchdog, which names the culprit, fires before NCCL's or gloo's own abort; None (torch's default) without a
-        watchdog."""
+        """The process group's timeout: longer than the hang watchdog's (its cap when calibrated, by
+        ``WATCHDOG_MARGIN_S``), so that the watchdog, which names the culprit, fires before NCCL's or gloo's own
+        abort; None (torch's default) without a watchdog."""
         minutes = self.recipe.cluster.hang_timeout_min
+        if minutes is None:  # calibrated: every phase's bound is at most the cap
+            minutes = DEFAULT_CAP_MIN
         return timedelta(seconds=minutes * 60 + WATCHDOG_MARGIN_S) if minutes > 0 else None
 
     def info(self, msg: str, *args) -> None:

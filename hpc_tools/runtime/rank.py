@@ -23,6 +23,7 @@ from hpc_tools.runstate import HANG_EXIT_CODE, note_restart
 from hpc_tools.runtime import elastic
 from hpc_tools.runtime.context import RankContext
 from hpc_tools.runtime.distenv import DistEnv
+from hpc_tools.runtime.hang_bounds import Bounds
 from hpc_tools.runtime.preemption import StopFlag
 from hpc_tools.runtime.preflight import leave_out
 from hpc_tools.runtime.preflight import run as preflight
@@ -55,8 +56,9 @@ def build_context(run_dir: str) -> RankContext:
                       full_nodes=full_nodes)
     if recipe.cluster.uses_gpus:
         nccl_flight_recorder(run.path)
-    ctx.watchdog = Watchdog(recipe.cluster.hang_timeout_min * 60, run.path, dist.rank, world_size=dist.world_size,
-                            restart=dist.restart_count, on_hang=lambda v: record_hang(run, v)).start()
+    bounds = Bounds.of_cluster(recipe.cluster.hang_timeout_min, run.path, dist.world_size)  # null: calibrated
+    ctx.watchdog = Watchdog(bounds.cap_s, run.path, dist.rank, world_size=dist.world_size, restart=dist.restart_count,
+                            on_hang=lambda v: record_hang(run, v), bounds=bounds).start()
     return ctx
 
 
@@ -71,9 +73,12 @@ def nccl_flight_recorder(run_dir) -> None:
 
 
 def record_hang(run: RunFolder, verdict: HangVerdict) -> None:
-    """The watchdog's verdict, in the manifest: state HANG, the culprit ranks and nodes, the one-line reason."""
+    """The watchdog's verdict, in the manifest: state HANG, the culprit ranks and nodes, the one-line reason, and
+    how it was found appended to ``hangs`` (phase, bound, seconds from the last progress to the verdict)."""
+    hangs = [*(run.manifest().get("hangs") or []), {"at": now_iso(), **(verdict.detection or {}),
+                                                     "ranks": verdict.culprits, "nodes": verdict.nodes}]
     run.update(event="hang", state="HANG", ended=now_iso(), exit_code=HANG_EXIT_CODE, reason=verdict.line,
-               failed_ranks=verdict.culprits, failed_nodes=verdict.nodes, soft=True)
+               failed_ranks=verdict.culprits, failed_nodes=verdict.nodes, hangs=hangs, soft=True)
 
 
 def run_rank(run_dir: str) -> int:

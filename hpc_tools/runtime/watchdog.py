@@ -1,7 +1,9 @@
 """Hang detection with a culprit: heartbeats, and when no step completes within the timeout, one verdict.
 
 Each rank runs a daemon thread (a hung collective never returns) that rewrites the rank's heartbeat about once a
-second (``hpc_tools.runtime.heartbeat``). When no step has completed for ``timeout_s``, the thread:
+second (``hpc_tools.runtime.heartbeat``). When the phase it watches (the first step of a start, a step, a checkpoint
+save, an evaluation) has made no progress for that phase's bound (``hpc_tools.runtime.hang_bounds``: calibrated from
+the run's own observed maxima, or ``cluster.hang_timeout_min`` when set), the thread:
 
 1. dumps this rank's stacks to ``hang/stack-rank<R>.txt`` (and, on GPU, PyTorch's NCCL flight recorder to
    ``hang/nccl_trace_rank<R>.json``), refreshes its heartbeat, and waits ``GATHER_S`` for its peers to do the same;
@@ -13,12 +15,14 @@ second (``hpc_tools.runtime.heartbeat``). When no step has completed for ``timeo
 4. exits with ``HANG_EXIT_CODE`` so srun tears the step down. A rank that wakes after the verdict (SIGCONT during the
    teardown) finds ``HANG.txt`` and exits without a word.
 
-Hang to teardown: ``timeout_s`` + at most ``CHECK_S`` + ``GATHER_S`` + srun's termination. Before the first step of
-a start the watchdog allows ``STARTUP_S`` more (imports, rendezvous, model build, checkpoint load).
+Hang to teardown: the phase's bound + at most ``CHECK_S`` + ``GATHER_S`` + srun's termination; the verdict's
+``detection`` (phase, bound, seconds from the last progress to the verdict) goes into HANG.txt and the manifest.
 
 The step clock stops outside the steps (``outside_step``: a checkpoint save, its wait for a background write or a
-replica): what happens there is bounded by its own progress instead (``progress``, told at each phase and each chunk
-copied), so a long save never counts toward a step, and a save that makes no progress for ``timeout_s`` is a hang.
+replica; an evaluation): what happens there is bounded by its own progress instead (``progress``, told at each phase
+and each chunk copied), so a long save never counts toward a step, and a save that makes no progress for its bound
+is a hang. Every completed phase is an observation (``Bounds.add``); rank 0's thread keeps the maxima in the run
+folder when they grow, so the next start is calibrated from its first step.
 """
 
 from __future__ import annotations
@@ -29,13 +33,14 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 from hpc_tools.runstate import HANG_EXIT_CODE
 from hpc_tools.runstate import HANG_MARKER as MARKER
-from hpc_tools.runtime import heartbeat
+from hpc_tools.runtime import hang_bounds, heartbeat
+from hpc_tools.runtime.hang_bounds import FIRST, SAVE, STEP, Bounds
 from hpc_tools.runtime.heartbeat import Beat, ranks_text
 
 HANG_DIR = "hang"  # per-rank stacks and NCCL flight-recorder dumps
@@ -44,7 +49,7 @@ GATHER_S = 2.0  # time the peers get to dump their stacks and refresh their hear
 STALE_S = 5.0  # a heartbeat older than this at verdict time: that rank stopped responding
 # Extra time allowed before the first step of a start (imports, rendezvous, model build, checkpoint load), so that a
 # short timeout meant for steps does not fire while a loaded node is still starting.
-STARTUP_S = 600.0
+STARTUP_S = hang_bounds.STARTUP_S
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,9 @@ class HangVerdict:
     waiting: list[int]
     line: str
     steps: dict[int, int] = field(default_factory=dict)
+    # how it was found: {"phase", "timeout_s", "bound" (why that bound), "detected_after_s" (last progress to the
+    # verdict), "step", "restart"}; None from ``hang_verdict`` alone
+    detection: dict | None = None
 
 
 def hang_verdict(beats: dict[int, Beat], now: float, world_size: int, stale_s: float = STALE_S) -> HangVerdict:
@@ -95,18 +103,23 @@ def hang_verdict(beats: dict[int, Beat], now: float, world_size: int, stale_s: f
 
 
 class Watchdog:
-    """This rank's heartbeat writer and hang detector (``timeout_s`` <= 0: heartbeats only)."""
+    """This rank's heartbeat writer and hang detector: every phase bounded by ``timeout_s`` (<= 0: heartbeats only),
+    or by ``bounds`` when given (``hang_bounds.Bounds``: calibrated per phase)."""
 
     def __init__(self, timeout_s: float, run_dir: Path, rank: int, world_size: int = 1, restart: int = 0,
-                 on_hang: Callable[[HangVerdict], None] | None = None):
-        self.timeout_s = timeout_s
+                 on_hang: Callable[[HangVerdict], None] | None = None, bounds: Bounds | None = None):
+        self.bounds = bounds if bounds is not None else Bounds.fixed(timeout_s)
+        self.timeout_s = self.bounds.cap_s
         self.run_dir = Path(run_dir)
         self.world_size = world_size
         self.on_hang = on_hang
         self.beat_record = Beat(rank=rank, node=heartbeat.node_name(), pid=os.getpid(), restart=restart)
-        self._last = time.monotonic()
+        self._last = self._born = time.monotonic()
         self._section: str | None = None  # what runs outside the step clock (``outside_step``), or None
         self._progress = self._last  # its last progress
+        self._stall = 0.0  # the section's longest stretch without progress so far
+        self._progressed = False  # the section reported progress (a save that saved something)
+        self._dirty = False  # a maximum grew since rank 0 last kept them in the run folder
         self._started_step: int | None = None  # the first step this start completed (None: still starting)
         self._stop = threading.Event()
         # one heartbeat write at a time, and none after the exit record: a beat the watcher had serialized before
@@ -135,26 +148,39 @@ class Watchdog:
 
     def beat(self, step: int) -> None:
         """A step completed (called by the loop after every step)."""
+        now = time.monotonic()
         self.beat_record.step = step
-        self._last = time.monotonic()
         if self._started_step is None:
+            self._dirty |= self.bounds.add(FIRST, now - self._born)
             self._started_step = step
+        else:
+            self._dirty |= self.bounds.add(STEP, now - self._last)
+        self._last = now
 
     @contextlib.contextmanager
     def outside_step(self, what: str):
         """``what`` (e.g. a checkpoint save) runs outside the step clock: its time never counts toward a step's
-        timeout; while it runs, a hang is ``timeout_s`` without ``progress``."""
+        timeout; while it runs, a hang is its phase's bound (``what``: ``checkpoint save``, ``evaluation``) without
+        ``progress``."""
         t0 = time.monotonic()
-        self._progress, self._section = t0, what
+        self._progress, self._stall, self._progressed, self._section = t0, 0.0, False, what
         try:
             yield
         finally:
+            end = time.monotonic()
             self._section = None
-            self._last += time.monotonic() - t0  # the step clock resumes where it stopped
+            self._last += end - t0  # the step clock resumes where it stopped
+            stall = max(self._stall, end - self._progress)
+            # a save section that reported no progress saved nothing (the saver is called after every step): not an
+            # observation of a save; an evaluation reports none and always is one
+            if self._progressed or what != SAVE:
+                self._dirty |= self.bounds.add(what, stall)
 
     def progress(self) -> None:
         """What runs outside the step clock moved on (a phase ended, bytes were copied)."""
-        self._progress = time.monotonic()
+        now = time.monotonic()
+        self._stall = max(self._stall, now - self._progress)
+        self._progress, self._progressed = now, True
 
     def stop(self, exit_code: int | None = None, error: str | None = None, **detail) -> None:
         """Stop watching; with ``exit_code``, record how this rank exits in its heartbeat (``detail``: what the
@@ -173,17 +199,22 @@ class Watchdog:
             self.beat_record.frame, self.beat_record.collective = heartbeat.main_thread_frames()
             heartbeat.write(self.run_dir, self.beat_record)
 
+    def phase(self) -> tuple[str, float]:
+        """(the phase watched now, the seconds it has gone without progress)."""
+        section = self._section
+        if section is not None:
+            return section, time.monotonic() - self._progress
+        return (FIRST if self._started_step is None else STEP), time.monotonic() - self._last
+
     def _watch(self) -> None:
         while not self._stop.wait(CHECK_S):
             self._refresh()
-            section = self._section
-            if section is not None:
-                idle, limit = time.monotonic() - self._progress, self.timeout_s
-            else:
-                idle = time.monotonic() - self._last
-                limit = self.timeout_s + (STARTUP_S if self._started_step is None else 0.0)
-            if self.timeout_s > 0 and idle > limit:
-                self._hang(idle, section)
+            if self._dirty and self.rank == 0:
+                self._dirty = False
+                self.bounds.save(self.run_dir)
+            phase, idle = self.phase()
+            if not self.bounds.off and idle > self.bounds.bound(phase):
+                self._hang(idle, self._section)
 
     def _hang(self, idle: float, section: str | None = None) -> None:
         if self.marker.exists():  # a peer named the culprit already (this rank may be it, woken by the teardown)
@@ -194,13 +225,14 @@ class Watchdog:
             folder.mkdir(parents=True, exist_ok=True)
             with open(stack, "w") as f:
                 f.write(f"rank {self.rank} ({self.beat_record.node}): {_stalled(idle, section)} "
-                        f"(timeout {self.timeout_s:.0f} s); last step {self.beat_record.step}\n")
+                        f"({self._timeout_words()}); last step {self.beat_record.step}\n")
                 faulthandler.dump_traceback(file=f, all_threads=True)
         dump_flight_recorder(folder, self.rank)
         self._refresh()
         time.sleep(GATHER_S)
         verdict = hang_verdict(heartbeat.read_all(self.run_dir, self.beat_record.restart), time.time(),
                                self.world_size)
+        verdict = replace(verdict, detection=self._detection(section))
         if self._claim(verdict, idle, section):
             print(f"hpc_tools: HANG: {verdict.line}", file=sys.stderr, flush=True)
             if self.on_hang is not None:
@@ -213,7 +245,7 @@ class Watchdog:
         """Write ``HANG.txt`` unless a peer did first (link is exclusive); True for the rank that wrote it."""
         folder = self.run_dir / HANG_DIR
         lines = [verdict.line, "",
-                 f"{_stalled(idle, section)} (timeout {self.timeout_s:.0f} s); verdict by rank {self.rank}",
+                 f"{_stalled(idle, section)} ({self._timeout_words()}); verdict by rank {self.rank}",
                  "", "== heartbeats =="]
         for r, b in sorted(heartbeat.read_all(self.run_dir, self.beat_record.restart).items()):
             lines.append(f"rank {r} ({b.node}, pid {b.pid}): step {b.step}, {time.time() - b.time:.1f} s ago, "
@@ -231,6 +263,18 @@ class Watchdog:
         finally:
             with contextlib.suppress(OSError):
                 tmp.unlink()
+
+
+    def _timeout_words(self) -> str:
+        phase, _ = self.phase()
+        return f"the {phase} bound: {self.bounds.why(phase)}"
+
+    def _detection(self, section: str | None) -> dict:
+        """How this hang was found: the phase, its bound and why, the seconds from its last progress to now."""
+        phase, idle = self.phase()
+        return {"phase": section or phase, "timeout_s": round(self.bounds.bound(phase), 3),
+                "bound": self.bounds.why(phase), "detected_after_s": round(idle, 3), "step": self.beat_record.step,
+                "restart": self.beat_record.restart}
 
 
 def _stalled(idle: float, section: str | None) -> str:

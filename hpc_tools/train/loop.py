@@ -161,8 +161,10 @@ class Evaluation:
     def __call__(self) -> tuple[float | None, float]:
         """(mean validation loss, the same on every rank, or None without validation data; wall seconds)."""
         t0 = time.perf_counter()
-        batches = self.batches()
-        loss = self.engine.evaluate(batches) if batches else None
+        dog = getattr(self.ctx, "watchdog", None)  # an evaluation is its own hang phase, never part of a step's
+        with dog.outside_step("evaluation") if dog is not None else contextlib.nullcontext():
+            batches = self.batches()
+            loss = self.engine.evaluate(batches) if batches else None
         return loss, time.perf_counter() - t0
 
 
