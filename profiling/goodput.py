@@ -36,6 +36,10 @@ Per life, in seconds of wall time (x world size = GPU-seconds, or rank-seconds o
 - requeue wait (outside the allocation): from a life's end to the next life's start (queue time after a requeue,
   or the pause before a ``resume``).
 
+Hangs: each one the hang watchdog named (the manifest's ``hangs``, ``hpc_tools.runtime.watchdog``) with its detection
+time, the seconds from the phase's last progress to the verdict (``hang_detection_s``, in order): the part of the
+allocation a hang costs before anything acts, within the phase's calibrated bound (``hpc_tools.runtime.hang_bounds``).
+
 goodput = (productive + degraded) / allocation. Step times are the lowest rank's (every rank ends a synchronous step
 together).
 Manifest times have one-second resolution; the collector's times are exact.
@@ -110,6 +114,7 @@ class Goodput:
     requeue_wait_s: float = 0.0
     live: bool = False
     degraded_ratio: float | None = None  # throughput on fewer nodes / in the recipe's layout (None: never degraded)
+    hangs: list[dict[str, Any]] = field(default_factory=list)  # the manifest's ``hangs``: phase, bound, detection time
 
     def seconds(self) -> dict[str, float]:
         """Wall seconds per bucket (``BUCKETS``), summed over lives; ``other`` closes the allocation."""
@@ -144,7 +149,8 @@ class Goodput:
                                "recomputed_steps": sum(life.recomputed_steps for life in self.lives),
                                "checkpoint_saves": sum(life.saves for life in self.lives),
                                "requeue_wait_s": self.requeue_wait_s, "allocation_s": alloc, "live": self.live,
-                               "degraded_ratio": self.degraded_ratio}
+                               "degraded_ratio": self.degraded_ratio, "hangs": len(self.hangs),
+                               "hang_detection_s": [h.get("detected_after_s") for h in self.hangs]}
         for name, s in secs.items():
             row[f"{name}_s"] = s
             row[f"{name}_hours"] = s * self.world_size / 3600
@@ -185,6 +191,7 @@ def measure(records_dir: Path, manifest: dict[str, Any], world_size: int, gpu: b
     events = read_events(Path(records_dir))
     out = Goodput(world_size=world_size, unit="GPU" if gpu else "rank",
                   live=str(manifest.get("state", "")).upper() in ("RUNNING", "STARTING", "PENDING", "REQUEUED"))
+    out.hangs = [h for h in manifest.get("hangs") or [] if isinstance(h, dict)]
     have_steps = "step" in cols and "time" in cols and cols["step"].size > 0
     step_start = cols["time"] - cols["step_time_s"] if have_steps else np.empty(0)
     anchors, process_starts = _anchors(events, manifest, step_start)

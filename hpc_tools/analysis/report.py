@@ -97,6 +97,21 @@ def _goodput_total_line(a: Analysis) -> str:
             f"{t['requeue_wait_hours']:.4g} h.")
 
 
+def _hang_lines(a: Analysis) -> list[str]:
+    """One line per run the hang watchdog stopped: each hang's detection time (``profiling.goodput``: from the
+    phase's last progress to the verdict)."""
+    g = numbered_goodput(a)
+    if g is None or g.empty or "hangs" not in g:
+        return []
+    lines = []
+    for _, r in g[g["hangs"].fillna(0) > 0].iterrows():
+        times = ", ".join(f"{s:.0f} s" for s in (r["hang_detection_s"] or []) if s is not None)
+        lines.append(f"- #{r.get('#', '')} {r['run_id']}: {int(r['hangs'])} hang(s), each named {times} after its "
+                     "last progress\n")
+    return (["Hangs (the watchdog's detection time, within the phase's calibrated bound):\n\n", *lines, "\n"]
+            if lines else [])
+
+
 def _fmt(value, column: str = "") -> str:
     """A table cell: a figure in its one unit (``profiling.units.cell``: shares and goodput in percent, memory in GB),
     empty when missing."""
@@ -261,7 +276,7 @@ def render_markdown(a: Analysis, images: list[Path], title: str) -> str:
               markdown_table(a.stragglers, STRAGGLER_COLUMNS)]
     goodput = numbered_goodput(a)
     parts += ["## Goodput\n", GOODPUT_TEXT + "\n", *(markdown_table(goodput, cols) for cols in goodput_parts(goodput)),
-              _goodput_total_line(a) + "\n"]
+              _goodput_total_line(a) + "\n", *_hang_lines(a)]
     parts += evaluation.markdown(a, markdown_table)
     parts += breakdown_report.markdown(a, markdown_table)  # issue 44: where the step went (its own module)
     parts += ["## Plots\n"] + [f"![{p.stem}]({p.name})\n\n_{caption(p)}_\n" for p in images]

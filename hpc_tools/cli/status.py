@@ -115,6 +115,9 @@ def _health_lines(health: dict) -> list[str]:
         return []
     lines = [f"stragglers {health['straggler_verdict']}"]
     g = health["goodput"]
+    if g.get("hangs"):  # each hang the watchdog named, with the seconds from its phase's last progress to the verdict
+        lines.append(f"hangs    {g['hangs']}, named " + ", ".join(f"{s:.0f} s" for s in g["hang_detection_s"] if s)
+                     + " after the last progress (the manifest's hangs)")
     if g.get("allocation_hours"):
         fewer = (f"on fewer nodes {g['degraded_s']:.1f} s at {g['degraded_ratio']:.2f}x the throughput, "
                  if g.get("degraded_s") and g.get("degraded_ratio") else "")

@@ -191,3 +191,27 @@ def test_an_evaluation_runs_outside_the_step_clock(tmp_path, monkeypatch):
     loss, seconds = ev()
     assert loss == 1.5 and seconds >= 0.3
     assert d.bounds.observed.max_s[EVAL] >= 0.3 and d._last >= before + 0.3  # the step clock stood still
+
+
+def test_the_goodput_report_and_status_show_each_hangs_detection_time(tmp_path):
+    import pandas as pd
+
+    from hpc_tools.analysis.analyze import Analysis
+    from hpc_tools.analysis.report import _hang_lines
+    from hpc_tools.cli.status import _health_lines
+    from profiling import goodput
+
+    (tmp_path / "records").mkdir()
+    hangs = [{"phase": STEP, "timeout_s": 60.0, "detected_after_s": 62.5, "step": 25, "restart": 0},
+             {"phase": SAVE, "timeout_s": 300.0, "detected_after_s": 303.1, "step": 40, "restart": 1}]
+    summary = goodput.measure(tmp_path / "records", {"state": "COMPLETED", "hangs": hangs}, 4, False).summary()
+    assert summary["hangs"] == 2 and summary["hang_detection_s"] == [62.5, 303.1]
+    none = goodput.measure(tmp_path / "records", {"state": "COMPLETED"}, 4, False).summary()
+    assert none["hangs"] == 0 and none["hang_detection_s"] == []
+    frame = pd.DataFrame([{"run_id": "a", **summary}, {"run_id": "b", **none}])
+    empty = pd.DataFrame()
+    lines = _hang_lines(Analysis(runs=empty, ranks=empty, steps=empty, scaling=[], goodput=frame))
+    assert len(lines) == 3 and "a: 2 hang(s), each named 62 s, 303 s after its last progress" in lines[1]
+    assert _hang_lines(Analysis(runs=empty, ranks=empty, steps=empty, scaling=[], goodput=frame.iloc[1:])) == []
+    text = _health_lines({"straggler_verdict": "none", "goodput": summary})
+    assert any(line.startswith("hangs    2, named 62 s, 303 s after the last progress") for line in text), text
