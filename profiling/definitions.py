@@ -63,6 +63,10 @@ DEFINITIONS: dict[str, str] = {
                "evaluation = 0; other = the rest. Requeue wait = end of a life to the next start, outside the "
                "allocation. goodput = productive / allocation; hours = seconds x world size / 3600 "
                "(profiling.goodput).",
+    "post_save": "Post-save step inflation, from the lowest rank: steady = the median step time of the measured "
+               "steps that are not among the first 3 after a save; per save of step s, the steps s+1, s+2, ... "
+               "(the same start, up to the next save, at most 20) counted while each is longer than 1.25 x steady; "
+               "their count, their time beyond steady (extra), the largest step / steady (profiling.post_save).",
     "moe_load_imbalance_median, _max, moe_aux_loss": "Mixture of experts: a step's load imbalance is the max over "
                "the MoE layers of the busiest expert's tokens / the mean tokens per expert, counted over every rank "
                "(1 = even; num_experts / top-k = every token to the same experts); median and max over the measured "

@@ -16,6 +16,7 @@ from typing import Any
 
 from hpc_tools.planner import steptime as st
 from profiling import breakdown as bd
+from profiling import post_save
 from profiling.records import iter_rank_columns
 from profiling.schema import fields
 from profiling.trace import trace_paths
@@ -83,6 +84,7 @@ class Breakdown:
     bubble_collectors_s: float | None
     verdict: str
     straggler: dict[str, Any] | None
+    post_save: dict[str, Any] | None = None  # the steps after each save (profiling.post_save), beside the traced ones
 
     def to_json(self) -> dict[str, Any]:
         ranks = []
@@ -98,7 +100,8 @@ class Breakdown:
         return {"run_id": self.run_id, "ranks": ranks, "mean": mean, "planned": self.planned,
                 "planned_source": self.planned_source,
                 "ratio": {k: (mean.get(k, 0.0) / v if v else None) for k, v in self.planned.items()},
-                "bubble_collectors_s": self.bubble_collectors_s, "straggler": self.straggler, "verdict": self.verdict}
+                "bubble_collectors_s": self.bubble_collectors_s, "straggler": self.straggler, "verdict": self.verdict,
+                "post_save": self.post_save}
 
 
 def mean_buckets(ranks: list[RankBreakdown]) -> dict[str, float]:
@@ -229,8 +232,10 @@ def breakdown(run_input: Any, warmup: int | None = None) -> Breakdown:
     planned, source = planned_terms(recipe, run_input.layout, ranks)
     waits = [w for r in ranks for w in r.pp_wait_s.values()]
     strag = straggler(ranks)
+    # a traced step shows one save's blocked time (checkpoint); what a save costs the steps after it is in the records
+    after = post_save.measure(run_input.run.records_dir, warmup).as_dict()
     return Breakdown(run_input.run_id, ranks, planned, source, sum(waits) / len(waits) if waits else None,
-                     verdict(mean_buckets(ranks), planned, strag), strag)
+                     verdict(mean_buckets(ranks), planned, strag), strag, after)
 
 
 def format_text(b: Breakdown) -> str:
@@ -256,4 +261,7 @@ def format_text(b: Breakdown) -> str:
         lines.append(f"bubble the collectors measured on the same steps (pp_wait_s, mean over ranks): "
                      f"{b.bubble_collectors_s:.4f} s")
     lines.append(f"verdict: {b.verdict}")
+    after = post_save.text(b.post_save)
+    if after:
+        lines.append(f"after saves: {after}")
     return "\n".join(lines)

@@ -56,11 +56,18 @@ def _table(b) -> pd.DataFrame:
     return pd.DataFrame(rows)[cols]
 
 
+def _after(b) -> str | None:
+    """The post-save inflation line (``profiling.post_save``) of a breakdown, None without saves."""
+    from profiling.post_save import text
+
+    return text(b.post_save)
+
+
 def markdown(analysis: Any, table: Callable[[pd.DataFrame], str]) -> list[str]:
     parts: list[str] = []
     for b in collect(analysis):
         parts += [f"### {b.run_id}\n", table(_table(b)), f"\nPlan: {b.planned_source}.\n",
-                  f"\nVerdict: {b.verdict}\n"]
+                  f"\nVerdict: {b.verdict}\n", *([f"\nAfter saves: {after}\n"] if (after := _after(b)) else [])]
     return ["## Where the step went\n", TEXT + "\n", *parts] if parts else []
 
 
@@ -68,7 +75,8 @@ def html_parts(analysis: Any, table: Callable[[pd.DataFrame], str]) -> list[str]
     parts: list[str] = []
     for b in collect(analysis):
         parts += [f"<h3>{html.escape(b.run_id)}</h3>", table(_table(b)),
-                  f"<p>Plan: {html.escape(b.planned_source)}.</p>", f"<p>Verdict: {html.escape(b.verdict)}</p>"]
+                  f"<p>Plan: {html.escape(b.planned_source)}.</p>", f"<p>Verdict: {html.escape(b.verdict)}</p>",
+                  *([f"<p>After saves: {html.escape(after)}</p>"] if (after := _after(b)) else [])]
     return ["<h2>Where the step went</h2>", f"<p>{html.escape(TEXT)}</p>", *parts] if parts else []
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from hpc_tools.analysis.inputs import run_input
-from profiling import goodput
+from profiling import goodput, post_save
 from profiling.figures import reduce_records
 
 # The run's figures status shows (``profiling.figures.JOB_FIGURES``, as summary.json and analyze define them).
@@ -17,7 +17,8 @@ RUN_FIGURES = ("steps_measured", "warmup_steps", "step_time_median_s", "tokens_p
 
 def stragglers_and_goodput(run) -> dict[str, Any]:
     """{figures: the run's ``RUN_FIGURES`` so far, stragglers, straggler_nodes, straggler_verdict, straggler_causes:
-    {rank: cause}, goodput: ``Goodput.summary()``} of a run folder."""
+    {rank: cause}, goodput: ``Goodput.summary()``, post_save: ``profiling.post_save`` (the steps after each save
+    against the steady median)} of a run folder."""
     inp = run_input(run)
     lay, recipe = inp.layout, inp.recipe
     world = lay.world_size if lay else int(inp.manifest.get("world_size") or 1)
@@ -28,7 +29,8 @@ def stragglers_and_goodput(run) -> dict[str, Any]:
     return {"figures": {k: figures[k] for k in RUN_FIGURES}, "stragglers": figures["stragglers"],
             "straggler_nodes": figures["straggler_nodes"], "straggler_verdict": figures["straggler_verdict"],
             "straggler_causes": {str(r.rank): r.straggler_cause for r in reducer.ranks if r.straggler},
-            "goodput": g.summary()}
+            "goodput": g.summary(),
+            "post_save": post_save.measure(run.records_dir, recipe.profiling.warmup_steps if recipe else 0).as_dict()}
 
 
 def checkpoint_saves(run) -> list[dict[str, Any]]:

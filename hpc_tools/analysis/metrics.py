@@ -91,8 +91,24 @@ def run_goodput(inp: RunInput) -> goodput_mod.Goodput:
 
 def goodput_table(inputs: list[RunInput], goodputs: list[goodput_mod.Goodput]) -> pd.DataFrame:
     """One row per run: allocation, goodput, and each bucket's unit-hours and seconds."""
-    rows = [{"run_id": inp.run_id, "label": inp.label, **g.summary()} for inp, g in zip(inputs, goodputs)]
+    rows = [{"run_id": inp.run_id, "label": inp.label, **g.summary(), **post_save_columns(inp)}
+            for inp, g in zip(inputs, goodputs)]
     return pd.DataFrame(rows)
+
+
+POST_SAVE_COLUMNS = ("post_save_saves", "post_save_inflated", "post_save_steps", "post_save_max_steps",
+                     "post_save_max_ratio", "post_save_extra_s", "post_save_extra_share")
+
+
+def post_save_columns(inp: RunInput) -> dict[str, Any]:
+    """The run's post-save step inflation (``profiling.post_save``) as goodput-table columns: saves, saves followed
+    by inflated steps, inflated steps per save (mean, max), the largest step over the steady median, the time beyond
+    it (seconds, share of the step time)."""
+    from profiling import post_save
+
+    p = post_save.measure(inp.run.records_dir, inp.recipe.profiling.warmup_steps if inp.recipe else 0).as_dict()
+    return dict(zip(POST_SAVE_COLUMNS, (p["saves"], p["saves_inflated"], p["mean_steps"], p["max_steps"],
+                                        p["max_ratio"], p["extra_s"], p["extra_share"])))
 
 
 def straggler_table(ranks: pd.DataFrame) -> pd.DataFrame:

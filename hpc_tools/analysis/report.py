@@ -11,7 +11,7 @@ import pandas as pd
 
 from hpc_tools.analysis import breakdown_report, evaluation
 from hpc_tools.analysis.analyze import Analysis
-from hpc_tools.analysis.metrics import GOODPUT_COLUMNS, STRAGGLER_COLUMNS
+from hpc_tools.analysis.metrics import GOODPUT_COLUMNS, POST_SAVE_COLUMNS, STRAGGLER_COLUMNS
 from hpc_tools.analysis.scaling import __doc__ as SCALING_METHOD
 from hpc_tools.analysis.step_plots import all_plots
 from hpc_tools.analysis.summary import summary_lines
@@ -45,7 +45,8 @@ STRAGGLER_TEXT = ("Ranks compared with the peers of their pipeline stage by busy
                   "waits least (Method: stragglers).")
 GOODPUT_TEXT = ("Where each run's allocation went: hours = wall time x ranks (GPU-hours, or rank-hours on CPU); "
                 "lost work = steps recomputed after a failure; requeue wait lies outside the allocation "
-                "(Method: goodput).")
+                "(Method: goodput). Where a run saved checkpoints, the steps right after each save against the "
+                "steady median: saves followed by slower steps, how many steps and by how much (Method: post_save).")
 
 
 def _verdict_lines(a: Analysis, template: str, escape=str) -> str:
@@ -195,9 +196,12 @@ GOODPUT_SHOWN = (("#", "config", *(c for c in GOODPUT_COLUMNS if c in _GOODPUT_H
 
 
 def goodput_parts(goodput: pd.DataFrame | None) -> tuple[tuple[str, ...], ...]:
-    """The column sets of the goodput tables to show (``GOODPUT_SHOWN``, and the degraded part when a run has any)."""
+    """The column sets of the goodput tables to show (``GOODPUT_SHOWN``, the degraded part when a run has any, and the
+    steps after checkpoint saves, ``profiling.post_save``, when a run saved)."""
     degraded = goodput is not None and "degraded_hours" in goodput and bool((goodput["degraded_hours"] > 0).any())
-    return GOODPUT_SHOWN + ((("#", "config", *_GOODPUT_DEGRADED),) if degraded else ())
+    saved = goodput is not None and "post_save_saves" in goodput and bool((goodput["post_save_saves"] > 0).any())
+    return (GOODPUT_SHOWN + ((("#", "config", *_GOODPUT_DEGRADED),) if degraded else ())
+            + ((("#", "config", *POST_SAVE_COLUMNS),) if saved else ()))
 
 
 def write_tables(a: Analysis, out: Path) -> list[Path]:

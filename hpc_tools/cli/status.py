@@ -128,6 +128,11 @@ def _health_lines(health: dict) -> list[str]:
                      f"evaluation {g.get('evaluation_s') or 0:.1f} s, lost work {g['lost_work_s']:.1f} s / "
                      f"{g['recomputed_steps']} steps, requeue wait "
                      f"{g['requeue_wait_s']:.0f} s, {g['lives']} start(s))")
+    from profiling.post_save import text as post_save_text  # numpy: only where a run has records
+
+    after = post_save_text(health.get("post_save"))
+    if after:
+        lines.append(f"after saves {after}")
     return lines
 
 
