@@ -191,11 +191,11 @@ def measure_megatron(recipe, args: argparse.Namespace, device) -> tuple[dict, li
     """Megatron-core's engine on this device: (what ran, step times, losses)."""
     from hpc_tools.layout import ParallelLayout
     from hpc_tools.train.data import build_samples, microbatches_for_step
-    from hpc_tools.train.megatron.engine import Engine
+    from hpc_tools.train.megatron.engine import MegatronCore
     from hpc_tools.train.megatron.layers import te_attention_choice
 
     layout = ParallelLayout.from_recipe(recipe)
-    engine = Engine(recipe, layout, device)
+    engine = MegatronCore(recipe, layout, device)
     plan = engine.plan
     if args.layers == "te" and not (plan.transformer_engine and plan.flash_style):
         raise SystemExit(f"gpu_mfu: {plan.describe()}: not the fast path (Transformer Engine with flash/fused "

@@ -7,7 +7,7 @@ gloo group holds its own transport threads (``pt_gloo_runloop``, ``gloo_tcp_loop
 a job creates its groups, and ``destroy_since(before)`` is called once the job has let go of them. The threads end
 when nothing refers to the group any more (``tests/unit/test_process_groups.py``).
 
-A Megatron engine's close first lets go of its model (``megatron.engine.Engine._release_model``): Megatron's DDP
+A Megatron engine's close first lets go of its model (``megatron.engine.MegatronCore._release_model``): Megatron's DDP
 hooks on autograd's C++ nodes would otherwise keep the model, and the groups its modules hold, alive to the end.
 """
 

@@ -130,12 +130,12 @@ def layer_numbers(engine) -> list[list[int]]:
 
 def build(case: str):
     from hpc_tools.layout import ParallelLayout
-    from hpc_tools.train.megatron.engine import Engine
+    from hpc_tools.train.megatron.engine import MegatronCore
 
     family, sets = {**CASES, **EXTRA}[case]
     recipe = make_recipe(family, sets)
     layout = ParallelLayout.from_recipe(recipe)
-    return Engine(recipe, layout, "cpu"), recipe, layout
+    return MegatronCore(recipe, layout, "cpu"), recipe, layout
 
 
 def thread_count() -> int:

@@ -53,12 +53,12 @@ def build(sets: list[str]):
     from megatron_driver import make_recipe
 
     from hpc_tools.layout import ParallelLayout
-    from hpc_tools.train.megatron.engine import Engine
+    from hpc_tools.train.megatron.engine import MegatronCore
 
     recipe = make_recipe({}, small() + sets)
     layout = ParallelLayout.from_recipe(recipe)
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if DEVICE == "cuda" else "cpu"
-    return Engine(recipe, layout, device), recipe, layout
+    return MegatronCore(recipe, layout, device), recipe, layout
 
 
 def train(sets: list[str], first: int, last: int, engine=None):

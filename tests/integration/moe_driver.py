@@ -122,7 +122,7 @@ def run_steps(engine, recipe, layout, first: int, last: int) -> dict[str, list]:
 
 def build(case: str):
     from hpc_tools.layout import ParallelLayout
-    from hpc_tools.train.megatron.engine import Engine
+    from hpc_tools.train.megatron.engine import MegatronCore
 
     if DEVICE == "cuda":
         import torch.distributed as dist
@@ -133,7 +133,7 @@ def build(case: str):
     else:
         recipe, device = make_recipe(CASES[case]), "cpu"
     layout = ParallelLayout.from_recipe(recipe)
-    return Engine(recipe, layout, device), recipe, layout
+    return MegatronCore(recipe, layout, device), recipe, layout
 
 
 def gpu_cases(world: int) -> list[str]:

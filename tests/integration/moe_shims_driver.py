@@ -3,7 +3,7 @@
     python tests/integration/moe_shims_driver.py --out results.json
 
 Installs ``cpu_compat``, then trains one step of a tiny MoE GPT (``alltoall`` dispatcher, fp32 router) and of a tiny
-MLA + MoE GPT through ``Engine``, and passes ``all_to_all_single`` the split sizes the dispatcher makes. Then, for
+MLA + MoE GPT through ``MegatronCore``, and passes ``all_to_all_single`` the split sizes the dispatcher makes. Then, for
 each shim in turn, puts megatron-core's (or torch's) original back, runs the same thing again, records the error it
 raises, and reinstalls the shim. Writes ``{"with": {...}, "without": {shim: "Error: message"}}`` as JSON;
 tests/integration/test_megatron_moe.py asserts on it.
@@ -36,11 +36,11 @@ def train_one_step(sets: list[str]) -> float:
     from hpc_tools.layout import ParallelLayout
     from hpc_tools.recipe.load import resolve
     from hpc_tools.train.data import build_samples, microbatches_for_step
-    from hpc_tools.train.megatron.engine import Engine
+    from hpc_tools.train.megatron.engine import MegatronCore
 
     recipe = resolve(MOE, sets, source="moe_shims_driver")
     layout = ParallelLayout.from_recipe(recipe)
-    engine = Engine(recipe, layout, "cpu")
+    engine = MegatronCore(recipe, layout, "cpu")
     try:
         return engine.train_step(1, microbatches_for_step(build_samples(recipe), 1, 0, layout)).loss
     finally:

@@ -54,7 +54,7 @@ def rank_main(data: Path, out: Path) -> None:
     from hpc_tools.train.checkpointing.saver import save_once
     from hpc_tools.train.data import validation_samples
     from hpc_tools.train.megatron import checkpoint
-    from hpc_tools.train.megatron.engine import Engine
+    from hpc_tools.train.megatron.engine import MegatronCore
     from hpc_tools.train.megatron.trainer import _quiet_megatron
 
     _quiet_megatron()
@@ -64,12 +64,12 @@ def rank_main(data: Path, out: Path) -> None:
     recipe = megatron_recipe(data)
     layout = ParallelLayout.from_recipe(recipe)
     dirs = CheckpointDirs(out.parent / "ckpt")
-    engine = Engine(recipe, layout, "cpu")
+    engine = MegatronCore(recipe, layout, "cpu")
     first, _ = driver.run_steps(engine, recipe, layout, 1, RESUME_AT)
     save_once(checkpoint.Shards(engine), dirs, RESUME_AT)
     rest, _ = driver.run_steps(engine, recipe, layout, RESUME_AT + 1, STEPS)
     engine.close()
-    engine = Engine(recipe, layout, "cpu")
+    engine = MegatronCore(recipe, layout, "cpu")
     step = checkpoint.load(engine, dirs.newest())
     resumed, _ = driver.run_steps(engine, recipe, layout, step + 1, STEPS)
     engine.close()

@@ -210,7 +210,7 @@ def test_gradient_accumulation_fusion_only_with_apex_kernel():
 
 def test_missing_apex_is_noted_at_start_on_cuda_only(monkeypatch):
     """Item 13: without apex TE's weight-gradient fusion is off too (mcore passes gradient_accumulation_fusion to TE's
-    fuse_wgrad_accumulation); the run says so where it starts (``Engine.notes``, logged by the trainer)."""
+    fuse_wgrad_accumulation); the run says so where it starts (``MegatronCore.notes``, logged by the trainer)."""
     from hpc_tools.train.megatron import config
 
     r = gpt3d()
@@ -400,13 +400,13 @@ def test_every_backend_copies_batches_from_pinned_memory_and_never_pins_an_expan
     CUDA; the GPU smoke runs the real copy)."""
     import torch
 
-    from hpc_tools.train.megatron.engine import Engine
+    from hpc_tools.train.megatron.engine import MegatronCore
     from hpc_tools.train.prefetch import pin_batch, to_device
 
     pinned = _strict_pinning(monkeypatch)
     meta = torch.device("meta")
     tokens = torch.arange(12).reshape(3, 4)
-    out = Engine._prepare({"tokens": tokens, "labels": tokens + 1}, meta)
+    out = MegatronCore._prepare({"tokens": tokens, "labels": tokens + 1}, meta)
     assert {k: (v.device.type, tuple(v.shape)) for k, v in out.items()} == {
         "tokens": ("meta", (3, 4)), "labels": ("meta", (3, 4)), "position_ids": ("meta", (3, 4))}
     assert pinned == [(3, 4), (3, 4)]  # tokens and labels; positions never leave the device
@@ -415,7 +415,7 @@ def test_every_backend_copies_batches_from_pinned_memory_and_never_pins_an_expan
     assert torch.equal(pin_batch([{"p": expanded, "n": 1}])[0]["p"], expanded)
     cpu = torch.ones(2)
     assert to_device(cpu, torch.device("cpu")) is cpu
-    assert torch.equal(Engine._prepare({"tokens": tokens, "labels": tokens}, torch.device("cpu"))["position_ids"],
+    assert torch.equal(MegatronCore._prepare({"tokens": tokens, "labels": tokens}, torch.device("cpu"))["position_ids"],
                        torch.arange(4).expand(3, 4))
 
 

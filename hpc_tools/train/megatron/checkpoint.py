@@ -28,7 +28,7 @@ from hpc_tools.checkpoints.reshard import size as _size
 from hpc_tools.train import rng
 
 if TYPE_CHECKING:
-    from hpc_tools.train.megatron.engine import Engine
+    from hpc_tools.train.megatron.engine import MegatronCore
 
 log = logging.getLogger("hpc_tools.megatron")
 
@@ -37,7 +37,7 @@ log = logging.getLogger("hpc_tools.megatron")
 SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
-def layout_meta(engine: "Engine") -> dict[str, Any]:
+def layout_meta(engine: "MegatronCore") -> dict[str, Any]:
     lay, mg = engine.layout, engine.recipe.backend.megatron
     return {**layout_sizes(lay, mg.distributed_optimizer, engine.recipe.training.precision),
             "padded_vocab_size": engine.recipe.model.padded_vocab_size(lay.tensor_size), "layers": engine.plan.layers}
@@ -51,13 +51,13 @@ def inner_optimizers(optimizer) -> list:
 
 # -- state dicts -------------------------------------------------------------------------------------------------------
 
-def model_state(engine: "Engine") -> dict[str, Any]:
+def model_state(engine: "MegatronCore") -> dict[str, Any]:
     from hpc_tools.train.megatron.model import unwrap
 
     return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(engine.chunks)}
 
 
-def rng_state(engine: "Engine"):
+def rng_state(engine: "MegatronCore"):
     """This rank's RNG states (``hpc_tools.train.rng`` plus Megatron's tracker: tensor-parallel and expert streams)
     as a ShardedObject addressed by its (pp, tp, dp[, cp]) coordinates."""
     from megatron.core import tensor_parallel
@@ -81,17 +81,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 # -- save --------------------------------------------------------------------------------------------------------------
 
-def meta(engine: "Engine", step: int) -> dict[str, Any]:
+def meta(engine: "MegatronCore", step: int) -> dict[str, Any]:
     """What the meta file of a checkpoint of ``step`` records besides its files."""
     return {"format": FORMAT, "model_only": step - engine.skipped_steps <= 0,
             "optimizer_steps": step - engine.skipped_steps, "layout": layout_meta(engine)}
 
 
 class Shards:
-    """The bare ``Engine``'s side of a save (``hpc_tools.train.engine.Checkpointable``), synchronous: what a test
+    """The bare ``MegatronCore``'s side of a save (``hpc_tools.train.engine.Checkpointable``), synchronous: what a test
     driver hands ``checkpointing.saver.save_once`` (``MegatronJob`` is the trainer's, with background writes)."""
 
-    def __init__(self, engine: "Engine"):
+    def __init__(self, engine: "MegatronCore"):
         self.engine = engine
 
     def start_background_writer(self) -> None:
@@ -104,7 +104,7 @@ class Shards:
         return meta(self.engine, step)
 
 
-def write(engine: "Engine", folder: Path, step: int, *, background=None):
+def write(engine: "MegatronCore", folder: Path, step: int, *, background=None):
     """Collective: every rank writes its torch_dist shards of step ``step`` into ``folder`` (which exists).
 
     ``background`` (a ``BackgroundWriter``): through dist_checkpointing's async path: the
@@ -312,7 +312,7 @@ def _suppress():
 
 
 @contextmanager
-def params_gathered(engine: "Engine"):
+def params_gathered(engine: "MegatronCore"):
     """The model weights complete while the body runs, whatever ``overlap_param_gather`` deferred.
 
     With ``overlap_param_gather`` the distributed optimizer's step refreshes only this rank's data-parallel shard of
@@ -348,7 +348,7 @@ def _in_process_results_queue() -> None:
 
 # -- load --------------------------------------------------------------------------------------------------------------
 
-def load(engine: "Engine", path: str | Path) -> int:
+def load(engine: "MegatronCore", path: str | Path) -> int:
     """Restore what the checkpoint at ``path`` allows under this engine's layout; returns its step."""
     from megatron.core import dist_checkpointing
 
@@ -440,7 +440,7 @@ def step_in_param_state(inner) -> bool:
     return isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
 
 
-def _prefill_optimizer(engine: "Engine") -> None:
+def _prefill_optimizer(engine: "MegatronCore") -> None:
     # A fresh torch AdamW has no state tensors to load into; allocate them, with a placeholder step that the
     # distributed optimizer's state_dict() insists on (torch's per-parameter step only). Without the pre-fill the
     # resumed losses drift from the uninterrupted run (observed with megatron-core 0.16.1; the resume cases of
@@ -460,7 +460,7 @@ def _prefill_optimizer(engine: "Engine") -> None:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
 
 
-def _restore_adam_steps(engine: "Engine", steps: int) -> None:
+def _restore_adam_steps(engine: "MegatronCore", steps: int) -> None:
     """Adam's step count (bias correction) = optimizer steps taken before the checkpoint, where the optimizer keeps
     it: per parameter (torch) or per parameter group (TE/apex FusedAdam, an int; ``step_in_param_state``)."""
     import torch
@@ -478,7 +478,7 @@ def _restore_adam_steps(engine: "Engine", steps: int) -> None:
                     state["step"] = torch.tensor(float(steps), dtype=torch.float32)
 
 
-def _reload_main_params(engine: "Engine") -> None:
+def _reload_main_params(engine: "MegatronCore") -> None:
     for opt in inner_optimizers(engine.optimizer):
         reload = getattr(opt, "reload_model_params", None)
         if reload is not None:

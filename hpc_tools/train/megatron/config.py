@@ -324,7 +324,7 @@ def ddp_config(recipe: "Recipe"):
     mg = recipe.backend.megatron
     # check_for_nan_in_grad raises on the rank that sees a NaN; the non-finite guard wants every rank to skip the
     # update together and count it (training.max_nonfinite_steps), so the engine checks the reduced grad buffers
-    # itself (engine.Engine._nonfinite_flag) and fp16 keeps Megatron's own found_inf skip.
+    # itself (engine.MegatronCore._nonfinite_flag) and fp16 keeps Megatron's own found_inf skip.
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=recipe.training.precision != "fp32", overlap_grad_reduce=mg.overlap_grad_reduce,
         overlap_param_gather=mg.overlap_param_gather, align_param_gather=mg.overlap_param_gather,

@@ -1,7 +1,7 @@
 """One rank's share of a Megatron-core job: parallel state, model chunks, optimizer, and one training step.
 
 Independent of the run folder and the launcher, so that a test can build engines for many layouts in one process
-group (``Engine(...)`` ... ``engine.close()`` re-initialises Megatron's parallel state each time).
+group (``MegatronCore(...)`` ... ``engine.close()`` re-initialises Megatron's parallel state each time).
 """
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ def seed_streams(seed: int, pp_rank: int, tp_rank: int | None = None, *, ep_rank
     tensor_parallel.model_parallel_cuda_manual_seed(stage_seed(seed, pp_rank), **ranks)
 
 
-class Engine:
-    """Model chunks + optimizer + forward/backward schedule for one layout.
+class MegatronCore:
+    """This rank's megatron-core objects for one layout: model chunks + optimizer + forward/backward schedule
+    (``MegatronJob`` wraps it for the loop).
 
     ``device`` is the rank's torch device (``RankContext.device``; a string such as ``"cpu"`` is accepted);
     ``timeout`` the process groups' (``RankContext.collective_timeout``; None: megatron-core's default).

@@ -24,12 +24,12 @@ from hpc_tools.hf.load import FIELD, Weights, read_config
 
 if TYPE_CHECKING:
     from hpc_tools.recipe.model import ModelConfig
-    from hpc_tools.train.megatron.engine import Engine
+    from hpc_tools.train.megatron.engine import MegatronCore
 
 log = logging.getLogger("hpc_tools.hf")
 
 
-def init_unless_resuming(engine: "Engine", recipe, dirs) -> bool:
+def init_unless_resuming(engine: "MegatronCore", recipe, dirs) -> bool:
     """``init_engine`` from ``checkpoint.init_from_hf`` when the run has no checkpoint to resume from (its own, or
     ``checkpoint.load_path``); returns whether it did. Called by every rank once the engine is built."""
     from hpc_tools.checkpoints.dirs import resume_source
@@ -42,7 +42,7 @@ def init_unless_resuming(engine: "Engine", recipe, dirs) -> bool:
     return True
 
 
-def init_engine(engine: "Engine", folder: str | Path) -> None:
+def init_engine(engine: "MegatronCore", folder: str | Path) -> None:
     """Overwrite this rank's model weights with its shard of the Hugging Face folder (step 0, optimizer fresh)."""
     import torch
 

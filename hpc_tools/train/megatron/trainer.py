@@ -1,9 +1,9 @@
 """backend.kind: megatron — what every rank runs: ``run(ctx)`` (called by hpc_tools.runtime.rank).
 
-``MegatronJob`` is the engine (``hpc_tools.train.engine.Engine``) of ``hpc_tools.train.loop`` (which owns records,
+``MegatronJob`` is the engine (``hpc_tools.train.engine.RankJob``) of ``hpc_tools.train.loop`` (which owns records,
 the stop agreement and evaluations; resume and saves are ``hpc_tools.train.checkpointing``'s) around
-``hpc_tools.train.megatron.engine.Engine`` (model chunks, optimizer, one step). The data of a step is a pure function
-of the step, so no data position is saved.
+``hpc_tools.train.megatron.engine.MegatronCore`` (model chunks, optimizer, one step). The data of a step is a pure
+function of the step, so no data position is saved.
 """
 
 from __future__ import annotations
@@ -28,17 +28,17 @@ def run(ctx: RankContext) -> None:
 
 
 class MegatronJob:
-    """``engine.Engine`` for Megatron-core: the engine of this rank's layout, its data and its checkpoints."""
+    """``engine.RankJob`` for Megatron-core: the engine of this rank's layout, its data and its checkpoints."""
 
     checkpoints = True
 
     def __init__(self, ctx: RankContext):
         from hpc_tools.train.data import build_samples
-        from hpc_tools.train.megatron.engine import Engine
+        from hpc_tools.train.megatron.engine import MegatronCore
 
         self.ctx = ctx
         self.samples = build_samples(ctx.recipe)  # first: a bad data path fails before a model is built
-        self.engine = Engine(ctx.recipe, ctx.layout, ctx.device, timeout=ctx.collective_timeout)
+        self.engine = MegatronCore(ctx.recipe, ctx.layout, ctx.device, timeout=ctx.collective_timeout)
         self.prefetch = BatchPrefetcher(self._build_batch, ctx.recipe.training.train_iters,
                                         background=ctx.device.type == "cuda", pin=ctx.device.type == "cuda")
         self.dirs = CheckpointDirs(ctx.checkpoint_dir, keep_last=ctx.recipe.checkpoint.keep_last)
@@ -86,7 +86,7 @@ class MegatronJob:
         return result
 
     def evaluate(self, batches: list[list[dict[str, Any]]]) -> float:
-        """Validation loss over ``batches`` (``Engine.evaluate``: forward only, the same on every rank)."""
+        """Validation loss over ``batches`` (``RankJob.evaluate``: forward only, the same on every rank)."""
         return self.engine.evaluate(batches)
 
     def write_checkpoint(self, folder: Path, step: int, background: bool):
