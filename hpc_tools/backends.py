@@ -120,6 +120,10 @@ class Backend:
     fewer nodes (``hpc_tools.planner.elastic``)."""
     no_elastic_why: str = ""
     """Why a row without ``elastic`` cannot continue on fewer nodes (the rule's one-line refusal says it)."""
+    checks_load_layout: bool = False
+    """``checkpoint.load_path``'s optimizer state is checked against the recipe's layout before a job is queued
+    (``hpc_tools.checkpoints.reshard``, the loader's own rule: Megatron's distributed checkpoints); the others
+    reshard on load (torch Distributed Checkpoint) or say so on the ranks."""
     hf_export: str | None = None
     """``"module:function"``: (run, recipe, verified checkpoint, out, overwrite) -> summary; None: nothing to export."""
     rank_setup: str | None = None
@@ -155,7 +159,7 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
             tensor_parallel=True, sequence_parallel=True, interleaved_pipeline=True, uneven_pipeline=True,
             selective_recompute=True, recompute_modules=True, moe_comm_overlap=True,
             experts=True, expert_parallel=True, context_parallel=True, fp8=True, multi_latent_attention=True,
-            pads_vocab=True, async_save=True, elastic=True,
+            pads_vocab=True, async_save=True, elastic=True, checks_load_layout=True,
             reads_init_from_hf=True, hf_export="hpc_tools.train.megatron.hf_export:export_checkpoint",
             rank_setup="hpc_tools.train.megatron.config:rank_environment", layers="megatron",
             sharding="distributed_optimizer", packages=("megatron-core",),
@@ -176,15 +180,15 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
             trainer="hpc_tools.train.fsdp.trainer", trains_model=True, options="fsdp", pipeline_parallel=False,
             tensor_parallel=True,
             hf_model_classes=True, reads_init_from_hf=True, async_save=True, elastic=True,
-            hf_export="hpc_tools.train.fsdp.export:export_checkpoint",
+            hf_export="hpc_tools.train.hf_causal_lm.export:export_checkpoint",
             layers="huggingface", sharding="fsdp", packages=("transformers", "accelerate"), compiled=_fsdp_compiled),
-    Backend(kind="horovod", summary="the fsdp backend's Hugging Face causal LM, a full copy on every rank, its "
+    Backend(kind="horovod", summary="a Hugging Face causal LM (the fsdp backend's), a full copy on every rank, its "
             "gradients ring-all-reduced by Horovod's DistributedOptimizer (gloo on CPU, NCCL on GPU), checkpoints "
             "through torch Distributed Checkpoint",
             trainer="hpc_tools.train.horovod.trainer", trains_model=True, options="horovod", pipeline_parallel=False,
             hf_model_classes=True, reads_init_from_hf=True, elastic=True,
             no_async_save_why="the Horovod backend writes its checkpoints synchronously",
-            hf_export="hpc_tools.train.fsdp.export:export_checkpoint",
+            hf_export="hpc_tools.train.hf_causal_lm.export:export_checkpoint",
             layers="huggingface", sharding="horovod", packages=("transformers", "accelerate", "horovod")),
     Backend(kind="comm_check", summary="no model: every rank joins the process group and times all-reduces "
             "(a cluster smoke test)",

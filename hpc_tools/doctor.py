@@ -193,8 +193,9 @@ def horovod_check(backend: str | None, timeout_s: float = 120, gpus: bool | None
     another torch fails to load), and for a recipe on GPUs (``gpus``) whether it was built with NCCL
     (``nccl_built()``: else GPU tensors reduce through host memory over gloo); or why the build against this torch
     failed; None where Horovod is neither installed nor tried (its package row says so)."""
-    needed = backend in (None, "horovod")
-    level = "fail" if backend == "horovod" else "warn"
+    uses = backend is not None and "horovod" in backends.backend(backend).packages  # the recipe's backend
+    needed = backend is None or uses
+    level = "fail" if uses else "warn"
     have, torch_version = _installed("horovod"), _installed("torch")
     failed = next((f for f in (horovod_wheel_dir(torch_version=torch_version, nccl=n) / "build-failed.log"
                                for n in (True, False)) if f.is_file()), None)
@@ -212,7 +213,7 @@ def horovod_check(backend: str | None, timeout_s: float = 120, gpus: bool | None
             else ""
     except subprocess.TimeoutExpired:
         error = f"the import took over {timeout_s:.0f} s"
-    if not error and gpus and backend == "horovod" and out.stdout.strip() != "1":
+    if not error and gpus and uses and out.stdout.strip() != "1":
         return Check("horovod.torch", "fail", f"horovod {have} imports with torch {torch_version} but was built "
                      "without NCCL (nccl_built() is false): this GPU recipe's gradients would reduce through host "
                      "memory over gloo", f"{HOROVOD_INSTALL} on this CUDA torch, with nvcc on PATH (builds it with "

@@ -219,11 +219,12 @@ def path_violations(recipe: Recipe) -> list[Violation]:
 def load_path_violations(recipe: Recipe) -> list[Violation]:
     """A Megatron checkpoint at ``checkpoint.load_path`` whose optimizer state this recipe's layout cannot load
     (``hpc_tools.checkpoints.reshard``): refused here, before a job is queued, rather than on the ranks."""
+    from hpc_tools import backends
     from hpc_tools.checkpoints.dirs import CheckpointDirs, resume_source
     from hpc_tools.checkpoints.reshard import MEGATRON_FORMAT, layout_sizes, size, why_not
     from hpc_tools.layout import ParallelLayout
 
-    if recipe.backend.kind != "megatron":
+    if not backends.of(recipe).checks_load_layout:
         return []
     try:  # the checkpoint the run would load (the trainer's own rule); none complete: the loader says so
         source = resume_source(CheckpointDirs(recipe.checkpoint.load_path), resume=False,
@@ -276,8 +277,10 @@ def package_violations(recipe: Recipe) -> list[Violation]:
     """A package the recipe's backend needs that no install step brings: Horovod (environment/install.sh leaves it
     out: it builds for minutes). Checked in this Python only when the job runs in it (no venv, conda_env or
     container in cluster.setup)."""
+    from hpc_tools import backends
+
     setup = recipe.cluster.setup
-    if recipe.backend.kind != "horovod" or setup.venv or setup.conda_env or setup.container:
+    if "horovod" not in backends.of(recipe).packages or setup.venv or setup.conda_env or setup.container:
         return []
     why = horovod_problem()
     if why is None:

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc_tools import backends
-from hpc_tools.checkpoints.reshard import layout_sizes, why_not
 from hpc_tools.errors import UserError, Violation
 from hpc_tools.planner.knobs import Knobs
 from hpc_tools.runtime.elastic import ELASTIC_FILE
@@ -69,11 +68,9 @@ def counts(nodes: int, min_nodes: int) -> list[int]:
 
 def carries(recipe: "Recipe", base: Knobs, cand: Knobs) -> bool:
     """Whether a checkpoint saved under the recipe's configuration ``base`` resumes with its optimizer state into
-    candidate ``cand``: for Megatron ``hpc_tools.checkpoints.reshard`` (the loader's own rule), for FSDP and Horovod
-    the same FSDP strategy."""
-    if base.backend == "megatron":
-        return why_not(*(layout_sizes(k.layout, k.distributed_optimizer, k.precision) for k in (base, cand))) is None
-    return cand.fsdp_strategy == base.fsdp_strategy
+    candidate ``cand``: its sharding scheme's rule (``Scheme.carries``: for Megatron ``hpc_tools.checkpoints.reshard``,
+    the loader's own rule; for FSDP and Horovod the same FSDP strategy)."""
+    return base.scheme.carries(base, cand)
 
 
 def on_nodes(recipe: "Recipe", k: int) -> "Recipe":
@@ -124,13 +121,10 @@ def elastic_violations(recipe: "Recipe") -> list[Violation]:
         return []
     why = plan.unplanned.get(c.fewest_nodes, "not planned")
     fewest = min(plan.layouts) if plan.layouts else c.nodes
-    distopt = recipe.backend.kind == "megatron" and recipe.backend.megatron.distributed_optimizer and \
-        why.endswith(CANNOT_CARRY)
+    base = Knobs.from_recipe(recipe)
+    fix = base.scheme.carry_fix(base) if why.endswith(CANNOT_CARRY) else ""
     return [Violation("cluster.min_nodes", c.min_nodes, f"has no layout the run can continue in: on "
-                      f"{c.fewest_nodes} node(s), {why}",
-                      f"set cluster.min_nodes: {fewest}" + (", or backend.megatron.distributed_optimizer: false "
-                                                             "(its checkpoint reshards across data-parallel sizes "
-                                                             "only)" if distopt else ""))]
+                      f"{c.fewest_nodes} node(s), {why}", f"set cluster.min_nodes: {fewest}{fix}")]
 
 
 def write(run_dir: Path, plan: ElasticPlan) -> Path:

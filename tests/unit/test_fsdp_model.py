@@ -27,8 +27,8 @@ def test_empty_build_filled_is_the_plain_build(family):
 
     from hpc_tools.hf.config import ATTENTION, hf_config
     from hpc_tools.train.deepspeed.model import initialize_weights
-    from hpc_tools.train.fsdp.model import build_empty, full_values
-    from hpc_tools.train.fsdp.parallel import materialize
+    from hpc_tools.train.hf_causal_lm.model import build_empty
+    from hpc_tools.train.hf_causal_lm.values import full_values, materialize
 
     r = recipe(family)
     model = build_empty(r)
@@ -48,7 +48,7 @@ def test_init_from_hf_of_another_shape_is_refused_naming_the_field(tmp_path):
     Megatron runs start from one folder.)"""
     from hpc_tools.errors import UserError
     from hpc_tools.hf.config import hf_config
-    from hpc_tools.train.fsdp.model import build_empty
+    from hpc_tools.train.hf_causal_lm.model import build_empty
 
     hf_config(recipe("llama")).save_pretrained(tmp_path / "hf")  # config.json is what the check reads
     r = recipe("llama", init_from_hf=str(tmp_path / "hf"))

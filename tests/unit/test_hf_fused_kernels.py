@@ -41,9 +41,10 @@ def gloo():
 
 def losses(r, steps: int = 3) -> list[float]:
     """``steps`` SGD steps of the FSDP backend's model (one rank, full_shard) on fixed batches: each step's loss."""
-    from hpc_tools.train.fsdp.model import build_empty, full_values
     from hpc_tools.train.fsdp.parallel import parallelize
     from hpc_tools.train.hf_causal_lm import apply_liger, forward_loss
+    from hpc_tools.train.hf_causal_lm.model import build_empty
+    from hpc_tools.train.hf_causal_lm.values import full_values
 
     notes: list[str] = []
     model = build_empty(r)
@@ -109,8 +110,8 @@ def test_liger_off_is_silent_and_unfused():
 def test_liger_patches_the_llama_model_where_it_imports():
     """On a CUDA device (named only: nothing runs) the model's norms, MLPs and forward are Liger's."""
     pytest.importorskip("liger_kernel")
-    from hpc_tools.train.fsdp.model import build_empty
     from hpc_tools.train.hf_causal_lm import apply_liger
+    from hpc_tools.train.hf_causal_lm.model import build_empty
 
     model = build_empty(recipe(liger=True))
     said = []

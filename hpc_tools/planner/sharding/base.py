@@ -122,6 +122,17 @@ class Scheme:
         """Single changes of its knobs, tried after the relayouts and before a deeper pipeline."""
         return iter(())
 
+    # --- elastic layouts (``hpc_tools.planner.elastic``) -------------------------------------------------------------
+    def carries(self, base: Knobs, cand: Knobs) -> bool:
+        """Whether a checkpoint saved under ``base`` resumes, optimizer state included, into ``cand`` (a scheme
+        whose checkpoints hold each data-parallel rank's partition: never at another layout)."""
+        return False
+
+    def carry_fix(self, k: Knobs) -> str:
+        """A change of its knobs that would let more layouts carry the checkpoint (``, or <field>: <value> (why)``),
+        for the refusal of a ``cluster.min_nodes`` with none; "" where there is none."""
+        return ""
+
 
 def dp_bw(k: Knobs, hw: "Hardware") -> float:
     lay = k.layout

@@ -149,3 +149,7 @@ class Fsdp(Scheme):
                    replace(k, fsdp_strategy="full_shard", fsdp_shard_size=None))
         if k.fsdp_strategy != "ddp" and not k.fsdp_reshard:
             yield [f"{options}.reshard_after_forward=true"], replace(k, fsdp_reshard=True)
+
+    def carries(self, base: Knobs, cand: Knobs) -> bool:
+        """DCP reshards parameters and optimizer state across any world size: the same strategy is enough."""
+        return cand.fsdp_strategy == base.fsdp_strategy

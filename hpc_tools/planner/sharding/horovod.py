@@ -76,3 +76,7 @@ class Horovod(Scheme):
 
     def option_updates(self, k: Knobs) -> dict[str, Any]:
         return {"compression": k.hvd_compression, "fusion_threshold_mb": k.hvd_fusion_mb}
+
+    def carries(self, base: Knobs, cand: Knobs) -> bool:
+        """A full copy on every rank in a Distributed Checkpoint: any world size resumes it."""
+        return cand.fsdp_strategy == base.fsdp_strategy

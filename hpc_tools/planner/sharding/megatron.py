@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterator
 
+from hpc_tools.checkpoints.reshard import layout_sizes, why_not
 from hpc_tools.planner.arch import (
     Arch,
     pieces,
@@ -119,3 +120,13 @@ class DistributedOptimizer(Scheme):
     def cheap_changes(self, k: Knobs, options: str) -> Iterator[Change]:
         if not k.distributed_optimizer and k.layout.data_size > 1:
             yield [f"{options}.distributed_optimizer=true"], replace(k, distributed_optimizer=True)
+
+    def carries(self, base: Knobs, cand: Knobs) -> bool:
+        """What ``hpc_tools.checkpoints.reshard`` lets Megatron's loader carry (the loader's own rule)."""
+        return why_not(*(layout_sizes(k.layout, k.distributed_optimizer, k.precision) for k in (base, cand))) is None
+
+    def carry_fix(self, k: Knobs) -> str:
+        if not k.distributed_optimizer:
+            return ""
+        return ", or backend.megatron.distributed_optimizer: false (its checkpoint reshards across data-parallel " \
+            "sizes only)"

@@ -15,7 +15,7 @@ from typing import Any
 from hpc_tools.checkpoints.dirs import CheckpointDirs
 from hpc_tools.errors import UserError
 from hpc_tools.registry import RunFolder
-from hpc_tools.train.hf_causal_lm import load_into
+from hpc_tools.train.hf_causal_lm.values import load_into
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,

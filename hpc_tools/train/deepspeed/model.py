@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_tools.errors import UserError
 from hpc_tools.hf.config import ATTENTION, check_expressible, hf_config
-from hpc_tools.train.hf_causal_lm import initial_values
+from hpc_tools.train.hf_causal_lm.values import initial_values
 
 if TYPE_CHECKING:
     from hpc_tools.recipe.schema import Recipe
@@ -81,9 +81,9 @@ def _model_class(cfg):
 
 
 def initialize_weights(model, recipe: "Recipe") -> None:
-    """Overwrite every parameter with its ``hf_causal_lm.initial_value``: under ZeRO-3 zero.Init consumes the random
-    stream in another order than a plain build, so HF's own initialisation would give each stage different starting
-    weights."""
+    """Overwrite every parameter with its ``hf_causal_lm.values.initial_value``: under ZeRO-3 zero.Init consumes the
+    random stream in another order than a plain build, so HF's own initialisation would give each stage different
+    starting weights."""
     import torch
 
     value_of = initial_values(model, recipe)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpc_tools.train.hf_causal_lm import causal_lm_loss
+from hpc_tools.train.hf_causal_lm.loss import causal_lm_loss
 
 if TYPE_CHECKING:
     from hpc_tools.recipe.schema import Recipe

@@ -22,7 +22,7 @@ from hpc_tools.train.deepspeed.device import check_accelerator, environment_for
 from hpc_tools.train.deepspeed.ds_config import build_ds_config, write_ds_config
 from hpc_tools.train.deepspeed.model import build_model
 from hpc_tools.train.engine import StepResult
-from hpc_tools.train.hf_causal_lm import apply_liger, forward_loss
+from hpc_tools.train.hf_causal_lm.loss import apply_liger, forward_loss
 from hpc_tools.train.prefetch import BatchPrefetcher, to_device
 from hpc_tools.train.schedule import lr_at
 
@@ -66,7 +66,7 @@ def _plain_cpu_collectives() -> None:
 
 
 class DeepSpeedJob:
-    """``engine.Engine`` for DeepSpeed: the engine, the data and the checkpoints of one run on one rank."""
+    """``engine.RankJob`` for DeepSpeed: the engine, the data and the checkpoints of one run on one rank."""
 
     checkpoints = True
 

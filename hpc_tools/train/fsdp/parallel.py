@@ -25,7 +25,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from hpc_tools.train.fsdp.model import blocks
+from hpc_tools.train.hf_causal_lm.model import blocks
+from hpc_tools.train.hf_causal_lm.values import materialize
 
 if TYPE_CHECKING:
     from hpc_tools.recipe.schema import Recipe
@@ -64,11 +65,11 @@ def mesh_shape(recipe: "Recipe", world: int) -> Mesh:
 def parallelize(model, recipe: "Recipe", device, world: int, fill: Callable[[str, tuple], Any]):
     """The model ready to train on ``device``: sharded by ``fully_shard`` or wrapped in DDP (see the module doc).
 
-    ``model`` comes with its parameters on the meta device (``model.build_empty``): they are sharded first, then only
-    this rank's shard is allocated on ``device`` (``to_empty``) and filled from ``fill(name, shape)``, one full
-    parameter at a time. The buffers (RoPE frequencies) are kept across ``to_empty``. A model with tied embeddings
-    (GPT-2) is filled whole on the host before sharding instead: ``to_empty`` of sharded modules would give the two
-    tied names separate tensors."""
+    ``model`` comes with its parameters on the meta device (``hf_causal_lm.model.build_empty``): they are sharded
+    first, then only this rank's shard is allocated on ``device`` (``to_empty``) and filled from ``fill(name,
+    shape)``, one full parameter at a time (``hf_causal_lm.values.materialize``). The buffers (RoPE frequencies) are
+    kept across ``to_empty``. A model with tied embeddings (GPT-2) is filled whole on the host before sharding
+    instead: ``to_empty`` of sharded modules would give the two tied names separate tensors."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -125,30 +126,6 @@ def tensor_parallel(model, mesh) -> None:
         parallelize_module(block, mesh, {name: styles[style]() for name, style in LLAMA_TP_PLAN.items()})
 
 
-def materialize(model, device, fill: Callable[[str, tuple], Any]) -> None:
-    """Allocate the (meta) parameters on ``device`` and set each to ``fill(name, full shape)``: a sharded parameter
-    (DTensor) takes its own shard of the full value (no communication); buffers keep their values."""
-    import torch
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if not any(p.is_meta for p in model.parameters()):
-        return  # already materialized (tied embeddings: on the host, before sharding)
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    model.to_empty(device=device)
-    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-        model.tie_weights()  # from meta, to_empty gives each module a Parameter of its own: tie them again
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            full = fill(name, tuple(param.shape)).to(device)
-            if isinstance(param, DTensor):
-                mine = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-                param.to_local().copy_(mine.to_local())
-            else:
-                param.copy_(full)
-        for name, b in model.named_buffers():
-            b.copy_(buffers[name])
-
-
 def is_ddp(model) -> bool:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -171,23 +148,3 @@ def compute_context(model, recipe: "Recipe", device) -> Any:
     if is_ddp(model) and recipe.training.precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-def grad_norm(model, max_norm: float) -> float:
-    """Clip the global gradient norm to ``max_norm`` (0: no clipping) and return it before clipping: a collective
-    over the shards for FSDP2 (DTensor gradients), local for DDP (gradients already all-reduced). Under FSDP x TP the
-    blocks' gradients live on the 2-D mesh and the root's on its ``shard`` dimension: one norm per mesh, combined."""
-    import torch
-
-    params = [p for p in model.parameters() if p.grad is not None]
-    by_mesh: dict[Any, list] = {}
-    for p in params:
-        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-    norms = []
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
-        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-    for group in by_mesh.values():  # one foreach multiply per mesh: DTensor ops take one mesh
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm if max_norm > 0 else float("inf"), total)
-    return float(total)

@@ -1,3 +1,3 @@
-"""backend.kind: horovod — the fsdp backend's Hugging Face causal LM (``train/fsdp/model.py``), a full copy on every
-rank, trained with Horovod's ``DistributedOptimizer``; checkpoints are the fsdp backend's torch Distributed Checkpoint
-folders. Modules: ``rendezvous`` (Horovod's gloo rendezvous without ssh or horovodrun), ``trainer`` (``run(ctx)``)."""
+"""backend.kind: horovod — a Hugging Face causal LM (``hpc_tools.train.hf_causal_lm``), a full copy on every rank,
+trained with Horovod's ``DistributedOptimizer``; checkpoints are torch Distributed Checkpoint folders. Modules:
+``rendezvous`` (Horovod's gloo rendezvous without ssh or horovodrun), ``trainer`` (``HorovodJob``, ``run(ctx)``)."""

@@ -1,23 +1,21 @@
-"""The Hugging Face causal LM of an FSDP job, built from ``model:`` (the one recipe -> config, ``hpc_tools.hf.config``)
-with the deterministic initial values every HF-class backend uses, or read from ``checkpoint.init_from_hf``.
+"""The Hugging Face causal LM of a recipe, built from ``model:`` (the one recipe -> config, ``hpc_tools.hf.config``).
 
 Built without memory: ``build_empty`` makes the modules with their parameters on the meta device (their buffers, the
-RoPE frequencies, real); ``parallel.parallelize`` shards them, allocates each rank's shard on its device and fills it
-from ``full_values`` (one full parameter at a time), so no rank ever holds the whole model.
+RoPE frequencies, real); a backend then spreads them its way (FSDP shards them first) and ``values.materialize``
+allocates each rank's part on its device and fills it from ``values.full_values`` (one full parameter at a time), so
+no rank need ever hold more than its share. ``blocks`` are the transformer blocks (FSDP's units, the compiled and
+tensor-parallel pieces); ``param_groups`` AdamW's groups as Megatron-core makes them.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any
 
 from hpc_tools.errors import UserError
 from hpc_tools.hf.config import ATTENTION, hf_config
-from hpc_tools.train.hf_causal_lm import initial_values
 
 if TYPE_CHECKING:
-    import torch
-
     from hpc_tools.recipe.schema import Recipe
 
 SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -46,48 +44,6 @@ def build_empty(recipe: "Recipe"):
     return model
 
 
-def full_values(recipe: "Recipe", model) -> Callable[[str, tuple], "torch.Tensor"]:
-    """``(name, shape) -> the full fp32 value`` of each parameter of ``model``: the init_from_hf folder's tensor, else
-    ``hf_causal_lm.initial_value`` (norm weights 1, biases 0, the rest seeded by name: the DeepSpeed backend's
-    weights)."""
-    folder = recipe.checkpoint.init_from_hf
-    if folder:
-        return _folder_tensors(folder)
-    return initial_values(model, recipe)
-
-
-def _folder_tensors(folder: str) -> Callable[[str, tuple], "torch.Tensor"]:
-    """Tensors by name from a Hugging Face folder's safetensors files (one file or an index of shards)."""
-    import json
-
-    from safetensors import safe_open
-
-    root = os.path.abspath(folder)
-    index = os.path.join(root, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            where = {k: os.path.join(root, v) for k, v in json.load(f)["weight_map"].items()}
-    else:
-        single = os.path.join(root, "model.safetensors")
-        if not os.path.isfile(single):
-            raise UserError(f"checkpoint.init_from_hf={folder} has no model.safetensors (save the folder with "
-                            "save_pretrained's safetensors, or `export` it)")
-        with safe_open(single, "pt") as f:
-            where = {k: single for k in f.keys()}
-
-    def value(name: str, shape: tuple):
-        if name not in where:
-            raise UserError(f"checkpoint.init_from_hf={folder} lacks {name} (is it a folder of this model?)")
-        with safe_open(where[name], "pt") as f:
-            tensor = f.get_tensor(name).float()
-        if tuple(tensor.shape) != tuple(shape):
-            raise UserError(f"checkpoint.init_from_hf={folder}: {name} has shape {tuple(tensor.shape)}, the "
-                            f"recipe's model needs {tuple(shape)}")
-        return tensor
-
-    return value
-
-
 def check_hf_folder(folder: str, cfg) -> None:
     """The folder's config.json describes the recipe's model (UserError naming checkpoint.init_from_hf and the first
     key that differs)."""
@@ -111,3 +67,21 @@ def blocks(model) -> list:
     becomes its own FSDP unit."""
     body = getattr(model, "model", None) or getattr(model, "transformer")
     return list(getattr(body, "layers", None) or getattr(body, "h"))
+
+
+def param_groups(model, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW's groups as Megatron-core makes them: no weight decay on biases and 1-D parameters (norm weights), so a
+    recipe trains alike under every backend."""
+    decay, plain = [], []
+    for name, p in model.named_parameters():
+        (plain if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+
+
+def adamw(model, training):
+    """torch's AdamW over ``param_groups`` with the recipe's ``training`` settings (the learning rate is set each
+    step from the schedule)."""
+    import torch
+
+    return torch.optim.AdamW(param_groups(model, training.weight_decay), lr=training.lr,
+                             betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_eps)

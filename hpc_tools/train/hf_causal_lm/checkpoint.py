@@ -1,11 +1,12 @@
-"""FSDP checkpoints through torch Distributed Checkpoint (DCP).
+"""The checkpoints of a Hugging Face causal LM through torch Distributed Checkpoint (DCP), whatever spreads it.
 
 A checkpoint folder ``iter_N/`` holds ``dcp/`` (DCP's ``.metadata`` and one ``__<rank>_0.distcp`` per writing rank:
 model and optimizer, each rank its shards; DDP's replicated tensors written once), ``rng_rank<R>.pt`` (each rank's
 generators, ``hpc_tools.train.rng``) and the meta file (step = the data position: batches are a pure function of
 the step). The state dicts come from ``torch.distributed.checkpoint.state_dict.get_state_dict``: parameter names are
-the Hugging Face ones whatever the strategy, so a checkpoint loads at another rank count or strategy (DCP reshards
-on load: saved at 4 ranks, resumed at 2; full_shard -> ddp) and ``export`` reads it without ranks.
+the Hugging Face ones whatever the strategy, so a checkpoint loads at another rank count, strategy or backend (DCP
+reshards on load: saved at 4 ranks, resumed at 2; full_shard -> ddp; Horovod -> FSDP) and ``export`` reads it
+without ranks.
 
 ``checkpoint.async_save``: ``start_async_save`` stages the state into host memory and writes it in a background
 thread over a process group of its own (gloo), so its collectives never interleave with training's; the
