@@ -1,8 +1,11 @@
-"""The batch shell's last step after a time-limit stop: requeue the job from the batch host.
+"""The batch shell's last step after a stop that is not the user's: requeue the job from the batch host.
 
-At the time-limit signal the ranks checkpoint and rank 0 leaves ``REQUEUE_MARKER`` (this job's id) in the run folder
-(``hpc_tools.runtime.preemption.request_requeue``); it does not run ``scontrol`` itself, since a rank in a container
-image (pyxis, apptainer) has no Slurm client. ``python -m hpc_tools.job.requeue --run-dir RUN`` runs in the batch
+At the time-limit signal, or a termination of the step that is not the user's cancel (Slurm ending the step over a
+node it takes for failed: ``hpc_tools.runtime.preemption.requeue_reason``), the ranks checkpoint and rank 0 leaves
+``REQUEUE_MARKER`` (this job's id, its Slurm life, why) in the run folder (``request_requeue``); it does not run
+``scontrol`` itself, since a rank in a container image (pyxis, apptainer) has no Slurm client. A cancel the user asked
+for after the ranks stopped (the manifest's ``cancel_requested``) still wins: nothing is requeued.
+``python -m hpc_tools.job.requeue --run-dir RUN`` runs in the batch
 shell on the batch host (both launch paths; in a pyxis job the host's Python, outside the container) after the
 epilogue, as the job's last command: ``scontrol requeue`` ends the batch shell (this step ignores the SIGTERM). A
 requeue Slurm refuses is recorded (state PREEMPTED, the reason) and said in one line of the batch log. Standard
@@ -20,7 +23,7 @@ from pathlib import Path
 
 from hpc_tools import slurm_client
 from hpc_tools.job.epilogue import find_own_run
-from hpc_tools.runtime.preemption import REQUEUE_MARKER
+from hpc_tools.runtime.preemption import REQUEUE_MARKER, TIME_LIMIT, read_marker
 
 
 def requeue(run_dir: Path, env: dict[str, str], run_command=subprocess.run) -> str | None:
@@ -32,18 +35,27 @@ def requeue(run_dir: Path, env: dict[str, str], run_command=subprocess.run) -> s
         return None
     marker = run.path / REQUEUE_MARKER
     try:
-        asked = marker.read_text().strip()
+        asked, life, why = read_marker(marker.read_text())
         marker.unlink()
     except OSError:
         return None
-    if asked != job_id:
+    if asked != job_id or (life is not None and life != str(env.get("SLURM_RESTART_COUNT") or 0)):
         return None
+    manifest = run.manifest()
+    if manifest.get("state") == "COMPLETED":  # an in-job restart's later step finished the run after that stop
+        return None
+    if manifest.get("cancel_requested"):
+        return f"job {job_id} not requeued: its cancel was asked for"
     try:
         error = slurm_client.requeue(job_id, run_command)
     except (OSError, subprocess.SubprocessError) as exc:
         error = str(exc)
+    stop = "the time-limit stop" if why == TIME_LIMIT else "its step was terminated (not by the user's cancel)"
     if error is None:
-        return f"job {job_id} requeued after the time-limit stop; it resumes from its checkpoint"
+        if why != TIME_LIMIT:  # the ranks said PREEMPTED (and the epilogue perhaps FAILED): this life goes on
+            run.update(event="requeued", soft=True, state="REQUEUED", reason=None,
+                       requeue_reason=f"{stop}; requeued by the batch shell")
+        return f"job {job_id} requeued after {stop}; it resumes from its checkpoint"
     reason = f"scontrol requeue {job_id} failed on the batch host: {error.splitlines()[0]}"
     run.update(event="requeue failed", soft=True, state="PREEMPTED", reason=reason)
     return reason + "; resume it with `hpc_tools resume`"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import cached_property
@@ -17,7 +16,7 @@ from hpc_tools.recipe.schema import Recipe
 from hpc_tools.registry import RunFolder
 from hpc_tools.runtime.distenv import DistEnv
 from hpc_tools.runtime.hang_bounds import DEFAULT_CAP_MIN
-from hpc_tools.runtime.preemption import StopFlag, request_requeue
+from hpc_tools.runtime.preemption import TIME_LIMIT, StopFlag, request_requeue, requeue_reason
 from hpc_tools.runtime.watchdog import Watchdog
 
 if TYPE_CHECKING:
@@ -197,9 +196,12 @@ class RankContext:
         container image has no ``scontrol``)."""
         if not self.is_rank0:
             return
-        # Only the time-limit signal requeues: SIGTERM comes from scancel (the user wants it stopped) or from Slurm's
-        # own preemption, which requeues by itself when the partition says so.
-        requeued = self.stop.signum == signal.SIGUSR2 and self.recipe.cluster.requeue and request_requeue(self.run.path)
-        self.run.update(event="preempted", state="REQUEUED" if requeued else "PREEMPTED", last_step=step)
+        # The user's cancel stops the run; the time limit and any other termination of the step requeue it
+        # (runtime.preemption.requeue_reason). A termination is told REQUEUED only by the batch shell's requeue.
+        why = requeue_reason(self.stop.signum, self.run.manifest())
+        requeued = why is not None and self.recipe.cluster.requeue and request_requeue(self.run.path, why=why)
+        state = "REQUEUED" if requeued and why == TIME_LIMIT else "PREEMPTED"
+        self.run.update(event="preempted", state=state, last_step=step)
         log.warning("stopped after step %d; %s", step, "the batch shell requeues the job, which resumes from its "
-                    "checkpoint" if requeued else "not requeued (not under Slurm or requeue off)")
+                    "checkpoint" if requeued else "not requeued (" + (
+                        "not under Slurm or requeue off" if why else "cancelled by the user") + ")")

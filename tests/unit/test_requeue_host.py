@@ -143,5 +143,5 @@ def test_no_request_outside_slurm(tmp_path):
 
     assert request_requeue(tmp_path, {}) is False and not (tmp_path / REQUEUE_MARKER).exists()
     assert request_requeue(tmp_path, {"SLURM_JOB_ID": "9"}) is True
-    assert (tmp_path / REQUEUE_MARKER).read_text() == "9\n"
+    assert (tmp_path / REQUEUE_MARKER).read_text() == "9 0 time-limit\n"  # job id, Slurm life, why
     assert sys.modules["hpc_tools.job.requeue"].REQUEUE_MARKER == REQUEUE_MARKER
