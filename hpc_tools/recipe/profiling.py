@@ -44,6 +44,13 @@ class ProfilingConfig(Section):
     """Sample NVML (SM utilisation, memory, power, clocks, temperature) in a thread; absent without GPUs."""
     telemetry_interval_s: float = Field(default=1.0, gt=0.0)
     """Seconds between telemetry samples."""
+    health_interval_min: float = Field(default=5.0, ge=0.0, le=24 * 60)
+    """Every N minutes while training, preflight's checks repeated cheaply on every rank between two steps (a short
+    GEMM, one all-reduce at a small size; docs/preflight.md, "Health while training"): a node found slow against the
+    others in two checks in a row is named in health.json, the manifest and `status`, and left out at once when a
+    spare, `min_nodes` or a requeue can replace it (needs cluster.restarts > 0). A float (0.5 = 30 s); 0 = off, and
+    cluster.preflight: off (or `auto` on one node) turns it off too. At 5 minutes a check costs well under 1 % of
+    the run (benchmarks/bench_health_overhead.py)."""
     torch_profiler: TorchProfilerConfig = Field(default_factory=TorchProfilerConfig)
     """A torch.profiler window on chosen ranks."""
     trace_sample_interval: int = Field(default=200, ge=0)

@@ -10,9 +10,11 @@ What the loop owns, in this order for each step ``s`` of ``start+1 .. training.t
         after the step's time was taken; its loss and wall time join step s's record: ``val_loss``, ``eval_time_s``)
     at training.log_interval, the last step and evaluations: rank 0 logs the progress line (``progress.py``),
         writes ``progress.json`` and hands the scalars to the experiment trackers (``hpc_tools.tracking``)
-    stop = ctx.agree_stop()                          # collective: every rank takes the same branch below
+    every profiling.health_interval_min: leave = health.after_step(s)   # runtime/health.py; collective when due
+    stop = leave or ctx.agree_stop()                 # collective: every rank takes the same branch below
     saver.save(s, last, stop=stop, nonfinite=...)    # the saver decides whether s saves, and to which tier
     if stop: ctx.finish_preempted(s) and return      # the checkpoint of step s exists before the requeue
+             (leave: health.leave(s) ends the step, so the restart controller leaves the named nodes out)
 
 Rank 0 also logs the start-up phases (imports, process group, model build, checkpoint load, first step) once each.
 
@@ -33,6 +35,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
+from hpc_tools.runtime.health import Health
 from hpc_tools.train.checkpointing.resume import resume
 from hpc_tools.train.checkpointing.saver import Saver
 from hpc_tools.train.engine import Collector, RankJob, StepResult
@@ -209,14 +212,16 @@ def train(ctx: "RankContext", engine: RankJob, collector_for: Callable[..., Coll
         steps = _Steps(ctx, engine, collector, first, last)
         if engine.checkpoints:
             saver = Saver(ctx, engine, collector)  # when to save, tiers, background writes, the commit
+        health = Health.for_run(ctx, first, collector)  # preflight's checks every few minutes (None: off)
         for step in range(first, last + 1):
             result = steps.run(step, startup)
-            stop = ctx.agree_stop(final=step == last)
+            leave = health is not None and health.after_step(step)  # collective when due; one answer on every rank
+            stop = leave or ctx.agree_stop(final=step == last)
             if saver is not None:
                 saver.save(step, last, stop=stop, nonfinite=result.nonfinite)
             if stop:
                 ok = True
-                ctx.finish_preempted(step)
+                health.leave(step) if leave else ctx.finish_preempted(step)  # leave: the step ends for the controller
                 return
         if first > last:
             ctx.info("nothing to do: the checkpoint is at step %d and training.train_iters=%d", first - 1, last)

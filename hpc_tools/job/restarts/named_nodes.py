@@ -1,4 +1,5 @@
-"""After a step whose preflight named nodes (``hpc_tools.runtime.preflight.leave_out``'s marker of this start): no
+"""After a step whose preflight or health check named nodes (``hpc_tools.runtime.preflight.leave_out``'s marker of
+this start, its ``source``: ``preflight`` before step 1, ``health`` while training, ``hpc_tools.runtime.health``): no
 failure to classify, but nodes to leave out. A new step without them on spare nodes (or, for an elastic job, on the
 most nodes left), else the job requeued excluding them, both while ``cluster.restarts`` has one left; else ``auto``
 starts the step again told to train on them and ``strict`` stops."""
@@ -22,6 +23,12 @@ from hpc_tools.job.restarts.facts import (
 from hpc_tools.registry import RunFolder
 from hpc_tools.runtime.distenv import restart_count
 from hpc_tools.runtime.preflight import leave_out
+
+
+def namer(marker: dict) -> str:
+    """Who named the nodes: ``preflight`` (before step 1) or ``the health check`` (while training: the marker's
+    ``source`` is ``health``, ``hpc_tools.runtime.health``)."""
+    return "the health check" if marker.get("source") == "health" else "preflight"
 
 
 def named_words(marker: dict) -> str:
@@ -71,17 +78,20 @@ class Named:
 
 def leave_out_step(run: RunFolder, manifest: dict, marker: dict, env: dict[str, str], policy: Policy, at: str,
                    prober=hosts.probe, wait_s: float = PROBE_WAIT_S, requeue=None) -> str | None:
-    """After a step whose preflight named nodes (``leave_out``'s marker): a new step without them on spare nodes
-    (an in-job restart), else the job requeued excluding them (``scontrol requeue``, then ``scontrol update
-    ExcNodeList`` on the pending job), both while ``cluster.restarts`` has one left; else ``auto`` starts the step
-    again on the same nodes, told to train on them, and ``strict`` stops. Each is a ``restarts`` entry of class
-    infrastructure, cause ``preflight``, with the nodes, their figures and reasons."""
+    """After a step whose preflight (or health check) named nodes (``leave_out``'s marker): a new step without them
+    on spare nodes (an in-job restart), else the job requeued excluding them (``scontrol requeue``, then ``scontrol
+    update ExcNodeList`` on the pending job), both while ``cluster.restarts`` has one left; else ``auto`` starts the
+    step again on the same nodes, told to train on them, and ``strict`` stops. Each is a ``restarts`` entry of class
+    infrastructure, cause ``preflight`` (``named_by``: ``preflight`` or ``health``), with the nodes, their figures and
+    reasons."""
     job_id = env.get("SLURM_JOB_ID")
     named = list(marker["nodes"])
-    entry = {"at": at, "cause": "preflight", "rank": None, "node": named[0], "nodes_named": named,
-             "reason": f"preflight named {named_words(marker)}", "job_id": job_id, "restart": None,
-             "from_iteration": None, "time_to_first_step_s": None, "class": INFRA, "signature": None,
-             "preflight": marker.get("details") or {}}
+    # cause "preflight" for both namers: the budget (failure_class) and the requeue exclusions (facts) treat a
+    # health check's leave-out exactly as preflight's; ``named_by`` tells them apart
+    entry = {"at": at, "cause": "preflight", "named_by": marker.get("source") or "preflight", "rank": None,
+             "node": named[0], "nodes_named": named, "reason": f"{namer(marker)} named {named_words(marker)}",
+             "job_id": job_id, "restart": None, "from_iteration": None, "time_to_first_step_s": None, "class": INFRA,
+             "signature": None, "preflight": marker.get("details") or {}}
     case = Named(run, manifest, env, policy, marker, hosts.allocation_nodes(job_id, env),
                  [x for x in env.get("HPC_TOOLS_EXCLUDED", "").split(",") if x],
                  next_start(manifest, restart_count(env)), entry)
@@ -110,8 +120,8 @@ def on_other_nodes(case: Named, prober, wait_s: float) -> str | None:
                                              f"node(s) (cluster.min_nodes={policy.min_nodes}) in the layout the "
                                              "planner chose for them")
         action.record_restart(case.run, case.manifest, entry, case.n)
-        action.say(f"{len(in_job_restarts(case.manifest)) + 1} of {policy.budget} in this run (preflight named "
-                   f"{words}; infrastructure): {case.them} left out, a new step on {','.join(nodes)}"
+        action.say(f"{len(in_job_restarts(case.manifest)) + 1} of {policy.budget} in this run ({namer(case.marker)} "
+                   f"named {words}; infrastructure): {case.them} left out, a new step on {','.join(nodes)}"
                    + (f" (elastic: {k} of {need} nodes)" if k < need else ""), restart=True)
         return action.step_exports(case.base, nodes, out, policy, case.job_id, case.n,
                                    case.hints(nodes, out, leave_out.accepted(case.env)))
@@ -135,8 +145,8 @@ def requeue_without(case: Named, requeue=None) -> bool:
                          f"{'it' if len(named) == 1 else 'them'}")
         case.run.update(event="requeued", state="REQUEUED", restarts=[*manifest.get("restarts", []), entry],
                         requeued_after=entry["reason"])
-        action.say(f"preflight named {named_words(case.marker)}; no spare node can take the place of {them}: job "
-                   "requeued with " + (f"ExcNodeList={','.join(keep_out)}" if refused is None else
+        action.say(f"{namer(case.marker)} named {named_words(case.marker)}; no spare node can take the place of "
+                   f"{them}: job requeued with " + (f"ExcNodeList={','.join(keep_out)}" if refused is None else
                                        f"Slurm refusing ExcNodeList ({refused}): its next life leaves {them} out of "
                                        "its steps when its allocation holds enough other nodes"))
         return True

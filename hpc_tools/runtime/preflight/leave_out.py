@@ -69,11 +69,14 @@ def details(rows: list[Any], nodes: list[str]) -> dict[str, dict]:
     return out
 
 
-def write(run_dir: Path, start: int, nodes: list[str], mode: str, line: str, how: str, about: dict) -> Path:
+def write(run_dir: Path, start: int, nodes: list[str], mode: str, line: str, how: str, about: dict,
+          source: str = "preflight") -> Path:
+    """The marker of start ``start``; ``source``: who named the nodes (``preflight`` before step 1, ``health``: the
+    checks while training, ``hpc_tools.runtime.health``)."""
     path = Path(run_dir) / MARKER
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"start": start, "nodes": nodes, "mode": mode, "line": line, "how": how,
-                               "details": about}, default=str) + "\n")
+                               "details": about, "source": source}, default=str) + "\n")
     os.replace(tmp, path)
     return path
 
