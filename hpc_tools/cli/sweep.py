@@ -16,10 +16,14 @@ Three forms:
       do not fit the live partition (listed with the reason, as `submit` would refuse them), create
       <runs root>/sweeps/<name>-<stamp>/ with sweep.json and one run folder per cell x repeat, and submit them
       (cells with equal Slurm resources as one job array, but a cell with cluster.restarts as its own job: an
-      array task never restarts; without Slurm, locally one after another).
-  python -m hpc_tools sweep status SWEEP [--json]
+      array task never restarts; without Slurm, locally one after another). On Slurm, arrays hold at most
+      MaxArraySize tasks, the queue takes what the user's MaxSubmitJobs and MaxJobCount leave room for, and
+      sweep.max_parallel caps the cells running at once (%K); cells that do not go in now wait in sweep.json.
+  python -m hpc_tools sweep status SWEEP [--wait] [--json]
       classify every cell, with a one-line reason: pending, running, completed, failed, out_of_memory, timeout,
-      hang, node_failure, preempted, cancelled (from sacct, the run manifest, HANG markers and logs).
+      hang, node_failure, preempted, cancelled (from sacct, the run manifest, HANG markers and logs); on Slurm,
+      submit the cells that have become due since (see above). --wait: keep doing so every few seconds until every
+      cell has ended (run it in a terminal multiplexer, or as a small job, for a sweep larger than the limits).
   python -m hpc_tools sweep rerun SWEEP --failed [--status S ...] [--exclude NODES] [--executor ...] [--dry-run]
       resubmit only the failed cells (failed, out_of_memory, timeout, hang, node_failure; add cancelled with
       --status cancelled) as new run folders; earlier attempts stay listed in sweep.json. --exclude keeps them
@@ -28,11 +32,12 @@ SWEEP is a sweep folder or a sweep id (prefix) under <runs root>/sweeps. Analyse
 `python -m hpc_tools analyze SWEEP` and `python -m hpc_tools report SWEEP --out DIR`.
 """
 ACTIONS = ("status", "rerun")
+WAIT_POLL_S = 5.0  # `sweep status --wait`: one sacct call (and, when cells are due, one submission) per poll
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.usage = ("python -m hpc_tools sweep RECIPE [options]\n"
-               "       python -m hpc_tools sweep status SWEEP [--json]\n"
+               "       python -m hpc_tools sweep status SWEEP [--wait] [--json]\n"
                "       python -m hpc_tools sweep rerun SWEEP --failed [options]")
     p.add_argument("target", nargs="+", metavar="RECIPE | status SWEEP | rerun SWEEP",
                    help="a recipe with a sweep: section, or `status`/`rerun` followed by a sweep folder or id")
@@ -42,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--executor", choices=["auto", "slurm", "local"], default="auto",
                    help="auto = Slurm when a controller answers, else local (default auto)")
     p.add_argument("--dry-run", action="store_true", help="list the cells (and dropped cells) without creating runs")
+    p.add_argument("--wait", action="store_true",
+                   help="status: poll until every cell has ended, submitting due cells as earlier ones end")
     p.add_argument("--failed", action="store_true", help="rerun: resubmit the cells that failed in any way")
     p.add_argument("--status", dest="statuses", action="append", default=[], metavar="STATUS",
                    help="rerun: resubmit cells in this status (repeatable), e.g. --status cancelled")
@@ -103,10 +110,11 @@ def _start(args, recipe_path: str) -> int:
                 if row["valid"]:
                     print(f"cell {row['cell']:3d}  {row['label']:40s} {row['layout']}  x{plan.config.repeats}")
         return 0
+    limits = _limits(plan, executor)  # before anything is written: a sweep that cannot run at all is refused
     folder = create_sweep(plan, recipe_path, executor, args.runs_dir)
     say(f"sweep {folder.path}: {len(plan.valid)} cell(s) x {plan.config.repeats} repeat(s), "
         f"{len(plan.invalid)} dropped, executor {executor}")
-    submit_cells(folder, [c["id"] for c in folder.read()["cells"]], executor, say)
+    submit_cells(folder, [c["id"] for c in folder.read()["cells"]], executor, say, limits=limits)
     data = folder.read()
     if args.json:
         emit_json({"ok": True, "sweep": str(folder.path), "executor": executor, "summary": summary(data),
@@ -117,18 +125,50 @@ def _start(args, recipe_path: str) -> int:
     return 1 if failed else 0
 
 
+def _limits(plan, executor: str):
+    """Slurm's limits for a sweep about to be submitted; refuses in one line one that cannot run at all."""
+    if executor != "slurm":
+        return None
+    from hpc_tools.errors import UserError
+    from hpc_tools.sweep.limits import read_limits, refusal
+
+    limits = read_limits()
+    why = refusal(limits)
+    if why:
+        raise UserError(f"sweep {plan.name}: {why}")
+    cells = len(plan.valid) * plan.config.repeats
+    throttle = plan.config.max_parallel
+    if throttle is not None and limits.queue_limit is not None and throttle > limits.queue_limit:
+        say(f"note: sweep.max_parallel={throttle} exceeds what Slurm lets this user queue ({limits.describe()}): "
+            f"at most {limits.queue_limit} cell(s) run at once")
+    if cells > limits.array_tasks or (limits.queue_room is not None and cells > limits.queue_room):
+        say(f"note: {cells} cells exceed Slurm's limits ({limits.describe()}): submitted in arrays of at most "
+            f"{limits.array_tasks}, the rest as earlier cells end (`sweep status SWEEP` submits them)")
+    return limits
+
+
 def _status(args, ref: str) -> int:
     from hpc_tools.sweep.folder import SweepFolder
-    from hpc_tools.sweep.runner import refresh, summary
 
     folder = SweepFolder.find(ref, args.runs_dir)
-    data = refresh(folder)
+    data = _refresh_and_submit(folder, quiet=args.json)
+    while args.wait and _unfinished(data):
+        import time
+
+        time.sleep(WAIT_POLL_S)
+        data = _refresh_and_submit(folder, quiet=args.json)
+    from hpc_tools.sweep.runner import summary
+
+    waiting = sum(1 for c in data["cells"] if not c.get("job_id") and c["status"] == "pending") \
+        if data.get("executor") == "slurm" else 0
     if args.json:
         emit_json({"ok": True, "sweep": str(folder.path), "summary": summary(data), "cells": data["cells"],
-                   "invalid": data.get("invalid", [])})
+                   "invalid": data.get("invalid", []), "waiting": waiting, "max_parallel": data.get("max_parallel"),
+                   "chunks": data.get("chunks", [])})
         return 0
     print(f"sweep {folder.sweep_id} ({data.get('executor')}): "
-          + ", ".join(f"{k} {v}" for k, v in sorted(summary(data).items())))
+          + ", ".join(f"{k} {v}" for k, v in sorted(summary(data).items()))
+          + (f"; {waiting} not yet submitted (Slurm's limits or sweep.max_parallel)" if waiting else ""))
     for c in data["cells"]:
         explain = c["status"] not in ("completed", "running", "pending") and c.get("reason")
         reason = f"  ({c['reason']})" if explain else ""
@@ -165,3 +205,20 @@ def _rerun(args, ref: str) -> int:
     else:
         say(f"{'would rerun' if args.dry_run else 'resubmitted'} {len(ids)} cell(s): {', '.join(ids) or 'none'}")
     return 0
+
+
+def _refresh_and_submit(folder, quiet: bool) -> dict:
+    """Cells' statuses now; on Slurm, submit those that have become due, then the statuses again if any went in."""
+    from hpc_tools.sweep.runner import refresh
+    from hpc_tools.sweep.submit import submit_due
+
+    data = refresh(folder)
+    if submit_due(folder, (lambda line: None) if quiet else say):
+        data = folder.read()
+    return data
+
+
+def _unfinished(data: dict) -> bool:
+    from hpc_tools.runstate import LIVE_STATUSES
+
+    return any(c["status"] in LIVE_STATUSES for c in data["cells"])

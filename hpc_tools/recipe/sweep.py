@@ -29,6 +29,11 @@ class SweepConfig(Section):
     `parallel.tensor_size,parallel.pipeline_size: [[1, 1], [2, 1], [2, 2]]` tries three layouts, not nine."""
     repeats: int = Field(default=1, gt=0, le=1000)
     """Runs per cell (for run-to-run spread)."""
+    max_parallel: int | None = Field(default=None, gt=0, le=MAX_CELLS)
+    """The most cells of the sweep that run at once on Slurm (each job array's `--array=...%K`, shared between the
+    sweep's arrays). Unset: as many as Slurm starts (no throttle of the tool's own; submitit's silent %256 is not
+    applied). Cells beyond Slurm's `MaxArraySize` or the user's `MaxSubmitJobs` wait in the sweep's record and are
+    submitted by `sweep status` as earlier cells end. Locally cells run one at a time anyway."""
     scaling: Literal["auto", "strong", "weak", "none"] = "auto"
     """How `analyze` reads the sweep: `strong` (fixed global batch), `weak` (fixed work per GPU), `none`, or `auto`
     (strong when every cell has the same global batch, weak when global batch / GPUs is constant)."""

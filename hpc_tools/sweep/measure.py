@@ -213,11 +213,14 @@ def _wait_slurm(folder, say: Say, poll_s: float) -> dict[str, Any]:
     """Poll the sweep (one sacct call per poll) until every cell has ended; Ctrl-C cancels the measurement jobs."""
     from hpc_tools.runstate import LIVE_STATUSES
     from hpc_tools.sweep.runner import refresh
+    from hpc_tools.sweep.submit import submit_due
 
     last = ""
     try:
         while True:
             data = refresh(folder)
+            if submit_due(folder, say):  # candidates beyond Slurm's limits go in as earlier ones end
+                data = folder.read()
             live = [c for c in data["cells"] if c["status"] in LIVE_STATUSES]
             line = ", ".join(f"{c['id']} {c['status']}" for c in data["cells"])
             if line != last:

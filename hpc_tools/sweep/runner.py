@@ -4,8 +4,6 @@ refreshing each cell's status, and resubmitting failed cells.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -20,17 +18,10 @@ from hpc_tools.runstate import FAILURE_STATUSES, READER, SlurmJob, Verdict, clas
 from hpc_tools.runstate import refresh as refresh_run
 from hpc_tools.sweep.folder import SweepFolder
 from hpc_tools.sweep.grid import SweepPlan
+from hpc_tools.sweep.limits import SlurmLimits
+from hpc_tools.sweep.submit import resource_key, slurm_groups, submit_due  # noqa: F401 - resource_key, slurm_groups: re-exported
 
 Say = Callable[[str], None]
-
-
-def resource_key(recipe: Recipe) -> str:
-    """Cells with equal keys can share one Slurm job array: same sbatch resources and environment set-up."""
-    from hpc_tools.render.slurm_params import SlurmSpec
-
-    spec = dataclasses.replace(SlurmSpec.from_recipe(recipe), job_name="")
-    return json.dumps([dataclasses.astuple(spec), recipe.cluster.setup.model_dump(mode="json"), recipe.cluster.python],
-                      sort_keys=True, default=str)
 
 
 def create_sweep(plan: SweepPlan, source: str, executor: str, root: str | Path | None) -> SweepFolder:
@@ -39,7 +30,7 @@ def create_sweep(plan: SweepPlan, source: str, executor: str, root: str | Path |
 
     data = {"name": plan.name, "source": source, "profile": plan.profile, "base_overrides": plan.base_overrides,
             "executor": executor, "grid": plan.config.grid, "repeats": plan.config.repeats,
-            "scaling": plan.config.scaling, "cells": [],
+            "scaling": plan.config.scaling, "max_parallel": plan.config.max_parallel, "cells": [],
             "invalid": [{"cell": c.index, "label": c.label(), "params": c.params, "overrides": c.overrides,
                          "reasons": c.reasons} for c in plan.invalid]}
     folder = SweepFolder.create(root, plan.name, data)
@@ -62,43 +53,23 @@ def _recipe_of(run: RunFolder) -> Recipe:
     return load_resolved(run.recipe_path)
 
 
-def submit_cells(folder: SweepFolder, cell_ids: list[str], executor: str, say: Say, exclude: str | None = None) -> None:
-    """Submit the given cells: equal Slurm resources -> one job array, else one job; locally, one after another.
-    ``exclude``: Slurm nodes the jobs must not run on (sbatch --exclude)."""
+def submit_cells(folder: SweepFolder, cell_ids: list[str], executor: str, say: Say, exclude: str | None = None,
+                 limits: SlurmLimits | None = None) -> None:
+    """Submit the given cells (created, not yet submitted). On Slurm: cells with equal resources share job arrays,
+    as many as Slurm's limits and ``sweep.max_parallel`` allow now, the rest when earlier ones end
+    (``hpc_tools.sweep.submit``); ``exclude``: Slurm nodes the jobs must not run on (sbatch --exclude). Locally: one
+    after another."""
+    if executor == "slurm":
+        with folder.edit() as data:  # kept with the cells: they may go in later, from `sweep status`
+            for c in data["cells"]:
+                if c["id"] in cell_ids:
+                    c["exclude"] = exclude
+        submit_due(folder, say, limits)
+        return
     cells = [c for c in folder.read()["cells"] if c["id"] in cell_ids]
     runs = {c["id"]: RunFolder(folder.path / c["run_dir"]) for c in cells}
     recipes = {cid: _recipe_of(run) for cid, run in runs.items()}
-    if executor == "slurm":
-        _submit_slurm(folder, cells, runs, recipes, say, exclude)
-    else:
-        _run_local(folder, cells, runs, recipes, say)
-
-
-def slurm_groups(cells: list[dict], recipes: dict[str, Recipe]) -> dict[str, list[str]]:
-    """The cells' ids by Slurm submission: cells with equal resources share a job array, except cells with in-job
-    restarts (``cluster.restarts``), each its own job: an array task never restarts."""
-    groups: dict[str, list[str]] = {}
-    for c in cells:
-        recipe = recipes[c["id"]]
-        groups.setdefault(c["id"] if recipe.cluster.restarts else resource_key(recipe), []).append(c["id"])
-    return groups
-
-
-def _submit_slurm(folder, cells, runs, recipes, say: Say, exclude: str | None = None) -> None:
-    from hpc_tools.executors.slurm import submit_array, submit_run
-
-    for ids in slurm_groups(cells, recipes).values():
-        group_runs = [runs[i] for i in ids]
-        recipe = recipes[ids[0]]
-        jobs = (submit_array(group_runs, recipe, exclude=exclude) if len(ids) > 1
-                else [submit_run(group_runs[0], recipe, exclude=exclude)])
-        with folder.edit() as data:
-            by_id = {c["id"]: c for c in data["cells"]}
-            for cid, job in zip(ids, jobs):
-                by_id[cid].update(job_id=str(job.job_id), status="pending", submitted=now_iso())
-        kind = f"job array of {len(ids)}" if len(ids) > 1 else "job"
-        off = f" (excluding {exclude})" if exclude else ""
-        say(f"submitted {kind}{off}: {', '.join(f'{i}={j.job_id}' for i, j in zip(ids, jobs))}")
+    _run_local(folder, cells, runs, recipes, say)
 
 
 def _run_local(folder, cells, runs, recipes, say: Say) -> None:

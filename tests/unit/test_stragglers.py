@@ -152,12 +152,16 @@ def test_sweep_rerun_exclude_reaches_the_slurm_submission(tmp_path, monkeypatch)
         submitted.append(("run", exclude))
         return Job()
 
-    def fake_submit_array(runs, recipe, exclude=None):
+    def fake_submit_array(runs, recipe, exclude=None, parallelism=None):
         submitted.append(("array", exclude))
         return [Job() for _ in runs]
 
     monkeypatch.setattr(slurm, "submit_run", fake_submit_run)
     monkeypatch.setattr(slurm, "submit_array", fake_submit_array)
+    from hpc_tools.sweep import submit
+    from hpc_tools.sweep.limits import SlurmLimits
+
+    monkeypatch.setattr(submit, "read_limits", lambda: SlurmLimits(1001, None, 10000, None, "not enforced", user="u"))
     sweep = SweepFolder.create(tmp_path / "runs", "demo", {"executor": "slurm", "cells": [], "invalid": []})
     runs = [synthetic_run(sweep.path, ["cluster.gpus_per_node=2"], np.ones((2, 3)), state="FAILED")
             for _ in range(2)]
