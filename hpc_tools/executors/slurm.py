@@ -207,11 +207,15 @@ def sbatch_script(script: Path, env: dict[str, str], options: list[str] = (), cw
     return out.stdout.strip().split(";")[0]
 
 
-def submit_array(runs: list[RunFolder], recipe: Recipe, exclude: str | None = None) -> list:
-    """Submit runs that share Slurm resources as one job array (one array task per run), off the ``exclude`` nodes."""
+def submit_array(runs: list[RunFolder], recipe: Recipe, exclude: str | None = None,
+                 parallelism: int | None = None) -> list:
+    """Submit runs that share Slurm resources as one job array (one array task per run), off the ``exclude`` nodes,
+    at most ``parallelism`` tasks running at once (``--array=0-N%K``; None: no throttle of ours: submitit would
+    apply its default %256 without saying so)."""
     folder = runs[0].path.parent / f".array-{runs[0].run_id}"
     # The epilogue finds its run by job id.
     executor = make_executor(recipe, folder, exclude=exclude, run_dir=runs[0].path.parent)
+    executor.update_parameters(array_parallelism=parallelism or len(runs))
     jobs = executor.map_array(rank_task, [str(r.path) for r in runs])
     for run, job in zip(runs, jobs):
         run.update(event="submitted", state="PENDING", executor="slurm", job_id=str(job.job_id), submitted=now_iso(),
