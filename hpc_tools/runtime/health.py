@@ -83,6 +83,10 @@ class Health:
         interval = getattr(ctx.recipe.profiling, "health_interval_min", 0) or 0
         if interval <= 0 or ctx.dist.world_size < 2 or ctx.recipe.cluster.preflight == "off":
             return None
+        if ctx.device.type != "cuda" and ctx.dist.executor == "local":
+            per = int(os.environ.get(preflight.RANKS_PER_NODE_ENV) or ctx.layout.ranks_per_node or 1)
+            if ctx.dist.world_size // max(per, 1) < 2:
+                return None  # CPU ranks standing for one node: nothing to compare, known without a check
         return cls(ctx, first, collector)
 
     def after_step(self, step: int) -> bool:
@@ -138,7 +142,9 @@ class Health:
         return True
 
     def _gemm(self, mine: RankResult) -> None:
-        """This rank's GEMM figure; CPU ranks of one machine in turns (they share its cores)."""
+        """This rank's GEMM figure; CPU ranks of one machine in turns (they share its cores). Its random matrices come
+        from a forked generator, so a run with checks draws the same dropout and data as one without."""
+        import torch
         import torch.distributed as dist
 
         ctx, dev = self.ctx, self.ctx.device.type
@@ -147,6 +153,13 @@ class Health:
             dist.all_gather_object(places, (ctx.rank, preflight.machine_id()))
             self.turn_of = {r: [p[0] for p in places if p[1] == m].index(r) for r, m in places}
         turns = 1 if dev == "cuda" else max(self.turn_of.values()) + 1
+        with torch.random.fork_rng(devices=[ctx.device] if dev == "cuda" else []):  # the run's RNG streams untouched
+            self._turns(mine, turns)
+
+    def _turns(self, mine: RankResult, turns: int) -> None:
+        import torch.distributed as dist
+
+        ctx, dev = self.ctx, self.ctx.device.type
         for t in range(turns):
             if turns == 1 or self.turn_of[ctx.rank] == t:
                 try:
