@@ -521,11 +521,9 @@ def container_check(recipe: Recipe, which: Callable[[str], str | None] = shutil.
                      "install apptainer, or load it in cluster.setup.modules (e.g. apptainer)")
     if not which("srun"):
         return Check("container", level, "pyxis needs srun, which is not on PATH", "run on a Slurm login node")
-    try:
-        out = subprocess.run(["srun", "--help"], capture_output=True, text=True, timeout=10)
-        has_pyxis = "--container-image" in out.stdout + out.stderr
-    except (OSError, subprocess.TimeoutExpired):
-        has_pyxis = False
+    from hpc_tools import slurm_client
+
+    has_pyxis = "--container-image" in slurm_client.srun_help()
     if not has_pyxis:
         return Check("container", "fail", "srun has no --container-image option (the pyxis plugin is not loaded)",
                      "ask the admins for pyxis + enroot, or use container.kind: apptainer")

@@ -99,21 +99,13 @@ COMPLETING_WAIT_S = 90.0
 def processes_gone(job_id: str, poll_s: float = 1.0) -> bool:
     """True once squeue no longer lists job ``job_id`` as COMPLETING (or cannot say); False after
     ``COMPLETING_WAIT_S``."""
-    import subprocess
     import time
 
-    from hpc_tools.slurm_client import absent_reason
+    from hpc_tools import slurm_client
 
-    if absent_reason("squeue"):
-        return True
     deadline = time.monotonic() + COMPLETING_WAIT_S
     while True:
-        try:
-            out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True,
-                                 timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return True
-        if out.returncode != 0 or "COMPLETING" not in out.stdout.split():
+        if "COMPLETING" not in (slurm_client.job_state(job_id, timeout=30) or "").split():
             return True
         if time.monotonic() >= deadline:
             return False
@@ -181,13 +173,10 @@ def _resume_executor(run, manifest: dict, executor: str, exclude: str | None) ->
         raise UserError(f"run {run.run_id} has no job.sbatch to resubmit; use --executor slurm")
     if chosen == "local" and exclude:
         raise UserError("--exclude names Slurm nodes; it needs --executor slurm or sbatch")
-    if chosen != "local":
-        from hpc_tools.executors.slurm import slurm_available
+    if chosen != "local":  # the one executor rule: Slurm that does not answer is one line, nothing written
+        from hpc_tools.submission import choose_executor
 
-        ok, why = slurm_available()
-        if not ok:
-            raise UserError(f"Slurm does not answer: {why} (retry when it does, or resume on this machine with "
-                            "--executor local)")
+        choose_executor("slurm")
     return chosen
 
 
@@ -342,8 +331,14 @@ def launch(plan: ResumePlan, echo=None) -> tuple[str | None, object]:
         else:
             job, job_id = None, _sbatch_again(plan)
     except Exception as exc:
+        from hpc_tools.slurm_client import REFUSED, SlurmError
+
         message = " ".join((getattr(exc, "stderr", None) or str(exc)).split()) or type(exc).__name__
         _undo(plan, message)
+        if isinstance(exc, SlurmError) and exc.kind != REFUSED:  # the client's one line: no Slurm, no controller
+            raise exc from None
+        if isinstance(exc, SlurmError):
+            message = exc.args[0].split(": ", 1)[-1]  # Slurm's words, without the client's "Slurm refused X:"
         raise UserError(f"Slurm refused the resumed job: {message} (check --exclude and the cluster section "
                         "against `sinfo`)") from None
     _note_job(plan, job_id)

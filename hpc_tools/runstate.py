@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import glob
 import re
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
@@ -169,12 +168,9 @@ def _expand_ranges(spec: str) -> list[int]:
 
 def run_sacct(job_ids: list[str], timeout_s: float = 20.0) -> str | None:
     """sacct's answer for these jobs, or None when sacct is missing, refuses or does not answer in time."""
-    try:
-        out = subprocess.run(["sacct", "-X", "-n", "-P", "-o", ",".join(SACCT_FIELDS), "-j", ",".join(job_ids)],
-                             capture_output=True, text=True, timeout=timeout_s)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout if out.returncode == 0 else None
+    from hpc_tools import slurm_client
+
+    return slurm_client.sacct(job_ids, SACCT_FIELDS, timeout=timeout_s)
 
 
 class SacctReader:
@@ -283,14 +279,12 @@ def note_restart(run: Run, restart_count: int, job_id: str | None) -> None:
 
 def previous_life_state(job_id: str, timeout_s: float = 10.0) -> str | None:
     """Slurm's state of the life before this one of a requeued job (``NODE_FAIL``, ...), or None."""
-    try:
-        out = subprocess.run(["sacct", "-X", "-n", "-P", "--duplicates", "-o", "JobID,State", "-j", job_id],
-                             capture_output=True, text=True, timeout=timeout_s)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    states = [line.split("|")[1] for line in out.stdout.splitlines() if line.count("|") >= 1 and
+    from hpc_tools import slurm_client
+
+    text = slurm_client.sacct([job_id], ("JobID", "State"), duplicates=True, timeout=timeout_s) or ""
+    states = [line.split("|")[1] for line in text.splitlines() if line.count("|") >= 1 and
               line.split("|")[0] == job_id]
-    return states[-2] if out.returncode == 0 and len(states) >= 2 else None
+    return states[-2] if len(states) >= 2 else None
 
 
 def refresh_all(runs: list[Run], reader: SacctReader | None = None) -> list[tuple[dict[str, Any], SlurmJob | None]]:

@@ -35,13 +35,16 @@ class Plan:
     note: str = ""
 
 
-def choose_executor(requested: str, dry_run: bool = False) -> tuple[str, str]:
-    """(executor, note). `auto`: no Slurm installed (no `sbatch` on PATH) -> the local executor, with a note saying
-    so; Slurm installed -> Slurm, and a controller that does not answer is an error, never a silent local run (a
-    login node during a controller restart must not quietly become the job's machine). A ``dry_run`` submits
-    nothing, so it never asks a controller: `--executor slurm --dry-run` works on a laptop or during an outage."""
+def choose_executor(requested: str, dry_run: bool = False,
+                    local: str = "with the recipe's local profile") -> tuple[str, str]:
+    """(executor, note): the one executor rule of every command that starts work (submit, sweep, preflight, resume,
+    serve, eval). `auto`: no Slurm installed (no `sbatch` on PATH) -> the local executor, with a note saying so
+    (``local``: how it runs locally); Slurm installed -> Slurm, and a controller that does not answer is an error in
+    one line (``slurm_client.RETRY``), never a silent local run (a login node during a controller restart must not
+    quietly become the job's machine). A ``dry_run`` submits nothing, so it never asks a controller: `--executor
+    slurm --dry-run` works on a laptop or during an outage."""
     from hpc_tools.executors.slurm import slurm_available, slurm_installed
-    from hpc_tools.slurm_client import absent_reason, off_reason
+    from hpc_tools.slurm_client import NO_CONTROLLER, RETRY, SlurmError, absent_reason, off_reason
 
     if requested not in EXECUTORS:
         raise UserError(f"--executor {requested} is unknown (use one of {', '.join(EXECUTORS)})")
@@ -50,8 +53,8 @@ def choose_executor(requested: str, dry_run: bool = False) -> tuple[str, str]:
     if dry_run and (requested == "slurm" or slurm_installed()):
         return "slurm", ""
     if requested == "auto" and not slurm_installed():
-        return "local", (f"no Slurm here ({absent_reason('sbatch')}): running locally on this machine with the "
-                         "recipe's local profile; use --executor slurm to require Slurm")
+        return "local", (f"no Slurm here ({absent_reason('sbatch')}): running locally on this machine"
+                         f"{' ' + local if local else ''}; use --executor slurm to require Slurm")
     ok, why = slurm_available()
     if ok:
         return "slurm", ""
@@ -61,9 +64,7 @@ def choose_executor(requested: str, dry_run: bool = False) -> tuple[str, str]:
     if requested == "slurm" and not slurm_installed():
         raise UserError(f"Slurm does not answer: {why} (start a cluster, e.g. `bash environment/slurm-dev/up.sh`, "
                         "or use --executor local)")
-    raise UserError(f"Slurm is installed but its controller does not answer ({why}); retry when it is back "
-                    "(`scontrol ping` says UP), or run here with --executor local (HPC_TOOLS_SLURM=off: always, on a "
-                    "machine whose Slurm client has no cluster)")
+    raise SlurmError(f"Slurm is installed but its controller does not answer ({why}); {RETRY}", NO_CONTROLLER)
 
 
 def checked_runs_root(root: str | Path | None = None) -> Path:

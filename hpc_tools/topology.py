@@ -21,7 +21,6 @@ Standard library only: the batch shell's placement step (``hpc_tools.job.placeme
 from __future__ import annotations
 
 import re
-import subprocess
 from dataclasses import dataclass, field
 
 from hpc_tools.layout import ParallelLayout
@@ -351,13 +350,14 @@ def hostfile_lines(order: list[str], ranks_per_node: int) -> list[str]:
 def read_live(timeout_s: float) -> "Topology | str":
     """The live cluster's network (``scontrol show topology``), or why there is none (a string): no answer within
     ``timeout_s``, scontrol's own error (no topology plugin), or text that is not topology output."""
+    from hpc_tools import slurm_client
+
+    answer = slurm_client.show_topology(timeout_s)
+    if answer.code is None:  # it did not run, or not within the time
+        return f"scontrol show topology did not answer within {timeout_s:g} s ({answer.said})"
+    if not answer.ok:
+        return f"scontrol show topology failed ({answer.said[:120]})"
     try:
-        out = subprocess.run(["scontrol", "show", "topology"], capture_output=True, text=True, timeout=timeout_s)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"scontrol show topology did not answer within {timeout_s:g} s ({type(exc).__name__})"
-    if out.returncode != 0:
-        return f"scontrol show topology failed ({(out.stderr or out.stdout).strip()[:120] or out.returncode})"
-    try:
-        return parse_topology(out.stdout)
+        return parse_topology(answer.out)
     except TopologyError as exc:
         return str(exc)

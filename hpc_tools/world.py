@@ -14,11 +14,11 @@ from __future__ import annotations
 import functools
 import os
 import re
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hpc_tools import slurm_client
 from hpc_tools.errors import UserError, Violation
 from hpc_tools.slurm_client import absent_reason
 
@@ -74,23 +74,19 @@ class SlurmView:
         return f"checked against Slurm partitions: {names or 'none'}"
 
 
-def run_sinfo(timeout_s: float = SLURM_TIMEOUT_S) -> subprocess.CompletedProcess | str:
-    """``sinfo`` one line per node and partition, or the reason it did not answer (a string)."""
-    absent = absent_reason("sinfo")
-    if absent:
-        return f"no Slurm here ({absent})"
-    try:
-        out = subprocess.run(["sinfo", "--noheader", "--Node", f"--format={SINFO_FORMAT}"], capture_output=True,
-                             text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return f"Slurm unreachable (sinfo did not answer within {timeout_s:g} s)"
-    except OSError as exc:
-        return f"Slurm unreachable (sinfo: {exc.strerror or exc})"
-    if out.returncode != 0:
-        said = [ln.strip() for ln in (out.stderr or out.stdout).splitlines() if ln.strip()]
-        last = said[-1].removeprefix("sinfo:").strip() if said else f"exit {out.returncode}"  # Slurm names itself
-        return f"Slurm unreachable (sinfo: {last})"
-    return out
+def run_sinfo(timeout_s: float = SLURM_TIMEOUT_S) -> tuple[str | None, str]:
+    """(``sinfo``'s text, one line per node and partition, ""), or (None, why it did not answer)."""
+    answer = slurm_client.sinfo(["--noheader", "--Node", f"--format={SINFO_FORMAT}"], timeout_s)
+    return answer.out if answer.ok else None, sinfo_reason(answer)
+
+
+def sinfo_reason(answer) -> str:
+    """Why sinfo gave no partitions, for a note: no Slurm here, or Slurm unreachable (its last line)."""
+    if answer.ok:
+        return ""
+    if answer.kind == slurm_client.NOT_INSTALLED:
+        return f"no Slurm here ({answer.said})"
+    return f"Slurm unreachable ({answer.said})"
 
 
 @functools.lru_cache(maxsize=1)
@@ -99,11 +95,11 @@ def slurm_view(timeout_s: float = SLURM_TIMEOUT_S) -> SlurmView:
     absent = absent_reason("sinfo")
     if absent:
         return SlurmView(None, f"no Slurm here ({absent})", absent=True)
-    out = run_sinfo(timeout_s)
-    if isinstance(out, str):
-        return SlurmView(None, out)
+    text, why = run_sinfo(timeout_s)
+    if text is None:
+        return SlurmView(None, why)
     try:
-        return SlurmView(parse_sinfo(out.stdout))
+        return SlurmView(parse_sinfo(text))
     except ValueError as exc:
         return SlurmView(None, f"sinfo output not understood ({exc})")
 

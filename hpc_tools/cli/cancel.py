@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 
 from hpc_tools.cli._common import add_json, add_run_ref, add_runs_dir, emit_json, say
 from hpc_tools.errors import UserError
@@ -42,12 +41,14 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"run {r.run_id} already ended ({end_state(manifest)}); nothing to cancel")
     if manifest.get("executor") in ("slurm", "sbatch"):
         from hpc_tools.executors.slurm import cancel
+        from hpc_tools.slurm_client import REFUSED, SlurmError
 
         try:
             cancel(str(manifest["job_id"]))
-        except subprocess.CalledProcessError as exc:
-            raise UserError(f"scancel {manifest['job_id']} failed: {(exc.stderr or '').strip() or exc} "
-                            "(check the job with `squeue` / `sacct`)") from None
+        except SlurmError as exc:
+            if exc.kind != REFUSED:
+                raise
+            raise UserError(f"{exc} (check the job with `squeue` / `sacct`)") from None
     else:
         pids = manifest.get("pids") or []
         if not pids:

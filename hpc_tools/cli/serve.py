@@ -40,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=["triton", "vllm"], default="triton",
                    help="triton (CPU and GPU, default) or vllm (vLLM's OpenAI server; GPU nodes only)")
     p.add_argument("--executor", choices=["local", "slurm"], default=None,
-                   help="local process group, or a Slurm job on a node of its own (default: slurm when Slurm "
-                        "answers, else local)")
+                   help="local process group, or a Slurm job on a node of its own with the run's recipe's account, "
+                        "qos, partition, constraint and set-up (default: slurm where Slurm is installed, refused in "
+                        "one line when its controller does not answer; local without Slurm)")
     p.add_argument("--time", default="1:00", metavar="H:MM", help="time limit of the serving job (default 1:00)")
     p.add_argument("--http-port", type=PORT, default=8000, help="HTTP port (default 8000, Triton's; 0: any free)")
     p.add_argument("--grpc-port", type=PORT, default=8001, help="gRPC port (default 8001, Triton's; 0: any free)")
@@ -62,11 +63,10 @@ def run(args: argparse.Namespace) -> int:
 
     from hpc_tools.errors import UserError
     from hpc_tools.serving import job
+    from hpc_tools.submission import choose_executor
 
-    if args.executor is None:
-        from hpc_tools.executors.slurm import slurm_available
-
-        args.executor = "slurm" if slurm_available()[0] else "local"
+    # The rule of every command: no Slurm here -> local, said; Slurm that does not answer -> one line, nothing written.
+    args.executor, note = choose_executor(args.executor or "auto", local="")
     opts = job.ServeOptions(engine=args.engine, executor=args.executor, time=args.time, http_port=args.http_port,
                             grpc_port=args.grpc_port, partition=args.partition, gpus=args.gpus, mem_gb=args.mem,
                             max_batch_size=args.max_batch_size, ready_timeout_s=args.ready_timeout)
@@ -94,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
             job.check_memory(job.run_weight_bytes(run), {}, opts)  # the planner's count, before any export
             model_dir = job.export_for_serving(run)
         job.check_memory(job.folder_weight_bytes(model_dir), job.hf_config(model_dir), opts)
+    if note and not args.json:
+        say(note)
     endpoint = job.start(run, model_dir, opts, python)
     if args.json:
         emit_json({"ok": True, "run_dir": str(run.path), "run_id": run.run_id, "endpoint": job.public(endpoint),

@@ -43,6 +43,10 @@ class Plan:
 
 def plan(req: EvalRequest) -> Plan:
     """Every check, nothing written: the target, its checkpoints, the tasks, the executor."""
+    if req.executor == "slurm" and not req.render_only:  # the one executor rule, asked first, as every command does
+        from hpc_tools.submission import choose_executor
+
+        choose_executor("slurm")
     tasks = parse_tasks(req.tasks)
     include = check_include_path(req.include_path)
     target = resolve(req.ref, req.runs_dir)
@@ -51,13 +55,6 @@ def plan(req: EvalRequest) -> Plan:
         if target.run is None or target.folder is not None:
             raise UserError(f"--executor slurm evaluates a run's checkpoints as a job array, but {req.ref} is a "
                             "model folder (evaluate it with --executor local, or give its run)")
-        if not req.render_only:
-            from hpc_tools.executors.slurm import slurm_available
-
-            ok, why = slurm_available()
-            if not ok:
-                raise UserError(f"--executor slurm: no Slurm here ({why}) (run with --executor local, or add "
-                                "--render to write the job array's script only)")
     elif req.render_only:
         raise UserError("--render writes a Slurm job array's script (add --executor slurm, or leave --render out)")
     check_tasks(tasks, include)
@@ -138,28 +135,26 @@ def eval_args(p: Plan) -> list[str]:
 
 def submit_array(p: Plan) -> dict[str, Any]:
     """Render the job array into ``<run>/eval/eval-<stamp>.sbatch``; submit it unless ``render_only``."""
-    from hpc_tools.evaluate.jobarray import render_array
     from hpc_tools.hf.export import run_recipe
+    from hpc_tools.render.batch import render_eval_array
 
     run = p.target.run
     iterations = [m.iteration for m in p.models]
     recipe = run_recipe(run)
-    text = render_array(recipe, run.path, iterations, eval_args(p), array_gpus(recipe))
+    text = render_eval_array(recipe, run.path, iterations, eval_args(p), array_gpus(recipe))
     script = p.target.eval_dir / f"eval-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%d-%H%M%S')}.sbatch"
     (p.target.eval_dir / "logs").mkdir(parents=True, exist_ok=True)
     atomic_write(script, text)
     job_id = None
     if not p.request.render_only:
-        import subprocess
-
         from hpc_tools.executors.slurm import sbatch_script
 
-        try:
-            job_id = sbatch_script(script, {})  # from here, as `submit` does: the tasks start where hpc_tools is
-        except subprocess.CalledProcessError as exc:
-            said = (exc.stderr or exc.stdout or "").strip().splitlines()
-            raise UserError(f"sbatch refused the evaluation array {script}: {said[-1] if said else exc} (fix the "
-                            "recipe's cluster section, or run with --executor local)") from None
+        try:  # from here, as `submit` does: the tasks start where hpc_tools is
+            job_id = sbatch_script(script, {}, what="the evaluation array",
+                                   fix="fix the recipe's cluster section, or run with --executor local")
+        except UserError:
+            script.unlink(missing_ok=True)  # no script of an array that never queued
+            raise
     return {"script": str(script), "job_id": job_id, "iterations": iterations}
 
 

@@ -8,12 +8,11 @@ Job states (sacct) are read by ``hpc_tools.runstate``, not here.
 
 from __future__ import annotations
 
-import os
 import shlex
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc_tools import slurm_client
 from hpc_tools.recipe.schema import Recipe
 from hpc_tools.registry import RunFolder, now_iso
 from hpc_tools.render.envsetup import (
@@ -37,18 +36,8 @@ def slurm_installed() -> bool:
 
 
 def slurm_available(timeout_s: float = 5.0) -> tuple[bool, str]:
-    """(True, "") when a Slurm controller answers; else (False, why)."""
-    absent = absent_reason("sbatch")
-    if absent:
-        return False, absent
-    try:
-        out = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=timeout_s)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return False, f"scontrol ping failed ({exc})"
-    if out.returncode != 0 or " is UP" not in out.stdout:
-        said = (out.stdout or out.stderr).strip()
-        return False, f"scontrol ping: {said.splitlines()[0] if said else 'no answer'}"
-    return True, ""
+    """(True, "") when a Slurm controller answers; else (False, why) (``slurm_client.ping``)."""
+    return slurm_client.ping(timeout_s)
 
 
 def make_executor(recipe: Recipe, folder: Path, exclude: str | None = None, env: dict[str, str] | None = None,
@@ -199,12 +188,12 @@ def submit_script(run: RunFolder, recipe: Recipe, exclude: str | None = None, en
     return ScriptJob(job_id)
 
 
-def sbatch_script(script: Path, env: dict[str, str], options: list[str] = (), cwd: Path | None = None) -> str:
+def sbatch_script(script: Path, env: dict[str, str], options: list[str] = (), cwd: Path | None = None,
+                  what: str = "", fix: str = "") -> str:
     """``sbatch --parsable OPTIONS SCRIPT`` with ``env`` added to this process's environment (sbatch exports it to
-    the job, and Slurm keeps it for a requeue); returns the job id. Raises CalledProcessError with sbatch's message."""
-    out = subprocess.run(["sbatch", "--parsable", *options, str(script)], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, **env}, cwd=cwd, check=True)
-    return out.stdout.strip().split(";")[0]
+    the job, and Slurm keeps it for a requeue); returns the job id. Raises ``slurm_client.SlurmError`` in one line
+    (``what``: the job in words; ``fix``: what to do when Slurm refuses it)."""
+    return slurm_client.sbatch(script, env, options, cwd=cwd, what=what, fix=fix)
 
 
 def submit_array(runs: list[RunFolder], recipe: Recipe, exclude: str | None = None,
@@ -224,5 +213,5 @@ def submit_array(runs: list[RunFolder], recipe: Recipe, exclude: str | None = No
 
 
 def cancel(job_id: str) -> None:
-    """scancel the job (its state is read back through ``hpc_tools.runstate``)."""
-    subprocess.run(["scancel", job_id], check=True, capture_output=True, text=True, timeout=15)
+    """scancel the job (its state is read back through ``hpc_tools.runstate``); SlurmError in one line."""
+    slurm_client.scancel(job_id)

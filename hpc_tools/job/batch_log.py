@@ -9,20 +9,14 @@ Asked on the batch host: in a pyxis job the rendered script runs this with the h
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+
+from hpc_tools import slurm_client
 
 
 def batch_log_path(job_id: str | None) -> str | None:
     """Where Slurm writes this batch job's output (StdOut of `scontrol show job`)."""
-    if not job_id:
-        return None
-    try:
-        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    fields = dict(item.split("=", 1) for item in out.stdout.split() if "=" in item)
-    return fields.get("StdOut")
+    return slurm_client.show_job(job_id, timeout=10).get("StdOut") if job_id else None
 
 
 def main() -> int:

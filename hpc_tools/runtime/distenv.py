@@ -16,7 +16,6 @@ import os
 import re
 import shlex
 import socket
-import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -30,13 +29,10 @@ RESTART_BASE_ENV = "HPC_TOOLS_RESTART_BASE"
 
 def first_host(nodelist: str) -> str:
     """First hostname of a Slurm nodelist; `scontrol show hostnames` when available, else a small parser."""
-    try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.split()[0]
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    return expand_first(nodelist)
+    from hpc_tools import slurm_client
+
+    hosts = slurm_client.hostnames(nodelist, timeout=10)
+    return hosts[0] if hosts else expand_first(nodelist)
 
 
 def expand_first(nodelist: str) -> str:

@@ -256,12 +256,9 @@ def node_memory_bytes(opts: ServeOptions) -> tuple[float | None, str]:
         except OSError:
             return None, ""
         return None, ""
-    cmd = ["sinfo", "-h", "-N", "-o", "%m"] + (["-p", opts.partition] if opts.partition else [])
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
-        sizes = [int(x) for x in out.stdout.split() if x.isdigit()]
-    except (OSError, subprocess.TimeoutExpired, ValueError):
-        return None, ""
+    from hpc_tools import slurm_client
+
+    sizes = slurm_client.node_memory_mb(opts.partition)
     return (max(sizes) * 1e6, "the largest node's memory (sinfo %m)") if sizes else (None, "")
 
 
@@ -315,48 +312,64 @@ def export_for_serving(run: RunFolder) -> Path:
 
 
 # -- the script -------------------------------------------------------------------------------------------------------
-def render_script(run: RunFolder, model_dir: Path, opts: ServeOptions, python: Path) -> str:
-    """The serving job's script: #SBATCH lines (a node of its own) for Slurm; the same body runs locally."""
-    folder = run.path / SERVE_DIR
+def serve_cluster(run: RunFolder):
+    """The cluster section the serving job takes its account, qos, partition, constraint, extra ``#SBATCH`` lines,
+    set-up and container from: the run's recipe's; for a folder served directly (no recipe), the site file's
+    ``cluster`` section (``recipe/site.py``), else the schema's defaults."""
+    from hpc_tools.recipe.cluster import ClusterConfig
+
+    if run.recipe_path.is_file():
+        from hpc_tools.hf.export import run_recipe
+
+        return run_recipe(run).cluster
+    from hpc_tools.recipe.site import read_site
+
+    return ClusterConfig.model_validate(read_site()[1].get("cluster") or {})
+
+
+def server_lines(model_dir: Path, opts: ServeOptions, python: Path, folder: Path, prefix: list[str]) -> list[str]:
+    """The program of the serving job (both executors): the server, under coreutils ``timeout`` locally (no Slurm
+    time limit there); ``prefix``: the container's words before the interpreter."""
     minutes = check_time(opts.time)
     q = shlex.quote
-    lines = ["#!/bin/bash", f"# hpc_tools serve: {opts.engine} over {model_dir}",
-             f"#SBATCH --job-name=serve-{re.sub(r'[^A-Za-z0-9_.-]', '_', run.run_id)[:60]}",
-             "#SBATCH --nodes=1", "#SBATCH --ntasks=1", "#SBATCH --exclusive",
-             f"#SBATCH --time={minutes // 60}:{minutes % 60:02d}:00",
-             f"#SBATCH --output={folder}/serve-%j.out"]
-    if opts.partition:
-        lines.append(f"#SBATCH --partition={opts.partition}")
-    if opts.gpus:
-        lines.append(f"#SBATCH --gpus-per-node={opts.gpus}")
-    if opts.mem_gb is not None:
-        lines.append(f"#SBATCH --mem={max(int(opts.mem_gb * 1000), 1)}M")
     host = 'HOST="${HPC_TOOLS_SERVE_HOST:-$(hostname)}"'
     endpoint, error = q(str(folder / "endpoint.json")), q(str(folder / "error"))
-    limit = '"${LIMIT[@]}"'
-    lines += ["set -u", "export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1", host,
-              "LIMIT=()  # locally there is no Slurm time limit: coreutils timeout stands in for it",
-              f'[ -n "${{SLURM_JOB_ID:-}}" ] || LIMIT=(timeout --kill-after=30 {minutes * 60})']
+    limit = '"${LIMIT[@]}"' + "".join(f" {q(w)}" for w in prefix)
+    lines = ["set -u", "export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1", host,
+             "LIMIT=()  # locally there is no Slurm time limit: coreutils timeout stands in for it",
+             f'[ -n "${{SLURM_JOB_ID:-}}" ] || LIMIT=(timeout --kill-after=30 {minutes * 60})']
     if opts.engine == "triton":
-        lines.append(f"exec {limit} {q(str(python))} {q(str(SERVER))} --model {q(str(model_dir))} "
-                     f"--http-port {opts.http_port} --grpc-port {opts.grpc_port} --host \"$HOST\" "
-                     f"--endpoint-file {endpoint} --error-file {error} --max-batch-size {opts.max_batch_size} "
-                     f"--ready-timeout-s {opts.ready_timeout_s:.0f}")
-    else:  # vLLM's OpenAI-compatible server (HTTP only), in its own environment (vllm_python, checked before)
-        port = opts.http_port or 8000
-        lines += [f'{limit} {q(vllm_python())} -m vllm.entrypoints.openai.api_server '
-                  f"--model {q(str(model_dir))} --host 0.0.0.0 --port {port} "
-                  f"--tensor-parallel-size {max(opts.gpus, 1)} &",
-                  "PID=$!",
-                  f'until curl -sf "http://127.0.0.1:{port}/health" > /dev/null; do',
-                  '    kill -0 "$PID" 2>/dev/null || { wait "$PID"; exit $?; }',
-                  "    sleep 2",
-                  "done",
-                  f"printf '{{\"host\": \"%s\", \"http_port\": {port}, \"grpc_port\": null, \"engine\": \"vllm\", "
-                  f"\"model\": \"%s\", \"pid\": %s}}' \"$HOST\" {q(str(model_dir))} \"$$\" > {endpoint}.tmp",
-                  f"mv {endpoint}.tmp {endpoint}",
-                  'wait "$PID"']
-    return "\n".join(lines) + "\n"
+        return lines + [f"exec {limit} {q(str(python))} {q(str(SERVER))} --model {q(str(model_dir))} "
+                        f"--http-port {opts.http_port} --grpc-port {opts.grpc_port} --host \"$HOST\" "
+                        f"--endpoint-file {endpoint} --error-file {error} --max-batch-size {opts.max_batch_size} "
+                        f"--ready-timeout-s {opts.ready_timeout_s:.0f}"]
+    port = opts.http_port or 8000  # vLLM's OpenAI-compatible server (HTTP only), in its own environment
+    return lines + [f'{limit} {q(vllm_python())} -m vllm.entrypoints.openai.api_server '
+                    f"--model {q(str(model_dir))} --host 0.0.0.0 --port {port} "
+                    f"--tensor-parallel-size {max(opts.gpus, 1)} &",
+                    "PID=$!",
+                    f'until curl -sf "http://127.0.0.1:{port}/health" > /dev/null; do',
+                    '    kill -0 "$PID" 2>/dev/null || { wait "$PID"; exit $?; }',
+                    "    sleep 2",
+                    "done",
+                    f"printf '{{\"host\": \"%s\", \"http_port\": {port}, \"grpc_port\": null, \"engine\": "
+                    f"\"vllm\", \"model\": \"%s\", \"pid\": %s}}' \"$HOST\" {q(str(model_dir))} \"$$\" "
+                    f"> {endpoint}.tmp",
+                    f"mv {endpoint}.tmp {endpoint}",
+                    'wait "$PID"']
+
+
+def render_script(run: RunFolder, model_dir: Path, opts: ServeOptions, python: Path, cluster=None) -> str:
+    """The serving job's script (``render.batch.render_serve``: the cluster section's account, qos, partition,
+    constraint, extra lines, set-up and container on a Slurm node of its own); the same file runs locally."""
+    from hpc_tools.render.batch import render_serve, serve_container
+
+    cluster = serve_cluster(run) if cluster is None else cluster
+    slurm = opts.executor == "slurm"
+    prefix = serve_container(cluster, str(REPO), str(run.path)) if slurm else []
+    body = server_lines(model_dir, opts, python, run.path / SERVE_DIR, prefix)
+    return render_serve(cluster, run.run_id, run.path, f"hpc_tools serve: {opts.engine} over {model_dir}", body,
+                        check_time(opts.time), opts.partition, opts.gpus, opts.mem_gb, slurm)
 
 
 # -- starting, waiting, recording ----------------------------------------------------------------------------------
@@ -382,9 +395,11 @@ def start(run: RunFolder, model_dir: Path, opts: ServeOptions, python: Path) -> 
         from hpc_tools.executors.slurm import sbatch_script
 
         try:
-            job_id = sbatch_script(script, {}, cwd=folder)
-        except subprocess.CalledProcessError as exc:
-            raise UserError(f"sbatch {script} failed: {(exc.stderr or '').strip() or exc}") from None
+            job_id = sbatch_script(script, {}, cwd=folder, what="the serving job",
+                                   fix="fix the recipe's cluster section or --partition, --gpus, --mem")
+        except UserError:
+            script.unlink(missing_ok=True)  # nothing left behind by a job that never queued
+            raise
         record.update(job_id=job_id, log=str(folder / f"serve-{job_id}.out"))
     run.update(event="serve submitted", serve=record, endpoint=None)
     try:
@@ -438,13 +453,12 @@ def alive(record: dict) -> bool:
     """Whether the serving job still runs (local: its process group; Slurm: squeue still lists the job)."""
     if record.get("executor") == "local":
         return group_alive(record.get("pid"))
-    try:
-        out = subprocess.run(["squeue", "-h", "-j", str(record["job_id"]), "-o", "%T"], capture_output=True,
-                             text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
+    from hpc_tools import slurm_client
+
+    state = slurm_client.job_state(str(record["job_id"]))
+    if state is None:
         return True  # unknown: not declared dead
-    state = out.stdout.strip()
-    return out.returncode == 0 and state not in ("", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+    return state not in ("", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
 
 
 def group_alive(pid) -> bool:
@@ -494,10 +508,7 @@ def stop(run: RunFolder, state: str = "CANCELLED", grace_s: float = 20.0) -> dic
     elif record.get("job_id"):
         from hpc_tools.executors.slurm import cancel
 
-        try:
-            cancel(str(record["job_id"]))
-        except subprocess.CalledProcessError as exc:
-            raise UserError(f"scancel {record['job_id']} failed: {(exc.stderr or '').strip() or exc}") from None
+        cancel(str(record["job_id"]))  # one line (slurm_client.SlurmError) when Slurm does not take it
         deadline = time.monotonic() + 60
         while alive(record) and time.monotonic() < deadline:
             time.sleep(0.5)

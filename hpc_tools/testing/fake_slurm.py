@@ -36,6 +36,7 @@ FINISHED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPT
             "OUT_OF_MEMORY")
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 4
+MEM_MB = 7900
 PARTITION = "debug"
 
 
@@ -119,7 +120,7 @@ def _write(path: Path, state: dict) -> None:
 def _options(args: list[str]) -> tuple[dict[str, str], list[str]]:
     """``--key=value``/``--flag`` and ``-k value`` options -> {key: value}, and the other arguments in order."""
     opts, rest, i = {}, [], 0
-    takes_value = {"-o", "-j", "-J", "-t", "-N", "-p", "-s", "--format", "--jobs", "--signal", "--state"}
+    takes_value = {"-o", "-j", "-J", "-t", "-p", "--format", "--jobs", "--signal", "--state"}
     while i < len(args):
         a = args[i]
         if a.startswith("--") and "=" in a:
@@ -196,12 +197,19 @@ def squeue(st: dict, args: list[str]) -> tuple[int, str, str]:
     if not jobs:
         return 1, "", "slurm_load_jobs error: Invalid job id specified\n"
     live = [(i, j) for i, j in jobs if j["state"].split()[0] not in FINISHED]
+    if "s" in opts:  # steps: the fake runs none, so a live job shows its batch step only
+        return 0, "".join(f"{i}.batch\n" for i, j in live if j["state"] == "RUNNING"), ""
+    if opts.get("o") == "%T":
+        return 0, "".join(f"{j['state'].split()[0]}\n" for i, j in live), ""
     return 0, "".join(f"{i} {PARTITION} {j['name'][:8]} root {j['state'][:2]} 0:00 1 {j['nodelist']}\n"
                       for i, j in live), ""
 
 
 def scancel(st: dict, args: list[str]) -> tuple[int, str, str]:
     opts, ids = _options(args)
+    unknown = [i for i in ids if i.split(".")[0].split("_")[0] not in st["jobs"]]
+    if unknown:  # Slurm's words and status for a job it never had
+        return 1, "", f"scancel: error: Kill job error on job id {unknown[0]}: Invalid job id specified\n"
     for job_id, job in _matching(st, ids):
         if "signal" in opts:
             job.setdefault("signals", []).append(opts["signal"])
@@ -217,7 +225,35 @@ def scontrol(st: dict, args: list[str]) -> tuple[int, str, str]:
         m = re.match(r"^(.*)\[(\d+)-(\d+)\]$", args[2])
         hosts = [f"{m.group(1)}{n}" for n in range(int(m.group(2)), int(m.group(3)) + 1)] if m else args[2].split(",")
         return 0, "".join(h + "\n" for h in hosts), ""
+    if args[:3] == ["show", "job", "-o"] or args[:1] in (["requeue"], ["update"]):
+        return _job_control(st, args)
+    if args[:3] == ["show", "node", "-o"] and args[3:4] and args[3] in st["nodes"]:
+        return 0, f"NodeName={args[3]} State=IDLE CPUTot={CPUS_PER_NODE} Partitions={PARTITION}\n", ""
+    if args[:2] == ["show", "config"]:
+        return 0, "Configuration data as of fake\nClusterName = fake\nMaxArraySize = 1001\nMaxJobCount = 10000\n", ""
+    if args[:2] == ["show", "topology"]:
+        return 1, "", "scontrol: error: No topology information available\n"  # topology/flat, Slurm's default
     return 2, "", f"scontrol: the fake does not answer {' '.join(args)!r}\n"
+
+
+def _job_control(st: dict, args: list[str]) -> tuple[int, str, str]:
+    """``scontrol show job -o J``, ``requeue J``, ``update JobId=J ExcNodeList=...`` of a job the fake knows."""
+    fields = dict(a.split("=", 1) for a in args[1:] if "=" in a)
+    job_id = fields.get("JobId") or args[-1]
+    job = st["jobs"].get(job_id)
+    if job is None:
+        return 1, "", f"scontrol: error: Invalid job id specified ({job_id})\n"
+    if args[0] == "requeue":
+        if job["state"].split()[0] in FINISHED or job["state"] == "PENDING":
+            return 1, "", "scontrol: error: Job is no longer running\n"
+        job["state"] = "PENDING"
+        return 0, "", ""
+    if args[0] == "update":
+        job["excluded"] = fields.get("ExcNodeList", "")
+        return 0, "", ""
+    out = os.path.join(job["cwd"], f"slurm-{job_id}.out")
+    return 0, (f"JobId={job_id} JobName={job['name']} JobState={job['state'].split()[0]} "
+               f"NodeList={job['nodelist'] or '(null)'} StdOut={out}\n"), ""
 
 
 def srun(st: dict, args: list[str]) -> tuple[int, str, str]:
@@ -230,6 +266,8 @@ def sinfo(st: dict, args: list[str]) -> tuple[int, str, str]:
     fmt = opts.get("format") or opts.get("o") or ""
     if fmt == "%D":
         return 0, f"{len(st['nodes'])}\n", ""
+    if fmt in ("%N", "%m"):  # one line per node (-N): its name, or its memory in MB
+        return 0, "".join(f"{n if fmt == '%N' else MEM_MB}\n" for n in st["nodes"]), ""
     if fmt == "%P|%a|%l|%s|%G|%c|%N":
         return 0, "".join(f"{PARTITION}*|up|infinite|1-infinite|(null)|{CPUS_PER_NODE}|{n}\n" for n in st["nodes"]), ""
     return 2, "", f"sinfo: the fake does not answer {' '.join(args)!r}\n"

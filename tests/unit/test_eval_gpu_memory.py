@@ -50,7 +50,7 @@ def test_one_gpu_the_node_or_a_one_line_refusal(folder):
 
 def test_the_array_asks_for_the_gpus_that_hold_the_model_in_the_runs_precision(tmp_path):
     from hpc_tools.evaluate.evaljob import array_gpus
-    from hpc_tools.evaluate.jobarray import render_array
+    from hpc_tools.render.batch import render_eval_array as render_array
 
     moe = load_recipe(REPO / "recipes" / "gpt_moe.yaml")
     gpus = array_gpus(moe)

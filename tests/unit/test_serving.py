@@ -31,7 +31,7 @@ def test_slurm_script_asks_for_a_node_of_its_own_and_runs_the_server_in_the_serv
     script = job.render_script(run, tmp_path / "model dir", opts, Path("/envs/serve/bin/python"))
     lines = script.splitlines()
     for want in ("#SBATCH --nodes=1", "#SBATCH --exclusive", "#SBATCH --time=2:30:00", "#SBATCH --partition=gpu",
-                 "#SBATCH --mem=64000M", f"#SBATCH --output={run.path}/serve/serve-%j.out"):
+                 "#SBATCH --mem=64G", f"#SBATCH --output={run.path}/serve/serve-%j.out"):
         assert want in lines, want
     assert not any("--gpus" in line for line in lines)
     server = lines[-1]

@@ -8,7 +8,6 @@ import contextlib
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import threading
 
@@ -65,12 +64,7 @@ def sigterm_ignored():
 def exclude_from_job(job_id: str, nodes: list[str]) -> str | None:
     """``scontrol update JobId=J ExcNodeList=...`` on the requeued (pending) job, so that Slurm does not give it
     ``nodes`` again: None when Slurm took it, else its words."""
-    out = subprocess.run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"],
-                         capture_output=True, text=True, timeout=30)
-    if out.returncode == 0:
-        return None
-    words = (out.stderr or out.stdout).strip().splitlines()
-    return words[-1] if words else f"exit {out.returncode}"
+    return slurm_client.exclude_nodes(job_id, nodes)
 
 
 def record_restart(run: RunFolder, manifest: dict, entry: dict, n: int) -> None:

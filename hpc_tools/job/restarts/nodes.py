@@ -5,11 +5,11 @@ names (``preflight_hints``, exported for every step)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from hpc_tools import slurm_client
 from hpc_tools.job.restarts.facts import (
     PROBE_TIMEOUT_S,
     PROBE_WAIT_S,
@@ -22,29 +22,21 @@ from hpc_tools.runtime.preflight import leave_out
 
 
 def hostnames(nodelist: str) -> list[str]:
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
-    return out.stdout.split() if out.returncode == 0 else []
+    return slurm_client.hostnames(nodelist)
 
 
 def allocation_nodes(job_id: str | None, env: dict[str, str]) -> list[str]:
     """The job's nodes as Slurm holds them now (a node Slurm removed from a ``--no-kill`` job is gone)."""
     if job_id:
-        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
-        fields = dict(item.split("=", 1) for item in out.stdout.split() if "=" in item)
-        if out.returncode == 0 and fields.get("NodeList") not in (None, "", "(null)"):
+        fields = slurm_client.show_job(job_id)
+        if fields.get("NodeList") not in (None, "", "(null)"):
             return hostnames(fields["NodeList"])
     return hostnames(env.get("SLURM_JOB_NODELIST", ""))
 
 
 def probe(node: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     """Whether ``node``'s slurmd runs a step of this job (``srun true`` there)."""
-    try:
-        out = subprocess.run(["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
-                              "--cpus-per-task=1", "--mem=0", "--kill-on-bad-exit=1", "true"], capture_output=True,
-                             text=True, timeout=timeout_s)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0
+    return slurm_client.probe(node, timeout_s)
 
 
 def choose_nodes(allocation: list[str], excluded: list[str], failed: str | None, need: int,
@@ -79,13 +71,7 @@ def choose_nodes(allocation: list[str], excluded: list[str], failed: str | None,
 
 def partition_nodes(env: dict[str, str]) -> list[str]:
     """The nodes of the job's partition (``sinfo``), whatever their state; [] when Slurm does not answer."""
-    partition = env.get("SLURM_JOB_PARTITION")
-    try:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N", *(["-p", partition] if partition else [])],
-                             capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return list(dict.fromkeys(out.stdout.split())) if out.returncode == 0 else []
+    return slurm_client.partition_nodes(env.get("SLURM_JOB_PARTITION"), job_side=True)
 
 
 def requeue_room(policy: Policy, manifest: dict, env: dict[str, str]) -> int:
