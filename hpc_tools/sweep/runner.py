@@ -19,7 +19,7 @@ from hpc_tools.runstate import refresh as refresh_run
 from hpc_tools.sweep.folder import SweepFolder
 from hpc_tools.sweep.grid import SweepPlan
 from hpc_tools.sweep.limits import SlurmLimits
-from hpc_tools.sweep.submit import resource_key, slurm_groups, submit_due  # noqa: F401 - resource_key, slurm_groups: re-exported
+from hpc_tools.sweep.submit import resource_key, slurm_groups, submission_group, submit_due  # noqa: F401 - re-exported
 
 Say = Callable[[str], None]
 
@@ -35,6 +35,7 @@ def create_sweep(plan: SweepPlan, source: str, executor: str, root: str | Path |
                          "reasons": c.reasons} for c in plan.invalid]}
     folder = SweepFolder.create(root, plan.name, data)
     entries = []
+    slurm = executor == "slurm"
     for cell in plan.valid:
         for repeat in range(plan.config.repeats):
             run = new_run(cell.recipe, folder.path, executor, source,
@@ -43,7 +44,7 @@ def create_sweep(plan: SweepPlan, source: str, executor: str, root: str | Path |
             entries.append({"id": f"c{cell.index:03d}-r{repeat}", "cell": cell.index, "repeat": repeat,
                             "label": cell.label(), "params": cell.params, "overrides": cell.overrides,
                             "run_dir": run.run_id, "run_id": run.run_id, "job_id": None, "status": "pending",
-                            "attempts": []})
+                            "attempts": [], **({"group": submission_group(cell.recipe)} if slurm else {})})
     with folder.edit() as d:
         d["cells"] = entries
     return folder

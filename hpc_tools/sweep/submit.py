@@ -34,13 +34,19 @@ def resource_key(recipe: Recipe) -> str:
                       sort_keys=True, default=str)
 
 
+def submission_group(recipe: Recipe) -> str | None:
+    """The key of the cells this one may share job arrays with; None for a cell with in-job restarts
+    (``cluster.restarts``), its own job: an array task never restarts. Kept in sweep.json as the cell's ``group``,
+    so that submitting later needs no recipe loaded per cell."""
+    return None if recipe.cluster.restarts else resource_key(recipe)
+
+
 def slurm_groups(cells: list[dict], recipes: dict[str, Recipe]) -> dict[str, list[str]]:
     """The cells' ids by Slurm submission: cells with equal resources share a job array, except cells with in-job
     restarts (``cluster.restarts``), each its own job: an array task never restarts."""
     groups: dict[str, list[str]] = {}
     for c in cells:
-        recipe = recipes[c["id"]]
-        groups.setdefault(c["id"] if recipe.cluster.restarts else resource_key(recipe), []).append(c["id"])
+        groups.setdefault(submission_group(recipes[c["id"]]) or c["id"], []).append(c["id"])
     return groups
 
 
@@ -67,16 +73,13 @@ def _groups(folder: SweepFolder, due: list[dict], array_tasks: int) -> list[tupl
     """The due cells by submission (equal resources and exclude list; a cell with restarts alone), in sweep order."""
     from hpc_tools.recipe.load import load_resolved
 
-    recipes = {c["id"]: load_resolved(RunFolder(folder.path / c["run_dir"]).recipe_path) for c in due}
-    by_exclude: dict[str | None, list[dict]] = {}
+    groups: dict[tuple, list[str]] = {}
     for c in due:
-        by_exclude.setdefault(c.get("exclude"), []).append(c)
-    out = []
-    for cells in by_exclude.values():
-        for ids in slurm_groups(cells, recipes).values():
-            restarts = bool(recipes[ids[0]].cluster.restarts)  # an array task never restarts: its own job
-            out.append((ids, chunking.Group(len(ids), 1 if restarts else array_tasks)))
-    return out
+        if "group" not in c:  # a sweep written before cells kept their group
+            c["group"] = submission_group(load_resolved(RunFolder(folder.path / c["run_dir"]).recipe_path))
+        groups.setdefault((c.get("exclude"), c["group"] or c["id"]), []).append(c["id"])
+    # a group of None (restarts) holds one cell, its own job
+    return [(ids, chunking.Group(len(ids), array_tasks if key[1] != ids[0] else 1)) for key, ids in groups.items()]
 
 
 def submit_due(folder: SweepFolder, say: Say, limits: SlurmLimits | None = None) -> list[str]:

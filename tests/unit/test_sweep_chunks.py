@@ -179,11 +179,11 @@ def record(tmp_path, monkeypatch):
     monkeypatch.setattr(slurm, "submit_run", lambda run, recipe, exclude=None: Job(str(900 + len(arrays))))
     sweep = SweepFolder.create(tmp_path / "runs", "demo", {"executor": "slurm", "max_parallel": 4, "cells": [],
                                                            "invalid": []})
-    runs = [synthetic_run(sweep.path, [], np.ones((1, 2)), state="CREATED") for _ in range(25)]
-    with sweep.edit() as d:
+    run = synthetic_run(sweep.path, [], np.ones((1, 2)), state="CREATED")  # one folder: sbatch is not called
+    with sweep.edit() as d:  # cells as create_sweep writes them for Slurm, with their submission group
         d["cells"] = [{"id": f"c{i:03d}-r0", "cell": i, "repeat": 0, "label": f"i={i}", "params": {}, "overrides": [],
-                       "run_dir": r.run_id, "run_id": r.run_id, "job_id": None, "status": "pending", "attempts": []}
-                      for i, r in enumerate(runs)]
+                       "run_dir": run.run_id, "run_id": run.run_id, "job_id": None, "status": "pending",
+                       "attempts": [], "group": "same resources"} for i in range(25)]
     return sweep, arrays
 
 
@@ -205,3 +205,18 @@ def test_submit_due_records_chunks_and_submits_each_cell_once(record):
     assert len(submit_due(sweep, said.append, lim)) == 10 and arrays == [(10, 4), (10, 2)]
     with pytest.raises(UserError, match="MaxSubmitJobs=0"):
         submit_due(sweep, said.append, SlurmLimits(10, None, 10000, 0, "sacctmgr", user="u"))
+
+
+def test_cells_with_restarts_go_in_as_single_jobs_and_the_throttle_counts_them(record):
+    from hpc_tools.sweep.submit import submit_due
+
+    sweep, arrays = record
+    with sweep.edit() as d:
+        d["cells"] = d["cells"][:5]
+        for c in d["cells"][:3]:
+            c["group"] = None  # cluster.restarts: its own job (create_sweep writes None)
+    submitted = submit_due(sweep, lambda line: None, SlurmLimits(10, None, 10000, None, "not enforced", user="u"))
+    data = sweep.read()
+    assert len(submitted) == 5 and data["waiting"] == 0
+    assert [(len(c["cells"]), c["throttle"]) for c in data["chunks"]] == [(1, 1), (1, 1), (1, 1), (2, 1)]
+    assert arrays == [(2, 1)]  # three single jobs take 3 of max_parallel 4: the array of the other two gets %1
