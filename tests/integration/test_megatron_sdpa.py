@@ -1,7 +1,7 @@
-"""The ``sdpa`` attention path through the real entry point (issue 43): recipes/gpt_3d.yaml's local profile (TP2 x PP2,
-4 CPU ranks) trained 20 steps with SDPA attention (``use_flash_attention: true``, the default) and with Megatron's
-unfused attention (``false``) gives the same losses within 1e-5, and so does a grouped-query Llama of the same layout
-(4 heads, 2 groups: 1 group per TP rank); the rank log's start line names the path each run got.
+"""The ``sdpa`` attention path through the Megatron trainer's real run (issue 43): recipes/gpt_3d.yaml's local profile
+(TP2 x PP2, 4 CPU ranks) trained 20 steps with SDPA attention (``use_flash_attention: true``, the default) and with
+Megatron's unfused attention (``false``) gives the same losses within 1e-5, and so does a grouped-query Llama of the
+same layout (4 heads, 2 groups: 1 group per TP rank); the rank log's start line names the path each run got.
 
 Tolerance 1e-5 (the issue's): the two paths compute the same softmax(QK^T / sqrt(d)) V with their sums in another order
 (torch's CPU flash kernel against Megatron's baddbmm + fp32 softmax + bmm), a few float32 ulps per step that the
