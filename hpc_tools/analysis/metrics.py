@@ -44,6 +44,13 @@ def step_table(rec: RunRecords, run_id: str, tokens_per_step: float | None = Non
     return df
 
 
+def _health_checks(manifest: dict) -> str:
+    """The checks while training in one line (``hpc_tools.runtime.health_verdict.summary_line``), else empty."""
+    from hpc_tools.runtime.health_verdict import summary_line
+
+    return summary_line(manifest.get("health")) or ""
+
+
 def run_metrics(inp: RunInput, rec: RunRecords) -> dict[str, Any]:
     """The one-row summary of a run: what it was, then ``profiling.figures.JOB_FIGURES``."""
     lay, recipe = inp.layout, inp.recipe
@@ -61,6 +68,7 @@ def run_metrics(inp: RunInput, rec: RunRecords) -> dict[str, Any]:
         "global_batch_size": lay.global_batch_size if lay else None,
         "seq_length": recipe.model.seq_length if recipe else None,
         "ranks_reporting": rec.source_files,
+        "health_checks": _health_checks(inp.manifest),
     }
     row.update({f"param:{k}": v for k, v in inp.params.items()})
     bubble = lay.bubble_fraction if lay and lay.pipeline_size > 1 else None

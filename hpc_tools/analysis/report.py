@@ -113,6 +113,15 @@ def _hang_lines(a: Analysis) -> list[str]:
             if lines else [])
 
 
+def _health_check_lines(a: Analysis) -> list[str]:
+    """One line per run whose checks while training ran (``hpc_tools.runtime.health``): their number and cost, and
+    each node they named with its step, figure and what was done."""
+    if a.runs.empty or "health_checks" not in a.runs:
+        return []
+    return [f"#{i} {r.run_id}: {r.health_checks}" for i, r in enumerate(a.runs.itertuples(), start=1)
+            if isinstance(r.health_checks, str) and r.health_checks]
+
+
 def _fmt(value, column: str = "") -> str:
     """A table cell: a figure in its one unit (``profiling.units.cell``: shares and goodput in percent, memory in GB),
     empty when missing."""
@@ -281,6 +290,9 @@ def render_markdown(a: Analysis, images: list[Path], title: str) -> str:
     goodput = numbered_goodput(a)
     parts += ["## Goodput\n", GOODPUT_TEXT + "\n", *(markdown_table(goodput, cols) for cols in goodput_parts(goodput)),
               _goodput_total_line(a) + "\n", *_hang_lines(a)]
+    if _health_check_lines(a):
+        parts += ["Health while training (preflight's checks every profiling.health_interval_min):\n\n",
+                  "".join(f"- {line}\n" for line in _health_check_lines(a)), "\n"]
     parts += evaluation.markdown(a, markdown_table)
     parts += breakdown_report.markdown(a, markdown_table)  # issue 44: where the step went (its own module)
     parts += ["## Plots\n"] + [f"![{p.stem}]({p.name})\n\n_{caption(p)}_\n" for p in images]
@@ -363,6 +375,9 @@ def render_html(a: Analysis, images: list[Path], title: str) -> str:
     parts += ["<h2>Goodput</h2>", f"<p>{html.escape(GOODPUT_TEXT)}</p>",
               *(_scroll(html_table(numbered_goodput(a), cols)) for cols in goodput_parts(a.goodput)),
               f"<p>{html.escape(_goodput_total_line(a))}</p>",
+              *(["<p>Health while training (preflight's checks every profiling.health_interval_min):</p><ul>"
+                 + "".join(f"<li>{html.escape(line)}</li>" for line in _health_check_lines(a)) + "</ul>"]
+                if _health_check_lines(a) else []),
               *evaluation.html_parts(a, lambda df, cols: _scroll(html_table(df, cols))),
               *breakdown_report.html_parts(a, lambda df: _scroll(html_table(df))),
               "<h2>Plots</h2>"]

@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     lines += _job_lines(manifest, profile, r.path)
     lines += _figure_lines(health.get("figures"), progress)
     lines += _health_lines(health)
+    lines += _checks_line(manifest)
     lines += _checkpoint_lines(saves, kept)
     lines.append(f"logs     {logs['dir']} ({len(logs['files'])} file(s)); read them with: hpc-tools logs {r.run_id}")
     lines += _restart_lines(manifest)
@@ -134,6 +135,14 @@ def _health_lines(health: dict) -> list[str]:
     if after:
         lines.append(f"after saves {after}")
     return lines
+
+
+def _checks_line(manifest: dict) -> list[str]:
+    """Health while training (``hpc_tools.runtime.health``): the checks, their cost, the nodes they named."""
+    from hpc_tools.runtime.health_verdict import summary_line
+
+    line = summary_line(manifest.get("health"))
+    return [f"health   {line}"] if line else []
 
 
 def _checkpoint_lines(saves: list, kept: list) -> list[str]:

@@ -122,3 +122,17 @@ def test_a_preflight_marker_is_still_preflights(tmp_path):
     assert leave_out.read(tmp_path, 2)["source"] == "preflight"
     assert restarts.named_nodes.namer(leave_out.read(tmp_path, 2)) == "preflight"
     assert restarts.named_nodes.namer({"source": "health"}) == "the health check"
+
+
+def test_status_and_the_report_show_the_checks():
+    from hpc_tools.analysis.metrics import _health_checks
+    from hpc_tools.cli.status import _checks_line
+
+    health = {"checks": 4, "interval_min": 5.0, "seconds": 1.2, "share": 0.001, "named": [],
+              "named_all": [{"node": "n2", "start": 0, "step": 90, "check": 2, "reasons": [REASON],
+                             "action": "nothing can replace it: training goes on"}]}
+    [line] = _checks_line({"health": health})
+    assert line == (f"health   4 check(s) every 5 min, 1.2 s (0.10 % of the start); named n2 at step 90 (check 2): "
+                    f"{REASON}; nothing can replace it: training goes on")
+    assert _health_checks({"health": health}) == line[len("health   "):]
+    assert _checks_line({}) == [] and _health_checks({}) == ""
