@@ -27,8 +27,9 @@ from hpc_tools.runtime.preemption import REQUEUE_MARKER, TIME_LIMIT, read_marker
 
 
 def requeue(run_dir: Path, env: dict[str, str], run_command=subprocess.run) -> str | None:
-    """Requeue this job when its rank 0 asked for it (the marker holds this job's id); returns the line said, or
-    None when nothing was asked. The marker is removed first: the next life must not requeue on a stale one."""
+    """Requeue this job when its rank 0 asked for it (the marker holds this job's id and Slurm life) or when its
+    step lost a node (``lost_node``); returns the line said, or None when nothing was asked. The marker is removed
+    first: the next life must not requeue on a stale one."""
     run = find_own_run(run_dir, env)
     job_id = env.get("SLURM_JOB_ID")
     if run is None or not job_id:
@@ -38,27 +39,50 @@ def requeue(run_dir: Path, env: dict[str, str], run_command=subprocess.run) -> s
         asked, life, why = read_marker(marker.read_text())
         marker.unlink()
     except OSError:
-        return None
-    if asked != job_id or (life is not None and life != str(env.get("SLURM_RESTART_COUNT") or 0)):
-        return None
+        asked, life, why = "", None, ""
     manifest = run.manifest()
     if manifest.get("state") == "COMPLETED":  # an in-job restart's later step finished the run after that stop
         return None
+    if asked != job_id or (life is not None and life != str(env.get("SLURM_RESTART_COUNT") or 0)):
+        lost = lost_node(run, manifest)  # no request of this life: a lost node is the only other reason
+        if lost is None:
+            return None
+        why, stop = LOST_NODE, f"its step lost {lost}"
+    else:
+        stop = "the time-limit stop" if why == TIME_LIMIT else "its step was terminated (not by the user's cancel)"
     if manifest.get("cancel_requested"):
         return f"job {job_id} not requeued: its cancel was asked for"
     try:
         error = slurm_client.requeue(job_id, run_command)
     except (OSError, subprocess.SubprocessError) as exc:
         error = str(exc)
-    stop = "the time-limit stop" if why == TIME_LIMIT else "its step was terminated (not by the user's cancel)"
     if error is None:
-        if why != TIME_LIMIT:  # the ranks said PREEMPTED (and the epilogue perhaps FAILED): this life goes on
-            run.update(event="requeued", soft=True, state="REQUEUED", reason=None,
-                       requeue_reason=f"{stop}; requeued by the batch shell")
+        if why != TIME_LIMIT:  # the ranks said PREEMPTED or the epilogue FAILED / NODE_FAIL: this life goes on
+            run.update(event="requeued", soft=True, state="REQUEUED", requeue_reason=f"{stop}; requeued by the "
+                       "batch shell")
         return f"job {job_id} requeued after {stop}; it resumes from its checkpoint"
     reason = f"scontrol requeue {job_id} failed on the batch host: {error.splitlines()[0]}"
     run.update(event="requeue failed", soft=True, state="PREEMPTED", reason=reason)
     return reason + "; resume it with `hpc_tools resume`"
+
+
+LOST_NODE = "lost-node"
+
+
+def lost_node(run, manifest: dict) -> str | None:
+    """"node nX" when this life's step ended because a node was lost (its ranks there left no exit record: the node
+    crashed, or Slurm took it for failed), which no in-job restart recovered: with ``cluster.restarts: 0`` (or its
+    budget spent) the run is requeued, as Slurm requeues a job whose node failed; None for any other end (an error
+    of the ranks themselves ends the run, as it would again)."""
+    from hpc_tools.job.restarts.evidence import culprit
+
+    code = manifest.get("exit_code")
+    if not code:
+        return None
+    found = culprit(run, int(code), int(manifest.get("restart_count") or 0))
+    if found["cause"] not in ("node failure", "lost"):
+        return None
+    return f"node {found['node']}" if found.get("node") else "a node"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,3 +83,41 @@ def test_a_marker_of_an_earlier_life_or_a_completed_run_requeues_nothing(tmp_pat
     assert requeue(run.path, {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"},
                    run_command=lambda *a, **k: ran.append(a)) is None
     assert ran == [] and not (run.path / REQUEUE_MARKER).exists()
+
+
+def _lost_run(tmp_path, rank1_exit: dict | None):
+    """A 2-rank life that ended with srun's exit code 1: rank 0 (n1) raised when its peer's connection closed; rank 1
+    (n2) left ``rank1_exit`` (None: no exit record, its node crashed)."""
+    import subprocess
+
+    from hpc_tools.runtime import heartbeat
+    from hpc_tools.runtime.heartbeat import Beat
+    from hpc_tools.submission import new_run
+
+    run = new_run(resolve(small_recipe()), tmp_path / "runs", "slurm", "job.yaml")
+    run.update(event="batch ended", state="FAILED", exit_code=1, restart_count=0, world_size=2)
+    heartbeat.write(run.path, Beat(rank=0, node="n1", pid=100, step=20, exit={"code": 1, "time": 2.0,
+                                   "error": "RuntimeError: Connection closed by peer"}))
+    heartbeat.write(run.path, Beat(rank=1, node="n2", pid=101, step=20, exit=rank1_exit))
+    calls_made: list = []
+
+    def scontrol(argv, **kw):
+        calls_made.append(argv)
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    return run, calls_made, scontrol
+
+
+def test_a_step_that_lost_a_node_is_requeued(tmp_path):
+    run, made, scontrol = _lost_run(tmp_path, None)
+    line = requeue(run.path, {"SLURM_JOB_ID": "55"}, run_command=scontrol)
+    assert line == "job 55 requeued after its step lost node n2; it resumes from its checkpoint", line
+    assert made == [["scontrol", "requeue", "55"]]
+    m = run.manifest()
+    assert m["state"] == "REQUEUED" and m["requeue_reason"].startswith("its step lost node n2"), m
+
+
+def test_an_error_of_the_ranks_themselves_is_not_requeued(tmp_path):
+    run, made, scontrol = _lost_run(tmp_path, {"code": 1, "time": 1.0, "error": "ValueError: bad batch"})
+    assert requeue(run.path, {"SLURM_JOB_ID": "55"}, run_command=scontrol) is None
+    assert made == [] and run.manifest()["state"] == "FAILED"
