@@ -159,3 +159,18 @@ def liger_on_cpu(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     if liger and not r.cluster.uses_gpus:
         yield Violation(f"backend.{b.kind}.liger", True, "does not apply on CPU ranks (Triton kernels need CUDA): "
                         "this run trains the plain PyTorch layers and loss", "fine for a CPU rehearsal")
+
+
+HEALTH_COSTLY_MIN = 0.5
+"""Below this interval the checks while training may cost more than 1 % of the run: one check takes a few tenths of
+a second on a loaded CPU machine (benchmarks/bench_health_overhead.py), 1 % of 30 s is 0.3 s."""
+
+
+@note
+def health_checks_costly(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """Health checks while training more often than every 30 s may cost more than 1 % of the run."""
+    every = r.profiling.health_interval_min
+    if 0 < every < HEALTH_COSTLY_MIN and r.cluster.preflight != "off":
+        yield Violation("profiling.health_interval_min", every, f"checks every {every * 60:g} s: at a few tenths of "
+                        "a second per check that may cost more than 1 % of the run", f"fine for a test; "
+                        f">= {HEALTH_COSTLY_MIN} keeps it under 1 % (the default, 5, well under)")
