@@ -126,8 +126,11 @@ class Health:
                  "nodes": {r.node: {"gemm_tflops": r.gemm_tflops, "verdict": r.verdict, "reasons": r.reasons}
                            for r in rows}}
         self.record.add(check)
+        line = named_line(check, rows, new) if new else ""
+        if how:  # every rank's own words for the step's end (rank 0 also writes the marker)
+            self.leaving = f"{line}; leaving {', '.join(new)} out of the run: {how}"
         if ctx.is_rank0:
-            self._tell(check, rows, new, how)
+            self._tell(check, rows, new, how, line)
         if self.collector is not None:
             self.collector.event("health_check", seconds, step=step)
         self.next = hv.next_step(step, self.interval_s, [g[1] for g in gathered])
@@ -176,14 +179,11 @@ class Health:
             return None  # the local executor's ranks stand in for nodes: nothing replaces them
         return leave_out.replacement(new, os.environ)
 
-    def _tell(self, check: dict, rows, new: list[str], how: str | None) -> None:
+    def _tell(self, check: dict, rows, new: list[str], how: str | None, line: str) -> None:
         """Rank 0: the named nodes (log line, manifest, marker when they can be left out) and ``health.json``."""
         ctx, record = self.ctx, self.record
         now = time.time()
         if new:
-            words = "; ".join(f"node {r.node} {r.verdict}: {'; '.join(r.reasons)}" for r in rows if r.node in new)
-            line = (f"health check {check['check']} at step {check['step']} (found slow in {hv.CONFIRM} checks in a "
-                    f"row): {words}")
             action = f"left out: {how}" if how else "nothing can replace it: training goes on"
             for r in rows:
                 if r.node in new:
@@ -192,7 +192,6 @@ class Health:
                 about = {n: record.named[n] for n in new}
                 leave_out.write(ctx.run_dir, ctx.dist.restart_count, new, ctx.recipe.cluster.preflight, line, how,
                                 about, source="health")
-                self.leaving = f"{line}; leaving {', '.join(new)} out of the run: {how}"
             log.warning("%s; %s", line, action)
         elif check["problem"]:
             log.warning("health check %d at step %d: %s", check["check"], check["step"], check["problem"])
@@ -201,3 +200,11 @@ class Health:
         before = (ctx.run.manifest().get("health") or {}).get("named_all")
         summary["named_all"] = hv.merged_named(before, summary["named"])
         ctx.run.update(event="health named" if new else None, soft=True, health=summary)
+
+
+def named_line(check: dict, rows, new: list[str]) -> str:
+    """"health check 5 at step 93 (found slow in 2 checks in a row): node n2 slow: GEMM ...": the newly named nodes
+    with their verdicts and reasons."""
+    words = "; ".join(f"node {r.node} {r.verdict}: {'; '.join(r.reasons)}" for r in rows if r.node in new)
+    return (f"health check {check['check']} at step {check['step']} (found slow in {hv.CONFIRM} checks in a row): "
+            f"{words}")
