@@ -80,7 +80,8 @@ class Health:
         two ranks or more (``auto`` on one node too, unlike preflight: a GPU that slows mid-run is judged against the
         hardware peak; a first check that finds nothing to judge by, one node without a peak, turns them off);
         else None."""
-        interval = getattr(ctx.recipe.profiling, "health_interval_min", 0) or 0
+        # a harness's stand-in recipe may have no profiling section: no checks
+        interval = getattr(getattr(ctx.recipe, "profiling", None), "health_interval_min", 0) or 0
         if interval <= 0 or ctx.dist.world_size < 2 or ctx.recipe.cluster.preflight == "off":
             return None
         if ctx.device.type != "cuda" and ctx.dist.executor == "local":
