@@ -58,8 +58,8 @@ unset PYTHONDONTWRITEBYTECODE
 # One pytest-xdist worker per core (setup.cfg's addopts: -n auto --dist loadgroup; two here): most integration tests
 # wait (for Slurm, a time limit, a requeue) rather than compute, so one worker trains while the other waits. The
 # Slurm tests are one group (one worker submits at a time) and each other integration module is one group (its
-# module-scoped launch runs once): tests/conftest.py sets the groups. The 40 slowest tests, and where the wall time went
-# (tests/timeline.py), are printed at the end.
+# module-scoped launch runs once): tests/conftest.py sets the groups. The 40 slowest tests, where the wall time went
+# and how busy the CPUs were meanwhile (tests/timeline.py), are printed at the end.
 export HPC_TOOLS_TEST_TIMELINE="$extras_log/timeline.jsonl"  # each test's worker and times: summed up below
 python3 -m pytest -q -p no:cacheprovider --timeout=900 --durations=40 "$@"
 rc=$?
