@@ -44,7 +44,7 @@ def choose_executor(requested: str, dry_run: bool = False,
     quietly become the job's machine). A ``dry_run`` submits nothing, so it never asks a controller: `--executor
     slurm --dry-run` works on a laptop or during an outage."""
     from hpc_tools.executors.slurm import slurm_available, slurm_installed
-    from hpc_tools.slurm_client import NO_CONTROLLER, RETRY, SlurmError, absent_reason, off_reason
+    from hpc_tools.slurm_client import NO_CONTROLLER, NOT_INSTALLED, RETRY, SlurmError, absent_reason, off_reason
 
     if requested not in EXECUTORS:
         raise UserError(f"--executor {requested} is unknown (use one of {', '.join(EXECUTORS)})")
@@ -59,11 +59,11 @@ def choose_executor(requested: str, dry_run: bool = False,
     if ok:
         return "slurm", ""
     if requested == "slurm" and off_reason():
-        raise UserError(f"--executor slurm asks for Slurm, which {off_reason()} turns off here (unset it, or use "
-                        "--executor local)")
+        raise SlurmError(f"--executor slurm asks for Slurm, which {off_reason()} turns off here (unset it, or use "
+                         "--executor local)", NOT_INSTALLED)
     if requested == "slurm" and not slurm_installed():
-        raise UserError(f"Slurm does not answer: {why} (start a cluster, e.g. `bash environment/slurm-dev/up.sh`, "
-                        "or use --executor local)")
+        raise SlurmError(f"no Slurm here ({why}): --executor slurm cannot run (start a cluster, e.g. `bash "
+                         "environment/slurm-dev/up.sh`, or use --executor local)", NOT_INSTALLED)
     raise SlurmError(f"Slurm is installed but its controller does not answer ({why}); {RETRY}", NO_CONTROLLER)
 
 

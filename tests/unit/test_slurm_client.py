@@ -126,6 +126,12 @@ def test_one_line_for_each_way_a_call_fails(tmp_path, monkeypatch):
     with pytest.raises(slurm_client.SlurmError, match=r"^no Slurm here \(sbatch is not on PATH\)") as err:
         slurm_client.sbatch(tmp_path / "x.sbatch")
     assert err.value.kind == slurm_client.NOT_INSTALLED
+    from hpc_tools.submission import choose_executor
+
+    with pytest.raises(slurm_client.SlurmError, match=r"^no Slurm here \(sbatch is not on PATH\): --executor slurm") \
+            as err:
+        choose_executor("slurm")
+    assert err.value.kind == slurm_client.NOT_INSTALLED and "\n" not in str(err.value)
     with pytest.raises(ValueError):
         slurm_client.call(["bash", "-c", "true"])  # the client runs Slurm's commands only
 
