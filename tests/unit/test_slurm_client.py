@@ -138,6 +138,8 @@ def test_one_line_for_each_way_a_call_fails(tmp_path, monkeypatch):
 
 COMMANDS = {  # a command that starts work, with what it needs to get as far as Slurm
     "submit": ["submit", "recipes/comm_check.yaml", "--executor", "slurm"],
+    "submit-auto": ["submit", "recipes/comm_check.yaml"],
+    "sweep": ["sweep", "recipes/gpt_3d_sweep.yaml", "--executor", "slurm"],
     "preflight": ["preflight", "recipes/comm_check.yaml", "--executor", "slurm"],
     "serve": ["serve", "no-such-run"],  # no --executor: Slurm is installed, so it must answer
     "serve-slurm": ["serve", "no-such-run", "--executor", "slurm"],
@@ -147,32 +149,23 @@ COMMANDS = {  # a command that starts work, with what it needs to get as far as 
 
 @pytest.mark.slurm_client
 def test_every_command_refuses_a_client_without_controller_in_one_line_and_writes_nothing(tmp_path):
-    env = client_without_controller(tmp_path)
+    from tests.unit.test_resume_refusals import make_run, snapshot
+
+    env = {**client_without_controller(tmp_path), "HPC_TOOLS_SERVE_ENV": str(tmp_path / "none")}
+    ended = make_run(tmp_path / "ended", state="TIMEOUT", executor="sbatch", job_id="90")
+    (ended.path / "job.sbatch").write_text("#!/bin/bash\n")
+    before = snapshot(ended)
     lines = {}
-    for name, argv in COMMANDS.items():
+    for name, argv in {**COMMANDS, "resume": ["resume", str(ended.path)]}.items():
         runs = tmp_path / f"runs-{name}"
-        out = run_cli(*argv, "--runs-dir", str(runs), env={**env, "HPC_TOOLS_SERVE_ENV": str(tmp_path / "none")})
+        out = run_cli(*argv, "--runs-dir", str(runs), env=env)
         assert out.returncode == 2 and out.stdout == "", (name, out.stdout, out.stderr)
         [lines[name]] = out.stderr.splitlines()
         assert not runs.exists(), name
     assert len(set(lines.values())) == 1, lines
     assert next(iter(lines.values())).startswith("error: Slurm is installed but its controller does not answer")
     assert "sbatch" not in calls(tmp_path)  # nothing submitted
-
-
-@pytest.mark.slurm_client
-def test_resume_refuses_a_client_without_controller_in_the_same_line(tmp_path, monkeypatch):
-    from hpc_tools.resume import plan_resume
-    from tests.unit.test_resume_refusals import make_run, snapshot
-
-    run = make_run(tmp_path, state="TIMEOUT", executor="sbatch", job_id="90")
-    (run.path / "job.sbatch").write_text("#!/bin/bash\n")
-    before = snapshot(run)
-    monkeypatch.setenv("PATH", client_without_controller(tmp_path)["PATH"])
-    with pytest.raises(slurm_client.SlurmError) as err:
-        plan_resume(str(run.path))
-    assert str(err.value).startswith("Slurm is installed but its controller does not answer (scontrol: fatal:")
-    assert snapshot(run) == before
+    assert snapshot(ended) == before
 
 
 def served_run(tmp_path, cluster: dict):
