@@ -1,16 +1,23 @@
 """``eval`` and ``quantize`` end to end on the local executor, offline, on a task written here (lm-eval YAML over a
 local jsonl): the tiny GPT (Megatron, recipes/gpt_3d.yaml's local profile: the README's main command, shared with the
-tests that read it) and the tiny Llama (FSDP, recipes/llama_fsdp.yaml's local profile, 12 steps with a checkpoint
-every 4, trained here) are evaluated; the scores land in ``<run>/eval/``, ``status --json`` and the report; three
-checkpoints of one run are evaluated in turn (local) and rendered as one job array (Slurm); int8 quantization keeps
-the linear weights at most ~55 % of their bf16 bytes and its score is reported beside the unquantized one; every
-input that can be wrong is refused in one line, exit 2, with nothing written.
+tests that read it) and the tiny Llama (FSDP, recipes/llama_fsdp.yaml's local profile on 2 ranks, 12 steps with a
+checkpoint every 4, trained here) are evaluated; the scores land in ``<run>/eval/``, ``status --json`` and the
+report; three checkpoints of one run are evaluated in turn (local) and rendered as one job array (Slurm); int8
+quantization keeps the linear weights at most ~55 % of their bf16 bytes and its score is reported beside the
+unquantized one; every input that can be wrong is refused in one line, exit 2, with nothing written.
+
+``eval``, ``quantize`` and ``submit`` run as a user runs them, each in a fresh process; ``status`` and ``report``,
+which only read the run folder, run in this one (``hpc_tools.cli.main``, the same code without a process start that
+imports pandas and matplotlib again), and the Llama trains on 2 ranks, not the profile's 4 (an evaluation reads a
+checkpoint whatever the rank count that wrote it; 4 ranks on a 2-core machine only queue for the cores).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -61,7 +68,7 @@ def llama_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("llama_runs")
     out = run_cli("submit", "recipes/llama_fsdp.yaml", "--executor", "local", "--json", "--runs-dir", str(root),
                   "--set", f"training.train_iters={LLAMA_ITERS[-1]}", "--set", "checkpoint.interval_iters=4",
-                  "--set", "checkpoint.keep_last=3", timeout=900)
+                  "--set", "checkpoint.keep_last=3", "--set", "cluster.gpus_per_node=2", timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return Path(json.loads(out.stdout)["run_dir"])
 
@@ -72,13 +79,27 @@ def cli_json(*args: str) -> dict:
     return json.loads(out.stdout)
 
 
+def in_process(*args: str) -> str:
+    """``hpc_tools.cli.main(ARGS)`` in this process, for the commands that only read a run folder; its stdout."""
+    from hpc_tools.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(list(args))
+    assert code == 0, err.getvalue()[-3000:]
+    return out.getvalue()
+
+
+def status_json(run: Path) -> dict:
+    return json.loads(in_process("status", str(run), "--json"))
+
+
 def evaluate(ref, task_dir, *extra: str) -> dict:
     return cli_json("eval", str(ref), "--tasks", TASK, "--include-path", str(task_dir), "--limit", LIMIT, *extra)
 
 
 def report_text(run: Path, out: Path) -> str:
-    res = run_cli("report", str(run), "--out", str(out), timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    in_process("report", str(run), "--out", str(out))
     return (out / "report.md").read_text()
 
 
@@ -95,7 +116,7 @@ def test_gpt_run_scores_land_in_the_run_status_and_report(gpt_run, task_dir, tmp
     assert done["iteration"] == 30 and Path(done["file"]) == gpt_run / "eval" / "iter_0000030.json"
     acc = acc_of(gpt_run / "eval" / "iter_0000030.json")
     assert 0.0 <= acc <= 1.0
-    rows = cli_json("status", str(gpt_run))["eval"]["results"]
+    rows = status_json(gpt_run)["eval"]["results"]
     assert [(r["iteration"], r["task"], r["metric"], r["value"]) for r in rows] == [(30, TASK, "acc", acc)]
     text = report_text(gpt_run, tmp_path / "report")
     assert "## Evaluation" in text and TASK in text
@@ -107,7 +128,7 @@ def test_llama_three_checkpoints_in_turn_and_plotted(llama_run, task_dir, tmp_pa
     for it in LLAMA_ITERS:
         assert 0.0 <= acc_of(llama_run / "eval" / f"iter_{it:07d}.json") <= 1.0
         assert (llama_run / "exports" / f"iter_{it:07d}" / "config.json").is_file()
-    rows = [r for r in cli_json("status", str(llama_run))["eval"]["results"] if r["model"] == "unquantized"]
+    rows = [r for r in status_json(llama_run)["eval"]["results"] if r["model"] == "unquantized"]
     assert sorted(r["iteration"] for r in rows) == list(LLAMA_ITERS)
     tokens = [r["tokens"] for r in sorted(rows, key=lambda r: r["iteration"])]
     assert tokens[0] > 0 and tokens == [tokens[0] * it // LLAMA_ITERS[0] for it in LLAMA_ITERS]
@@ -135,7 +156,7 @@ def test_quantized_int8_is_smaller_and_scored_beside_the_original(llama_run, tas
     evaluate(tmp_path / "q8", task_dir)
     scored = llama_run / "eval" / f"iter_{LLAMA_ITERS[-1]:07d}-int8.json"
     acc = acc_of(scored)
-    info = cli_json("status", str(llama_run))["eval"]
+    info = status_json(llama_run)["eval"]
     (delta,) = [d for d in info["score_deltas"] if d["model"] == "int8"]
     assert delta["quantized"] == acc and delta["iteration"] == LLAMA_ITERS[-1]
     assert [x["scheme"] for x in info["quantized"]] == ["int8"]
