@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 from hpc_tools.cli._common import add_json, add_overrides, add_runs_dir, emit_json, say
 
@@ -153,8 +154,6 @@ def _status(args, ref: str) -> int:
     folder = SweepFolder.find(ref, args.runs_dir)
     data = _refresh_and_submit(folder, quiet=args.json)
     while args.wait and _unfinished(data):
-        import time
-
         time.sleep(WAIT_POLL_S)
         data = _refresh_and_submit(folder, quiet=args.json)
     from hpc_tools.sweep.runner import summary

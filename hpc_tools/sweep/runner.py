@@ -104,8 +104,10 @@ def refresh(folder: SweepFolder) -> dict[str, Any]:
     """Re-classify every cell (one sacct call for all job ids, merged into each run's manifest) and store the
     statuses and reasons in sweep.json."""
     data = folder.read()
-    jobs = READER.jobs([c["job_id"] for c in data["cells"] if c.get("job_id")]) if data.get("executor") == "slurm" \
-        else {}
+    ids = [str(c["job_id"]) for c in data["cells"] if c.get("job_id")] if data.get("executor") == "slurm" else []
+    # An array task cancelled before it started is unknown to `sacct -j 49_6`; its array's line `49_[6-9%4]`
+    # (asked with the array's id) names it, so that the cell ends instead of staying pending for ever.
+    jobs = READER.jobs(ids + sorted({i.split("_")[0] for i in ids if "_" in i})) if ids else {}
     with folder.edit() as data:
         for c in data["cells"]:
             run = RunFolder(folder.path / c["run_dir"]) if c.get("run_dir") else None

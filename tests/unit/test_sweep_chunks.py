@@ -220,3 +220,25 @@ def test_cells_with_restarts_go_in_as_single_jobs_and_the_throttle_counts_them(r
     assert len(submitted) == 5 and data["waiting"] == 0
     assert [(len(c["cells"]), c["throttle"]) for c in data["chunks"]] == [(1, 1), (1, 1), (1, 1), (2, 1)]
     assert arrays == [(2, 1)]  # three single jobs take 3 of max_parallel 4: the array of the other two gets %1
+
+
+def test_an_array_task_cancelled_before_it_started_ends_its_cell(record, monkeypatch):
+    """`sacct -j 49_6` says nothing of a task cancelled while pending; `sacct -j 49` prints it in the array's line
+    (Slurm 22.05's output below, as the test cluster gave it)."""
+    from hpc_tools.runstate import SacctReader
+    from hpc_tools.sweep import runner
+
+    sweep, _ = record
+    lines = {"49": "49_0|COMPLETED|0:0|00:00:52|n1\n49_[6-9%4]|CANCELLED by 0|0:0|00:00:00|None assigned\n"}
+    asked = []
+
+    def sacct(ids):
+        asked.append(list(ids))
+        return "".join(lines.get(i, "") for i in ids)
+
+    monkeypatch.setattr(runner, "READER", SacctReader(query=sacct))
+    with sweep.edit() as d:
+        d["cells"] = d["cells"][:2]
+        d["cells"][0]["job_id"], d["cells"][1]["job_id"] = "49_0", "49_6"
+    data = runner.refresh(sweep)
+    assert [c["status"] for c in data["cells"]] == ["completed", "cancelled"] and "49" in asked[0]
