@@ -167,7 +167,8 @@ def test_slurm_flags_and_the_rendered_loop():
     assert rank_srun_args(recipe("cluster.restarts=2", "cluster.spare_nodes=1").cluster)[-2:] == ["--nodes=2",
                                                                                                    "--ntasks=2"]
     plain = render_sbatch(recipe())
-    assert "job.restarts" not in plain and "--no-kill" not in plain and "#SBATCH --nodes=2" in plain
+    assert "job.restarts next" not in plain and "--no-kill" not in plain and "#SBATCH --nodes=2" in plain
+    assert "hpc_tools.job.restarts watch" in plain  # restarts: 0 too: a crashed node's step must end (issue 48)
     script = render_sbatch(recipe("cluster.restarts=2"))
     assert "while :; do" in script and "hpc_tools.job.restarts next" in script
     assert '--overlap ${HPC_TOOLS_NODELIST:+"--nodelist=$HPC_TOOLS_NODELIST"}' in script
