@@ -110,6 +110,12 @@ def test_the_cycle_check_finds_a_planted_cycle(planted, expected):
     # the product imports a test harness: harnesses
     ("hpc_tools/cli/status.py", "from hpc_tools.testing.spawn import spawn_ranks",
      "hpc_tools.cli.status -> hpc_tools.testing.spawn"),
+    # one backend package builds on another: the backends are peers
+    ("hpc_tools/train/horovod/trainer.py", "def _planted():\n    from hpc_tools.train.fsdp import parallel",
+     "hpc_tools.train.horovod.trainer -> hpc_tools.train.fsdp.parallel"),
+    # the Hugging Face causal-LM base reaches up into a backend: the base sits below every backend package
+    ("hpc_tools/train/hf_causal_lm/values.py", "def _planted():\n    from hpc_tools.train.fsdp import parallel",
+     "hpc_tools.train.hf_causal_lm.values -> hpc_tools.train.fsdp.parallel"),
 ])
 def test_a_planted_import_breaks_its_contract(tmp_path, planted_in, planted, broken):
     """Each contract fails on one planted import (a copy of the packages with the import added to one module)."""
