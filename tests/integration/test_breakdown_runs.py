@@ -10,12 +10,16 @@
   data-parallel.
 
 One launch per configuration (module scope); every step after the warm-up traced (steps 3-9), and the figures
-compared are each rank's median over them: on a loaded 2-core machine a single step's compute varies by 2x.
+compared are each rank's median over them: on a loaded 2-core machine a single step's compute varies by 2x. The
+``analyze`` and ``report`` commands, which only read the run folder, run in this process (``hpc_tools.cli.main``: the
+same code, without a process start that imports pandas and matplotlib again).
 """
 
 from __future__ import annotations
 
+import io
 import json
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from statistics import median
 
@@ -26,7 +30,7 @@ from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.submission import new_run
 from profiling.collector import SLOW_RANK_ENV
-from tests.helpers import REPO, run_cli
+from tests.helpers import REPO
 
 pytestmark = [pytest.mark.slow]
 GPT = REPO / "recipes" / "gpt_3d.yaml"
@@ -46,11 +50,20 @@ def launch(root: Path, recipe_path: Path, overrides: list[str], slow: str) -> di
     run = new_run(recipe, root, "local", source=str(recipe_path))
     world = ParallelLayout.from_recipe(recipe).world_size
     assert run_local(run, world, extra_env={SLOW_RANK_ENV: slow}) == 0, (run.logs_dir / "rank00000.out").read_text()
-    out = run_cli("analyze", str(run.path), "--breakdown", "--json")
-    assert out.returncode == 0, out.stderr
-    text = run_cli("analyze", str(run.path), "--breakdown")
-    assert text.returncode == 0, text.stderr
-    return {"json": json.loads(out.stdout), "text": text.stdout, "run": str(run.path)}
+    out = in_process("analyze", str(run.path), "--breakdown", "--json")
+    text = in_process("analyze", str(run.path), "--breakdown")
+    return {"json": json.loads(out), "text": text, "run": str(run.path)}
+
+
+def in_process(*args: str) -> str:
+    """``hpc_tools.cli.main(ARGS)`` in this process; its stdout, once it exited 0."""
+    from hpc_tools.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(list(args))
+    assert code == 0, err.getvalue()[-3000:]
+    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +142,7 @@ def test_slow_compute_shows_on_the_rank_and_on_its_peers(gpt_runs):
 
 @pytest.mark.megatron
 def test_report_has_the_section_and_the_waterfall(gpt_runs, tmp_path):
-    out = run_cli("report", gpt_runs["data"]["run"], "--out", str(tmp_path))
-    assert out.returncode == 0, out.stderr
+    in_process("report", gpt_runs["data"]["run"], "--out", str(tmp_path))
     md = (tmp_path / "report.md").read_text()
     section = md.split("## Where the step went", 1)[1].split("\n## ", 1)[0]
     assert "| plan |" in section and "Verdict: " + gpt_runs["data"]["json"]["verdict"] in section
