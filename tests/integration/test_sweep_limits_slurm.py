@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from hpc_tools.slurm_client import show_config
-from tests.helpers import REPO, run_cli
+from tests.helpers import REPO, run_cli, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multinode]
 CELLS, MAX_ARRAY, THROTTLE = 25, 10, 4
@@ -70,6 +70,16 @@ def array_limit_10():
         _reconfigure()
 
 
+def _ended(jobs: list[str]) -> dict[str, list[str]] | None:
+    """sacct's rows for the jobs once none is running: a cell's run records its end (what `sweep status` reads)
+    just before its Slurm job ends."""
+    sacct = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State,Start,End", "-j", ",".join(jobs)],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    rows = {ln.split("|")[0]: ln.split("|") for ln in sacct.splitlines() if ln}
+    return rows if all(rows.get(j, ["", "RUNNING"])[1] not in ("RUNNING", "PENDING", "COMPLETING") for j in jobs) \
+        else None
+
+
 def _max_overlap(intervals: list[tuple[datetime, datetime]]) -> int:
     """The most intervals [start, end) open at one time."""
     events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals], key=lambda x: (x[0], x[1]))
@@ -113,9 +123,8 @@ def test_25_cells_past_max_array_size_10_all_complete_within_the_throttle(slurm_
     assert len({c["job"] for c in chunks}) == len(chunks) >= CELLS // MAX_ARRAY + 1
 
     jobs = [c["job_id"] for c in data["cells"]]
-    sacct = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State,Start,End", "-j", ",".join(jobs)],
-                           capture_output=True, text=True, timeout=60, check=True).stdout
-    rows = {ln.split("|")[0]: ln.split("|") for ln in sacct.splitlines() if ln}
+    rows = wait_for(lambda: _ended(jobs), timeout_s=60, what="sacct to report every cell's job ended", poll_s=2)
+    sacct = "\n".join("|".join(r) for r in rows.values())
     assert set(jobs) <= set(rows) and all(rows[j][1] == "COMPLETED" for j in jobs), sacct
     assert all(int(j.split("_")[1]) < MAX_ARRAY for j in jobs if "_" in j), jobs  # indices 0..9
     spans = [(datetime.fromisoformat(rows[j][2]), datetime.fromisoformat(rows[j][3])) for j in jobs]
