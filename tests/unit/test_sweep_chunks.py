@@ -242,3 +242,22 @@ def test_an_array_task_cancelled_before_it_started_ends_its_cell(record, monkeyp
         d["cells"][0]["job_id"], d["cells"][1]["job_id"] = "49_0", "49_6"
     data = runner.refresh(sweep)
     assert [c["status"] for c in data["cells"]] == ["completed", "cancelled"] and "49" in asked[0]
+
+
+def test_a_sweep_slurm_cannot_take_is_refused_in_one_line_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from hpc_tools import submission
+    from hpc_tools.cli import main
+    from hpc_tools.sweep import grid, limits
+    from tests.unit.inline_recipes import GPT_3D
+
+    monkeypatch.setattr(submission, "choose_executor", lambda *a, **k: ("slurm", ""))  # a cluster that answers
+    monkeypatch.setattr(grid, "check_world", lambda plan, slurm: None)  # its partition (asked of sinfo) fits
+    monkeypatch.setattr(limits, "read_limits", lambda: SlurmLimits(1001, None, 10000, 0, "sacctmgr", user="ann"))
+    recipe = tmp_path / "sweep.yaml"
+    recipe.write_text(yaml.safe_dump({**GPT_3D, "sweep": {"grid": {"training.seed": [1, 2]}, "max_parallel": 2}}))
+    code = main(["sweep", str(recipe), "--runs-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "lets user ann queue no jobs (MaxSubmitJobs=0" in err, err
+    assert not (tmp_path / "runs").exists()
