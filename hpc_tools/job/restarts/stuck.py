@@ -3,10 +3,10 @@ never report their end) is cancelled, so that srun returns and the restart goes 
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 
+from hpc_tools import slurm_client
 from hpc_tools.job.restarts.action import say
 from hpc_tools.job.restarts.facts import STUCK_STEP_ENV, STUCK_STEP_S, seconds_from
 from hpc_tools.runtime import heartbeat
@@ -15,8 +15,12 @@ from hpc_tools.runtime.distenv import restart_count
 
 def rank_steps(job_id: str) -> list[str]:
     """The job's running rank steps (``JOB.N``; not its batch or extern step)."""
-    out = subprocess.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], capture_output=True, text=True, timeout=30)
-    return [s for s in out.stdout.split() if s.split(".")[-1].isdigit()] if out.returncode == 0 else []
+    return [s for s in slurm_client.job_steps(job_id) if s.split(".")[-1].isdigit()]
+
+
+def _cancel_step(step: str) -> None:
+    """Cancel one step from the job's own batch host; a step Slurm no longer knows is nothing to cancel."""
+    slurm_client.call(["scancel", step], 30, job_side=True)
 
 
 def watch(run_dir: Path, env: dict[str, str], grace_s: float | None = None, poll_s: float = 1.0,
@@ -40,7 +44,7 @@ def watch(run_dir: Path, env: dict[str, str], grace_s: float | None = None, poll
         if failed_at is not None and time.monotonic() - failed_at >= grace_s:
             steps = rank_steps(job_id)
             for step in steps:
-                (cancel or (lambda s: subprocess.run(["scancel", s], capture_output=True, timeout=30)))(step)
+                (cancel or _cancel_step)(step)
             if steps:
                 line = (f"the rank step did not end {grace_s:.0f} s after rank {failed[0]} failed (a lost node's "
                         f"tasks never report their end): step {', '.join(steps)} cancelled")
