@@ -217,6 +217,7 @@ class StepCollector:
         from hpc_tools import backends
         from profiling.flops import hardware_flops_per_step, model_flops_per_step
         from profiling.peaks import peak_for_recipe
+        from profiling.trace_ranks import traced_ranks
 
         r, layout = ctx.recipe, ctx.layout
         cuda = ctx.device_type == "cuda"
@@ -239,11 +240,14 @@ class StepCollector:
             # A recipe's gpu_type says nothing about CPU ranks: a peak only for real GPUs or an explicit override.
             if cuda or r.cluster.gpu_peak_tflops is not None:
                 peak = peak_for_recipe(r, device_name)
+        cfg = r.profiling
+        if cfg.trace_sample_interval and ctx.rank not in traced_ranks(layout, cfg.trace_ranks):
+            cfg = cfg.model_copy(update={"trace_sample_interval": 0})  # a rank outside profiling.trace_ranks
         return cls(run_id=ctx.run.run_id, records_dir=ctx.run.records_dir, rank=ctx.rank,
                    world_size=ctx.dist.world_size, job_id=ctx.dist.job_id, restart=ctx.dist.restart_count,
                    tokens_per_step=layout.global_batch_size * r.model.seq_length,
                    coords={"tp_rank": tp_rank, "pp_rank": pp_rank, "dp_rank": ctx.rank if dp_rank is None else dp_rank},
-                   enabled=r.profiling.enabled, log=_rank0_detail(ctx), config=r.profiling, cuda=cuda,
+                   enabled=r.profiling.enabled, log=_rank0_detail(ctx), config=cfg, cuda=cuda,
                    model_flops=model_flops, hardware_flops=hardware_flops, peak_tflops=peak,
                    flops_convention=r.profiling.flops_convention, pipeline_size=layout.pipeline_size,
                    theory_bubble=layout.bubble_fraction if layout.pipeline_size > 1 else None,

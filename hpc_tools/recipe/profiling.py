@@ -54,6 +54,10 @@ class ProfilingConfig(Section):
     torch_profiler: TorchProfilerConfig = Field(default_factory=TorchProfilerConfig)
     """A torch.profiler window on chosen ranks."""
     trace_sample_interval: int = Field(default=200, ge=0)
-    """A one-step torch.profiler trace every N steps (after the warm-up) on every rank, beside the explicit window,
-    for `analyze --breakdown` (docs/breakdown.md); 0 turns it off. The default keeps its cost under 1 % of the run
-    (benchmarks/bench_collector_overhead.py)."""
+    """A one-step torch.profiler trace every N steps (after the warm-up) on the ranks of trace_ranks, beside the
+    explicit window, for `analyze --breakdown` (docs/breakdown.md); 0 turns it off. The default keeps its cost under
+    1 % of the run (benchmarks/bench_collector_overhead.py)."""
+    trace_ranks: Literal["all", "auto"] | list[int] = "auto"
+    """Ranks that take the sampled traces: `all`, `auto` (every rank up to 32 ranks; above, a small set with a rank
+    in every pipeline stage, every TP/CP/EP/DP/PP group and every node: profiling/trace_ranks.py), or a list of
+    global ranks (docs/breakdown.md)."""

@@ -93,6 +93,8 @@ CASES = {
                                    "cluster.switches, which is not set", "set cluster.switches"),
     "profiler_ranks_exist": (["profiling.torch_profiler.enabled=true", "profiling.torch_profiler.ranks=[0, 8]"],
                              "profiling.torch_profiler.ranks=[8] are not ranks of a 8-rank job", "use ranks in 0..7"),
+    "trace_ranks_exist": (["profiling.trace_ranks=[0, 8]"],
+                          "profiling.trace_ranks=[8] must be ranks of a 8-rank job", "use ranks in 0..7, or auto"),
     # wandb is installed here (environment/requirements-test.txt): the case hides it (HIDDEN_PACKAGES)
     "trackers_installed": (["tracking.wandb.mode=offline"], "tracking.wandb.enabled=true needs the 'wandb' package",
                            "pip install wandb"),

@@ -128,6 +128,17 @@ def profiler_ranks_exist(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
 
 
 @rule
+def trace_ranks_exist(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """profiling.trace_ranks, when a list, names ranks of this job (at least one)."""
+    ranks = r.profiling.trace_ranks
+    if isinstance(ranks, list) and r.profiling.trace_sample_interval:
+        bad = [x for x in ranks if not 0 <= x < lay.world_size]
+        if bad or not ranks:
+            yield Violation("profiling.trace_ranks", bad or ranks, f"must be ranks of a {lay.world_size}-rank job "
+                            "(at least one)", f"use ranks in 0..{lay.world_size - 1}, or auto, or all")
+
+
+@rule
 def trackers_installed(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
     """An enabled tracking.wandb or tracking.mlflow needs its package installed."""
     from importlib.util import find_spec  # looked up, never imported: validate stays light
