@@ -8,7 +8,8 @@
   otherwise there is no such limit and it is taken as unbounded (``SlurmLimits.submit_note`` says which).
 - ``MaxJobCount`` (``scontrol show config``): the jobs slurmctld holds at once, for everyone.
 
-The room left in the queue counts the jobs in it now (``squeue -r``: one line per array task).
+The room left in the queue counts the jobs in it now (``squeue -r``: one line per array task). Slurm's own commands
+go through ``hpc_tools.slurm_client``; ``sacctmgr`` (accounting, not one of them there) is run here.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Callable
 
+from hpc_tools import slurm_client
 from hpc_tools.errors import UserError
 from hpc_tools.slurm_client import show_config
 
@@ -126,11 +128,8 @@ def _sacctmgr(args: list[str], run: Runner) -> str:
 
 def queued(user: str, run: Runner) -> tuple[int, int]:
     """(this user's jobs, all jobs) in Slurm's queue now, one per array task."""
-    out = run(["squeue", "-h", "-r", "-o", "%u"], capture_output=True, text=True, timeout=30)
-    if out.returncode != 0:
-        said = (out.stderr or out.stdout or "").strip().splitlines()
-        raise UserError(f"squeue failed: {said[-1] if said else out.returncode}; check that Slurm's controller is up")
-    users = [u.strip() for u in out.stdout.splitlines() if u.strip()]
+    out = slurm_client.call(["squeue", "-h", "-r", "-o", "%u"], run=run).check("squeue (the jobs queued now)")
+    users = [u.strip() for u in out.splitlines() if u.strip()]
     return sum(u == user for u in users), len(users)
 
 
@@ -164,6 +163,5 @@ def refusal(limits: SlurmLimits) -> str | None:
 
 def raise_throttle(job: str, throttle: int, run: Runner = subprocess.run) -> str | None:
     """``scontrol update JobId=JOB ArrayTaskThrottle=N``: None when Slurm took it, else what it said."""
-    out = run(["scontrol", "update", f"JobId={job}", f"ArrayTaskThrottle={throttle}"], capture_output=True,
-              text=True, timeout=30)
-    return None if out.returncode == 0 else (out.stderr or out.stdout or f"exit code {out.returncode}").strip()
+    answer = slurm_client.call(["scontrol", "update", f"JobId={job}", f"ArrayTaskThrottle={throttle}"], run=run)
+    return None if answer.ok else answer.said
