@@ -17,7 +17,7 @@ from typing import Any
 from hpc_tools.planner import steptime as st
 from profiling import breakdown as bd
 from profiling import post_save
-from profiling.records import iter_rank_columns
+from profiling.records import iter_rank_columns, read_events
 from profiling.schema import fields
 from profiling.trace import trace_paths
 
@@ -52,6 +52,7 @@ class RankBreakdown:
     steps: dict[int, dict[str, float]] = field(default_factory=dict)  # traced step -> buckets (s)
     step_time_s: dict[int, float] = field(default_factory=dict)  # the record's, same steps
     pp_wait_s: dict[int, float] = field(default_factory=dict)
+    saved_steps: list[int] = field(default_factory=list)  # traced steps a save followed (its blocked time added)
 
     def mean(self, bucket: str) -> float:
         vals = [b.get(bucket, 0.0) for b in self.steps.values()]
@@ -92,6 +93,7 @@ class Breakdown:
             b = r.buckets()
             step = r.measured_step_s
             ranks.append({"rank": r.rank, **r.coords, "step_s": step, "traced_steps": sorted(r.steps),
+                          "saved_steps": sorted(r.saved_steps),
                           "buckets": b, "sum_s": sum(b.values()),
                           "sum_over_step": sum(b.values()) / step if step else None,
                           "steps": [{"step": s, "step_s": r.step_time_s.get(s), "pp_wait_s": r.pp_wait_s.get(s),
@@ -153,13 +155,30 @@ def measure(run_dir: Path, warmup: int = 0) -> list[RankBreakdown]:
                 rb.step_time_s[step] = rec["step_time_s"][step]
             if step in rec["pp_wait_s"]:
                 rb.pp_wait_s[step] = rec["pp_wait_s"][step]
+    add_saves(ranks, read_events(Path(run_dir) / "records"))
     return [ranks[r] for r in sorted(ranks)]
+
+
+def add_saves(ranks: dict[int, RankBreakdown], events: dict[int, list[dict[str, Any]]]) -> None:
+    """A traced step that a checkpoint save followed: the save's blocked time (the collectors' ``checkpoint_save``
+    event of that rank and step, its last start's) goes to the step's ``checkpoint`` bucket and to its measured
+    step, so that the buckets still add up to it. The loop saves between steps, outside the trace window and the
+    record's ``step_time_s``: without this the bucket is always 0. The steps are listed as ``saved_steps``."""
+    for rank, rb in ranks.items():
+        blocked = {int(e["step"]): float(e.get("seconds") or 0.0) for e in events.get(rank, [])
+                   if e.get("event") == "checkpoint_save" and e.get("step") is not None}
+        for step, b in rb.steps.items():
+            if step in blocked:
+                b["checkpoint"] = b.get("checkpoint", 0.0) + blocked[step]
+                if step in rb.step_time_s:
+                    rb.step_time_s[step] += blocked[step]
+                rb.saved_steps.append(step)
 
 
 def planned_terms(recipe: Any, layout: Any, ranks: list[RankBreakdown]) -> tuple[dict[str, float], str]:
     """The planner's terms for the run's recipe as buckets (seconds per step) and where they come from. CPU ranks
     have no peak for the planner to time: there the plan is its bubble term, (p-1)/(v m) of the stages' own time
-    (the measured step less bubble and data), the one term that depends on the layout alone."""
+    (the measured step less bubble, data and checkpoint), the one term that depends on the layout alone."""
     from hpc_tools.errors import UserError
     from hpc_tools.planner import plan_recipe
 
@@ -177,7 +196,8 @@ def planned_terms(recipe: Any, layout: Any, ranks: list[RankBreakdown]) -> tuple
         return out, (f"planner: {plan.hardware.gpu_type}, efficiency {plan.efficiency:.3g} "
                      f"({plan.efficiency_source})")
     bf = layout.bubble_fraction if layout is not None else 0.0
-    own = [sum(b.values()) - b.get("bubble", 0.0) - b.get("data", 0.0) for r in ranks for b in r.steps.values()]
+    own = [sum(b.values()) - b.get("bubble", 0.0) - b.get("data", 0.0) - b.get("checkpoint", 0.0)
+           for r in ranks for b in r.steps.values()]
     if not own:
         return {}, "no traced steps"
     return {"bubble": bf * median(own)}, (f"planner's bubble term (p-1)/(v m) = {bf:.3g} of the stages' own time "
@@ -260,6 +280,10 @@ def format_text(b: Breakdown) -> str:
     if b.bubble_collectors_s is not None:
         lines.append(f"bubble the collectors measured on the same steps (pp_wait_s, mean over ranks): "
                      f"{b.bubble_collectors_s:.4f} s")
+    saved = sorted({s for r in b.ranks for s in r.saved_steps})
+    if saved:
+        lines.append(f"traced steps a checkpoint save followed: {saved} (its blocked time is in checkpoint and in "
+                     "step_s)")
     lines.append(f"verdict: {b.verdict}")
     after = post_save.text(b.post_save)
     if after:
