@@ -204,7 +204,6 @@ def first_chunk_in_flight(p: int, v: int, m: int) -> int:
         return c if forward else v - 1 - c
 
     held = best = sum(1 for k in range(warmup) if chunk(k, True) == 0)
-    best = held
     # steady state: forward warmup + j, then backward j. Both chunk sequences repeat every p x v steps, each adding and
     # removing p chunk-0 microbatches per period, so the count is periodic: one period holds its maximum (O(p v), not
     # O(m v): a huge global batch must not hang `validate`).
@@ -536,32 +535,32 @@ class MemoryPlan:
         return self.peak.total
 
 
-def stage_memory(arch: Arch, k: Knobs, stage: int, on_gpu: bool = True) -> StageMemory:
-    """Every term for one GPU of ``stage``."""
+def stage_memory(arch: Arch, k: Knobs, stage: int, on_gpu: bool = True, memo=None) -> StageMemory:
+    """Every term for one GPU of ``stage`` (``memo``: the search's, planner/memo.py: activations computed once)."""
     scheme = k.scheme  # parameters, gradients, optimizer states and the scheme's own terms (planner/sharding/)
     n, params, grads, optim = scheme.states(arch, k, stage)
-    acts, working = stage_activation_bytes(arch, k, stage)
-    terms = {PARAMETERS: params, GRADIENTS: grads, OPTIMIZER: optim, ACTIVATIONS: acts,
-             EDGE_ACTIVATIONS: edge_activation_bytes(arch, k, stage), RECOMPUTE_WS: working,
-             **scheme.working_terms(arch, k)}
+    acts, working, edge = (memo.activations(arch, k, stage) if memo else
+                           (*stage_activation_bytes(arch, k, stage), edge_activation_bytes(arch, k, stage)))
+    terms = {PARAMETERS: params, GRADIENTS: grads, OPTIMIZER: optim, ACTIVATIONS: acts, EDGE_ACTIVATIONS: edge,
+             RECOMPUTE_WS: working, **scheme.working_terms(arch, k)}
     terms[BUCKETS] = NCCL_BUFFER_BYTES + scheme.bucket_bytes(k, n) if on_gpu else 0.0
     terms[CONTEXT] = CUDA_CONTEXT_BYTES if on_gpu else 0.0
     return StageMemory(stage, n, terms, sum(terms.values()))
 
 
-def estimate_memory(arch: Arch, k: Knobs, on_gpu: bool = True) -> MemoryPlan:
+def estimate_memory(arch: Arch, k: Knobs, on_gpu: bool = True, memo=None) -> MemoryPlan:
     """Memory of the first and last pipeline stages; the peak is the larger (middle stages hold less than the
     first: fewer microbatches in flight and no embedding), unless a middle stage holds more MoE layers or more
     layers than the first (``busiest_moe_stage``: MoE layers placed unevenly, or uneven stages with a shorter
     first stage), which is then planned too, between them."""
-    lay = k.layout
-    p = lay.pipeline_size
-    first = stage_memory(arch, k, 0, on_gpu)
+    lay, p = k.layout, k.layout.pipeline_size
+    first = stage_memory(arch, k, 0, on_gpu, memo)
     if p == 1:
         return MemoryPlan((first,), first)
-    last = stage_memory(arch, k, p - 1, on_gpu)
-    middle = busiest_moe_stage(arch, p, k.virtual, lay.first_stage_layers, lay.last_stage_layers)
-    stages = (first, last) if middle is None else (first, stage_memory(arch, k, middle, on_gpu), last)
+    last = stage_memory(arch, k, p - 1, on_gpu, memo)
+    middle = (memo.busiest_moe_stage if memo else busiest_moe_stage)(arch, p, k.virtual, lay.first_stage_layers,
+                                                                      lay.last_stage_layers)
+    stages = (first, last) if middle is None else (first, stage_memory(arch, k, middle, on_gpu, memo), last)
     return MemoryPlan(stages, max(stages, key=lambda st: st.total))
 
 

@@ -35,6 +35,7 @@ from hpc_tools.planner.arch import arch_for
 from hpc_tools.planner.efficiency import resolve_efficiency
 from hpc_tools.planner.hardware import GB, Hardware, hardware_for, headroom_bytes, headroom_note
 from hpc_tools.planner.knobs import Knobs, apply_knobs
+from hpc_tools.planner.memo import SearchMemo
 from hpc_tools.planner.memory import estimate_memory
 from hpc_tools.planner.steptime import DEFAULT_EFFICIENCY, StepTime, estimate_step_time, step_flops
 
@@ -262,10 +263,11 @@ def search(recipe: "Recipe", top: int = 5, losers: int = 5, efficiency: float | 
                           headroom_note=headroom_note(recipe.cluster, hw.mem_bytes))
     usable = result.usable_bytes
     flops_cache: dict[tuple[str, int], tuple[float, float]] = {}
+    memo = SearchMemo()  # what the candidates share (stage activations), computed once
     scored: list[Candidate] = []
     for k in enumerate_knobs(recipe, base):
         result.enumerated += 1
-        mem = estimate_memory(arch, k, hw.is_gpu)
+        mem = estimate_memory(arch, k, hw.is_gpu, memo)
         if usable is not None and mem.total > usable:
             result.too_big += 1
             if result.smallest_too_big is None or mem.total < result.smallest_too_big.memory_bytes:
