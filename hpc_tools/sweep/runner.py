@@ -114,7 +114,9 @@ def refresh(folder: SweepFolder) -> dict[str, Any]:
             job = jobs.get(str(c.get("job_id")))
             manifest = refresh_run(run, job) if run is not None and run.exists() and job else None
             verdict = classify_run(run, job, data.get("local_pid"), data.get("executor", "local"), manifest)
-            c.update(status=verdict.status, reason=verdict.reason)
+            # Slurm's own state beside the verdict: a cell's run records its end a moment before its job ends, and
+            # the throttle counts the job (hpc_tools.sweep.submit.live_arrays)
+            c.update(status=verdict.status, reason=verdict.reason, slurm_state=job.slurm_state if job else None)
         return data
 
 

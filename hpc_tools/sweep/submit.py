@@ -59,11 +59,22 @@ def _in(job_id: str | None, job: str) -> bool:
     return bool(job_id) and (str(job_id) == job or str(job_id).startswith(f"{job}_"))
 
 
+# Slurm job states (sacct) in which a job still holds, or waits for, its place
+SLURM_LIVE = frozenset({"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "COMPLETING", "CONFIGURING",
+                        "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT"})
+
+
+def _live(cell: dict) -> bool:
+    """Not ended, by the cell's status or by its Slurm job: a run records its end just before its job ends, and
+    until then the job still counts against the throttle."""
+    return cell["status"] in LIVE_STATUSES or cell.get("slurm_state") in SLURM_LIVE
+
+
 def live_arrays(data: dict[str, Any]) -> list[chunking.LiveArray]:
     """The sweep's submissions that still hold cells not yet ended, oldest first."""
     out = []
     for chunk in data.get("chunks", []):
-        live = sum(1 for c in data["cells"] if _in(c.get("job_id"), chunk["job"]) and c["status"] in LIVE_STATUSES)
+        live = sum(1 for c in data["cells"] if _in(c.get("job_id"), chunk["job"]) and _live(c))
         if live:
             out.append(chunking.LiveArray(chunk["job"], chunk["throttle"], live))
     return out

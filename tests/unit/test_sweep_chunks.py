@@ -261,3 +261,17 @@ def test_a_sweep_slurm_cannot_take_is_refused_in_one_line_before_anything_is_wri
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "lets user ann queue no jobs (MaxSubmitJobs=0" in err, err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_cell_whose_run_ended_counts_until_its_slurm_job_has(record):
+    from hpc_tools.sweep.submit import submit_due
+
+    sweep, arrays = record
+    lim = SlurmLimits(10, None, 10000, None, "not enforced", user="u")
+    submit_due(sweep, lambda line: None, lim)
+    with sweep.edit() as d:  # eight runs recorded their end; Slurm still runs the job of the eighth
+        for c in d["cells"][:8]:
+            c.update(status="completed", slurm_state="COMPLETED")
+        d["cells"][7]["slurm_state"] = "RUNNING"
+    submit_due(sweep, lambda line: None, lim)
+    assert arrays == [(10, 4), (10, 1)]  # 3 of the first array hold places, not 2
