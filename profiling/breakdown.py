@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from profiling.trace import COMM, COMPUTE, DATA, STEP
+from profiling.trace import COMM, COMPUTE, DATA, HOROVOD_PG, STEP
 
 BUCKETS = ("compute", "comm.tp", "comm.cp", "comm.ep", "comm.dp", "comm.pp", "bubble", "data", "host", "checkpoint",
            "other")
@@ -75,8 +75,9 @@ def read_trace(path: Path) -> dict[str, Any]:
 
 def group_dims(trace: dict[str, Any], coords: dict[int, dict[str, int]]) -> dict[str, str]:
     """{process group name: dimension} for every group of the trace: Megatron's description when it names one, else
-    the coordinates (``tp_rank``, ``pp_rank``, ``dp_rank`` of each rank) that vary across its ranks."""
-    out = {}
+    the coordinates (``tp_rank``, ``pp_rank``, ``dp_rank`` of each rank) that vary across its ranks; and ``horovod``
+    (the job's mark of the wait for Horovod's all-reduces): dp."""
+    out = {HOROVOD_PG: "dp"}  # Horovod all-reduces the gradients over every rank, outside torch's groups
     for pg in (trace.get("distributedInfo") or {}).get("pg_config", []):
         out[str(pg.get("pg_name"))] = dimension(str(pg.get("pg_desc", "")), list(pg.get("ranks") or []), coords)
     return out

@@ -13,7 +13,8 @@ While a window records, the job marks what a trace alone cannot tell apart (``pr
 * ``hpc_tools#comm <kind> pg=<name>``: every collective the communication wrappers see (``profiling.comm``), with
   its process group's name: on CPU (gloo) torch 2.13 records no process group on collective events, only the
   groups in ``distributedInfo``; each gloo group runs its ops on its own worker threads, so this mark names the
-  group of the ops that follow on those threads.
+  group of the ops that follow on those threads. ``pg=horovod`` (``horovod_wait``): the training thread's wait for
+  Horovod's all-reduces, which run outside torch.distributed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 log = logging.getLogger("hpc_tools.profiling")
 
 STEP, DATA, COMPUTE, COMM = "hpc_tools#step", "hpc_tools#data", "hpc_tools#compute", "hpc_tools#comm"
+HOROVOD_PG = "horovod"  # the group name of Horovod's all-reduces in the marks (all ranks: data parallel)
 _recording = 0  # windows recording in this process: the comm wrappers mark their calls only then
 
 
@@ -50,6 +52,13 @@ def comm_span(kind: str, group) -> contextlib.AbstractContextManager:
     if not _recording:
         return contextlib.nullcontext()
     return span(f"{COMM} {kind} pg={group_name(group)}")
+
+
+def horovod_wait() -> contextlib.AbstractContextManager:
+    """The mark of the training thread's wait for Horovod's gradient all-reduces (``synchronize()``), as a collective
+    of the group ``HOROVOD_PG``: Horovod runs them in its own background thread, outside torch.distributed and
+    outside the trace's operators, so without the mark the wait reads as host time."""
+    return span(f"{COMM} all_reduce pg={HOROVOD_PG}")
 
 
 def group_name(group) -> str:

@@ -97,7 +97,7 @@ def test_pipeline_p2p_splits_into_transfer_and_bubble():
 
 def test_group_dimensions_from_description_then_coordinates():
     dims = bd.group_dims(trace([]), COORDS)
-    assert dims == {"0": "tp+pp+dp", "7": "tp", "8": "dp", "9": "pp", "10": "tp+pp"}
+    assert dims == {"0": "tp+pp+dp", "7": "tp", "8": "dp", "9": "pp", "10": "tp+pp", "horovod": "dp"}
     assert bd.dimension("CONTEXT_PARALLEL_GROUP", [0, 1], COORDS) == "cp"
     assert bd.dimension("EXPERT_MODEL_PARALLEL_GROUP", [0, 1], COORDS) == "ep"
     assert bd.dimension("TENSOR_AND_DATA_PARALLEL_GROUP", [0, 1, 4], COORDS) == "tp+dp"

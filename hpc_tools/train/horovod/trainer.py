@@ -82,7 +82,10 @@ class HorovodJob(CausalLMJob):
     def gradients_reduced(self) -> None:
         """Horovod all-reduced each gradient after the step's last backward (``backward_passes_per_step``): wait
         for the averages, the same on every rank."""
-        self.optimizer.synchronize()
+        from profiling.trace import horovod_wait
+
+        with horovod_wait():  # a traced step's mark: this wait is Horovod's all-reduce (comm.dp), not host time
+            self.optimizer.synchronize()
 
     def optimizer_step(self) -> None:
         with self.optimizer.skip_synchronize():
