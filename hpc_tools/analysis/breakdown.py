@@ -52,9 +52,18 @@ class RankBreakdown:
     steps: dict[int, dict[str, float]] = field(default_factory=dict)  # traced step -> buckets (s)
     step_time_s: dict[int, float] = field(default_factory=dict)  # the record's, same steps
     pp_wait_s: dict[int, float] = field(default_factory=dict)
-    saved_steps: list[int] = field(default_factory=list)  # traced steps a save followed (its blocked time added)
+    saved: dict[int, float] = field(default_factory=dict)  # traced step a save followed -> its blocked time (s)
+    checkpoint_per_step: float = 0.0  # the rank's blocked save time over the run, per recorded step
+
+    @property
+    def saved_steps(self) -> list[int]:
+        return sorted(self.saved)
 
     def mean(self, bucket: str) -> float:
+        """The bucket's mean over the traced steps; ``checkpoint``: the run's blocked save time per step (a sampled
+        step that a save followed stands for many steps that none did: its save would count that many times)."""
+        if bucket == "checkpoint":
+            return self.checkpoint_per_step
         vals = [b.get(bucket, 0.0) for b in self.steps.values()]
         return sum(vals) / len(vals) if vals else 0.0
 
@@ -63,13 +72,17 @@ class RankBreakdown:
         return {k: self.mean(k) for k in keys if k in bd.BUCKETS or self.mean(k) > 0}
 
     def mean_step(self) -> float:
-        """Mean of the traced steps' own windows (the sum of their buckets)."""
-        return sum(sum(b.values()) for b in self.steps.values()) / len(self.steps) if self.steps else 0.0
+        """Mean of the traced steps' own windows (the sum of their buckets), the saves per step as in ``mean``."""
+        if not self.steps:
+            return 0.0
+        own = sum(sum(b.values()) - self.saved.get(s, 0.0) for s, b in self.steps.items()) / len(self.steps)
+        return own + self.checkpoint_per_step
 
     @property
     def measured_step_s(self) -> float | None:
-        vals = [self.step_time_s[s] for s in self.steps if s in self.step_time_s]
-        return sum(vals) / len(vals) if vals else None
+        """The records' mean over the traced steps, the saves per step as in ``mean`` (so the buckets add up)."""
+        vals = [self.step_time_s[s] - self.saved.get(s, 0.0) for s in self.steps if s in self.step_time_s]
+        return sum(vals) / len(vals) + self.checkpoint_per_step if vals else None
 
 
 def _bucket_order(name: str) -> tuple[int, str]:
@@ -93,7 +106,7 @@ class Breakdown:
             b = r.buckets()
             step = r.measured_step_s
             ranks.append({"rank": r.rank, **r.coords, "step_s": step, "traced_steps": sorted(r.steps),
-                          "saved_steps": sorted(r.saved_steps),
+                          "saved_steps": r.saved_steps,
                           "buckets": b, "sum_s": sum(b.values()),
                           "sum_over_step": sum(b.values()) / step if step else None,
                           "steps": [{"step": s, "step_s": r.step_time_s.get(s), "pp_wait_s": r.pp_wait_s.get(s),
@@ -155,24 +168,27 @@ def measure(run_dir: Path, warmup: int = 0) -> list[RankBreakdown]:
                 rb.step_time_s[step] = rec["step_time_s"][step]
             if step in rec["pp_wait_s"]:
                 rb.pp_wait_s[step] = rec["pp_wait_s"][step]
-    add_saves(ranks, read_events(Path(run_dir) / "records"))
+    add_saves(ranks, read_events(Path(run_dir) / "records"), {r: len(row["step_time_s"]) for r, row in records.items()})
     return [ranks[r] for r in sorted(ranks)]
 
 
-def add_saves(ranks: dict[int, RankBreakdown], events: dict[int, list[dict[str, Any]]]) -> None:
-    """A traced step that a checkpoint save followed: the save's blocked time (the collectors' ``checkpoint_save``
-    event of that rank and step, its last start's) goes to the step's ``checkpoint`` bucket and to its measured
-    step, so that the buckets still add up to it. The loop saves between steps, outside the trace window and the
-    record's ``step_time_s``: without this the bucket is always 0. The steps are listed as ``saved_steps``."""
+def add_saves(ranks: dict[int, RankBreakdown], events: dict[int, list[dict[str, Any]]],
+              recorded: dict[int, int]) -> None:
+    """The collectors' ``checkpoint_save`` events (blocked time; the loop saves between steps, outside the trace
+    window and the record's ``step_time_s``): a traced step that a save followed carries its blocked time in its
+    ``checkpoint`` bucket and in its measured step (the step's buckets still add up to it); the rank's mean carries
+    the run's blocked time per recorded step (``recorded``: steps per rank)."""
     for rank, rb in ranks.items():
-        blocked = {int(e["step"]): float(e.get("seconds") or 0.0) for e in events.get(rank, [])
-                   if e.get("event") == "checkpoint_save" and e.get("step") is not None}
+        blocked = {(int(e.get("restart") or 0), int(e["step"])): float(e.get("seconds") or 0.0)
+                   for e in events.get(rank, []) if e.get("event") == "checkpoint_save" and e.get("step") is not None}
+        by_step = {step: sec for (_, step), sec in sorted(blocked.items())}  # a requeued step: its last start's save
+        rb.checkpoint_per_step = sum(blocked.values()) / recorded[rank] if recorded.get(rank) else 0.0
         for step, b in rb.steps.items():
-            if step in blocked:
-                b["checkpoint"] = b.get("checkpoint", 0.0) + blocked[step]
+            if step in by_step:
+                b["checkpoint"] = b.get("checkpoint", 0.0) + by_step[step]
                 if step in rb.step_time_s:
-                    rb.step_time_s[step] += blocked[step]
-                rb.saved_steps.append(step)
+                    rb.step_time_s[step] += by_step[step]
+                rb.saved[step] = by_step[step]
 
 
 def planned_terms(recipe: Any, layout: Any, ranks: list[RankBreakdown]) -> tuple[dict[str, float], str]:
@@ -282,8 +298,8 @@ def format_text(b: Breakdown) -> str:
                      f"{b.bubble_collectors_s:.4f} s")
     saved = sorted({s for r in b.ranks for s in r.saved_steps})
     if saved:
-        lines.append(f"traced steps a checkpoint save followed: {saved} (its blocked time is in checkpoint and in "
-                     "step_s)")
+        lines.append(f"traced steps a checkpoint save followed: {saved} (its blocked time is in those steps' "
+                     "checkpoint and step_s; the rows above carry the run's blocked save time per step)")
     lines.append(f"verdict: {b.verdict}")
     after = post_save.text(b.post_save)
     if after:

@@ -1,5 +1,6 @@
 """analyze --breakdown: a traced step that a checkpoint save followed carries the save's blocked time (the collectors'
-checkpoint_save event) in its checkpoint bucket and in its measured step, so the buckets still add up."""
+checkpoint_save event) in its checkpoint bucket and in its measured step, so the buckets still add up; a rank's mean
+carries the run's blocked save time per recorded step."""
 
 from __future__ import annotations
 
@@ -54,6 +55,10 @@ def test_saved_step_carries_its_blocked_time(run_dir):
         for s, b in r.steps.items():  # sum-to-step holds on the saved step too
             assert sum(b.values()) == pytest.approx(r.step_time_s[s], rel=1e-6)
         assert r.steps[400]["compute"] == pytest.approx(700e-6)
+        # the rank's mean: every save of the run (0.3 + blocked) over its 4 recorded steps, not the traced share
+        assert r.mean("checkpoint") == pytest.approx((0.3 + blocked) / 4)
+        assert r.measured_step_s == pytest.approx(0.001 + (0.3 + blocked) / 4)
+        assert sum(r.buckets().values()) == pytest.approx(r.measured_step_s) == pytest.approx(r.mean_step())
 
 
 def test_json_and_text_name_the_saved_steps(run_dir):
