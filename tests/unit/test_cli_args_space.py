@@ -266,6 +266,13 @@ def test_following_a_served_folder_whose_server_never_started_ends(capsys, monke
     root.mkdir()
     with monkeypatch.context() as m:  # as check_command_line runs it, but keeping the run serve made
         m.setenv("HPC_TOOLS_SITE", "none")
+        # serve refuses before its run without a complete serving environment: one stands in (its server never
+        # starts here), so that the test holds on a machine where environment/install-serve.sh has not run yet
+        serve_env = tmp_path / "serve-env"
+        (serve_env / "bin").mkdir(parents=True)
+        (serve_env / "bin" / "python").touch()
+        (serve_env / ".hpc_tools-serve-complete").touch()
+        m.setenv("HPC_TOOLS_SERVE_ENV", str(serve_env))
         stand_ins(m, [])
         assert run_one(capsys, ["serve", world.model, "--runs-dir", str(root), "--executor", "local"])[0] is None
     assert [p.name.startswith("serve-") for p in root.iterdir()] == [True]  # the serve run, server never started
