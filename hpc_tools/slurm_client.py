@@ -32,7 +32,7 @@ from hpc_tools.errors import UserError
 
 ENV = "HPC_TOOLS_SLURM"
 VALUES = ("auto", "off")
-COMMANDS = ("sbatch", "squeue", "sacct", "scancel", "scontrol", "sinfo", "srun")
+COMMANDS = ("sbatch", "squeue", "sacct", "sacctmgr", "scancel", "scontrol", "sinfo", "srun")
 NOT_INSTALLED, NO_CONTROLLER, REFUSED = "not installed", "no controller", "refused"
 # What Slurm's client prints when it has no controller to talk to (Slurm 22.05-24.x wording).
 _NO_CONTROLLER = re.compile(r"contact slurm controller|configuration source|socket timed out|connection refused|"

@@ -9,7 +9,7 @@
 - ``MaxJobCount`` (``scontrol show config``): the jobs slurmctld holds at once, for everyone.
 
 The room left in the queue counts the jobs in it now (``squeue -r``: one line per array task). Slurm's own commands
-go through ``hpc_tools.slurm_client``; ``sacctmgr`` (accounting, not one of them there) is run here.
+go through ``hpc_tools.slurm_client``, ``sacctmgr`` (accounting) too.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hpc_tools import slurm_client
-from hpc_tools.errors import UserError
 from hpc_tools.slurm_client import show_config
 
 Runner = Callable[..., subprocess.CompletedProcess]
@@ -118,12 +117,11 @@ def submit_limit(assoc: str, qos: str) -> int | None:
 
 
 def _sacctmgr(args: list[str], run: Runner) -> str:
-    out = run(["sacctmgr", "-nP", *args], capture_output=True, text=True, timeout=30)
-    if out.returncode != 0:
-        said = (out.stderr or out.stdout or f"exit code {out.returncode}").strip().splitlines()
-        raise UserError(f"sacctmgr {' '.join(args[:2])} failed: {said[-1] if said else out.returncode}; the sweep "
-                        "needs the user's MaxSubmitJobs, which this cluster enforces (AccountingStorageEnforce)")
-    return out.stdout
+    answer = slurm_client.call(["sacctmgr", "-nP", *args], run=run)
+    if not answer.ok:
+        raise answer.error(f"sacctmgr {' '.join(args[:2])}", "the sweep needs the user's MaxSubmitJobs, which this "
+                           "cluster enforces (AccountingStorageEnforce)")
+    return answer.out
 
 
 def queued(user: str, run: Runner) -> tuple[int, int]:
