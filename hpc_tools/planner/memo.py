@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hpc_tools.planner.arch import Arch, busiest_moe_stage
-from hpc_tools.planner.memory import edge_activation_bytes, stage_activation_bytes
+from hpc_tools.planner.memory import edge_activation_bytes, layer_bytes, stage_activation_bytes
 
 if TYPE_CHECKING:
     from hpc_tools.planner.knobs import Knobs
@@ -23,10 +23,11 @@ if TYPE_CHECKING:
 class SearchMemo:
     """Per-search memo (``memory.estimate_memory(..., memo=)``); holds one entry per distinct input."""
 
-    __slots__ = ("_activations", "_middle")
+    __slots__ = ("_activations", "_layers", "_middle")
 
     def __init__(self) -> None:
         self._activations: dict[tuple, tuple[float, float, float]] = {}
+        self._layers: dict[tuple, float] = {}
         self._middle: dict[tuple, int | None] = {}
 
     def activations(self, arch: Arch, k: "Knobs", stage: int) -> tuple[float, float, float]:
@@ -34,8 +35,19 @@ class SearchMemo:
         key = activation_key(arch, k, stage)
         hit = self._activations.get(key)
         if hit is None:
-            hit = self._activations[key] = (*stage_activation_bytes(arch, k, stage),
+            hit = self._activations[key] = (*stage_activation_bytes(arch, k, stage, self.layer_bytes),
                                             edge_activation_bytes(arch, k, stage))
+        return hit
+
+    def layer_bytes(self, arch: Arch, k: "Knobs", recompute: str, moe: bool = False) -> float:
+        """``memory.layer_bytes``, once per layer configuration (the pipeline split and the stage aside)."""
+        lay = k.layout
+        key = (arch, recompute, moe, k.backend, k.precision, k.recompute, k.recompute_modules, k.flash, k.attention,
+               k.on_gpu, lay.tensor_size, lay.sequence_parallel, lay.micro_batch_size, lay.context_size,
+               lay.expert_tensor_size)
+        hit = self._layers.get(key)
+        if hit is None:
+            hit = self._layers[key] = layer_bytes(arch, k, recompute, moe)
         return hit
 
     def busiest_moe_stage(self, arch: Arch, pipeline: int, virtual: int, first: int | None,
@@ -51,9 +63,10 @@ def activation_key(arch: Arch, k: "Knobs", stage: int) -> tuple:
     """Every input of a stage's activations (``stage_activation_bytes``, ``edge_activation_bytes`` and the layer
     code they call, ``memory.LayerCode``): the model, the stage, the backend (its layer code, selective recompute),
     precision, recomputation, attention path, GPU or CPU kernels, TP, SP, micro batch, CP, ETP (the routed tokens
-    per expert shard), the pipeline split and the microbatch count. Not in it, since no activation term reads them:
-    DP (but through the microbatch count), EP, the sharding options, FP8, the dispatcher and the overlap flags. A
-    term that comes to read another knob must add it here (the memo test compares against the plain model)."""
+    per expert shard), the pipeline split and the microbatch count (``SearchMemo.layer_bytes``' key: those of a
+    layer). Not in it, since no activation term reads them: DP (but through the microbatch count), EP, the sharding
+    options, FP8, the dispatcher and the overlap flags. A term that comes to read another knob must add it here (the
+    memo test compares against the plain model)."""
     lay = k.layout
     return (arch, stage, k.backend, k.precision, k.recompute, k.recompute_method, k.recompute_num_layers,
             k.recompute_modules, k.flash, k.attention, k.on_gpu, lay.tensor_size, lay.sequence_parallel,

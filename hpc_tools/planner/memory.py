@@ -306,23 +306,23 @@ def _checkpoint_bytes(arch: Arch, k: Knobs) -> float:
     return k.act_bytes * local_seq(arch, k) * lay.micro_batch_size * arch.hidden * rep
 
 
-def stage_activation_bytes(arch: Arch, k: Knobs, stage: int) -> tuple[float, float]:
-    """(activations held at the stage's peak, recompute working set) in bytes for one GPU of ``stage``."""
+def stage_activation_bytes(arch: Arch, k: Knobs, stage: int, layer=layer_bytes) -> tuple[float, float]:
+    """(activations held at the stage's peak, recompute working set) in bytes for one GPU of ``stage`` (``layer``:
+    ``layer_bytes``, or the search memo's, planner/memo.py)."""
     lay, v = k.layout, k.virtual
-    p, m = lay.pipeline_size, lay.num_microbatches
-    chunks = _chunks_in_flight(p, v, max(m, 1), stage)
+    chunks = _chunks_in_flight(p := lay.pipeline_size, v, max(lay.num_microbatches, 1), stage)
     n_dense, n_moe = stage_layer_counts(arch, p, stage, v, lay.first_stage_layers, lay.last_stage_layers)
     chunk_layers = (n_dense + n_moe) // v  # this stage's chunks (uneven stages: its own length)
     # Hugging Face models have no selective recompute; with fused attention it changes nothing anyway.
     recompute = "none" if not k.row.selective_recompute and k.recompute == "selective" else k.recompute
     if recompute != "full":
         # a chunk in flight holds its layers; with MoE layers spread unevenly, the stage's average chunk
-        per_chunk = (n_dense * layer_bytes(arch, k, recompute)
-                     + (n_moe * layer_bytes(arch, k, recompute, moe=True) if n_moe else 0)) / v
+        per_chunk = (n_dense * layer(arch, k, recompute)
+                     + (n_moe * layer(arch, k, recompute, moe=True) if n_moe else 0)) / v
         return chunks * per_chunk, 0.0
-    full, ckpt = layer_bytes(arch, k, "none"), _checkpoint_bytes(arch, k)
+    full, ckpt = layer(arch, k, "none"), _checkpoint_bytes(arch, k)
     if n_moe:
-        full = max(full, layer_bytes(arch, k, "none", moe=True))
+        full = max(full, layer(arch, k, "none", moe=True))
     group, block, rope_freqs = layers_of(k).checkpoints(arch, k)
     n = min(group, chunk_layers)
     if block:
