@@ -37,8 +37,8 @@ def test_no_eval_folder_is_empty(tmp_path):
 
 @pytest.mark.parametrize("iterations", [[10], [10, 20, 30]])
 def test_the_array_script_has_one_task_per_checkpoint(tmp_path, iterations):
-    from hpc_tools.render.batch import render_eval_array as render_array
     from hpc_tools.recipe.load import load_recipe
+    from hpc_tools.render.batch import render_eval_array as render_array
 
     recipe = load_recipe(REPO / "recipes" / "llama_fsdp.yaml")
     text = render_array(recipe, tmp_path / "run x", iterations, ["--tasks", "a,b", "--limit", "5"])
