@@ -72,3 +72,11 @@ def activation_key(arch: Arch, k: "Knobs", stage: int) -> tuple:
             k.recompute_modules, k.flash, k.attention, k.on_gpu, lay.tensor_size, lay.sequence_parallel,
             lay.micro_batch_size, lay.context_size, lay.expert_tensor_size, lay.pipeline_size,
             lay.virtual_pipeline_size, lay.num_microbatches, lay.first_stage_layers, lay.last_stage_layers)
+
+
+def states_floor(arch: Arch, k: "Knobs") -> float:
+    """A floor of ``memory.estimate_memory(arch, k).total``, never above it, rounding included: the first stage's
+    parameter, gradient and optimizer bytes summed as ``memory.stage_memory`` begins its sum, whose other terms are
+    all at least 0 (float addition of a non-negative term never lowers a sum), and the peak is the largest stage."""
+    _, params, grads, optim = k.scheme.states(arch, k, 0)
+    return sum((params, grads, optim))

@@ -35,7 +35,7 @@ from hpc_tools.planner.arch import arch_for
 from hpc_tools.planner.efficiency import resolve_efficiency
 from hpc_tools.planner.hardware import GB, Hardware, hardware_for, headroom_bytes, headroom_note
 from hpc_tools.planner.knobs import Knobs, apply_knobs
-from hpc_tools.planner.memo import SearchMemo
+from hpc_tools.planner.memo import SearchMemo, states_floor
 from hpc_tools.planner.memory import estimate_memory
 from hpc_tools.planner.steptime import DEFAULT_EFFICIENCY, StepTime, estimate_step_time, step_flops
 
@@ -265,10 +265,18 @@ def search(recipe: "Recipe", top: int = 5, losers: int = 5, efficiency: float | 
     flops_cache: dict[tuple[str, int], tuple[float, float]] = {}
     memo = SearchMemo()  # what the candidates share (stage activations), computed once
     scored: list[Candidate] = []
+    too_big = False
     for k in enumerate_knobs(recipe, base):
         result.enumerated += 1
+        # Next to a candidate too big the knobs change a little, so this one often is too: a floor of its peak (its
+        # first stage's model states) shows it before the rest when it is over the memory and not under the leanest
+        # too big so far (its peak is then neither: exactly what the full estimate would conclude).
+        if too_big and (floor := states_floor(arch, k)) > usable and floor >= result.smallest_too_big.memory_bytes:
+            result.too_big += 1
+            continue
         mem = estimate_memory(arch, k, hw.is_gpu, memo)
-        if usable is not None and mem.total > usable:
+        too_big = usable is not None and mem.total > usable
+        if too_big:
             result.too_big += 1
             if result.smallest_too_big is None or mem.total < result.smallest_too_big.memory_bytes:
                 result.smallest_too_big = Candidate(k, mem.total, mem.peak.stage, None)

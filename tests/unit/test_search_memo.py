@@ -1,6 +1,7 @@
-"""The layout search with its memo (``hpc_tools.planner.memo.SearchMemo``) ranks exactly what the plain memory model
-ranks: every candidate's memory plan (each stage, each term, bit for bit), the counts, the leanest candidate too big,
-the rule breakers and the ranked candidates with their step-time terms, on every shipped recipe and on drawn ones.
+"""The layout search with its memo (``hpc_tools.planner.memo.SearchMemo``) and its floor for candidates too big
+(``memo.states_floor``) ranks exactly what the plain memory model ranks: every candidate's memory plan (each stage,
+each term, bit for bit), the counts, the leanest candidate too big, the rule breakers and the ranked candidates with
+their step-time terms, on every shipped recipe, on smaller GPUs and on drawn recipes.
 
 ``reference_search`` is the search as it was before the memo (a copy kept here only): every candidate's memory from
 ``memory.estimate_memory`` without a memo, as ``plan`` computes it for one configuration.
@@ -123,6 +124,25 @@ def test_memo_search_equals_the_plain_search_on_shipped_recipes(name):
     expected = outcome(reference_search, recipe)
     assert not isinstance(expected, str) and expected["ranked"], expected  # a search that ranks something
     assert outcome(fingerprint, recipe) == expected
+
+
+# Smaller GPUs: runs of candidates too big between ones that fit, where the search rules candidates out by their
+# model states alone (``memo.states_floor``) before estimating the rest; the counts and the leanest too big must not
+# change.
+SMALLER_GPUS = [("gpt_3d.yaml", 24, 4), ("llama_long_context.yaml", 40, None), ("llama3_405b.yaml", 60, None),
+                ("gpt_zero.yaml", 12, None)]
+
+
+@pytest.mark.parametrize("name,gpu_gb,nodes", SMALLER_GPUS)
+def test_memo_search_equals_the_plain_search_on_smaller_gpus(name, gpu_gb, nodes):
+    raw = shipped_recipes()[name]
+    raw["cluster"]["gpu_mem_gb"] = gpu_gb
+    if nodes:
+        raw["cluster"]["nodes"] = nodes
+    recipe = searchable(raw)
+    expected = reference_search(recipe)
+    assert expected["too big"] > 10 and expected["fitting"] > 10, expected  # mixed: what the floor exists for
+    assert fingerprint(recipe) == expected
 
 
 def test_memo_memory_equals_the_plain_memory_on_deepseek():
