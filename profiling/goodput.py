@@ -19,7 +19,9 @@ Per life, in seconds of wall time (x world size = GPU-seconds, or rank-seconds o
   synchronous; with ``checkpoint.async_save`` the staging and the commit, not the background write), the slowest
   rank's per save;
 - preflight: the ``preflight`` events' seconds (``cluster.preflight``: the allocation checked before step 1,
-  ``hpc_tools.runtime.preflight``), the slowest rank's per life; taken out of the life's start-up;
+  ``hpc_tools.runtime.preflight``), the slowest rank's per life, taken out of the life's start-up; and the health
+  checks repeated while training (``health_check`` events, ``hpc_tools.runtime.health``: the same checks between two
+  steps), the slowest rank's per check;
 - recovery: the ``recovery`` events' seconds (a restart inside the allocation: from the fault to the new life's first
   step, recorded by the restart machinery); taken out of the life's start-up;
 - productive: the step time of every step whose record is final (no later life recorded that step again), trained
@@ -91,6 +93,7 @@ class Life:
     recovery_s: float = 0.0
     evaluation_s: float = 0.0
     preflight_s: float = 0.0
+    health_s: float = 0.0  # the health checks between steps (in the preflight bucket, not out of start-up)
 
     @property
     def allocation_s(self) -> float:
@@ -121,7 +124,7 @@ class Goodput:
         out = {"productive": sum(life.productive_s for life in self.lives),
                "degraded": sum(life.degraded_s for life in self.lives),
                "startup": sum(life.startup_s for life in self.lives),
-               "preflight": sum(life.preflight_s for life in self.lives),
+               "preflight": sum(life.preflight_s + life.health_s for life in self.lives),
                "checkpoint_load": sum(life.checkpoint_load_s for life in self.lives),
                "checkpoint_blocked": sum(life.checkpoint_blocked_s for life in self.lives),
                "recovery": sum(life.recovery_s for life in self.lives),
@@ -243,6 +246,7 @@ def _count_events(life: Life, owned: list[dict[str, Any]], last_activity: float)
     once (the slowest rank's seconds, summed as the time saves blocked); returns the latest event time, or
     ``last_activity`` when that is later."""
     saves: dict[Any, float] = {}
+    checks: dict[Any, float] = {}
     for e in owned:
         last_activity = max(last_activity, e["time"])
         if e.get("event") == "checkpoint_load":
@@ -251,7 +255,10 @@ def _count_events(life: Life, owned: list[dict[str, Any]], last_activity: float)
             saves[e.get("step")] = max(saves.get(e.get("step"), 0.0), float(e.get("seconds") or 0.0))
         elif e.get("event") == "recovery":  # one per life (a restart starts a life): the slowest rank's
             life.recovery_s = max(life.recovery_s, float(e.get("seconds") or 0.0))
+        elif e.get("event") == "health_check":  # one per check, at a step: the slowest rank's
+            checks[e.get("step")] = max(checks.get(e.get("step"), 0.0), float(e.get("seconds") or 0.0))
     life.checkpoint_blocked_s, life.saves = float(sum(saves.values())), len(saves)
+    life.health_s = float(sum(checks.values()))
     return last_activity
 
 

@@ -25,7 +25,7 @@ def write_run(tmp_path):
     """Life 0: launched at 0, rank process up at 1, collector at 3, steps 1-5 (1 s each) from 10 every 1.2 s, a
     0.5 s save after step 3, killed after step 5 (the launcher says `failed` at 20). Life 1: launched at 30, a 1.2 s
     preflight ending at 32.5 (before its collector starts), load 1.5 s, steps 4-8 from 40, saves after 6 and 8
-    (0.5 s, rank 1 slower: 0.7 s), `completed` at 50."""
+    (0.5 s, rank 1 slower: 0.7 s), a 0.05 s health check after step 7, `completed` at 50."""
     run = synthetic_run(tmp_path, [f"cluster.gpus_per_node={WORLD}"], np.ones((WORLD, 1)))
     for r in range(WORLD):
         (run.records_dir / f"rank{r:05d}.parquet").unlink()
@@ -46,6 +46,9 @@ def write_run(tmp_path):
                     end = T0 + first + 1.2 * i + 1.0
                     rec.write(json.dumps({"step": step, "restart": restart, "time": end, "step_time_s": 1.0,
                                           "tokens": 64, "node": "n1"}) + "\n")
+                    if step == 7 and r == 0:  # a health check between steps 7 and 8 (rank 0 writes it)
+                        ev.write(json.dumps({"event": "health_check", "time": end + 0.15, "step": step,
+                                             "seconds": 0.05, "restart": restart, "rank": r}) + "\n")
                     if step in saves:
                         ev.write(json.dumps({"event": "checkpoint_save", "time": end + 0.1, "step": step,
                                              "seconds": saves[step] + (0.2 if r == 1 and restart else 0.0),
@@ -65,8 +68,9 @@ def test_buckets_of_a_run_with_a_failure_and_a_restart(tmp_path):
     assert len(g.lives) == 2 and g.unit == "rank"
     secs = g.seconds()
     # Life 0: 0..20; start-up 10; save 0.5; steps 1-3 productive, 4-5 recomputed later (lost). Life 1: 30..50;
-    # load 1.5, start-up 40 - 30 - 1.5; saves 0.7 + 0.7 (the slowest rank's); steps 4-8 productive.
-    expected = {"productive": 3 + 5, "degraded": 0.0, "startup": 10 + 8.5 - 1.2, "preflight": 1.2,
+    # load 1.5, start-up 40 - 30 - 1.5; saves 0.7 + 0.7 (the slowest rank's); steps 4-8 productive; preflight 1.2
+    # before step 1 (out of start-up) and the 0.05 s health check mid-life (not out of start-up).
+    expected = {"productive": 3 + 5, "degraded": 0.0, "startup": 10 + 8.5 - 1.2, "preflight": 1.2 + 0.05,
                 "checkpoint_load": 1.5, "checkpoint_blocked": 0.5 + 1.4, "recovery": 0.0, "lost_work": 2.0,
                 "evaluation": 0.0}
     expected["other"] = 40 - sum(expected.values())
