@@ -12,7 +12,9 @@ model, less memory). A candidate fits when its peak stays under the GPU memory l
 (``hpc_tools.planner.hardware.headroom_bytes``, the same margin ``validate`` and ``submit`` keep). Candidates are scored
 with the same memory and step-time model as ``plan``; the recipe rules (``hpc_tools.recipe.rules.check_recipe``)
 are run on candidates in rank order, lazily, because every enumerated layout already satisfies the divisibility rules
-by construction.
+by construction. What candidates share is computed once per search (``planner.memo``: a stage's activations, a
+layer's terms), and a candidate next to one too big is ruled out by its model states alone when they already exceed
+the memory (``memo.states_floor``): the counts and the ranking are those of the plain model, bit for bit.
 
 Across backend kinds (``search_across``, ``plan --search --backends``): the same search once per trains-model row of
 the backend table that is asked for, each on the recipe with that ``backend.kind`` (the Knobs carry the kind;
