@@ -7,6 +7,7 @@ tests/conftest.py, which uses these.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import subprocess
@@ -38,6 +39,18 @@ PACED = {"HPC_TOOLS_TEST_SLOW_RANK": "*:data:0.05"}
 """The environment of an endless job a test only waits on (a time limit, a hang, a cancel): every rank sleeps 50 ms in
 each step's data loading (profiling.collector.injected_delays) instead of taking the cores from the tests beside it.
 The job's own processes take it from the environment its launch inherits (sbatch and submitit pass it on)."""
+
+
+def in_process(*args: str) -> str:
+    """``hpc_tools.cli.main(ARGS)`` in this process, for the commands that only read a run folder (status, analyze,
+    report: a fresh interpreter would only add its start-up); its stdout, once it exited 0."""
+    from hpc_tools.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    assert code == 0, err.getvalue()[-3000:]
+    return out.getvalue()
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600,

@@ -17,9 +17,7 @@ same code, without a process start that imports pandas and matplotlib again).
 
 from __future__ import annotations
 
-import io
 import json
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from statistics import median
 
@@ -30,7 +28,7 @@ from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.submission import new_run
 from profiling.collector import SLOW_RANK_ENV
-from tests.helpers import REPO
+from tests.helpers import REPO, in_process
 
 pytestmark = [pytest.mark.slow]
 GPT = REPO / "recipes" / "gpt_3d.yaml"
@@ -53,17 +51,6 @@ def launch(root: Path, recipe_path: Path, overrides: list[str], slow: str) -> di
     out = in_process("analyze", str(run.path), "--breakdown", "--json")
     text = in_process("analyze", str(run.path), "--breakdown")
     return {"json": json.loads(out), "text": text, "run": str(run.path)}
-
-
-def in_process(*args: str) -> str:
-    """``hpc_tools.cli.main(ARGS)`` in this process; its stdout, once it exited 0."""
-    from hpc_tools.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        code = main(list(args))
-    assert code == 0, err.getvalue()[-3000:]
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,13 @@ checkpoint whatever the rank count that wrote it; 4 ranks on a 2-core machine on
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import in_process, run_cli
 
 pytestmark = [pytest.mark.slow]
 
@@ -77,17 +75,6 @@ def cli_json(*args: str) -> dict:
     out = run_cli(*args, "--json", timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
-
-
-def in_process(*args: str) -> str:
-    """``hpc_tools.cli.main(ARGS)`` in this process, for the commands that only read a run folder; its stdout."""
-    from hpc_tools.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        code = main(list(args))
-    assert code == 0, err.getvalue()[-3000:]
-    return out.getvalue()
 
 
 def status_json(run: Path) -> dict:
