@@ -78,10 +78,12 @@ def test_data_bucket_and_sum_on_every_rank(gpt_runs):
     assert sorted(ranks) == [0, 1, 2, 3]
     for rank, r in ranks.items():
         assert r["traced_steps"] == list(range(3, 10)), r
-        assert r["buckets"]["data"] == pytest.approx(DATA_S, rel=0.2), (rank, r["buckets"])
+        # the median step's data bucket is the injected wait (the mean is not: on a loaded host one step's sleep
+        # can be woken hundreds of ms late, measured 0.31 s for a 0.1 s sleep in a CI run)
+        assert med(result, rank, "data") == pytest.approx(DATA_S, rel=0.2), (rank, r["steps"])
         assert r["sum_s"] == pytest.approx(r["step_s"], rel=0.05), (rank, r)
         for s in r["steps"]:  # a sleep never ends early; a loaded host wakes it late
-            assert DATA_S <= s["buckets"]["data"] < 2 * DATA_S, (rank, s)
+            assert s["buckets"]["data"] >= DATA_S, (rank, s)
             assert sum(s["buckets"].values()) == pytest.approx(s["step_s"], rel=0.05), (rank, s)
         assert r["buckets"]["compute"] > 0 and r["buckets"]["comm.tp"] > 0, r["buckets"]
         assert set(r["buckets"]) >= {"compute", "comm.tp", "comm.pp", "comm.dp", "bubble", "data", "host", "other"}
@@ -145,6 +147,7 @@ def test_other_backends_add_up(tmp_path_factory, recipe):
     print("\n" + result["text"])
     for rank, r in by_rank(result).items():
         assert r["sum_s"] == pytest.approx(r["step_s"], rel=0.05), (rank, r)
-        assert r["buckets"]["data"] == pytest.approx(DATA_S, rel=0.2), (rank, r["buckets"])
+        assert med(result, rank, "data") == pytest.approx(DATA_S, rel=0.2), (rank, r["steps"])  # see above
+        assert min(s["buckets"]["data"] for s in r["steps"]) >= DATA_S, (rank, r["steps"])
         assert r["buckets"]["comm.dp"] > 0, r["buckets"]  # all-gathers and reduce-scatters: the dp group
         assert r["buckets"]["comm.dp"] > 5 * r["buckets"]["other"], r["buckets"]  # assigned, not left unknown
