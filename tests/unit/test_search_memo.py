@@ -172,8 +172,10 @@ def test_memo_search_equals_the_plain_search_on_drawn_recipes(case):
     check_drawn(case)
 
 
+# 30 in the suite (159 s of a CI run at 120): the memo was checked against the plain search on 131 recipes when it was
+# written; this keeps a regression check of the drawn space at a cost the suite can carry
 @pytest.mark.slow
-@settings(max_examples=120, **COMMON)
+@settings(max_examples=30, **COMMON)
 @given(case=drawn_recipes(max_changes=6))
 def test_memo_search_equals_the_plain_search_on_many_drawn_recipes(case):
     check_drawn(case)
