@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hpc_tools.runtime.preflight.verdict import EXPECTED_FLOOR, OK
+from profiling.files import atomic_write
 
 CONFIRM = 2
 """Checks in a row that must find a node slow before it is named (the done-when allows three after the fault)."""
@@ -116,9 +116,7 @@ class Record:
         path = Path(run_dir) / REPORT_NAME
         data = {"version": 1, **self.summary(now), "checks_kept": self.checks[-KEEP_CHECKS:],
                 "confirm": CONFIRM}
-        tmp = path.with_suffix(f".json.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(data, indent=1, default=str) + "\n")
         return path
 
 
