@@ -195,6 +195,10 @@ def _tail_lines(r, manifest: dict, server: dict | None) -> list[str]:
     lines = [_server_line(server, manifest.get("endpoint"))] if server else []
     if manifest.get("error"):
         lines.append(f"error    {manifest['error']}")
+    for life in manifest.get("lives") or []:  # the earlier lives' ends (job.epilogue); the latest's is shown above
+        why = "; ".join(str(life[k]) for k in ("reason", "error") if life.get(k))
+        if why and (life.get("reason"), life.get("error")) != (manifest.get("reason"), manifest.get("error")):
+            lines.append(f"earlier  start {life.get('restart', '?')} ended {life.get('state') or '?'}: {why}")
     lines += [f"hang     {marker}" for marker in hang_markers(r)]  # the hang verdict with every rank's stacks
     return lines
 

@@ -15,7 +15,10 @@ Evidence, most direct first:
 
 The manifest then gets, through ``RunFolder.update`` (the first terminal state of a life stands, so a HANG or
 COMPLETED the ranks recorded is kept): ``state``, ``exit_code``, ``failed_ranks``, ``failed_nodes``, ``reason``
-("rank 2 on n2 was killed by signal 9 (Killed) after step 48") and an event ``batch ended``.
+("rank 2 on n2 was killed by signal 9 (Killed) after step 48") and an event ``batch ended``. The latest life's
+outcome wins: a requeued life that completes clears the culprit and error an earlier life left, and a failing one
+replaces them; each life's outcome is kept, oldest first, in the manifest's ``lives`` (``status`` shows the earlier
+ones).
 """
 
 from __future__ import annotations
@@ -191,13 +194,69 @@ def record_end(run: RunFolder, exit_code: int, failures: list[TaskFailure] | Non
     if full and ending.reason and "No space left" not in ending.reason:
         ending.reason += f"; {full}"
     fields: dict = {"exit_code": exit_code, "batch_ended": now_iso()}
+    entry = {"restart": restart, "exit_code": exit_code, "ended": fields["batch_ended"]}
+    if newer_life(manifest, restart):  # an earlier life's epilogue, late: its words go to the history, nothing else
+        entry.update(state=ending.state, reason=ending.reason or None, failed_ranks=ending.failed_ranks,
+                     failed_nodes=ending.failed_nodes, error=None)
+        return run.update(event="batch ended", soft=True, lives=[*(manifest.get("lives") or []), entry])
     if ending.state:  # the registry keeps a terminal state the ranks recorded (PREEMPTED gives way to a failure)
         fields["state"] = ending.state
         if not is_terminal(manifest.get("state")):
             fields["ended"] = now_iso()
-    if ending.reason and not manifest.get("reason"):  # the watchdog's hang verdict, if any, stays
+    earlier = earlier_outcome(manifest)
+    # the latest life's outcome wins: an earlier life's culprit and error give way to this life's (a completed life
+    # has none); a reason this life's own writers recorded (the watchdog's hang verdict) stays
+    fields.update(dict.fromkeys(earlier))
+    if ending.reason and (not manifest.get("reason") or "reason" in earlier):
         fields.update(reason=ending.reason, failed_ranks=ending.failed_ranks, failed_nodes=ending.failed_nodes)
-    return run.update(event="batch ended", soft=True, **fields)
+    lives = history(manifest, earlier)
+    merged = run.update(event="batch ended", soft=True, lives=lives, **fields)
+    entry.update(state=merged.get("state"), **{k: merged.get(k) for k in OUTCOME})
+    return run.update(soft=True, lives=[*lives, entry])
+
+
+# The fields that tell how one life ended. Each life's values are kept in the manifest's ``lives`` (the history,
+# one entry per life, oldest first); only the latest life's stay at the top, where ``status`` reads them.
+OUTCOME = ("reason", "error", "failed_ranks", "failed_nodes")
+# Events that begin a life or a step of it: the batch script's start (``job.open_run``), rank 0's start
+# (``runtime.rank``, which clears the culprit fields but not ``error``) and an in-job restart (``job.restarts``).
+LIFE_STARTS = ("batch started", "started", "restarting")
+
+
+def newer_life(manifest: dict, restart: int) -> bool:
+    """Whether a later life of the job has begun (its batch script recorded ``batch started`` with a higher restart
+    count): this epilogue ends an earlier life that Slurm requeued while its batch script still ran."""
+    starts = [e for e in manifest.get("events") or [] if e.get("event") == "batch started"]
+    return bool(starts) and int(starts[-1].get("restart_count") or 0) > restart
+
+
+def earlier_outcome(manifest: dict) -> dict[str, tuple[int | None, object]]:
+    """The outcome fields (``OUTCOME``) the manifest holds from before the latest start (``LIFE_STARTS``): field ->
+    (the restart count of the start it was recorded after, or None; its value). A value no event set (the manifest
+    was created with it) is earlier when a start came since; with no start at all, everything is this life's."""
+    events = manifest.get("events") or []
+    starts = [i for i, e in enumerate(events) if e.get("event") in LIFE_STARTS]
+    out: dict[str, tuple[int | None, object]] = {}
+    for key in OUTCOME if starts else ():
+        setters = [i for i, e in enumerate(events) if e.get(key)]
+        at = setters[-1] if setters else -1
+        if manifest.get(key) and at < starts[-1]:
+            out[key] = (next((events[i].get("restart_count") for i in reversed(starts) if i < at), None),
+                        manifest[key])
+    return out
+
+
+def history(manifest: dict, earlier: dict[str, tuple[int | None, object]]) -> list[dict]:
+    """The manifest's ``lives``, plus an entry for the earlier outcome no epilogue recorded (a life whose batch
+    script was killed with its node leaves rank 0's error, and the culprit only in the manifest)."""
+    lives = [dict(x) for x in manifest.get("lives") or []]
+    known = {repr(x.get(k)) for x in lives for k in OUTCOME}
+    left = {k: value for k, (_, value) in earlier.items() if repr(value) not in known}
+    if left:
+        life = next((n for n, _ in earlier.values() if n is not None), None)
+        lives.append({"restart": life, "state": None, "exit_code": None, "ended": None,
+                      **{k: left.get(k) for k in OUTCOME}})
+    return lives
 
 
 def disk_full(path: Path, below_bytes: int = 4 << 20) -> str | None:
