@@ -10,7 +10,8 @@ training"). The measurements are preflight's (``preflight.measure``), the per-ch
 - ``Tracker``: a node is *named* when ``CONFIRM`` checks in a row find it slow (one check can fall in a moment other
   work took the host; a throttled node is slow in every check); a node named once stays named for the start.
 - ``Record``: what ``health.json`` holds (every check: its step, seconds, each node's GEMM and verdict; the named
-  nodes) and the manifest's ``health`` summary; ``summary_line`` is the status and report line.
+  nodes, this start's and, in ``named_all``, every start's) and the manifest's ``health`` summary; ``summary_line``
+  is the status and report line.
 - The world all-reduce at a small size is compared with the start's first check: below ``EXPECTED_FLOOR`` x that
   baseline is a job-level problem (a link or switch degraded; no single node is named by it).
 """
@@ -113,9 +114,13 @@ class Record:
                 "last_step": self.checks[-1]["step"] if self.checks else None, "named": list(self.named.values())}
 
     def write(self, run_dir: Path, now: float) -> Path:
+        """``health.json``: this start's checks and named nodes, and (``named_all``) the nodes earlier starts named,
+        which a restart that left them out must not erase from the file."""
         path = Path(run_dir) / REPORT_NAME
-        data = {"version": 1, **self.summary(now), "checks_kept": self.checks[-KEEP_CHECKS:],
-                "confirm": CONFIRM}
+        before = read_report(run_dir) or {}
+        summary = self.summary(now)
+        data = {"version": 1, **summary, "checks_kept": self.checks[-KEEP_CHECKS:], "confirm": CONFIRM,
+                "named_all": merged_named(before.get("named_all") or before.get("named"), summary["named"])}
         atomic_write(path, json.dumps(data, indent=1, default=str) + "\n")
         return path
 
