@@ -73,7 +73,7 @@ def test_the_record_its_share_and_the_status_line(tmp_path):
     line = hv.summary_line(data)
     assert line.startswith("3 check(s) every 5 min, 0.75 s (1.00 % of the start); named n2 at step 600 (check 3, "
                            f"start 1): {REASON}; left out: ")
-    assert hv.summary_line({**data, "named": []}).endswith("; no node named")
+    assert hv.summary_line({**data, "named": [], "named_all": []}).endswith("; no node named")
     assert hv.summary_line(None) is None and hv.summary_line({"checks": 0}) is None
 
 
