@@ -1,0 +1,133 @@
+"""Health while training on the real 2-node test cluster (issue 48 item 2's done-when): a node slowed mid-run is named
+within three checks and the next start, inside the same Slurm job, leaves it out.
+
+One job: recipes/gpt_3d.yaml's local profile (Megatron-core TP2 x PP2 with the plain optimizer, whose checkpoint
+reshards into the one-node layout) on 2 nodes x 2 ranks, `cluster.restarts: 1`, `cluster.min_nodes: 1` (no spare:
+an elastic job goes on without the node), preflight left `auto`, and a health check every 3 s
+(`profiling.health_interval_min: 0.05`). Once rank 0 has done step QUOTA_AT, the rank processes the heartbeats place
+on n2 are put in a 0.2-CPU cgroup quota (cgroup v1 ``cpu``, a 5 ms period so that each GEMM of the check outlasts the
+quota's burst), and n1's ranks get the highest CPU weight, so that the machine's other work does not decide their
+speed (``test_health_while_training.cpu_group``). The checks name n2 within three checks of the quota (polled
+during the run in ``health.json``; then the manifest and `status`), rank 0 writes preflight's leave-out marker
+(source ``health``), the ranks save the step's checkpoint and end the step, and the restart controller starts the
+next step on n1 alone (one restart entry: named by the health check, decision "leave out"), which resumes from that
+checkpoint and completes the run: every step recorded once or more, the last start's ranks all on n1. Figures are
+printed with -s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from hpc_tools.registry import RunFolder
+from hpc_tools.runtime import health_verdict, heartbeat
+from hpc_tools.runtime.preflight import leave_out
+from tests.helpers import loss_curve, need_slurm, run_cli, wait_for
+from tests.integration.test_health_while_training import cgroup_v1_cpu, cpu_group, remove_group
+
+RECIPE = "recipes/gpt_3d.yaml"
+QUOTA_AT, STEPS = 30, 45
+SETS = ["--profile", "local", "--set", "cluster.nodes=2", "--set", "cluster.gpus_per_node=2",
+        "--set", "cluster.restarts=1", "--set", "cluster.min_nodes=1", "--set", f"training.train_iters={STEPS}",
+        "--set", "backend.megatron.distributed_optimizer=false",  # its checkpoint reshards into the one-node layout
+        "--set", "profiling.health_interval_min=0.05", "--set", 'cluster.setup.env.OMP_NUM_THREADS="1"',
+        "--set", "cluster.time_limit=15"]
+DEADLINE_S = 600
+
+pytestmark = [pytest.mark.slurm, pytest.mark.multinode, pytest.mark.megatron, pytest.mark.slow]
+
+
+def in_queue(job_id: str) -> bool:
+    out = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True, timeout=30)
+    return bool(out.stdout.strip()) or (out.returncode != 0 and "Invalid job id" not in out.stderr)
+
+
+def named_n2(run: RunFolder) -> dict | None:
+    """n2's entry in ``health.json`` (any start's), or None."""
+    report = health_verdict.read_report(run.path) or {}
+    return next((e for e in report.get("named_all") or report.get("named") or [] if e["node"] == "n2"), None)
+
+
+@pytest.fixture(scope="module")
+def slowed(tmp_path_factory) -> dict:
+    need_slurm(2)
+    if not cgroup_v1_cpu():
+        pytest.skip("needs root and cgroup v1's cpu controller (cpu.cfs_quota_us) to slow a node's ranks")
+    tmp = tmp_path_factory.mktemp("health_slurm")
+    out = run_cli("submit", RECIPE, "--executor", "slurm", "--json", "--runs-dir", str(tmp / "runs"), *SETS,
+                  timeout=120)
+    assert out.returncode == 0, out.stderr
+    job = json.loads(out.stdout)
+    run, job_id = RunFolder(job["run_dir"]), job["job_id"]
+    groups, seen = [], {}
+    try:
+        def quota_at_step() -> bool:
+            beats = heartbeat.read_all(run.path, 0)
+            if len(beats) < 4 or beats[0].step < QUOTA_AT:
+                assert in_queue(job_id), (f"job {job_id} ended before step {QUOTA_AT}", run.manifest().get("state"))
+                return False
+            seen.update(step=beats[0].step, checks=(health_verdict.read_report(run.path) or {}).get("checks", 0),
+                        time=time.time(), named_before=named_n2(run))
+            tag = f"hpc_tools_health_slurm_{os.getpid()}"
+            groups.append(cpu_group(f"{tag}_n1", [b.pid for b in beats.values() if b.node == "n1"]))
+            groups.append(cpu_group(f"{tag}_n2", [b.pid for b in beats.values() if b.node == "n2"], 0.2))
+            return True
+
+        wait_for(quota_at_step, DEADLINE_S, f"job {job_id} to reach step {QUOTA_AT}", poll_s=0.2)
+        # named during the run: health.json polled while the job trains (the next start rewrites it)
+        seen["named"] = wait_for(lambda: named_n2(run) or (not in_queue(job_id) and {"never": True}), DEADLINE_S,
+                                 "n2 named in health.json", poll_s=0.5)
+        seen["named_after_s"] = time.time() - seen["time"]
+        wait_for(lambda: not in_queue(job_id), DEADLINE_S, f"job {job_id} to end", poll_s=2)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+        for group in groups:
+            remove_group(group)
+    sacct = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"], capture_output=True, text=True,
+                           timeout=30).stdout.split()
+    return {"run": run, "job_id": job_id, "seen": seen, "sacct": sacct}
+
+
+def test_the_slowed_node_is_named_within_three_checks_during_the_run(slowed):
+    run, seen = slowed["run"], slowed["seen"]
+    assert seen["named_before"] is None, seen  # the healthy checks before the quota named nothing
+    named = seen["named"]
+    assert "never" not in named, f"n2 never named; health.json: {health_verdict.read_report(run.path)}"
+    assert named["start"] == 0 and named["step"] >= seen["step"], (named, seen)
+    assert named["check"] <= seen["checks"] + 3, (named, seen)  # within three checks of the quota
+    assert named["reasons"][0].startswith("GEMM ") and "the other node's" in named["reasons"][0], named
+    assert named["action"] == f"left out: {leave_out.FEWER}", named
+    m = run.manifest()
+    assert named in m["health"]["named_all"], m["health"]  # the manifest keeps it across the restart...
+    events = [e["event"] for e in m["events"]]
+    assert {"health named", "health leave-out"} <= set(events), events
+    status = run_cli("status", str(run.path))  # ...and status shows it, from the finished run
+    assert status.returncode == 0, status.stderr
+    assert f"named n2 at step {named['step']} (check {named['check']})" in status.stdout, status.stdout
+    assert "error    " not in status.stdout and "status   completed" in status.stdout, status.stdout
+    print(f"\njob {slowed['job_id']}: quota on n2's ranks after step {seen['step']} (check {seen['checks']} done); "
+          f"named at step {named['step']} by check {named['check']}, {seen['named_after_s']:.0f} s after the quota")
+
+
+def test_the_next_start_leaves_the_node_out_and_completes_on_n1(slowed):
+    run = slowed["run"]
+    m = run.manifest()
+    assert m["state"] == "COMPLETED" and slowed["sacct"] == ["COMPLETED"], (m["state"], slowed["sacct"],
+                                                                             m.get("reason"), m["events"][-5:])
+    [entry] = m["restarts"]
+    assert (entry["cause"], entry["named_by"], entry["kind"], entry["decision"]) == \
+        ("preflight", "health", "in-job", "leave out"), entry
+    assert entry["nodes_named"] == ["n2"] and entry["nodes"] == ["n1"] and entry["layout_nodes"] == 1, entry
+    named = named_n2(run)
+    assert named is not None and entry["from_iteration"] == named["step"], (entry, named)  # the step's own save
+    last = heartbeat.read_all(run.path, entry["restart"])
+    assert last and {b.node for b in last.values()} == {"n1"}, {r: b.node for r, b in last.items()}
+    assert max(b.step for b in last.values()) == STEPS
+    assert sorted(loss_curve(run.path)) == list(range(1, STEPS + 1))
+    fewer = m["layouts"][-1]
+    assert (fewer["nodes"], fewer["from_iteration"]) == (1, entry["from_iteration"]), m["layouts"]
