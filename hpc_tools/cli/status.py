@@ -190,14 +190,15 @@ def _restart_lines(manifest: dict) -> list[str]:
 
 
 def _tail_lines(r, manifest: dict, server: dict | None) -> list[str]:
-    from hpc_tools.runstate import hang_markers
+    from hpc_tools.runstate import hang_markers, is_terminal
 
     lines = [_server_line(server, manifest.get("endpoint"))] if server else []
     if manifest.get("error"):
         lines.append(f"error    {manifest['error']}")
-    for life in manifest.get("lives") or []:  # the earlier lives' ends (job.epilogue); the latest's is shown above
+    lives = manifest.get("lives") or []  # each life's end (job.epilogue); an ended run's last is the one shown above
+    for life in lives[:-1] if is_terminal(manifest.get("state")) else lives:
         why = "; ".join(str(life[k]) for k in ("reason", "error") if life.get(k))
-        if why and (life.get("reason"), life.get("error")) != (manifest.get("reason"), manifest.get("error")):
+        if why:
             lines.append(f"earlier  start {life.get('restart', '?')} ended {life.get('state') or '?'}: {why}")
     lines += [f"hang     {marker}" for marker in hang_markers(r)]  # the hang verdict with every rank's stacks
     return lines

@@ -51,6 +51,7 @@ def test_a_requeued_life_that_completes_clears_the_first_lives_error(tmp_path, c
     assert first["reason"] == "ranks 2,3 on n2 were lost with their node (srun: node failure)", first["reason"]
     assert classify(run).reason.startswith("ranks 2,3 on n2 were lost")
     start_life(run, 1)  # Slurm requeued the job; the error rank 0 recorded in life 0 is still at the top
+    assert f"earlier  start 0 ended FAILED: {first['reason']}; {LOST}" in status_text(run, capsys)  # while it runs
     run.update(event="completed", state="COMPLETED")
     done = record_end(run, 0, restart=1)
     assert done["state"] == "COMPLETED" and done["exit_code"] == 0
