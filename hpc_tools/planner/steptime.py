@@ -2,7 +2,7 @@
 pipeline bubble. Gives predicted tokens/s and MFU.
 
     compute = hardware FLOPs per GPU / (peak x efficiency)      FLOPs from profiling.flops (its owner)
-    bubble  = compute x (p-1)/(v m)                              ParallelLayout.bubble_fraction
+    bubble  = compute x idle/slowest stage under the 1F1B schedule   pipeline_schedule.bubble_fraction
     comm    = bytes x nccl-tests bus factor / busbw              all-reduce 2(n-1)/n, all-gather/reduce-scatter (n-1)/n
 
 The efficiency factor is what calibration fits per cluster (``calibrate.py``); it absorbs kernel efficiency, small
@@ -22,6 +22,7 @@ from hpc_tools.planner.collectives import allreduce_s, gather_s
 from hpc_tools.planner.efficiency import MEGATRON_EFFICIENCY
 from hpc_tools.planner.hardware import Hardware
 from hpc_tools.planner.knobs import Knobs
+from hpc_tools.planner.pipeline_schedule import bubble_fraction
 
 if TYPE_CHECKING:
     from hpc_tools.recipe.model import ModelConfig
@@ -119,7 +120,11 @@ def estimate_step_time(arch: Arch, k: Knobs, hw: Hardware, flops: tuple[float, .
     # layers exceed L / p, and every stage waits for it (the embedding and head are not assigned to stages here)
     stage_n = stage_layers(arch, p, v, lay.first_stage_layers, lay.last_stage_layers) if p > 1 else arch.layers
     compute *= stage_n * p / arch.layers
-    terms = {COMPUTE: compute, BUBBLE: compute * lay.bubble_fraction}
+    # the bubble under Megatron-core's schedule for these stages (embedding first, logits last, uneven splits):
+    # (p-1)/(v m) only when the stages are equal (planner/pipeline_schedule.py)
+    bubble = bubble_fraction(arch, p, v, m, lay.first_stage_layers, lay.last_stage_layers, t,
+                             3.0 if k.recompute == "full" else 2.0)
+    terms = {COMPUTE: compute, BUBBLE: compute * bubble}
 
     # TP: per layer and microbatch 2 all-reduces forward and 2 backward of b s h (SP: all-gather + reduce-scatter
     # pairs, same bus bytes) = 8 b s h (t-1)/t elements (Narayanan et al.); full recompute repeats the forward's 2.
@@ -289,7 +294,9 @@ def time_notes(k: Knobs, hw: Hardware, efficiency: float, efficiency_source: str
                     f"(uneven stages: first {lay.first_stage_layers}, last {lay.last_stage_layers})"
                     if lay.uneven else "")
                  if hw.peak_flops else "no peak",
-        BUBBLE: f"compute x (p-1)/(v m) = {lay.bubble_fraction:.3f}",
+        BUBBLE: f"compute x the idle time of Megatron-core's schedule beyond the slowest stage's work, stages from "
+                f"the layer split with the logits on the last (pipeline_schedule.py); equal stages: (p-1)/(v m) = "
+                f"{lay.bubble_fraction:.3f}",
         TP_COMM: f"{6 if k.recompute == 'full' else 4} x b s h per layer per microbatch, all-reduce busbw "
                  f"{hw.link_bw(lay.tensor_size > hw.gpus_per_node) / gb:.0f} GB/s, not overlapped",
         PP_COMM: f"2 x b s h{'/t' if lay.sequence_parallel else ''} per microbatch{' x v' if lay.interleaved else ''}, "
