@@ -198,7 +198,8 @@ def record_end(run: RunFolder, exit_code: int, failures: list[TaskFailure] | Non
     if newer_life(manifest, restart):  # an earlier life's epilogue, late: its words go to the history, nothing else
         entry.update(state=ending.state, reason=ending.reason or None, failed_ranks=ending.failed_ranks,
                      failed_nodes=ending.failed_nodes, error=None)
-        return run.update(event="batch ended", soft=True, lives=[*(manifest.get("lives") or []), entry])
+        run.update(event="batch ended (an earlier life)", soft=True)
+        return run.update(soft=True, lives=[*(run.manifest().get("lives") or []), entry])
     if ending.state:  # the registry keeps a terminal state the ranks recorded (PREEMPTED gives way to a failure)
         fields["state"] = ending.state
         if not is_terminal(manifest.get("state")):
@@ -209,10 +210,9 @@ def record_end(run: RunFolder, exit_code: int, failures: list[TaskFailure] | Non
     fields.update(dict.fromkeys(earlier))
     if ending.reason and (not manifest.get("reason") or "reason" in earlier):
         fields.update(reason=ending.reason, failed_ranks=ending.failed_ranks, failed_nodes=ending.failed_nodes)
-    lives = history(manifest, earlier)
-    merged = run.update(event="batch ended", soft=True, lives=lives, **fields)
+    merged = run.update(event="batch ended", soft=True, **fields)
     entry.update(state=merged.get("state"), **{k: merged.get(k) for k in OUTCOME})
-    return run.update(soft=True, lives=[*lives, entry])
+    return run.update(soft=True, lives=[*history(manifest, earlier), entry])  # no event: the events stay small
 
 
 # The fields that tell how one life ended. Each life's values are kept in the manifest's ``lives`` (the history,
