@@ -3,7 +3,8 @@ configuration.
 
 Each variant is a full recipe run through its backend's real ``run(ctx)`` (the backend table's trainer) in its own
 run folder (records, checkpoints, manifest), optionally stopped after a step (a stop flag raised on the last rank
-only, so the ranks must agree) and then resumed in the same processes. Used by the DeepSpeed and FSDP integration
+only, so the ranks must agree) and then resumed in the same processes, optionally with its own environment variables
+(``"env"``: a test-only fault, set for that variant only). Used by the DeepSpeed and FSDP integration
 tests and ``benchmarks/deepspeed_stages.py``::
 
     results = launch([{"name": "z1", "recipe": {...raw recipe...}, "stop_after": 4}], world_size=2, workdir=tmp)
@@ -69,9 +70,6 @@ def run_variant(variant: dict[str, Any], root: Path) -> dict[str, Any]:
     from hpc_tools.layout import ParallelLayout
     from hpc_tools.recipe.load import dump_resolved, resolve
     from hpc_tools.registry import RunFolder
-    from hpc_tools.runtime.context import RankContext
-    from hpc_tools.runtime.distenv import DistEnv
-    from hpc_tools.runtime.preemption import StopFlag
 
     recipe = resolve(variant["recipe"], source=variant["name"])
     trainer = backends.load(backends.of(recipe).trainer)
@@ -82,16 +80,43 @@ def run_variant(variant: dict[str, Any], root: Path) -> dict[str, Any]:
     layout = ParallelLayout.from_recipe(recipe)
     phases = [variant.get("stop_after"), None] if variant.get("stop_after") else [None]
     walls = []
-    for stop_after in phases:
-        ctx = RankContext(recipe=recipe, layout=layout, dist=DistEnv.from_environ(), run=RunFolder(path),
-                          stop=StopFlag())
-        if stop_after and ctx.rank == ctx.dist.world_size - 1:
-            ctx.watchdog = StopAfter(ctx.stop, stop_after)
-        t0 = time.perf_counter()
-        trainer(ctx)
-        walls.append(time.perf_counter() - t0)
-        gc.collect()
+    with variant_env(variant.get("env") or {}):
+        for stop_after in phases:
+            walls.append(run_phase(trainer, recipe, layout, path, stop_after))
     return {"run_dir": str(path), "wall_s": walls, **read_records(path)} if dist.get_rank() == 0 else {}
+
+
+@contextlib.contextmanager
+def variant_env(env: dict[str, str]):
+    """``env`` in this process's environment for one variant (a test-only fault such as HPC_TOOLS_TEST_SLOW_RANK,
+    read when the run starts), then the environment as it was: the next variant does not inherit it."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: str(v) for k, v in env.items()})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_phase(trainer, recipe, layout, path: Path, stop_after: int | None) -> float:
+    """One start of the variant's trainer (stopped after ``stop_after`` when given); its wall seconds."""
+    from hpc_tools.registry import RunFolder
+    from hpc_tools.runtime.context import RankContext
+    from hpc_tools.runtime.distenv import DistEnv
+    from hpc_tools.runtime.preemption import StopFlag
+
+    ctx = RankContext(recipe=recipe, layout=layout, dist=DistEnv.from_environ(), run=RunFolder(path), stop=StopFlag())
+    if stop_after and ctx.rank == ctx.dist.world_size - 1:
+        ctx.watchdog = StopAfter(ctx.stop, stop_after)
+    t0 = time.perf_counter()
+    trainer(ctx)
+    wall = time.perf_counter() - t0
+    gc.collect()
+    return wall
 
 
 def read_records(run_dir: Path) -> dict[str, Any]:

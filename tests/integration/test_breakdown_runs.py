@@ -9,7 +9,11 @@
 - FSDP and DeepSpeed ZeRO-3 on 2 ranks: the breakdown exists and adds up for other backends; their collectives are
   data-parallel.
 
-One launch per configuration (module scope); every step after the warm-up traced (steps 3-9), and the figures
+The two GPT configurations share ONE launch of 4 ranks (``hpc_tools.testing.matrix``: each is the recipe run through
+the Megatron trainer's real ``run(ctx)``, collectors and profiler included, in its own run folder, one after the
+other in the same processes, each with its own injected delays), not two: a launch's start-up (torch, Megatron-core,
+the gloo world) was half of each run's time. FSDP and DeepSpeed launch once each through the local executor (the
+rank program). Every step after the warm-up is traced (steps 3-9), and the figures
 compared are each rank's median over them: on a loaded 2-core machine a single step's compute varies by 2x. The
 ``analyze`` and ``report`` commands, which only read the run folder, run in this process (``hpc_tools.cli.main``: the
 same code, without a process start that imports pandas and matplotlib again).
@@ -27,6 +31,7 @@ from hpc_tools.executors.local import run_local
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.submission import new_run
+from hpc_tools.testing import matrix
 from profiling.collector import SLOW_RANK_ENV
 from tests.helpers import REPO, in_process
 
@@ -43,21 +48,28 @@ TRACED = ["training.train_iters=9", "profiling.trace_sample_interval=0", "profil
 DATA_S, COMPUTE_S = 0.1, 0.2
 
 
+def breakdown(run_dir: Path) -> dict:
+    out = in_process("analyze", str(run_dir), "--breakdown", "--json")
+    text = in_process("analyze", str(run_dir), "--breakdown")
+    return {"json": json.loads(out), "text": text, "run": str(run_dir)}
+
+
 def launch(root: Path, recipe_path: Path, overrides: list[str], slow: str) -> dict:
     recipe = load_recipe(recipe_path, TRACED + overrides, profile="local")
     run = new_run(recipe, root, "local", source=str(recipe_path))
     world = ParallelLayout.from_recipe(recipe).world_size
     assert run_local(run, world, extra_env={SLOW_RANK_ENV: slow}) == 0, (run.logs_dir / "rank00000.out").read_text()
-    out = in_process("analyze", str(run.path), "--breakdown", "--json")
-    text = in_process("analyze", str(run.path), "--breakdown")
-    return {"json": json.loads(out), "text": text, "run": str(run.path)}
+    return breakdown(run.path)
 
 
 @pytest.fixture(scope="module")
 def gpt_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("breakdown")
-    return {"data": launch(root / "data", GPT, [], f"*:data:{DATA_S}"),
-            "slow": launch(root / "slow", GPT, [], f"*:data:{DATA_S},3:compute:{COMPUTE_S}")}
+    work = tmp_path_factory.mktemp("breakdown")
+    recipe = load_recipe(GPT, TRACED, profile="local").model_dump(mode="json", exclude={"local", "sweep"})
+    slow = {"data": f"*:data:{DATA_S}", "slow": f"*:data:{DATA_S},3:compute:{COMPUTE_S}"}
+    results = matrix.launch([{"name": name, "recipe": recipe, "env": {SLOW_RANK_ENV: spec}}
+                             for name, spec in slow.items()], 4, work)
+    return {name: breakdown(Path(results[name]["run_dir"])) for name in slow}
 
 
 def by_rank(result: dict) -> dict[int, dict]:
