@@ -67,7 +67,9 @@ def run(ctx: "RankContext", build: Callable[["RankContext"], RankJob]) -> None:
     """A backend's ``run(ctx)``: join the process group on this rank's device, build the engine, ``train`` it;
     rank 0 logs the start-up phases (imports, process group, model build; ``train`` the rest) as they end."""
     from hpc_tools.runtime.progress import StartupLog, process_age_s
+    from hpc_tools.train import dynamo_lazy
 
+    dynamo_lazy.install()  # before any optimizer or DTensor: TorchDynamo only if something compiles
     startup = StartupLog(ctx.info)
     age = process_age_s()
     if age is not None:
