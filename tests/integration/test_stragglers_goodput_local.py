@@ -2,7 +2,9 @@
 
 - comm_check on 3 ranks with one rank slowed by a test-only injected sleep (``HPC_TOOLS_TEST_SLOW_RANK``) before
   its step's work, or inside its data loading: every rank's step time comes out equal (its peers wait for it in the
-  all-reduce), and that rank, and only it, is named with the cause "compute" or "data".
+  all-reduce), and that rank, and only it, is named with the cause "compute" or "data". Both cases share ONE launch
+  of 3 ranks (``hpc_tools.testing.matrix``: comm_check's real ``run(ctx)``, collector included, in its own run folder
+  per case, one after the other in the same processes, each with its own injected delay), not two.
 - A DP-only Megatron run killed after a step past its last checkpoint and launched again: the steps it recomputes are
   lost work, the checkpoint saves and the load are measured by the loop, and the pause between the two lives is
   requeue wait.
@@ -24,6 +26,7 @@ from hpc_tools.executors.local import run_local
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.submission import new_run
+from hpc_tools.testing import matrix
 from profiling.collector import SLOW_RANK_ENV
 from tests.helpers import REPO
 
@@ -33,19 +36,24 @@ STEPS = 16
 DELAY_S = 0.3
 
 
-def comm_check_run(root: Path, slow: str):
+INJECTED = [(2, "compute"), (1, "data")]
+
+
+@pytest.fixture(scope="module")
+def comm_check_runs(tmp_path_factory) -> dict[tuple[int, str], str]:
+    """(slow rank, cause) -> its comm_check run folder, both from one launch of 3 ranks."""
     recipe = load_recipe(COMM_CHECK, [f"training.train_iters={STEPS}", "cluster.gpus_per_node=3",
                                       "profiling.communication_sample_interval=1", "profiling.warmup_steps=2"],
-                         profile="local")
-    run = new_run(recipe, root, "local", source=str(COMM_CHECK))
-    assert run_local(run, 3, extra_env={SLOW_RANK_ENV: slow}) == 0, (run.logs_dir / "rank00000.out").read_text()
-    return run
+                         profile="local").model_dump(mode="json", exclude={"local", "sweep"})
+    variants = [{"name": f"rank{rank}-{cause}", "recipe": recipe, "env": {SLOW_RANK_ENV: f"{rank}:{cause}:{DELAY_S}"}}
+                for rank, cause in INJECTED]
+    results = matrix.launch(variants, 3, tmp_path_factory.mktemp("stragglers"))
+    return {(rank, cause): results[f"rank{rank}-{cause}"]["run_dir"] for rank, cause in INJECTED}
 
 
-@pytest.mark.parametrize("slow_rank,cause", [(2, "compute"), (1, "data")])
-def test_an_injected_straggler_is_named_with_its_cause(tmp_path, slow_rank, cause):
-    run = comm_check_run(tmp_path, f"{slow_rank}:{cause}:{DELAY_S}")
-    result = analyse([str(run.path)])
+@pytest.mark.parametrize("slow_rank,cause", INJECTED)
+def test_an_injected_straggler_is_named_with_its_cause(comm_check_runs, slow_rank, cause):
+    result = analyse([comm_check_runs[(slow_rank, cause)]])
     row = result.runs.iloc[0]
     ranks = result.ranks.set_index("rank")
     # The step times of the ranks are within a fraction of the delay: the old step-time rule cannot tell.
@@ -177,7 +185,7 @@ def test_a_rank_stopped_half_of_the_time_is_the_one_straggler_host_stalled(tmp_p
     lateness. ``analyze --json`` names it, and only it, with the cause "host stalled", from the time the host kept it
     from running (``host_stall_s``); so does ``status`` while the job runs."""
     from hpc_tools.analysis.live import stragglers_and_goodput
-    from tests.helpers import run_cli
+    from tests.helpers import in_process
 
     steps, victim = 36, 1
     recipe = load_recipe(GPT, ["parallel.tensor_size=1", "parallel.pipeline_size=1",
@@ -214,9 +222,7 @@ def test_a_rank_stopped_half_of_the_time_is_the_one_straggler_host_stalled(tmp_p
         done.set()
         stopper.join()
     assert len(stops) >= 10
-    out = run_cli("analyze", str(run.path), "--json")
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout)
+    result = json.loads(in_process("analyze", str(run.path), "--json"))  # reads the folder: no process start
     verdict = result["runs"][0]["straggler_verdict"]
     assert [(s["rank"], s["straggler_cause"]) for s in result["stragglers"]] == [(victim, "host stalled")], verdict
     assert [r["rank"] for r in result["ranks"] if r["straggler"]] == [victim]
