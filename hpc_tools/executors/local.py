@@ -66,9 +66,10 @@ def run_local(run: RunFolder, world_size: int, echo: IO[bytes] | None = None, ex
     (``hpc_tools.job.restarts.local_restart``, recorded in the manifest's ``restarts``). ``rank_args``: more
     arguments of the rank program (``--preflight-only``: ``hpc_tools preflight``)."""
     from hpc_tools.job.restarts import local_restart
+    from hpc_tools.render.launchers import of as launcher_row
     from hpc_tools.runtime.distenv import RESTART_BASE_ENV
 
-    if launcher(run) == "ray" and not rank_args:
+    if launcher_row(launcher(run)).driver and not rank_args:  # one process drives every rank (Ray)
         return run_ray_local(run, world_size, echo, extra_env)
     extra_env = dict(extra_env or {})
     while True:

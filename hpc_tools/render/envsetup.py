@@ -11,8 +11,10 @@ read unset variables, so neither runs under ``set -u``.
 from __future__ import annotations
 
 import shlex
+from typing import TYPE_CHECKING
 
-from hpc_tools.recipe.cluster import ClusterConfig
+if TYPE_CHECKING:  # annotations only: the launcher table (render/launchers.py) imports this without pydantic
+    from hpc_tools.recipe.cluster import ClusterConfig
 
 
 def setup_lines(cluster: ClusterConfig) -> list[str]:
