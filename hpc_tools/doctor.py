@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from hpc_tools import backends
+from hpc_tools.render import launchers
 from hpc_tools.world import HOROVOD_INSTALL
 
 if TYPE_CHECKING:
@@ -43,8 +44,10 @@ for _row in backends.BACKENDS.values():
     for _name in _row.packages:
         PACKAGES[_name] = PACKAGES.get(_name, ()) + (_row.kind,)
 PACKAGES.update({name: () for name in EVERY_JOB[1:] + FILE_INPUTS})
-RAY = "ray"  # cluster.launcher: ray only (docs/ray.md): missing is a warning
-PACKAGES[RAY] = ()
+# Each launcher's own packages (the launcher table's ``packages``: Ray's, docs/ray.md): missing is a warning.
+LAUNCHER_PACKAGES = {name: (row.name, requirement) for row in launchers.LAUNCHERS.values()
+                     for name, requirement in row.packages}
+PACKAGES.update({name: () for name in LAUNCHER_PACKAGES})
 _PIN = re.compile(r"(?<![\w.-])([A-Za-z0-9][A-Za-z0-9_.-]*)(?:\[[\w,.-]*\])?==([0-9][0-9A-Za-z.+!-]*)")
 
 
@@ -127,8 +130,9 @@ def package_checks(backend: str | None = None, pinned: dict[str, str] | None = N
             why = "every job" if not kinds else f"backend.kind: {' or '.join(kinds)}"
             if name in FILE_INPUTS:
                 needed, why = data_source == "files", FILE_INPUTS_WHY
-            if name == RAY:
-                needed, why, install = False, "cluster.launcher: ray", f"pip install 'ray[default,train]=={pin}'"
+            if name in LAUNCHER_PACKAGES:
+                launcher, requirement = LAUNCHER_PACKAGES[name]
+                needed, why, install = False, f"cluster.launcher: {launcher}", f"pip install '{requirement}=={pin}'"
             rows.append(Check(name, "fail" if needed else "warn", f"not installed (needed by {why})", install))
             continue
         if pin is None or have.split("+")[0] == pin:

@@ -81,7 +81,10 @@ def _job_lines(manifest: dict, profile: dict, run_dir: Path) -> list[str]:
             if manifest.get(k) not in (None, "")]
     if ends:
         lines.append(f"end      {', '.join(ends)}")
-    if manifest.get("launcher") == "ray" or manifest.get("ray_dashboard"):  # cluster.launcher: ray (docs/ray.md)
+    from hpc_tools.render.launchers import LAUNCHERS
+
+    row = LAUNCHERS.get(manifest.get("launcher") or "srun")
+    if (row is not None and row.driver) or manifest.get("ray_dashboard"):  # its own cluster: Ray's (docs/ray.md)
         lines.append(f"ray      {manifest.get('ray_nodes') or '?'} node(s), started in "
                      f"{manifest.get('ray_start_s') or '?'} s, dashboard {manifest.get('ray_dashboard') or 'off'} "
                      f"(while the job runs), logs {run_dir / 'ray'}")

@@ -15,6 +15,7 @@ from pathlib import Path
 from hpc_tools import slurm_client
 from hpc_tools.recipe.schema import Recipe
 from hpc_tools.registry import RunFolder, now_iso
+from hpc_tools.render import launchers
 from hpc_tools.render.envsetup import (
     checked_setup_lines,
     launch_prefix,
@@ -152,8 +153,8 @@ def submit_run(run: RunFolder, recipe: Recipe, exclude: str | None = None, env: 
                event: str = "submitted", **fields):
     """Submit one run (a new one, or, from ``hpc_tools resume``, an ended one in its own folder); records the job id
     and log locations in its manifest with ``event`` and ``fields`` (state PENDING unless ``fields`` names one).
-    Returns the submitit job (``cluster.launcher: ray``: the rendered script's, ``submit_script``)."""
-    if recipe.cluster.launcher == "ray":
+    Returns the submitit job (a launcher with a driver of its own, Ray: the rendered script's, ``submit_script``)."""
+    if launchers.of(recipe.cluster.launcher).driver:
         return submit_script(run, recipe, exclude, env, event, **fields)
     folder = run.path / "submitit"
     job = make_executor(recipe, folder, exclude, env, run_dir=run.path).submit(rank_task, str(run.path))
@@ -174,16 +175,17 @@ class ScriptJob:
 
 def submit_script(run: RunFolder, recipe: Recipe, exclude: str | None = None, env: dict[str, str] | None = None,
                   event: str = "submitted", **fields) -> ScriptJob:
-    """``cluster.launcher: ray``: the run's rendered batch script (``job.sbatch``: a Ray cluster over the allocation,
-    the driver on the batch host; docs/ray.md) submitted with sbatch into the run's folder, since submitit starts one
-    task per rank, which Ray Train does here instead."""
+    """A launcher whose driver starts every rank (``render.launchers``' ``driver``; Ray): the run's rendered batch
+    script (``job.sbatch``: for Ray a Ray cluster over the allocation, the driver on the batch host; docs/ray.md)
+    submitted with sbatch into the run's folder, since submitit starts one task per rank, which the driver does here
+    instead."""
     options = [f"--exclude={exclude}"] if exclude else []
     job_id = sbatch_script(run.path / "job.sbatch", {"HPC_TOOLS_RUN_DIR": str(run.path), **(env or {})}, options,
                            cwd=run.path)
     record = {"state": "PENDING", **fields}
     if record["state"] is None:
         del record["state"]
-    run.update(event=event, executor="slurm", launcher="ray", job_id=job_id, submitted=now_iso(),
+    run.update(event=event, executor="slurm", launcher=recipe.cluster.launcher, job_id=job_id, submitted=now_iso(),
                log_glob=str(run.path / f"{recipe.name}-{job_id}.out"), **record)
     return ScriptJob(job_id)
 
