@@ -44,6 +44,12 @@ CPU_ORDER = ("data", "checkpoint", "call", "compute", "flight", "other", "host")
 GPU_ORDER = ("compute", "flight", "data", "checkpoint", "other", "host")
 _COMM_OPS = ("gloo:", "c10d::", "nccl:", "record_param_comms")
 _NOT_OPS = ("hpc_tools#", "ProfilerStep#", "PyTorch Profiler")
+_BACKWARD = "autograd::engine::evaluate_function"
+# allocations and bookkeeping around p2p (Megatron allocates a receive buffer, and frees a sent output with an empty
+# tensor): not a forward
+_BOOKKEEPING = ("aten::empty", "aten::zeros", "aten::zero_", "aten::fill_", "aten::detach", "detach", "aten::item",
+                "aten::_local_scalar_dense", "aten::set_", "aten::resize_", "aten::record_stream")
+PHASES = ("warm", "steady", "cool", "tail")  # fill, 1F1B, drain, after the last backward
 _P2P_NAMES = ("gloo:send", "gloo:recv", "ncclDevKernel_SendRecv", "ncclKernel_SendRecv")
 # Megatron-core's group descriptions (parallel_state.py), most specific first: the group's dimension
 _DESCRIPTIONS = (("CONTEXT_PARALLEL", "cp"), ("EXPERT_MODEL_PARALLEL", "ep"), ("EXPERT_DATA", "dp"),
@@ -64,6 +70,10 @@ class StepTimeline:
     flight: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
     calls: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
     p2p_ops: list[float] = field(default_factory=list)  # durations of the p2p transfers (us)
+    p2p_starts: list[float] = field(default_factory=list)  # their starts, same order
+    # pipelined steps: (first backward's start, last forward's end, last backward's end), the schedule's phases
+    cuts: tuple[float, float, float] | None = None
+    _raw: dict[bool, dict[str, float]] = field(default_factory=dict)  # sweep per timeline kind (gpu), computed once
 
 
 def read_trace(path: Path) -> dict[str, Any]:
@@ -123,6 +133,8 @@ def timelines(trace: dict[str, Any]) -> list[StepTimeline]:
         _host_intervals(t, host, main, marks, owner)
         if kernels:
             _kernel_intervals(t, kernels)
+        if t.p2p_ops:
+            t.cuts = _phases(t, host, main)
         out.append(t)
     return out
 
@@ -189,8 +201,39 @@ def _host_intervals(t: StepTimeline, host: list[dict], main, marks: "_Marks", ow
                 t.flight[("p2p:" if p2p else "") + pg].append((marks.issued(pg, a), b))
             if p2p:
                 t.p2p_ops.append(e["dur"])
+                t.p2p_starts.append(a)
         elif e["tid"] == main and not name.startswith(_NOT_OPS):
             t.spans["other" if name.startswith(_COMM_OPS) else "compute"].append((a, b))
+
+
+def _phases(t: StepTimeline, host: list[dict], main) -> tuple[float, float, float] | None:
+    """The pipeline schedule's phases of a step: (the first backward's start, the last forward's end, the last
+    backward's end). Backward: the autograd engine's ``evaluate_function`` events (any thread: on GPUs the engine runs
+    on its own); forward: the main thread's other operators outside them (and outside the communication calls, less
+    allocations: ``_BOOKKEEPING``), before the last backward."""
+    bwd = sorted((e["ts"], e["ts"] + e["dur"]) for e in host if e["name"].startswith(_BACKWARD)
+                 and e["ts"] < t.end and e["ts"] + e["dur"] > t.start)
+    if not bwd:
+        return None
+    merged: list[list[float]] = []
+    for a, b in bwd:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    starts = [m[0] for m in merged]
+    last_b = merged[-1][0]
+    last_f = t.start
+    for e in host:
+        a, name = e["ts"], e["name"]
+        if (e["tid"] != main or not t.start <= a < last_b or name.startswith(_BACKWARD) or name.startswith(_NOT_OPS)
+                or name.startswith(_COMM_OPS) or name.startswith(_BOOKKEEPING)):
+            continue
+        i = bisect.bisect_right(starts, a)
+        if i and a < merged[i - 1][1]:  # inside a backward (the engine runs CPU backwards on the main thread)
+            continue
+        last_f = max(last_f, a + e["dur"])
+    return merged[0][0], max(last_f, merged[0][0]), merged[-1][1]
 
 
 def _kernel_intervals(t: StepTimeline, kernels: Iterable[dict]) -> None:
@@ -206,6 +249,7 @@ def _kernel_intervals(t: StepTimeline, kernels: Iterable[dict]) -> None:
             t.flight[("p2p:" if p2p else "") + str(args.get("Process Group Name", "?"))].append((a, b))
             if p2p:
                 t.p2p_ops.append(e["dur"])
+                t.p2p_starts.append(a)
         else:
             t.spans["compute" if e.get("cat") == "kernel" else "other"].append((a, b))
 
@@ -213,7 +257,8 @@ def _kernel_intervals(t: StepTimeline, kernels: Iterable[dict]) -> None:
 def sweep(t: StepTimeline, order: tuple[str, ...]) -> dict[str, float]:
     """Microseconds of the step window per label (``data``, ``compute``, ``comm:<pg>``, ``comm:p2p:<pg>``,
     ``checkpoint``, ``other``, ``host``): each instant goes to the first class of ``order`` active then; an instant
-    with several collectives in flight is shared between their groups."""
+    with several collectives in flight is shared between their groups. A pipelined step (``t.cuts``) has each label
+    per phase of the schedule: ``<label>@warm``, ``@steady``, ``@cool``, ``@tail`` (``PHASES``)."""
     edges: list[tuple[float, int, str, str]] = []
     for kind, groups in (("call", t.calls), ("flight", t.flight)):
         if kind in order:
@@ -221,6 +266,8 @@ def sweep(t: StepTimeline, order: tuple[str, ...]) -> dict[str, float]:
                 edges += [e for a, b in ivs for e in ((a, 1, kind, pg), (b, -1, kind, pg))]
     for kind, ivs in t.spans.items():
         edges += [e for a, b in ivs for e in ((a, 1, kind, ""), (b, -1, kind, ""))]
+    cuts = t.cuts or ()
+    edges += [(c, 0, "", "") for c in cuts]  # no interval straddles a phase's edge
     edges.sort(key=lambda e: e[0])
     active: dict[str, Counter] = defaultdict(Counter)
     out: dict[str, float] = defaultdict(float)
@@ -228,7 +275,8 @@ def sweep(t: StepTimeline, order: tuple[str, ...]) -> dict[str, float]:
     for ts, delta, kind, pg in edges + [(t.end, 0, "", "")]:
         a, b = max(prev, t.start), min(ts, t.end)
         if b > a:
-            _assign(out, active, order, b - a)
+            phase = f"@{PHASES[bisect.bisect_right(cuts, a)]}" if cuts else ""
+            _assign(out, active, order, b - a, phase)
         prev = max(prev, ts)
         if delta:
             active[kind][pg] += delta
@@ -237,43 +285,104 @@ def sweep(t: StepTimeline, order: tuple[str, ...]) -> dict[str, float]:
     return dict(out)
 
 
-def _assign(out: dict[str, float], active: dict[str, Counter], order: tuple[str, ...], dt: float) -> None:
+def _assign(out: dict[str, float], active: dict[str, Counter], order: tuple[str, ...], dt: float,
+            phase: str = "") -> None:
     for kind in order:
         if kind == "host":
-            out["host"] += dt
+            out["host" + phase] += dt
             return
         if active.get(kind):
             if kind in ("call", "flight"):
                 groups = list(active[kind])
                 for pg in groups:
-                    out["comm:" + pg] += dt / len(groups)
+                    out["comm:" + pg + phase] += dt / len(groups)
             else:
-                out[kind] += dt
+                out[kind + phase] += dt
             return
 
 
-def buckets(t: StepTimeline, dims: dict[str, str], gpu: bool = False,
-            p2p_floor_us: float | None = None) -> dict[str, float]:
+def _sweep(t: StepTimeline, gpu: bool) -> dict[str, float]:
+    if gpu not in t._raw:
+        t._raw[gpu] = sweep(t, GPU_ORDER if gpu else CPU_ORDER)
+    return t._raw[gpu]
+
+
+def _comm_key(pg: str, dims: dict[str, str]) -> tuple[str, str]:
+    dim = dims.get(pg, "?")
+    return ("other" if dim in ("self", "?") else f"comm.{dim}"), dim
+
+
+def tail_us(t: StepTimeline, dims: dict[str, str], gpu: bool = False) -> dict[str, float]:
+    """Microseconds per bucket in collectives of groups that span pipeline stages (embedding, model-parallel, world:
+    a dimension with ``pp``) after the rank's last backward: where a stage that finished its backwards waits while the
+    earlier stages drain (nothing when the step is not pipelined)."""
+    out: dict[str, float] = defaultdict(float)
+    for label, us in _sweep(t, gpu).items():
+        base, _, phase = label.partition("@")
+        if phase == "tail" and base.startswith("comm:") and not base.startswith("comm:p2p:"):
+            key, dim = _comm_key(base[5:], dims)
+            if "pp" in dim.split("+"):
+                out[key] += us
+    return dict(out)
+
+
+def p2p_wait_s(t: StepTimeline, gpu: bool = False) -> float:
+    """Seconds of exposed pipeline p2p in the step, every phase: what the collectors' ``pp_wait_s`` measures."""
+    return sum(us for label, us in _sweep(t, gpu).items() if label.startswith("comm:p2p:")) / 1e6
+
+
+def pipeline_work_s(t: StepTimeline, gpu: bool = False) -> float | None:
+    """Seconds of the step, up to the rank's last backward, that the rank spent on its own forwards and backwards
+    (everything but pipeline p2p, data and checkpoint): its stage's work in the schedule; None when not pipelined."""
+    if t.cuts is None:
+        return None
+    return sum(us for label, us in _sweep(t, gpu).items()
+               if (parts := label.partition("@"))[2] in ("warm", "steady", "cool")
+               and not parts[0].startswith("comm:p2p:") and parts[0] not in ("data", "checkpoint")) / 1e6
+
+
+def buckets(t: StepTimeline, dims: dict[str, str], gpu: bool = False, p2p_floor_us: float | None = None,
+            tail_floor_us: float | None = None) -> dict[str, float]:
     """Seconds of the step per bucket (``BUCKETS``, plus ``comm.<mixed group>`` when one took time); they add up to
-    the step window. Pipeline p2p: the transfers' own time (``p2p_floor_us``, the fastest p2p op of the step on any
-    rank, by default this rank's, times their number: as if none had waited) is ``comm.pp``, the exposed rest the
-    ``bubble`` (waiting for the other stage)."""
-    raw = sweep(t, GPU_ORDER if gpu else CPU_ORDER)
+    the step window.
+
+    Pipeline waits go by when they happen in the schedule (``t.cuts``): exposed p2p in the fill (before the rank's
+    first backward), the drain (after its last forward) or after its last backward is the ``bubble``, less the
+    transfers' own time (``p2p_floor_us``, the fastest p2p op of the step on any rank, by default this rank's, times
+    their number: ``comm.pp``); p2p in the 1F1B steady state between, waiting on a send/recv for a slower neighbour, is
+    ``comm.pp``. After the last backward, the time in collectives spanning stages (``tail_us``) beyond
+    ``tail_floor_us`` (the least any rank of the step spent there: the collectives' own time; by default this rank's)
+    is the ``bubble`` too: a later stage waits there while the earlier ones drain. A step without phases (no backward
+    in the trace) has all its p2p as fill and drain."""
     out = {b: 0.0 for b in BUCKETS}
-    p2p = 0.0
-    for label, us in raw.items():
-        if label.startswith("comm:p2p:"):
-            p2p += us
-        elif label.startswith("comm:"):
-            dim = dims.get(label[5:], "?")
-            key = "other" if dim in ("self", "?") else f"comm.{dim}"
+    idle = 0.0
+    for label, us in _sweep(t, gpu).items():
+        base, _, phase = label.partition("@")
+        if base.startswith("comm:p2p:"):
+            if phase == "steady":
+                out["comm.pp"] += us
+            else:
+                idle += us
+        elif base.startswith("comm:"):
+            key = _comm_key(base[5:], dims)[0]
             out[key] = out.get(key, 0.0) + us
         else:
-            out[label] = out.get(label, 0.0) + us
+            out[base] = out.get(base, 0.0) + us
     floor = p2p_floor_us if p2p_floor_us is not None else min(t.p2p_ops, default=0.0)
-    transfer = min(p2p, len(t.p2p_ops) * floor)
+    if t.cuts:
+        steady = (t.cuts[0], max(t.cuts[0], t.cuts[1]))
+        ops = sum(1 for a in t.p2p_starts if not steady[0] <= a < steady[1])
+    else:
+        ops = len(t.p2p_ops)
+    transfer = min(idle, ops * floor)
     out["comm.pp"] += transfer
-    out["bubble"] += p2p - transfer
+    out["bubble"] += idle - transfer
+    tail = tail_us(t, dims, gpu)
+    total = sum(tail.values())
+    excess = max(0.0, total - (tail_floor_us if tail_floor_us is not None else total))
+    for key, us in tail.items():
+        out[key] -= excess * us / total
+    out["bubble"] += excess
     return {k: v / 1e6 for k, v in out.items()}
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from hpc_tools.planner import pipeline_schedule as ps
 from hpc_tools.planner import steptime as st
 from profiling import breakdown as bd
 from profiling import post_save
@@ -52,6 +53,8 @@ class RankBreakdown:
     steps: dict[int, dict[str, float]] = field(default_factory=dict)  # traced step -> buckets (s)
     step_time_s: dict[int, float] = field(default_factory=dict)  # the record's, same steps
     pp_wait_s: dict[int, float] = field(default_factory=dict)
+    work_s: dict[int, float] = field(default_factory=dict)  # pipelined steps: the stage's own work (pipeline_work_s)
+    p2p_s: dict[int, float] = field(default_factory=dict)  # pipelined steps: exposed p2p, every phase (p2p_wait_s)
     saved: dict[int, float] = field(default_factory=dict)  # traced step a save followed -> its blocked time (s)
     checkpoint_per_step: float = 0.0  # the rank's blocked save time over the run, per recorded step
 
@@ -115,7 +118,8 @@ class Breakdown:
         return {"run_id": self.run_id, "ranks": ranks, "mean": mean, "planned": self.planned,
                 "planned_source": self.planned_source,
                 "ratio": {k: (mean.get(k, 0.0) / v if v else None) for k, v in self.planned.items()},
-                "bubble_collectors_s": self.bubble_collectors_s, "straggler": self.straggler, "verdict": self.verdict,
+                "bubble_collectors_s": self.bubble_collectors_s, "bubble": bubble_figures(self),
+                "straggler": self.straggler, "verdict": self.verdict,
                 "post_save": self.post_save}
 
 
@@ -160,10 +164,14 @@ def measure(run_dir: Path, warmup: int = 0) -> list[RankBreakdown]:
     ranks: dict[int, RankBreakdown] = {}
     for step, items in sorted(per_step.items()):
         floor = min((d for _, t, _, _ in items for d in t.p2p_ops), default=None)  # fastest p2p of the step
+        # the least time any rank spent in cross-stage collectives after its last backward: theirs without a wait
+        tail = min((sum(bd.tail_us(t, dims, gpu).values()) for _, t, dims, gpu in items if t.cuts), default=None)
         for rank, t, dims, gpu in items:
             rec = records.get(rank, {"coords": {}, "step_time_s": {}, "pp_wait_s": {}})
             rb = ranks.setdefault(rank, RankBreakdown(rank, rec["coords"]))
-            rb.steps[step] = bd.buckets(t, dims, gpu, p2p_floor_us=floor)
+            rb.steps[step] = bd.buckets(t, dims, gpu, p2p_floor_us=floor, tail_floor_us=tail)
+            if (work := bd.pipeline_work_s(t, gpu)) is not None:
+                rb.work_s[step], rb.p2p_s[step] = work, bd.p2p_wait_s(t, gpu)
             if step in rec["step_time_s"]:
                 rb.step_time_s[step] = rec["step_time_s"][step]
             if step in rec["pp_wait_s"]:
@@ -212,6 +220,16 @@ def planned_terms(recipe: Any, layout: Any, ranks: list[RankBreakdown]) -> tuple
         return out, (f"planner: {plan.hardware.gpu_type}, efficiency {plan.efficiency:.3g} "
                      f"({plan.efficiency_source})")
     bf = layout.bubble_fraction if layout is not None else 0.0
+    work = stage_work(ranks)
+    if layout is not None and layout.pipeline_size > 1 and sorted(work) == list(range(layout.pipeline_size)):
+        p, m = layout.pipeline_size, max(layout.num_microbatches, 1)
+        fwd, bwd = ps.equal_split([work[s] / m for s in range(p)], layout.virtual_pipeline_size or 1)
+        sched = ps.simulate(fwd, bwd, m)
+        return {"bubble": sched.mean_bubble}, (
+            "planner's bubble under Megatron-core's schedule (planner/pipeline_schedule.py) for the stages' own work "
+            "as traced (median step: " + ", ".join(f"stage {s} {work[s]:.3g} s" for s in range(p)) + "), mean over "
+            "stages (" + ", ".join(f"{x.bubble:.3g}" for x in sched.stages) + f" s); equal stages: (p-1)/(v m) = "
+            f"{bf:.3g} of their work; CPU ranks: no peak for the planner's other terms")
     own = [sum(b.values()) - b.get("bubble", 0.0) - b.get("data", 0.0) - b.get("checkpoint", 0.0)
            for r in ranks for b in r.steps.values()]
     if not own:
@@ -219,6 +237,30 @@ def planned_terms(recipe: Any, layout: Any, ranks: list[RankBreakdown]) -> tuple
     return {"bubble": bf * median(own)}, (f"planner's bubble term (p-1)/(v m) = {bf:.3g} of the stages' own time "
                                           "(the median traced step less its bubble and data; CPU ranks: no peak for "
                                           "the planner's other terms)")
+
+
+def stage_work(ranks: list[RankBreakdown]) -> dict[int, float]:
+    """{pipeline stage: its own work per step}: each rank's median over its traced steps (``work_s``), the mean over
+    the stage's ranks."""
+    by: dict[int, list[float]] = defaultdict(list)
+    for r in ranks:
+        if r.work_s:
+            by[r.coords.get("pp_rank", 0)].append(median(r.work_s.values()))
+    return {s: sum(v) / len(v) for s, v in by.items()}
+
+
+def bubble_figures(b: "Breakdown") -> dict[str, float | None]:
+    """The three bubbles of a run, seconds per step: the planner's (``planned``), the breakdown's and the collectors'
+    pipeline wait (``pp_wait_s``), each rank's median over the traced steps, mean over the ranks; and the breakdown's
+    exposed p2p in every phase (``breakdown_p2p``: the collectors' quantity, read from the trace)."""
+    def over(values: list[list[float]]) -> float | None:
+        meds = [median(v) for v in values if v]
+        return sum(meds) / len(meds) if meds else None
+
+    return {"planned": b.planned.get("bubble"),
+            "breakdown": over([[s.get("bubble", 0.0) for s in r.steps.values()] for r in b.ranks]),
+            "collectors": over([list(r.pp_wait_s.values()) for r in b.ranks]),
+            "breakdown_p2p": over([list(r.p2p_s.values()) for r in b.ranks])}
 
 
 def straggler(ranks: list[RankBreakdown]) -> dict[str, Any] | None:
@@ -296,6 +338,11 @@ def format_text(b: Breakdown) -> str:
     if b.bubble_collectors_s is not None:
         lines.append(f"bubble the collectors measured on the same steps (pp_wait_s, mean over ranks): "
                      f"{b.bubble_collectors_s:.4f} s")
+    fig = js["bubble"]
+    if fig["collectors"] is not None or (fig["planned"] or 0.0) > 0:
+        lines.append("bubble, median traced step, mean over ranks: " + ", ".join(
+            f"{k} {v:.4f} s" for k, v in fig.items() if v is not None) + " (planned: idle in the schedule's fill and "
+            "drain; breakdown: waits there; collectors and breakdown_p2p: every p2p wait, the steady state's too)")
     saved = sorted({s for r in b.ranks for s in r.saved_steps})
     if saved:
         lines.append(f"traced steps a checkpoint save followed: {saved} (its blocked time is in those steps' "
