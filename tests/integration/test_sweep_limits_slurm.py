@@ -1,12 +1,13 @@
-"""A sweep larger than Slurm's array limit on the test cluster: 25 tiny cells with sweep.max_parallel=4 all complete,
-in arrays of at most 10, never more than 4 at once (from sacct's start and end times), and `sweep status` shows 25
-completed.
+"""A sweep larger than Slurm's array limit on the test cluster: 9 tiny cells with sweep.max_parallel=2 all complete,
+in arrays of at most 4 (three chunks: the first submitted at once, the rest as cells end), never more than 2 at once
+(from sacct's start and end times), and `sweep status` shows 9 completed. (It ran 25 cells against a limit of 10, with
+4 at once: the same three chunks for 16 more rank starts.)
 
 The limit is set for this module in slurm.conf and applied with `scontrol reconfigure` (slurmctld re-reads its file
-and keeps running jobs; no daemon restarts): `MaxArraySize=10`, which `scontrol show config` reports at once and the
+and keeps running jobs; no daemon restarts): `MaxArraySize=4`, which `scontrol show config` reports at once and the
 sweep reads, though Slurm 22.05's slurmctld goes on enforcing the old value until it restarts (an array 0-1000 is
-still accepted); and `SchedulerParameters=...,max_array_tasks=10`, which it enforces from the reconfigure on (an
-array of 25 is refused), so the test runs against a limit Slurm holds for real. Both lines are removed afterwards.
+still accepted); and `SchedulerParameters=...,max_array_tasks=4`, which it enforces from the reconfigure on (an
+array of 9 is refused), so the test runs against a limit Slurm holds for real. Both lines are removed afterwards.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from hpc_tools.slurm_client import show_config
 from tests.helpers import REPO, run_cli, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multinode]
-CELLS, MAX_ARRAY, THROTTLE = 25, 10, 4
+CELLS, MAX_ARRAY, THROTTLE = 9, 4, 2  # CELLS > 2 x MAX_ARRAY: three chunks
 MARK = "# hpc_tools test_sweep_limits_slurm: removed after the test"
 
 
@@ -54,7 +55,7 @@ def _restored(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def array_limit_10():
+def array_limit():
     conf = Path(show_config()["SLURM_CONF"])
     original = conf.read_text()
     assert MARK not in original and _restored(_limited(original)) == original
@@ -90,9 +91,8 @@ def _max_overlap(intervals: list[tuple[datetime, datetime]]) -> int:
     return most
 
 
-def test_25_cells_past_max_array_size_10_all_complete_within_the_throttle(slurm_multinode, array_limit_10,
-                                                                           tmp_path):
-    # Slurm itself refuses one array of 25 now: the limit is live.
+def test_cells_past_max_array_size_all_complete_within_the_throttle(slurm_multinode, array_limit, tmp_path):
+    # Slurm itself refuses one array of CELLS now: the limit is live.
     whole = subprocess.run(["sbatch", "--parsable", "--hold", f"--array=0-{CELLS - 1}", "-o", "/dev/null",
                             "--wrap", "true"], capture_output=True, text=True, timeout=60)
     if whole.returncode == 0:
@@ -101,7 +101,7 @@ def test_25_cells_past_max_array_size_10_all_complete_within_the_throttle(slurm_
 
     raw = yaml.safe_load((REPO / "recipes/comm_check.yaml").read_text())
     raw["sweep"] = {"grid": {"training.seed": list(range(CELLS))}, "max_parallel": THROTTLE}
-    recipe = tmp_path / "cc25.yaml"
+    recipe = tmp_path / f"cc{CELLS}.yaml"
     recipe.write_text(yaml.safe_dump(raw, sort_keys=False))
     out = run_cli("sweep", str(recipe), "--profile", "local", "--executor", "slurm", "--set", "cluster.gpus_per_node=1",
                   "--set", "training.train_iters=2", "--set", "training.log_interval=1000",
@@ -126,7 +126,7 @@ def test_25_cells_past_max_array_size_10_all_complete_within_the_throttle(slurm_
     rows = wait_for(lambda: _ended(jobs), timeout_s=60, what="sacct to report every cell's job ended", poll_s=2)
     sacct = "\n".join("|".join(r) for r in rows.values())
     assert set(jobs) <= set(rows) and all(rows[j][1] == "COMPLETED" for j in jobs), sacct
-    assert all(int(j.split("_")[1]) < MAX_ARRAY for j in jobs if "_" in j), jobs  # indices 0..9
+    assert all(int(j.split("_")[1]) < MAX_ARRAY for j in jobs if "_" in j), jobs  # indices 0..MAX_ARRAY-1
     spans = [(datetime.fromisoformat(rows[j][2]), datetime.fromisoformat(rows[j][3])) for j in jobs]
     assert _max_overlap(spans) <= THROTTLE, sacct
 
