@@ -127,9 +127,9 @@ AFTER = ['kill "$HPC_TOOLS_WATCH" 2>/dev/null || true']
 
 
 def comment(text: str) -> list[str]:
-    """``text`` as shell comment lines of at most 120 characters."""
-    return textwrap.wrap(text, 118, initial_indent="# ", subsequent_indent="# ", break_long_words=False,
-                         break_on_hyphens=False)
+    """``text`` as shell comment lines of at most 120 characters, each of its own lines (``\\n``) starting one."""
+    return [line for part in text.split("\n") for line in textwrap.wrap(
+        part, 118, initial_indent="# ", subsequent_indent="# ", break_long_words=False, break_on_hyphens=False)]
 
 
 def srun_comment(recipe: Recipe) -> list[str]:
@@ -236,7 +236,7 @@ def ray_comment(recipe: Recipe) -> list[str]:
         "Ray Train's TorchTrainer, whose per-worker loop is the rank program (python -m hpc_tools.runtime.rank, "
         "output in \"$RUN_DIR/logs/rank<R>.out\"). Ray Train restarts a failed worker group (FailureConfig("
         f"max_failures=cluster.restarts={recipe.cluster.restarts})), which resumes from the newest verified "
-        "checkpoint: the loop's own budget is 0. Then the Ray nodes are stopped (\"$RUN_DIR/ray/stop\"). No stop "
+        "checkpoint: the loop's own budget is 0. Then the Ray nodes are stopped (\"$RUN_DIR/ray/stop\").\nNo stop "
         "signal is asked before the time limit (it would end Ray's own processes before any worker checkpoints): at "
         "the limit the run ends, and `hpc_tools resume` continues it from its newest periodic checkpoint.")
 

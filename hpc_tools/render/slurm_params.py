@@ -11,16 +11,8 @@ from dataclasses import dataclass
 
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.schema import Recipe
-
-STOP_SIGNAL = "USR2"  # submitit's choice too; NCCL claims USR1
-
-
-def time_limit_stop(cluster) -> bool:
-    """Whether Slurm signals the ranks ``cluster.signal_delay_s`` before the time limit, for a stop checkpoint and
-    the batch shell's requeue: every launcher but Ray. The signal reaches every process of a Ray node step, Ray's own
-    included, which it ends before any worker checkpoints (docs/ray.md): a Ray run keeps its periodic checkpoints and
-    resumes from the newest with ``hpc_tools resume``, and ``validate`` says so."""
-    return cluster.launcher != "ray"
+from hpc_tools.render import launchers
+from hpc_tools.render.launchers import STOP_SIGNAL
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +38,7 @@ class SlurmSpec:
     switches: int | None = None
     switch_wait_min: int | None = None
     elastic: bool = False  # cluster.min_nodes below nodes: the job goes on after a node failure, on fewer nodes
-    stop_signal: bool = True  # --signal before the time limit (time_limit_stop: not for Ray)
+    stop_signal: bool = True  # --signal before the time limit: the launcher's time_limit_stop (not Ray's)
 
     @property
     def no_kill(self) -> bool:
@@ -64,7 +56,8 @@ class SlurmSpec:
                    partition=c.partition, account=c.account, qos=c.qos, constraint=c.constraint,
                    reservation=c.reservation, exclusive=c.exclusive, signal_delay_s=c.signal_delay_s,
                    requeue=c.requeue, extra=tuple(c.sbatch_extra), switches=c.switches,
-                   switch_wait_min=c.switch_wait_min, elastic=c.elastic, stop_signal=time_limit_stop(c))
+                   switch_wait_min=c.switch_wait_min, elastic=c.elastic,
+                   stop_signal=launchers.of(c.launcher).time_limit_stop)
 
     @property
     def step_nodes(self) -> int:
