@@ -6,9 +6,10 @@ report; three checkpoints of one run are evaluated in turn (local) and rendered 
 quantization keeps the linear weights at most ~55 % of their bf16 bytes and its score is reported beside the
 unquantized one; every input that can be wrong is refused in one line, exit 2, with nothing written.
 
-``eval``, ``quantize`` and ``submit`` run as a user runs them, each in a fresh process; ``status`` and ``report``,
-which only read the run folder, run in this one (``hpc_tools.cli.main``, the same code without a process start that
-imports pandas and matplotlib again), and the Llama trains on 2 ranks, not the profile's 4 (an evaluation reads a
+``submit`` runs as a user runs it, in a fresh process (it starts the ranks); ``eval``, ``quantize``, ``status`` and
+``report`` run in this one (``hpc_tools.cli.main``, the same code as ``python -m hpc_tools``: ``eval`` and ``quantize``
+run in the command's own process, and a fresh one per call would import torch, transformers and lm-eval again, four
+times), and the Llama trains on 2 ranks, not the profile's 4 (an evaluation reads a
 checkpoint whatever the rank count that wrote it; 4 ranks on a 2-core machine only queue for the cores).
 """
 
@@ -72,9 +73,7 @@ def llama_run(tmp_path_factory) -> Path:
 
 
 def cli_json(*args: str) -> dict:
-    out = run_cli(*args, "--json", timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)
+    return json.loads(in_process(*args, "--json"))
 
 
 def status_json(run: Path) -> dict:
