@@ -1,11 +1,12 @@
 """Start-up cost of a rank's training library on a CPU-only torch: the import of megatron-core and of DeepSpeed as a
 rank made it before and as it makes it now (``hpc_tools.train.megatron.cpu_compat.import_megatron``: no
 TorchDynamo/Inductor behind the fusion decorators, no wandb behind the inference context, no tensorboard behind the
-timers; ``hpc_tools.train.deepspeed.trainer.import_deepspeed``: no mlflow behind the autotuner). Each figure is a fresh
-interpreter importing torch first (timed apart) and then the modules a rank imports; the two ways alternate, so both
-see the same load.
+timers; ``hpc_tools.train.deepspeed.trainer.import_deepspeed``: no mlflow behind the autotuner), and a rank's first
+optimizer step (``--library dynamo``: ``hpc_tools.train.dynamo_lazy``, no TorchDynamo behind torch.optim). Each
+figure is a fresh interpreter importing torch first (timed apart) and then the modules a rank imports; the two ways
+alternate, so both see the same load.
 
-    PYTHONPATH=. python benchmarks/bench_rank_import.py [--repeats 5] [--library megatron|deepspeed|all]
+    PYTHONPATH=. python benchmarks/bench_rank_import.py [--repeats 5] [--library megatron|deepspeed|dynamo|all]
 """
 
 from __future__ import annotations
@@ -35,8 +36,22 @@ if sys.argv[1] == "now":
     import_deepspeed()
 import deepspeed, deepspeed.ops
 print(time.perf_counter() - t, *(m in sys.modules for m in ("mlflow",)))
+''',
+    "dynamo": r'''
+import sys, time
+import torch
+t = time.perf_counter()
+if sys.argv[1] == "now":
+    from hpc_tools.train import dynamo_lazy
+    dynamo_lazy.install()
+p = torch.nn.Parameter(torch.ones(4))
+opt = torch.optim.AdamW([p], lr=0.1)
+p.grad = torch.ones(4)
+opt.step()
+opt.zero_grad()
+print(time.perf_counter() - t, *(m in sys.modules for m in ("torch._dynamo",)))
 '''}
-LEFT_OUT = {"megatron": ("TorchDynamo", "wandb", "tensorboard"), "deepspeed": ("mlflow",)}
+LEFT_OUT = {"megatron": ("TorchDynamo", "wandb", "tensorboard"), "deepspeed": ("mlflow",), "dynamo": ("TorchDynamo",)}
 
 
 def once(library: str, way: str) -> tuple[float, list[bool]]:
