@@ -1,4 +1,4 @@
-"""`analyze RUN --breakdown` on real local runs (the rank program, gloo, the real collectors' sampled traces):
+"""`analyze RUN --breakdown` on real local runs (the trainers, gloo, the real collectors' sampled traces):
 
 - Megatron-core gpt_3d as TP2 x PP2 on 4 CPU ranks, every rank sleeping 0.1 s in its data loading
   (``HPC_TOOLS_TEST_SLOW_RANK='*:data:0.1'``): every rank's data bucket is 0.1 s per step, its buckets add up to
@@ -105,17 +105,18 @@ def test_data_bucket_and_sum_on_every_rank(gpt_runs):
 
 @pytest.mark.megatron
 def test_bubble_matches_the_plan_and_the_collectors(gpt_runs):
-    """Medians over the traced steps (a loaded host's scheduling spikes land in the pipeline wait), mean over the
-    ranks: the breakdown's bubble, the collectors' pipeline wait of the same steps, the planner's bubble term."""
-    js = gpt_runs["data"]["json"]
-    bubble = sum(med(gpt_runs["data"], r["rank"], "bubble") for r in js["ranks"]) / len(js["ranks"])
-    collectors = sum(median(s["pp_wait_s"] for s in r["steps"]) for r in js["ranks"]) / len(js["ranks"])
-    print(f"\nbubble {bubble:.4f} s, collectors' {collectors:.4f} s, planned {js['planned']['bubble']:.4f} s")
-    assert bubble == pytest.approx(collectors, rel=0.25), js
-    # The plan assumes stages that take equal, steady time per microbatch; on a host running more ranks than cores
-    # the other stage's scheduling delays add to the wait: within 25 % of the plan on a quiet 2-core host, up to
-    # 1.5x at a load average of 12 (docs/breakdown.md)
-    assert bubble == pytest.approx(js["planned"]["bubble"], rel=0.5), js
+    """The bubbles ``analyze --breakdown`` shows, each rank's median over the traced steps, mean over the ranks: the
+    breakdown's (waits in the schedule's fill and drain, the last stage's wait for the drain after its backwards
+    included), the plan's (Megatron-core's schedule played on each stage's traced work: the last stage also holds the
+    logits and the loss, so the stages are not equal), and the collectors' pp_wait_s (every p2p wait, the steady
+    state's too), which the breakdown reads from the trace as well (``breakdown_p2p``)."""
+    fig = gpt_runs["data"]["json"]["bubble"]
+    print("\n" + gpt_runs["data"]["text"].split("plan: ", 1)[1])
+    assert fig["breakdown"] == pytest.approx(fig["planned"], rel=0.25), fig
+    assert fig["breakdown_p2p"] == pytest.approx(fig["collectors"], rel=0.25), fig
+    # the steady state's waits are the difference (comm.pp): a slower last stage, and on a host running more ranks
+    # than cores the other stage's scheduling delays (docs/breakdown.md)
+    assert fig["breakdown"] < fig["breakdown_p2p"] + 0.25 * fig["planned"], fig
 
 
 @pytest.mark.megatron

@@ -1,4 +1,5 @@
-"""Stragglers and goodput on real local runs (the rank program, gloo collectives, the real collector and loop).
+"""Stragglers and goodput on real local runs (the trainers or the whole rank program, gloo collectives, the real
+collector and loop).
 
 - comm_check on 3 ranks with one rank slowed by a test-only injected sleep (``HPC_TOOLS_TEST_SLOW_RANK``) before
   its step's work, or inside its data loading: every rank's step time comes out equal (its peers wait for it in the
