@@ -3,8 +3,8 @@
 checks that the ``Knobs`` attributes it varies are exactly the ones named here, so a dimension added to the search and
 not here (or named here and not turned) fails the suite.
 
-Each entry: the label users read, and the ``Knobs`` attributes (``layout.X`` for the ParallelLayout's) it turns; a
-sharding scheme's entry is its own (``hpc_tools.planner.sharding``).
+Each entry: the label users read, and the ``Knobs`` attributes (``layout.X`` for the ParallelLayout's, ``sharding.X``
+for the scheme's own knobs) it turns; a sharding scheme's entry is its own (``hpc_tools.planner.sharding``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The choices one plan is made of: the parallel layout plus the memory/speed knobs the search turns.
 
 ``Knobs.from_recipe`` reads them from a recipe; ``Knobs.overrides`` writes them back as ``--set`` strings, so that a
-search result can be applied with the same precedence as the command line.
+search result can be applied with the same precedence as the command line. The backend's sharding options are not
+fields here: ``Knobs.sharding`` holds its scheme's own knobs type (``hpc_tools.planner.sharding``), which names,
+reads and writes them.
 """
 
 from __future__ import annotations
@@ -17,9 +19,6 @@ from hpc_tools.recipe.training import recompute_modules
 if TYPE_CHECKING:
     from hpc_tools.recipe.schema import Recipe
 
-# DeepSpeed's default zero_optimization.reduce_bucket_size (elements); its ZeRO-1/2 gradient bucket.
-DS_DEFAULT_BUCKET_ELEMS = 500_000_000
-
 # Fields of ``section_updates`` that ``overrides`` writes only where they mean something.
 _ONLY_FULL_RECOMPUTE = frozenset({"recompute_method", "recompute_num_layers"})
 _ONLY_EXPERTS = frozenset({"expert_size", "expert_tensor_size"})
@@ -31,21 +30,10 @@ class Knobs:
     layout: ParallelLayout
     precision: str
     recompute: str  # "none" | "selective" | "full"
+    # the backend's sharding options: its scheme's own knobs type (``scheme.knobs``, e.g. ``ZeroKnobs``)
+    sharding: sharding.SchemeKnobs
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
-    distributed_optimizer: bool = False  # Megatron
-    overlap_grad_reduce: bool = False  # Megatron
-    overlap_param_gather: bool = False  # Megatron
-    zero_stage: int = 0  # DeepSpeed
-    offload_optimizer: str = "none"  # DeepSpeed
-    offload_param: str = "none"  # DeepSpeed
-    ds_overlap_comm: bool = False  # DeepSpeed zero_optimization.overlap_comm
-    ds_bucket_elems: int = DS_DEFAULT_BUCKET_ELEMS
-    fsdp_strategy: str = "full_shard"  # FSDP: full_shard | hybrid_shard | ddp
-    fsdp_shard_size: int | None = None  # FSDP hybrid_shard: ranks per shard group (None: GPUs per node)
-    fsdp_reshard: bool = True  # FSDP reshard_after_forward
-    hvd_compression: str = "none"  # Horovod: none | fp16
-    hvd_fusion_mb: int = 128  # Horovod's fusion buffer (MiB)
     flash: bool = True  # fused attention: no s^2 activations stored
     # the attention path (backends.py attention_path: te | te-unfused | sdpa | unfused): efficiency and what the
     # attention core keeps for backward
@@ -64,22 +52,12 @@ class Knobs:
     def from_recipe(cls, recipe: "Recipe") -> "Knobs":
         t, be = recipe.training, recipe.backend
         row = backends.of(recipe)
-        ds_zero = row.zero_config(recipe)
-        stage = be.deepspeed.zero_stage
         flash = row.flash_attention(recipe)
         return cls(backend=be.kind, layout=ParallelLayout.from_recipe(recipe), precision=t.precision,
-                   recompute=t.recompute_granularity, recompute_method=t.recompute_method,
-                   recompute_num_layers=t.recompute_num_layers,
-                   distributed_optimizer=be.megatron.distributed_optimizer,
-                   overlap_grad_reduce=be.megatron.overlap_grad_reduce,
-                   overlap_param_gather=be.megatron.overlap_param_gather,
-                   zero_stage=stage, offload_optimizer=be.deepspeed.offload_optimizer,
-                   offload_param=be.deepspeed.offload_param,
-                   ds_overlap_comm=bool(ds_zero.get("overlap_comm", stage == 3)),
-                   ds_bucket_elems=int(ds_zero.get("reduce_bucket_size", DS_DEFAULT_BUCKET_ELEMS)),
-                   fsdp_strategy=be.fsdp.strategy, fsdp_shard_size=be.fsdp.shard_size,
-                   fsdp_reshard=be.fsdp.reshard_after_forward, hvd_compression=be.horovod.compression,
-                   hvd_fusion_mb=be.horovod.fusion_threshold_mb, flash=flash, attention=row.attention_path(recipe),
+                   recompute=t.recompute_granularity,
+                   sharding=sharding.of(be.kind).knobs.from_recipe(recipe, row.options),
+                   recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers,
+                   flash=flash, attention=row.attention_path(recipe),
                    on_gpu=recipe.cluster.uses_gpus,
                    fp8=t.fp8 if row.fp8 else None, dispatcher=recipe.model.moe_token_dispatcher_type,
                    moe=recipe.model.num_experts is not None,
@@ -97,15 +75,6 @@ class Knobs:
         """How the backend shards the model states (its row's ``sharding``): the memory terms, data-parallel
         traffic, notes and search knobs that depend on it."""
         return sharding.of(self.backend)
-
-    @property
-    def shard_group(self) -> int:
-        """FSDP: ranks one copy of the model states is sharded over (full_shard: every data-parallel rank; ddp: 1)."""
-        if self.fsdp_strategy == "ddp":
-            return 1
-        if self.fsdp_strategy == "hybrid_shard":
-            return min(self.fsdp_shard_size or self.layout.ranks_per_node, self.layout.data_size)
-        return self.layout.data_size
 
     @property
     def recomputed(self) -> frozenset[str]:
@@ -160,7 +129,7 @@ class Knobs:
                     continue
                 if key in _ONLY_EXPERTS and not self.moe:
                     continue
-                out.append(f"{prefix}.{key}={_setting(value)}")
+                out.append(f"{prefix}.{key}={sharding.setting(value)}")
         return out
 
     def section_updates(self) -> dict[str, dict[str, Any]]:
@@ -182,15 +151,8 @@ class Knobs:
         if self.recompute_modules is not None:  # the recipe's list, kept where it is read (selective) only
             upd["training"]["recompute_modules"] = (list(self.recompute_modules) if self.recompute == "selective"
                                                     else None)
-        upd[self.row.options] = self.scheme.option_updates(self)  # the sharding knobs, in the backend's section
+        upd[self.row.options] = self.sharding.option_updates()  # the sharding knobs, in the backend's section
         return upd
-
-
-def _setting(value: Any) -> str:
-    """A value as ``--set`` spells it (true/false, null, [a, b])."""
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_setting(v) for v in value) + "]"
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def apply_knobs(recipe: "Recipe", k: Knobs) -> "Recipe":

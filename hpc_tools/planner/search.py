@@ -175,7 +175,7 @@ def enumerate_knobs(recipe: "Recipe", base: Knobs) -> Iterator[Knobs]:
                 if batch % d:
                     continue
                 per_replica = batch // d
-                opts = list(base.scheme.options(base, t, p, d, overlap))  # the sharding knobs (planner/sharding/)
+                opts = list(base.scheme.options(base, t, p, d, overlap))  # its scheme's knobs (planner/sharding/)
                 for b in _divisors(per_replica):
                     micro = per_replica // b
                     vs = [1]
@@ -223,20 +223,11 @@ def _pipelines(layers: int, ranks: int, row) -> list[tuple[int, _Splits]]:
     return [(p, _Splits(layers, p)) for p in sorted(sizes)]
 
 
-def _knobs(base: Knobs, layout: ParallelLayout, recompute: str, opt: dict) -> Knobs:
-    """``replace(base, ...)`` spelled out: dataclasses.replace costs more than the scoring itself."""
-    return Knobs(backend=base.backend, layout=layout, precision=base.precision, recompute=recompute,
-                 recompute_method="uniform", recompute_num_layers=1,
-                 distributed_optimizer=opt.get("distributed_optimizer", base.distributed_optimizer),
-                 overlap_grad_reduce=base.overlap_grad_reduce, overlap_param_gather=base.overlap_param_gather,
-                 zero_stage=opt.get("zero_stage", base.zero_stage),
-                 offload_optimizer=opt.get("offload_optimizer", base.offload_optimizer),
-                 offload_param=opt.get("offload_param", base.offload_param),
-                 ds_overlap_comm=opt.get("ds_overlap_comm", base.ds_overlap_comm), ds_bucket_elems=base.ds_bucket_elems,
-                 fsdp_strategy=opt.get("fsdp_strategy", base.fsdp_strategy),
-                 fsdp_shard_size=opt.get("fsdp_shard_size", base.fsdp_shard_size),
-                 fsdp_reshard=opt.get("fsdp_reshard", base.fsdp_reshard), hvd_compression=base.hvd_compression,
-                 hvd_fusion_mb=base.hvd_fusion_mb, flash=base.flash, attention=base.attention,
+def _knobs(base: Knobs, layout: ParallelLayout, recompute: str, opt) -> Knobs:
+    """``replace(base, ...)`` spelled out: dataclasses.replace costs more than the scoring itself (``opt``: the
+    scheme's knobs, ``Scheme.options``)."""
+    return Knobs(backend=base.backend, layout=layout, precision=base.precision, recompute=recompute, sharding=opt,
+                 recompute_method="uniform", recompute_num_layers=1, flash=base.flash, attention=base.attention,
                  on_gpu=base.on_gpu,
                  fp8=base.fp8, dispatcher=base.dispatcher, moe=base.moe, recompute_modules=base.recompute_modules,
                  ep_overlap=base.ep_overlap, shared_expert_overlap=base.shared_expert_overlap)

@@ -37,8 +37,8 @@ def _varied(knobs) -> set[str]:
     for k in knobs:
         for f in dataclasses.fields(k):
             value = getattr(k, f.name)
-            items = ({f"layout.{g.name}": getattr(value, g.name) for g in dataclasses.fields(value)}
-                     if f.name == "layout" else {f.name: value})
+            items = ({f"{f.name}.{g.name}": getattr(value, g.name) for g in dataclasses.fields(value)}
+                     if f.name in ("layout", "sharding") else {f.name: value})
             for name, v in items.items():
                 seen.setdefault(name, set()).add(tuple(v) if isinstance(v, list) else v)
     return {name for name, values in seen.items() if len(values) > 1}

@@ -10,7 +10,7 @@ from hpc_tools.planner import plan_recipe, search
 from hpc_tools.planner.arch import arch_for, total_parameters
 from hpc_tools.planner.knobs import Knobs, apply_knobs
 from hpc_tools.planner.memory import GRADIENTS, OPTIMIZER, PARAMETERS, estimate_memory
-from hpc_tools.planner.sharding import UNSHARDED
+from hpc_tools.planner.sharding import UNSHARDED, shard_group
 from hpc_tools.planner.steptime import DP_COMM
 from hpc_tools.recipe.load import resolve
 from hpc_tools.recipe.rules import check_recipe
@@ -76,7 +76,7 @@ def test_rules_name_the_field_and_the_fix():
 def test_model_states_are_16_bytes_per_param_over_the_shard_group(strategy, shard):
     r = recipe(f"backend.fsdp.strategy={strategy}", check=False)
     k = Knobs.from_recipe(r)
-    assert k.shard_group == shard
+    assert shard_group(k) == shard
     n = total_parameters(arch_for(r))
     terms = estimate_memory(arch_for(r), k).peak.terms
     assert terms[PARAMETERS] + terms[GRADIENTS] + terms[OPTIMIZER] == pytest.approx(16 * n / shard)
@@ -111,12 +111,12 @@ def test_search_covers_the_strategies_and_its_choice_applies():
     r = recipe("model.num_layers=8", "model.hidden_size=1024", "model.num_attention_heads=8",
                "model.num_query_groups=8", "model.ffn_hidden_size=2816", "model.seq_length=2048")
     res = search(r, top=20, losers=400, use_calibration=False)
-    seen = {c.knobs.fsdp_strategy for c in res.ranked}
+    seen = {c.knobs.sharding.strategy for c in res.ranked}
     assert seen == {"full_shard", "hybrid_shard", "ddp"}, seen
     assert all(c.knobs.layout.pipeline_size == 1 for c in res.ranked)
     tp = [c.knobs for c in res.ranked if c.knobs.layout.tensor_size > 1]  # FSDP x TP: full_shard inside a node, no SP
     assert tp and {k.layout.tensor_size for k in tp} <= {2, 4, 8}
-    assert all(k.fsdp_strategy == "full_shard" and not k.layout.sequence_parallel for k in tp)
+    assert all(k.sharding.strategy == "full_shard" and not k.layout.sequence_parallel for k in tp)
     best = res.best.knobs
     applied = resolve(BASE | {"model": r.model.model_dump()}, best.overrides())
     assert check_recipe(applied) == [] and apply_knobs(r, best).backend.fsdp == applied.backend.fsdp

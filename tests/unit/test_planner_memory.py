@@ -19,7 +19,7 @@ from hpc_tools.planner.memory import (
     stage_activation_bytes,
     stage_memory,
 )
-from hpc_tools.planner.sharding import megatron_state_bytes, zero_state_bytes
+from hpc_tools.planner.sharding import MegatronKnobs, megatron_state_bytes, zero_state_bytes
 
 GB = 1e9
 
@@ -132,7 +132,9 @@ def _arch(layers=32, hidden=1024, heads=16):
 def _knobs(t=1, p=1, v=None, d=1, b=1, batch=64, recompute="none", **kw):
     lay = ParallelLayout(nodes=1, ranks_per_node=t * p * d, tensor_size=t, pipeline_size=p, data_size=d,
                          virtual_pipeline_size=v, sequence_parallel=t > 1, micro_batch_size=b, global_batch_size=batch)
-    return Knobs(backend="megatron", layout=lay, precision="bf16", recompute=recompute, flash=True, **kw)
+    return Knobs(backend="megatron", layout=lay, precision="bf16", recompute=recompute, flash=True,
+                 sharding=MegatronKnobs(distributed_optimizer=False, overlap_grad_reduce=False,
+                                        overlap_param_gather=False), **kw)
 
 
 def test_first_stage_holds_p_microbatches_of_its_layers():

@@ -63,8 +63,8 @@ def test_losers_are_explained(big_result):
 def test_rule_breakers_are_pruned():
     # overlap_param_gather needs the distributed optimizer: every candidate without it must be dropped by the rules
     res = search(recipe("gpt_3d.yaml"), top=3, losers=20, use_calibration=False)
-    assert all(c.knobs.distributed_optimizer for c in res.ranked)
-    assert res.broke_rules and all(not c.knobs.distributed_optimizer for c, _ in res.broke_rules)
+    assert all(c.knobs.sharding.distributed_optimizer for c in res.ranked)
+    assert res.broke_rules and all(not c.knobs.sharding.distributed_optimizer for c, _ in res.broke_rules)
     assert all(v.path == "backend.megatron.overlap_param_gather" for _, v in res.broke_rules)
 
 
@@ -74,7 +74,7 @@ def test_deepspeed_search_respects_pipeline_and_stages():
     for c in res.ranked:
         lay = c.knobs.layout
         assert lay.tensor_size == 1 and not lay.sequence_parallel and c.knobs.recompute != "selective"
-        assert lay.pipeline_size == 1 or c.knobs.zero_stage <= 1
+        assert lay.pipeline_size == 1 or c.knobs.sharding.zero_stage <= 1
 
 
 def test_auto_configure_returns_a_valid_recipe():
@@ -115,7 +115,8 @@ def test_gpt_3d_best_layout_is_pure_data_parallel():
     res = search(r, top=3, losers=0, use_calibration=False)
     best = res.best.knobs
     assert (best.layout.tensor_size, best.layout.pipeline_size, best.layout.data_size) == (1, 1, 16)
-    assert best.distributed_optimizer and best.overlap_grad_reduce and best.overlap_param_gather
+    assert best.sharding.distributed_optimizer and best.sharding.overlap_grad_reduce
+    assert best.sharding.overlap_param_gather
     assert res.best.time.mfu >= 0.45
     as_written = plan_recipe(r, use_calibration=False)
     assert as_written.time.total_s > res.best.step_s  # the recipe's 3D layout is slower, kept on purpose

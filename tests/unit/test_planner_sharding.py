@@ -39,7 +39,7 @@ def test_every_model_backend_names_a_known_scheme_and_layer_code():
 
 
 def test_scheme_dimensions_are_knobs_fields_labelled_with_their_backends():
-    names = {f.name for f in fields(Knobs)}
+    names = {f"sharding.{f.name}" for s in sharding.SCHEMES.values() for f in fields(s.knobs)}
     for label, attrs in sharding.dimensions():
         assert set(attrs) <= names
         assert (label, attrs) in DIMENSIONS
@@ -53,11 +53,12 @@ def test_search_turns_only_its_schemes_knobs(kind):
     r = recipe(kind)
     base = Knobs.from_recipe(r)
     scheme = base.scheme
-    own = set(scheme.dimension[1]) | {"fsdp_shard_size"}
-    others = {a for s in sharding.SCHEMES.values() if s is not scheme for a in s.dimension[1]}
+    assert type(base.sharding) is scheme.knobs
+    own = set(scheme.dimension[1]) | {"shard_size"}
     seen = set()
     for k in enumerate_knobs(r, base):
-        seen |= {a for a in own | others if getattr(k, a) != getattr(base, a)}
+        assert type(k.sharding) is scheme.knobs  # no other scheme's knobs on this kind's candidates
+        seen |= {f.name for f in fields(k.sharding) if getattr(k.sharding, f.name) != getattr(base.sharding, f.name)}
     assert seen <= own and (seen or not scheme.dimension[1])  # Horovod's scheme turns nothing
     section = f"backend.{base.row.options}."
     written = {o.split("=")[0][len(section):] for o in base.overrides() if o.startswith(section)}

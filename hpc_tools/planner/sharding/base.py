@@ -1,8 +1,10 @@
-"""What the planner asks a sharding scheme (``Scheme``), what a scheme reads of a configuration (``Knobs``), and
-the helpers every scheme shares."""
+"""What the planner asks a sharding scheme (``Scheme``), the base of each scheme's own knobs type (``SchemeKnobs``),
+what a scheme reads of a configuration (``Knobs``), and the helpers every scheme shares (``change``: one knob change
+with its ``--set`` strings; ``setting``: a value as ``--set`` spells it)."""
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Protocol
 
 from hpc_tools.planner.arch import (
@@ -14,33 +16,58 @@ from hpc_tools.planner.arch import (
 if TYPE_CHECKING:
     from hpc_tools.layout import ParallelLayout
     from hpc_tools.planner.hardware import Hardware
+    from hpc_tools.recipe.schema import Recipe
+
+
+class SchemeKnobs:
+    """A scheme's own knobs (each scheme's subclass: a frozen dataclass with only its options), the one place they
+    are named. A field named like a field of the backend's options section (``backend.<options>``) is read from it
+    by name (``from_recipe``) and written back to it by name (``option_updates``), unless its metadata says ``kept``
+    (the search never turns it: the recipe's value stays); a field whose metadata names a ``source`` is derived from
+    the recipe another way (DeepSpeed's zero_optimization keys) and never written. ``elsewhere``: the section's other
+    options, each with where the planner reads it instead (or why it does not), so that every option of the section
+    is decided (tests/unit/test_scheme_knobs.py)."""
+
+    __slots__ = ()
+    elsewhere: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def from_recipe(cls, recipe: "Recipe", options: str) -> "SchemeKnobs":
+        """The knobs as ``recipe``'s options section ``backend.<options>`` gives them (``derived``: the others)."""
+        section = getattr(recipe.backend, options)
+        return cls(**{name: getattr(section, name) for name in cls.options()}, **cls.derived(recipe))
+
+    @classmethod
+    def derived(cls, recipe: "Recipe") -> dict[str, Any]:
+        """The values of the fields that are not options of the backend's section (their ``source`` metadata)."""
+        return {}
+
+    @classmethod
+    def options(cls) -> tuple[str, ...]:
+        """The fields that are options of the backend's section, read from it."""
+        return tuple(f.name for f in fields(cls) if "source" not in f.metadata)
+
+    @classmethod
+    def written(cls) -> tuple[str, ...]:
+        """The options written back to the section (``--set`` strings, ``apply_knobs``)."""
+        return tuple(f.name for f in fields(cls) if "source" not in f.metadata and "kept" not in f.metadata)
+
+    def option_updates(self) -> dict[str, Any]:
+        """The knobs as fields of the backend's own options section."""
+        return {name: getattr(self, name) for name in self.written()}
 
 
 class Knobs(Protocol):
     """What a scheme reads of a configuration: ``hpc_tools.planner.knobs.Knobs`` (not imported: that module looks its
-    scheme up here), the layout and precision every scheme reads, then each scheme's own knobs."""
+    scheme up here), the layout and precision every scheme reads, then the scheme's own knobs (``sharding``, of its
+    ``Scheme.knobs`` type)."""
     layout: "ParallelLayout"
     precision: str
     moe: bool
-    distributed_optimizer: bool  # distributed_optimizer
-    overlap_grad_reduce: bool
-    overlap_param_gather: bool
-    zero_stage: int  # zero
-    offload_optimizer: str
-    offload_param: str
-    ds_overlap_comm: bool
-    ds_bucket_elems: int
-    fsdp_strategy: str  # fsdp
-    fsdp_shard_size: int | None
-    fsdp_reshard: bool
-    hvd_compression: str  # horovod
-    hvd_fusion_mb: int
+    sharding: Any  # the scheme's SchemeKnobs subclass
 
     @property
     def virtual(self) -> int: ...
-
-    @property
-    def shard_group(self) -> int: ...
 
 
 Change = tuple[list[str], Knobs]  # ``--set`` strings and the configuration they make (``fit``)
@@ -51,8 +78,11 @@ class Scheme:
 
     name: ClassVar[str]
     """The backend table's ``sharding`` value."""
+    knobs: ClassVar[type[SchemeKnobs]]
+    """Its own knobs' type (``Knobs.sharding`` holds one): only the options it reads."""
     dimension: ClassVar[tuple[str, tuple[str, ...]]]
-    """What the search turns for it: the label users read and the ``Knobs`` attributes (``planner/dimensions.py``)."""
+    """What the search turns for it: the label users read and the fields of its ``knobs`` (``planner/dimensions.py``
+    names them ``sharding.<field>``)."""
 
     # --- memory -----------------------------------------------------------------------------------------------------
     def states(self, arch: Arch, k: Knobs, stage: int) -> tuple[int, float, float, float]:
@@ -100,17 +130,13 @@ class Scheme:
         return "no offload"
 
     # --- knobs ------------------------------------------------------------------------------------------------------
-    def options(self, base: Knobs, t: int, p: int, d: int, overlap: bool | None) -> Iterator[dict[str, Any]]:
-        """The knob settings the search tries on a TP ``t`` x PP ``p`` x DP ``d`` layout (``overlap``: the recipe's
-        DeepSpeed overlap_comm, None where it sets none)."""
+    def options(self, base: Knobs, t: int, p: int, d: int, overlap: bool | None) -> Iterator[SchemeKnobs]:
+        """The knobs (of its ``knobs`` type) the search tries on a TP ``t`` x PP ``p`` x DP ``d`` layout, each from
+        ``base.sharding`` (``overlap``: the recipe's DeepSpeed overlap_comm, None where it sets none)."""
         raise NotImplementedError
 
     def describe(self, k: Knobs) -> list[str]:
         """Its part of ``Knobs.describe``."""
-        raise NotImplementedError
-
-    def option_updates(self, k: Knobs) -> dict[str, Any]:
-        """Its knobs as fields of the backend's own options section."""
         raise NotImplementedError
 
     def cheap_changes(self, k: Knobs, options: str) -> Iterator[Change]:
@@ -132,6 +158,22 @@ class Scheme:
         """A change of its knobs that would let more layouts carry the checkpoint (``, or <field>: <value> (why)``),
         for the refusal of a ``cluster.min_nodes`` with none; "" where there is none."""
         return ""
+
+
+def change(k: Knobs, options: str, **knobs: Any) -> Change:
+    """One single change of a scheme's knobs (``fit``): the configuration with ``knobs`` replaced and the ``--set``
+    strings of those of them that are options of the backend's section (``options``: ``backend.<name>``), in the
+    order given."""
+    written = type(k.sharding).written()
+    sets = [f"{options}.{name}={setting(value)}" for name, value in knobs.items() if name in written]
+    return sets, replace(k, sharding=replace(k.sharding, **knobs))
+
+
+def setting(value: Any) -> str:
+    """A value as ``--set`` spells it (true/false, null, [a, b])."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(setting(v) for v in value) + "]"
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def dp_bw(k: Knobs, hw: "Hardware") -> float:

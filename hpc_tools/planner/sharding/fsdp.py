@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
 from hpc_tools.planner.arch import (
     Arch,
@@ -11,13 +11,39 @@ from hpc_tools.planner.arch import (
     pieces,
 )
 from hpc_tools.planner.collectives import allreduce_s, gather_s
-from hpc_tools.planner.sharding.base import Change, Knobs, Scheme
+from hpc_tools.planner.sharding.base import Change, Knobs, Scheme, SchemeKnobs, change
 
 if TYPE_CHECKING:
     from hpc_tools.planner.hardware import Hardware
 
 
 UNSHARDED = "FSDP unsharded parameters and gradients"  # a memory term of its own
+
+
+@dataclass(frozen=True, slots=True)
+class FsdpKnobs(SchemeKnobs):
+    """``backend.fsdp``'s sharding options."""
+    strategy: str  # full_shard | hybrid_shard | ddp
+    reshard_after_forward: bool
+    shard_size: int | None  # hybrid_shard: ranks per shard group (None: GPUs per node)
+    elsewhere: ClassVar[dict[str, str]] = {
+        "compile": "the default efficiency (backends.compiled)",
+        "liger": "not modelled (Liger's fused kernels)"}
+
+    def option_updates(self) -> dict[str, Any]:
+        """shard_size is written only where it means something (hybrid_shard), else null."""
+        hybrid = self.strategy == "hybrid_shard"
+        return {**SchemeKnobs.option_updates(self), "shard_size": self.shard_size if hybrid else None}
+
+
+def shard_group(k: Knobs) -> int:
+    """Ranks one copy of the model states is sharded over (full_shard: every data-parallel rank; ddp: 1)."""
+    f, lay = k.sharding, k.layout
+    if f.strategy == "ddp":
+        return 1
+    if f.strategy == "hybrid_shard":
+        return min(f.shard_size or lay.ranks_per_node, lay.data_size)
+    return lay.data_size
 
 
 def fsdp_state_bytes(n_params: float, shard: int) -> tuple[float, float, float]:
@@ -40,9 +66,9 @@ def fsdp_unsharded_bytes(arch: Arch, k: Knobs) -> float:
     pc, layer = pieces(arch, 1), pieces(arch, k.layout.tensor_size).layer  # FSDP x TP: a block's TP share
     e = 4 if k.precision == "fp32" else 2
     root = pc.word_embedding + pc.position_embedding + pc.final_norm + pc.output_layer
-    if k.fsdp_strategy == "ddp":
+    if k.sharding.strategy == "ddp":
         return 0.0 if k.precision == "fp32" else e * (arch.layers * pc.layer + root)
-    blocks = 2 if k.fsdp_reshard else arch.layers
+    blocks = 2 if k.sharding.reshard_after_forward else arch.layers
     grad = (4 + (e if e != 4 else 0)) * layer
     return e * (min(blocks, arch.layers) * layer + root) + grad
 
@@ -60,15 +86,15 @@ def _fsdp_comm(arch: Arch, n: int, k: Knobs, hw: "Hardware", m: int, compute: fl
     d = k.layout.data_size
     fwd, bwd = compute / m / 3, 2 * compute / m / 3
     units = arch.layers + 1
-    if k.fsdp_strategy == "ddp":
+    if k.sharding.strategy == "ddp":
         reduce = allreduce_s(4 * n, d, hw.link_bw(spans_nodes=d > hw.gpus_per_node))
         return max(reduce - bwd, reduce / units)
-    shard = k.shard_group
+    shard = shard_group(k)
     e = 4 if k.precision == "fp32" else 2
     inner = hw.link_bw(spans_nodes=shard * k.layout.tensor_size > hw.gpus_per_node)  # TP groups inside a node
     gather, scatter = gather_s(e * n, shard, inner), gather_s(4 * n, shard, inner)
     replicas = allreduce_s(4 * n / shard, d // shard, hw.link_bw(spans_nodes=d > hw.gpus_per_node))
-    forward, backward = gather, (gather if k.fsdp_reshard else 0.0) + scatter + replicas
+    forward, backward = gather, (gather if k.sharding.reshard_after_forward else 0.0) + scatter + replicas
     return m * (max(forward - fwd, forward / units) + max(backward - bwd, backward / units))
 
 
@@ -77,23 +103,24 @@ class Fsdp(Scheme):
     data-parallel rank; hybrid_shard: a node-sized group, replicated across the others, HSDP), or DDP replicas."""
 
     name = "fsdp"
-    dimension = ("FSDP strategy and reshard_after_forward", ("fsdp_strategy", "fsdp_reshard"))
+    knobs = FsdpKnobs
+    dimension = ("FSDP strategy and reshard_after_forward", ("strategy", "reshard_after_forward"))
 
     def states(self, arch: Arch, k: Knobs, stage: int) -> tuple[int, float, float, float]:
         n = fsdp_parameters(arch, k.layout.tensor_size)
-        return n, *fsdp_state_bytes(n, k.shard_group)
+        return n, *fsdp_state_bytes(n, shard_group(k))
 
     def working_terms(self, arch: Arch, k: Knobs) -> dict[str, float]:
         return {UNSHARDED: fsdp_unsharded_bytes(arch, k)}
 
     def held(self, k: Knobs, stage_params: int) -> float:
-        return stage_params / k.shard_group
+        return stage_params / shard_group(k)
 
     def state_notes(self, arch: Arch, k: Knobs) -> tuple[str, str, str]:
-        sg, d = k.shard_group, k.layout.data_size
+        sg, d = shard_group(k), k.layout.data_size
         over = {"ddp": f"DDP: every one of the {d} ranks a full copy",
                 "full_shard": f"FSDP2 full_shard: sharded over all S = d = {d} ranks"}.get(
-            k.fsdp_strategy, f"HSDP: sharded over S = {sg} ranks, {d // sg} replica groups")
+            k.sharding.strategy, f"HSDP: sharded over S = {sg} ranks, {d // sg} replica groups")
         params = f"4 bytes/param{'' if sg == 1 else f' / {sg}'}: fp32 parameters (the master copy; {over})"
         grads = f"4 bytes/param{'' if sg == 1 else f' / {sg}'}: fp32 gradients (reduced in fp32)"
         optim = f"8 bytes/param{'' if sg == 1 else f' / {sg}'}: Adam m and v; model states 16Ψ/S"
@@ -101,9 +128,10 @@ class Fsdp(Scheme):
 
     def working_notes(self, arch: Arch, k: Knobs) -> dict[str, str]:
         cd = "fp32" if k.precision == "fp32" else "bf16"
-        held = "2 blocks (in use + prefetched)" if k.fsdp_reshard else "every block (reshard_after_forward false)"
+        held = ("2 blocks (in use + prefetched)" if k.sharding.reshard_after_forward
+                else "every block (reshard_after_forward false)")
         return {UNSHARDED: (("bf16 copies of the weights autocast caches in the forward" if cd == "bf16" else
-                             "none (fp32 DDP computes on its own parameters)") if k.fsdp_strategy == "ddp" else
+                             "none (fp32 DDP computes on its own parameters)") if k.sharding.strategy == "ddp" else
                             f"{cd} parameters of {held}"
                             f" + the root's (embeddings, final norm, output layer) + one block's unsharded gradient "
                             "before its reduce-scatter")}
@@ -113,43 +141,40 @@ class Fsdp(Scheme):
         return _fsdp_comm(arch, n, k, hw, max(k.layout.num_microbatches, 1), compute), 0.0
 
     def dp_note(self, k: Knobs) -> str:
-        if k.fsdp_strategy == "ddp":
+        strategy = k.sharding.strategy
+        if strategy == "ddp":
             return "DDP: fp32 gradient all-reduce once per step, bucketed behind the last backward (exposed: the " \
                    "excess, at least one block's bucket) at "
-        again = " and again before its backward" if k.fsdp_reshard else ""
-        hsdp = f" + fp32 all-reduce of the gradient shard across {k.layout.data_size // k.shard_group} replica " \
-               "groups" if k.fsdp_strategy == "hybrid_shard" else ""
+        again = " and again before its backward" if k.sharding.reshard_after_forward else ""
+        hsdp = f" + fp32 all-reduce of the gradient shard across {k.layout.data_size // shard_group(k)} replica " \
+               "groups" if strategy == "hybrid_shard" else ""
         return (f"FSDP2 per block and microbatch: parameter all-gather before its forward{again}, fp32 gradient "
-                f"reduce-scatter after its backward, over {k.shard_group} ranks{hsdp}; prefetched behind the "
+                f"reduce-scatter after its backward, over {shard_group(k)} ranks{hsdp}; prefetched behind the "
                 "neighbouring block's compute (exposed: the first unit's, or the excess over compute) at ")
 
-    def options(self, base: Knobs, t: int, p: int, d: int, overlap: bool | None) -> Iterator[dict[str, Any]]:
+    def options(self, base: Knobs, t: int, p: int, d: int, overlap: bool | None) -> Iterator[FsdpKnobs]:
         for reshard in (True, False):
-            yield {"fsdp_strategy": "full_shard", "fsdp_shard_size": None, "fsdp_reshard": reshard}
+            yield FsdpKnobs("full_shard", reshard, None)
             node = base.layout.ranks_per_node
             if t == 1 and d > node and d % node == 0:
-                yield {"fsdp_strategy": "hybrid_shard", "fsdp_shard_size": None, "fsdp_reshard": reshard}
+                yield FsdpKnobs("hybrid_shard", reshard, None)
         if t == 1:  # FSDP x TP is full_shard over the data-parallel ranks only
-            yield {"fsdp_strategy": "ddp", "fsdp_shard_size": None, "fsdp_reshard": True}
+            yield FsdpKnobs("ddp", True, None)
 
     def describe(self, k: Knobs) -> list[str]:
-        s, d = k.shard_group, k.layout.data_size
-        parts = [{"ddp": "ddp", "full_shard": "fsdp"}.get(k.fsdp_strategy, f"hsdp{d // s}x{s}")]
-        if k.fsdp_strategy != "ddp":
-            parts.append("reshard" if k.fsdp_reshard else "no-reshard")
+        s, d, f = shard_group(k), k.layout.data_size, k.sharding
+        parts = [{"ddp": "ddp", "full_shard": "fsdp"}.get(f.strategy, f"hsdp{d // s}x{s}")]
+        if f.strategy != "ddp":
+            parts.append("reshard" if f.reshard_after_forward else "no-reshard")
         return parts
 
-    def option_updates(self, k: Knobs) -> dict[str, Any]:
-        return {"strategy": k.fsdp_strategy, "reshard_after_forward": k.fsdp_reshard,
-                "shard_size": k.fsdp_shard_size if k.fsdp_strategy == "hybrid_shard" else None}
-
     def changes(self, k: Knobs, options: str) -> Iterator[Change]:
-        if k.fsdp_strategy != "full_shard" and k.layout.data_size > 1:
-            yield ([f"{options}.strategy=full_shard", f"{options}.shard_size=null"],
-                   replace(k, fsdp_strategy="full_shard", fsdp_shard_size=None))
-        if k.fsdp_strategy != "ddp" and not k.fsdp_reshard:
-            yield [f"{options}.reshard_after_forward=true"], replace(k, fsdp_reshard=True)
+        f = k.sharding
+        if f.strategy != "full_shard" and k.layout.data_size > 1:
+            yield change(k, options, strategy="full_shard", shard_size=None)
+        if f.strategy != "ddp" and not f.reshard_after_forward:
+            yield change(k, options, reshard_after_forward=True)
 
     def carries(self, base: Knobs, cand: Knobs) -> bool:
         """DCP reshards parameters and optimizer state across any world size: the same strategy is enough."""
-        return cand.fsdp_strategy == base.fsdp_strategy
+        return cand.sharding.strategy == base.sharding.strategy

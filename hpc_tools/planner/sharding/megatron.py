@@ -3,8 +3,8 @@ states sharded when the distributed optimizer is on."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Iterator
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, ClassVar, Iterator
 
 from hpc_tools.checkpoints.reshard import layout_sizes, why_not
 from hpc_tools.planner.arch import (
@@ -13,7 +13,7 @@ from hpc_tools.planner.arch import (
     stage_split,
 )
 from hpc_tools.planner.collectives import allreduce_s, gather_s
-from hpc_tools.planner.sharding.base import Change, Knobs, Scheme, busiest_split, dp_bw
+from hpc_tools.planner.sharding.base import Change, Knobs, Scheme, SchemeKnobs, busiest_split, change, dp_bw
 
 if TYPE_CHECKING:
     from hpc_tools.planner.hardware import Hardware
@@ -31,18 +31,30 @@ def megatron_state_bytes(n_params: float, data: int, precision: str,
     return p * n_params, g * n_params, o * n_params / (data if distributed_optimizer else 1)
 
 
+@dataclass(frozen=True, slots=True)
+class MegatronKnobs(SchemeKnobs):
+    """``backend.megatron``'s options that shape the states and the data-parallel traffic; the search turns the
+    distributed optimizer and keeps the overlaps as the recipe gives them."""
+    distributed_optimizer: bool
+    overlap_grad_reduce: bool = field(metadata={"kept": "not turned by the search"})
+    overlap_param_gather: bool = field(metadata={"kept": "not turned by the search"})
+    elsewhere: ClassVar[dict[str, str]] = {
+        "transformer_impl": "the layer code and attention path (Knobs.attention, backends.attention_path)",
+        "use_flash_attention": "the attention path (Knobs.flash, Knobs.attention)"}
+
+
 def _megatron_dp(n: int, k: Knobs, d: int, bw: float, fwd_per_mb: float, bwd_per_mb: float) -> float:
     """Gradient sync in fp32 (main grads); with the distributed optimizer a reduce-scatter of grads and an all-gather
     of 16-bit params. Overlap hides the reduce behind the last microbatch's backward, the gather behind the first
     microbatch's forward (that is where Megatron issues them)."""
-    param_bytes = 4 if k.precision == "fp32" else 2
-    if k.distributed_optimizer:
+    param_bytes, o = (4 if k.precision == "fp32" else 2), k.sharding
+    if o.distributed_optimizer:
         reduce, gather = gather_s(4 * n, d, bw), gather_s(param_bytes * n, d, bw)
     else:
         reduce, gather = allreduce_s(4 * n, d, bw), 0.0
-    if k.overlap_grad_reduce:
+    if o.overlap_grad_reduce:
         reduce = max(reduce - bwd_per_mb, 0.0)
-    if k.overlap_param_gather:
+    if o.overlap_param_gather:
         gather = max(gather - fwd_per_mb, 0.0)
     return reduce + gather
 
@@ -52,6 +64,7 @@ class DistributedOptimizer(Scheme):
     states sharded) over DP x CP; routed experts' over the expert-data-parallel group."""
 
     name = "distributed_optimizer"
+    knobs = MegatronKnobs
     dimension = ("distributed optimizer", ("distributed_optimizer",))
 
     def states(self, arch: Arch, k: Knobs, stage: int) -> tuple[int, float, float, float]:
@@ -61,10 +74,10 @@ class DistributedOptimizer(Scheme):
         dense, expert = stage_split(arch, lay.tensor_size, lay.pipeline_size, stage,
                                     lay.expert_size * lay.expert_tensor_size, k.virtual, lay.first_stage_layers,
                                     lay.last_stage_layers)
-        params, grads, optim = megatron_state_bytes(dense, lay.dense_grad_size, k.precision, k.distributed_optimizer)
+        distributed = k.sharding.distributed_optimizer
+        params, grads, optim = megatron_state_bytes(dense, lay.dense_grad_size, k.precision, distributed)
         if expert:
-            ep, eg, eo = megatron_state_bytes(expert, max(lay.expert_data_size, 1), k.precision,
-                                              k.distributed_optimizer)
+            ep, eg, eo = megatron_state_bytes(expert, max(lay.expert_data_size, 1), k.precision, distributed)
             params, grads, optim = params + ep, grads + eg, optim + eo
         return dense + expert, params, grads, optim
 
@@ -72,7 +85,7 @@ class DistributedOptimizer(Scheme):
         lay = k.layout
         d = lay.dense_grad_size
         shard = (f" / d (distributed optimizer, d = {'DP x CP = ' if lay.context_size > 1 else ''}{d})"
-                 if k.distributed_optimizer else "")
+                 if k.sharding.distributed_optimizer else "")
         if k.precision == "fp32":
             params, grads = "4 bytes/param (fp32)", "4 bytes/param (fp32 main grads)"
             optim = f"8 bytes/param{shard}: Adam m and v; model states {'8 + 8/d' if shard else '16'} bytes/param"
@@ -82,9 +95,9 @@ class DistributedOptimizer(Scheme):
             optim = (f"12 bytes/param{shard}: fp32 master params, Adam m and v; model states "
                      f"{'6 + 12/d' if shard else '18'} bytes/param")
         if arch.moe:
+            how = "sharded" if k.sharding.distributed_optimizer else "reduced"
             optim += (f"; routed experts split over EP{lay.expert_size} x ETP{lay.expert_tensor_size} GPUs, their "
-                      f"states{' sharded' if k.distributed_optimizer else ' reduced'} over EDP = world / (PP x ETP x "
-                      f"EP) = {lay.expert_data_size} ranks")
+                      f"states {how} over EDP = world / (PP x ETP x EP) = {lay.expert_data_size} ranks")
         return params, grads, optim
 
     def dp_time(self, arch: Arch, k: Knobs, hw: "Hardware", compute: float) -> tuple[float, float]:
@@ -103,30 +116,28 @@ class DistributedOptimizer(Scheme):
 
     def dp_note(self, k: Knobs) -> str:
         return (("dense " if k.moe or k.layout.context_size > 1 else "") + "fp32 grads "
-                f"{'reduce-scatter + 16-bit param all-gather' if k.distributed_optimizer else 'all-reduce'}"
-                f"{' (overlapped with the last backward)' if k.overlap_grad_reduce else ''} at ")
+                f"{'reduce-scatter + 16-bit param all-gather' if k.sharding.distributed_optimizer else 'all-reduce'}"
+                f"{' (overlapped with the last backward)' if k.sharding.overlap_grad_reduce else ''} at ")
 
-    def options(self, base: Knobs, t: int, p: int, d: int, overlap: bool | None) -> Iterator[dict[str, Any]]:
-        yield {"distributed_optimizer": True}
+    def options(self, base: Knobs, t: int, p: int, d: int, overlap: bool | None) -> Iterator[MegatronKnobs]:
+        yield replace(base.sharding, distributed_optimizer=True)
         if d > 1:
-            yield {"distributed_optimizer": False}
+            yield replace(base.sharding, distributed_optimizer=False)
 
     def describe(self, k: Knobs) -> list[str]:
-        return ["distopt" if k.distributed_optimizer else "no-distopt"]
-
-    def option_updates(self, k: Knobs) -> dict[str, Any]:
-        return {"distributed_optimizer": k.distributed_optimizer}
+        return ["distopt" if k.sharding.distributed_optimizer else "no-distopt"]
 
     def cheap_changes(self, k: Knobs, options: str) -> Iterator[Change]:
-        if not k.distributed_optimizer and k.layout.data_size > 1:
-            yield [f"{options}.distributed_optimizer=true"], replace(k, distributed_optimizer=True)
+        if not k.sharding.distributed_optimizer and k.layout.data_size > 1:
+            yield change(k, options, distributed_optimizer=True)
 
     def carries(self, base: Knobs, cand: Knobs) -> bool:
         """What ``hpc_tools.checkpoints.reshard`` lets Megatron's loader carry (the loader's own rule)."""
-        return why_not(*(layout_sizes(k.layout, k.distributed_optimizer, k.precision) for k in (base, cand))) is None
+        return why_not(*(layout_sizes(k.layout, k.sharding.distributed_optimizer, k.precision)
+                         for k in (base, cand))) is None
 
     def carry_fix(self, k: Knobs) -> str:
-        if not k.distributed_optimizer:
+        if not k.sharding.distributed_optimizer:
             return ""
         return ", or backend.megatron.distributed_optimizer: false (its checkpoint reshards across data-parallel " \
             "sizes only)"
