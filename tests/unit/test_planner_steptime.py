@@ -69,16 +69,17 @@ def test_tensor_and_pipeline_traffic(gpt3d):
 
 def test_data_parallel_and_overlap(gpt3d):
     r, arch, k, hw = gpt3d
-    k = replace(k, overlap_grad_reduce=False, overlap_param_gather=False)
+    k = replace(k, sharding=replace(k.sharding, overlap_grad_reduce=False, overlap_param_gather=False))
     flops = step_flops(r.model, k, "megatron")
     n = max(stage_parameters(arch, 2, 2, 0), stage_parameters(arch, 2, 2, 1))
     d, bw = 4, hw.intra_node_bw  # TP2 x DP4 = 8 ranks: the DP group stays in a node
     tied = 4 * arch.padded_vocab(2) * arch.hidden / 2 * 2 * (2 - 1) / 2 / hw.inter_node_bw  # embedding copies
     dist = estimate_step_time(arch, k, hw, flops)
     assert dist.terms[DP_COMM] == pytest.approx((4 * n + 2 * n) * (d - 1) / d / bw + tied)
-    plain = estimate_step_time(arch, replace(k, distributed_optimizer=False), hw, flops)
+    plain = estimate_step_time(arch, replace(k, sharding=replace(k.sharding, distributed_optimizer=False)), hw, flops)
     assert plain.terms[DP_COMM] == pytest.approx(4 * n * 2 * (d - 1) / d / bw + tied)
-    hidden = estimate_step_time(arch, replace(k, overlap_grad_reduce=True, overlap_param_gather=True), hw, flops)
+    hidden = estimate_step_time(arch, replace(k, sharding=replace(k.sharding, overlap_grad_reduce=True,
+                                                                  overlap_param_gather=True)), hw, flops)
     assert hidden.terms[DP_COMM] < dist.terms[DP_COMM]
 
 
@@ -96,15 +97,16 @@ def test_zero_stages_traffic_and_offload():
     flops = step_flops(r.model, k, "megatron")
     n, d, m = stage_parameters(arch, 1, 1, 0), 16, 512 // (4 * 16)
     unit = 2 * n * (d - 1) / d / hw.inter_node_bw  # one reduce-scatter or all-gather of 16-bit values
-    stage = {s: estimate_step_time(arch, replace(k, zero_stage=s, ds_overlap_comm=False), hw, flops) for s in range(4)}
+    stage = {s: estimate_step_time(arch, replace(k, sharding=replace(k.sharding, zero_stage=s, overlap_comm=False)),
+                                   hw, flops) for s in range(4)}
     assert stage[0].terms[DP_COMM] == pytest.approx(2 * unit)
     assert stage[1].terms[DP_COMM] == pytest.approx(2 * unit)
     assert stage[2].terms[DP_COMM] == pytest.approx((m + 1) * unit)
     assert stage[3].terms[DP_COMM] == pytest.approx(3 * m * unit)
-    overlapped = estimate_step_time(arch, replace(k, ds_overlap_comm=True), hw, flops)
+    overlapped = estimate_step_time(arch, replace(k, sharding=replace(k.sharding, overlap_comm=True)), hw, flops)
     assert overlapped.terms[DP_COMM] == pytest.approx(max(3 * m * unit - overlapped.terms[COMPUTE], 0.0))
     assert stage[3].terms[OFFLOAD] == 0.0
-    off = estimate_step_time(arch, replace(k, offload_optimizer="cpu"), hw, flops)
+    off = estimate_step_time(arch, replace(k, sharding=replace(k.sharding, offload_optimizer="cpu")), hw, flops)
     assert off.terms[OFFLOAD] > 0.0
 
 
