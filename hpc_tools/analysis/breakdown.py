@@ -217,6 +217,7 @@ def planned_terms(recipe: Any, layout: Any, ranks: list[RankBreakdown]) -> tuple
         for term, seconds in plan.time.terms.items():
             bucket = _TERM_BUCKET.get(term, "other")
             out[bucket] += seconds
+        _mean_rank_bubble(plan, out)
         return out, (f"planner: {plan.hardware.gpu_type}, efficiency {plan.efficiency:.3g} "
                      f"({plan.efficiency_source})")
     bf = layout.bubble_fraction if layout is not None else 0.0
@@ -237,6 +238,22 @@ def planned_terms(recipe: Any, layout: Any, ranks: list[RankBreakdown]) -> tuple
     return {"bubble": bf * median(own)}, (f"planner's bubble term (p-1)/(v m) = {bf:.3g} of the stages' own time "
                                           "(the median traced step less its bubble and data; CPU ranks: no peak for "
                                           "the planner's other terms)")
+
+
+def _mean_rank_bubble(plan: Any, out: dict[str, float]) -> None:
+    """The planner's compute is the slowest stage's and its bubble term that stage's idle time; the buckets are means
+    over ranks, and a faster stage computes less, idles longer in the fill and drain and waits in the steady state
+    (comm.pp): the mean over the stages of each, from the same schedule, in seconds of the planned compute (still
+    adding up to the planned step: every stage's work and idle time make the same step)."""
+    lay, k = plan.knobs.layout, plan.knobs
+    if lay.pipeline_size <= 1:
+        return
+    sched = ps.stage_schedule(plan.arch, lay.pipeline_size, k.virtual, lay.num_microbatches, lay.first_stage_layers,
+                              lay.last_stage_layers, lay.tensor_size, 3.0 if k.recompute == "full" else 2.0)
+    scale = plan.time.terms[st.COMPUTE] / (sched.slowest_busy or 1.0)
+    out["compute"] -= scale * (sched.slowest_busy - sum(x.busy for x in sched.stages) / len(sched.stages))
+    out["bubble"] += scale * sched.mean_bubble - plan.time.terms.get(st.BUBBLE, 0.0)
+    out["comm.pp"] += scale * sched.mean_steady
 
 
 def stage_work(ranks: list[RankBreakdown]) -> dict[int, float]:

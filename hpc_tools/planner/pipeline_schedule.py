@@ -165,12 +165,18 @@ def stage_costs(arch: "Arch", p: int, v: int, first: int | None, last: int | Non
     return fwd, [[c * backward_ratio for c in stage] for stage in fwd]
 
 
+def stage_schedule(arch: "Arch", p: int, v: int, m: int, first: int | None = None, last: int | None = None,
+                   tensor: int = 1, backward_ratio: float = 2.0) -> Schedule:
+    """Megatron-core's schedule played on the planner's stage costs (``stage_costs``, FLOPs per token)."""
+    fwd, bwd = stage_costs(arch, p, v, first, last, tensor, backward_ratio)
+    return simulate(fwd, bwd, max(m, 1))
+
+
 def bubble_fraction(arch: "Arch", p: int, v: int, m: int, first: int | None = None, last: int | None = None,
                     tensor: int = 1, backward_ratio: float = 2.0) -> float:
     """The step's idle time beyond the slowest stage's own work, over that work: (step - m x slowest stage) /
     (m x slowest stage) under Megatron-core's schedule with ``stage_costs``; ``(p-1)/(v m)`` for equal stages."""
     if p <= 1:
         return 0.0
-    fwd, bwd = stage_costs(arch, p, v, first, last, tensor, backward_ratio)
-    sched = simulate(fwd, bwd, max(m, 1))
+    sched = stage_schedule(arch, p, v, m, first, last, tensor, backward_ratio)
     return sched.step / sched.slowest_busy - 1.0 if sched.slowest_busy else 0.0

@@ -219,6 +219,8 @@ def test_planned_buckets_are_the_planners_terms():
     planned, source = ab.planned_terms(recipe, ParallelLayout.from_recipe(recipe), [])
     assert set(plan.time.terms) <= set(ab._TERM_BUCKET), set(plan.time.terms) - set(ab._TERM_BUCKET)
     assert sum(planned.values()) == pytest.approx(plan.time.total_s)
-    assert planned["bubble"] == pytest.approx(plan.time.terms["pipeline bubble"]) and planned["bubble"] > 0
+    # the term is the slowest stage's idle time; the bucket the mean over stages, a faster stage idling longer
+    assert planned["bubble"] > plan.time.terms["pipeline bubble"] > 0
+    assert planned["compute"] < plan.time.terms["compute"]  # the mean stage's compute, not the slowest's
     assert planned["comm.tp"] == pytest.approx(plan.time.terms["tensor-parallel comm"]) and planned["comm.tp"] > 0
     assert planned["data"] == 0.0 and recipe.cluster.gpu_type in source
