@@ -38,6 +38,10 @@ def build_model(recipe: "Recipe", ds_config: dict[str, Any]):
     """(model, keepalive): the causal LM, seeded; keep ``keepalive`` referenced while the engine lives (ZeRO-3)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
+
+    from hpc_tools.train.imports import import_transformers
+
+    import_transformers()  # without what no rank uses (torchao, scipy: ~600 modules)
     import transformers
     from transformers import AutoModelForCausalLM
 

@@ -28,6 +28,10 @@ def build_empty(recipe: "Recipe"):
     the host (accelerate's ``init_empty_weights(include_buffers=False)``)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
+
+    from hpc_tools.train.imports import import_transformers
+
+    import_transformers()  # without what no rank uses (torchao, scipy: ~600 modules)
     import transformers
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
