@@ -1,6 +1,6 @@
 """TorchDynamo imported by a rank only when something compiles (``install``), not by the first optimizer call.
 
-PyTorch 2.13 imports ``torch._dynamo`` (with sympy and part of Inductor: ~0.9 CPU-s after megatron-core, ~1.9 s
+PyTorch 2.13 imports ``torch._dynamo`` (with sympy and part of Inductor: ~0.7 CPU-s after megatron-core, ~1.9 s
 after torch alone, on this project's 2-core test machine; ``benchmarks/bench_rank_import.py --library dynamo``)
 from two kinds of wrapper that every backend's ranks call in eager mode:
 
