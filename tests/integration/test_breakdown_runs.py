@@ -9,12 +9,10 @@
 - FSDP and DeepSpeed ZeRO-3 on 2 ranks: the breakdown exists and adds up for other backends; their collectives are
   data-parallel.
 
-One launch per configuration (module scope; the two GPT configurations in one matrix launch were tried: rank 2's
-wait came out at 0.49 of rank 3's extra compute once in three runs, under the 0.5 asserted). Every step after
-the warm-up is traced (steps 3-9), and the figures compared are each rank's median over them: on a loaded 2-core
-machine a single step's compute varies by 2x. The ``analyze`` and ``report`` commands, which only read the run
-folder, run in this process (``hpc_tools.cli.main``: the same code, without a process start that imports pandas and
-matplotlib again).
+One launch per configuration (module scope); every step after the warm-up traced (steps 3-9), and the figures
+compared are each rank's median over them: on a loaded 2-core machine a single step's compute varies by 2x. The
+``analyze`` and ``report`` commands, which only read the run folder, run in this process (``hpc_tools.cli.main``: the
+same code, without a process start that imports pandas and matplotlib again).
 """
 
 from __future__ import annotations
