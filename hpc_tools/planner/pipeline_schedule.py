@@ -22,6 +22,7 @@ With equal stages every stage idles ``(p-1)(f+b)`` in fill and drain and never i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -84,6 +85,12 @@ def stage_order(p: int, stage: int, m: int, v: int = 1, group: int | None = None
 def simulate(fwd: list[list[float]], bwd: list[list[float]], m: int, group: int | None = None) -> Schedule:
     """Play the schedule: ``fwd[s][c]`` / ``bwd[s][c]`` the forward / backward time of one microbatch through model
     chunk ``c`` of stage ``s`` (p stages of v chunks; virtual stage ``c p + s``, as Megatron-core places chunks)."""
+    step, spans = _play(fwd, bwd, m, group)
+    return Schedule(step, tuple(_split(ops, step) for ops in spans))
+
+
+def _play(fwd, bwd, m: int, group: int | None = None) -> tuple[float, list[list[tuple[float, float, Op]]]]:
+    """The step (the last backward's end) and each stage's ops with their start and end."""
     p, v = len(fwd), len(fwd[0])
     orders = [stage_order(p, s, m, v, group) for s in range(p)]
     done: dict[tuple[str, int, int], float] = {}  # (kind, microbatch, virtual stage) -> end
@@ -108,8 +115,7 @@ def simulate(fwd: list[list[float]], bwd: list[list[float]], m: int, group: int 
                 moved = True
         if not moved:  # Megatron-core's orders never deadlock; a wrong order would
             raise ValueError(f"pipeline schedule stuck at {ptr} (p={p}, v={v}, m={m})")
-    step = max(free)
-    return Schedule(step, tuple(_split(ops, step) for ops in spans))
+    return max(free), spans
 
 
 def _split(ops: list[tuple[float, float, Op]], step: float) -> StageTimes:
@@ -165,6 +171,14 @@ def stage_costs(arch: "Arch", p: int, v: int, first: int | None, last: int | Non
     return fwd, [[c * backward_ratio for c in stage] for stage in fwd]
 
 
+# The schedule is played op by op (~1.5 us each): up to PLAYED ops exactly; a longer step (a large m, 2 p v m ops) is
+# played at two shorter lengths m1 < m2 = m1 + p in the steady state and extended linearly (the steady state repeats
+# every p microbatches); stages so many (2 p v x 3p > FALLBACK ops) that even that is too long take the textbook
+# figure. Calls are cached: the search asks the same stages and m for many candidates.
+PLAYED = 4000
+FALLBACK = 60000
+
+
 def stage_schedule(arch: "Arch", p: int, v: int, m: int, first: int | None = None, last: int | None = None,
                    tensor: int = 1, backward_ratio: float = 2.0) -> Schedule:
     """Megatron-core's schedule played on the planner's stage costs (``stage_costs``, FLOPs per token)."""
@@ -172,11 +186,32 @@ def stage_schedule(arch: "Arch", p: int, v: int, m: int, first: int | None = Non
     return simulate(fwd, bwd, max(m, 1))
 
 
+@lru_cache(maxsize=65536)  # Arch hashes by identity: the search's candidates share one
 def bubble_fraction(arch: "Arch", p: int, v: int, m: int, first: int | None = None, last: int | None = None,
                     tensor: int = 1, backward_ratio: float = 2.0) -> float:
     """The step's idle time beyond the slowest stage's own work, over that work: (step - m x slowest stage) /
     (m x slowest stage) under Megatron-core's schedule with ``stage_costs``; ``(p-1)/(v m)`` for equal stages."""
     if p <= 1:
         return 0.0
-    sched = stage_schedule(arch, p, v, m, first, last, tensor, backward_ratio)
-    return sched.step / sched.slowest_busy - 1.0 if sched.slowest_busy else 0.0
+    fwd, bwd = stage_costs(arch, p, v, first, last, tensor, backward_ratio)
+    return _bubble(tuple(map(tuple, fwd)), tuple(map(tuple, bwd)), max(m, 1))
+
+
+@lru_cache(maxsize=4096)
+def _bubble(fwd: tuple[tuple[float, ...], ...], bwd: tuple[tuple[float, ...], ...], m: int) -> float:
+    p, v = len(fwd), len(fwd[0])
+    slowest = max(sum(f) + sum(b) for f, b in zip(fwd, bwd))  # per microbatch
+    if not slowest:
+        return 0.0
+    if 2 * p * v * m <= PLAYED:
+        step = _play(fwd, bwd, m)[0]
+    elif 2 * p * v * 3 * p > FALLBACK:
+        return (p - 1) / (v * m)
+    else:
+        m1 = max(2, PLAYED // (2 * p * v * p) - 1) * p
+        if m <= m1 + p:
+            step = _play(fwd, bwd, m)[0]
+        else:
+            s1, s2 = _play(fwd, bwd, m1)[0], _play(fwd, bwd, m1 + p)[0]
+            step = s1 + (m - m1) * (s2 - s1) / p
+    return max(step / (m * slowest) - 1.0, 0.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from hpc_tools.planner import pipeline_schedule as ps
 from hpc_tools.planner.arch import arch_for
 from hpc_tools.planner.pipeline_schedule import bubble_fraction, equal_split, simulate, stage_costs, stage_order
 from tests.unit.inline_recipes import inline_recipe
@@ -62,3 +63,20 @@ def test_planner_stage_costs_put_the_logits_last():
     # the pipeline then runs at the last stage's pace: it idles less than (p-1)/(v m) of its own work
     assert 0.0 < bubble_fraction(arch, 2, 2, 32, tensor=2) < 1 / 64
     assert bubble_fraction(arch, 1, 1, 32) == 0.0
+
+
+@pytest.mark.parametrize("p,v,m", [(8, 1, 2048), (4, 3, 1000), (6, 2, 900), (3, 1, 5000)])
+def test_a_long_step_extended_from_two_shorter_ones_equals_the_played_one(p, v, m):
+    """Past PLAYED ops the bubble comes from two shorter steps extended linearly: the same figure as playing every
+    microbatch (the planner's stage costs: equal layers, the logits on the last stage)."""
+    arch = arch_for(inline_recipe("gpt_3d"))
+    assert 2 * p * v * m > ps.PLAYED  # the extended path
+    played = ps.stage_schedule(arch, p, v, m)
+    assert ps.bubble_fraction(arch, p, v, m) == pytest.approx(played.step / played.slowest_busy - 1.0, rel=1e-9)
+
+
+def test_too_many_stages_to_play_take_the_textbook_figure():
+    fwd, bwd = equal_split([3.0] * 200)
+    fwd[-1][0] *= 1.1
+    m = 10 ** 6
+    assert ps._bubble(tuple(map(tuple, fwd)), tuple(map(tuple, bwd)), m) == (200 - 1) / m
