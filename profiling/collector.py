@@ -33,10 +33,11 @@ What it measures (each optional part switched by ``profiling.*``):
   the checkpoint saves and loads the loop times, one JSON line each in ``records/events_rank<R>.jsonl`` (read by
   ``goodput.py``).
 
-Fault injection for tests only: ``HPC_TOOLS_TEST_SLOW_RANK=RANK:KIND:SECONDS[,...]`` (KIND ``compute`` or ``data``)
-makes that rank spend SECONDS more on every step: sleeping inside the data timer (``data``: waiting on input), or
-right after it, before the step's work, busy on its CPU (``compute``: spinning, as slower compute would): a real
-straggler whose peers wait for it in the step's collectives.
+Fault injection for tests only: ``HPC_TOOLS_TEST_SLOW_RANK=RANK:KIND:SECONDS[,...]`` (KIND ``compute``, ``data`` or
+``save``) makes that rank spend SECONDS more on every step: sleeping inside the data timer (``data``: waiting on
+input), or right after it, before the step's work, busy on its CPU (``compute``: spinning, as slower compute would): a
+real straggler whose peers wait for it in the step's collectives; ``save``: on every checkpoint save instead, before
+the write (a slow checkpoint folder; ``injected_save_s``, read by the checkpoint saver).
 """
 
 from __future__ import annotations
@@ -66,20 +67,21 @@ SLOW_RANK_ENV = "HPC_TOOLS_TEST_SLOW_RANK"
 
 
 def injected_delays(rank: int, spec: str | None = None) -> dict[str, float]:
-    """{"compute"|"data": seconds} this rank spends per step, from ``HPC_TOOLS_TEST_SLOW_RANK`` (tests only):
-    ``RANK:compute|data:SECONDS`` items, ``*`` for every rank (``*:data:0.05`` paces an endless job that a test only
-    waits on: its ranks sleep in each step's data loading instead of taking the cores)."""
+    """{"compute"|"data"|"save": seconds} this rank spends per step (``save``: per checkpoint save), from
+    ``HPC_TOOLS_TEST_SLOW_RANK`` (tests only): ``RANK:compute|data|save:SECONDS`` items, ``*`` for every rank
+    (``*:data:0.05`` paces an endless job that a test only waits on: its ranks sleep in each step's data loading
+    instead of taking the cores)."""
     spec = os.environ.get(SLOW_RANK_ENV, "") if spec is None else spec
     out: dict[str, float] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         try:
             r, kind, seconds = item.split(":")
-            if kind not in ("compute", "data"):
+            if kind not in ("compute", "data", "save"):
                 raise ValueError(kind)
             if r == "*" or int(r) == rank:
                 out[kind] = out.get(kind, 0.0) + float(seconds)
         except ValueError:
-            raise ValueError(f"{SLOW_RANK_ENV}={spec!r}: each item must be RANK|*:compute|data:SECONDS") from None
+            raise ValueError(f"{SLOW_RANK_ENV}={spec!r}: each item must be RANK|*:compute|data|save:SECONDS") from None
     return out
 
 
@@ -350,6 +352,10 @@ class StepCollector:
         if self._pending is not None and self.writer is not None:
             self.writer.write(self._pending)
         self._pending = None
+
+    def injected_save_s(self) -> float:
+        """Seconds each checkpoint save of this rank is made slower by (test-only fault injection, module docstring)."""
+        return self._delays.get("save", 0.0)
 
     def flush(self) -> None:
         """Put every record so far on disk now (before a checkpoint save, whose steps must be on disk with it)."""

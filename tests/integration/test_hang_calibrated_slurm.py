@@ -8,9 +8,9 @@ defaults the step bound is max(60 s, 5 x the slowest observed step) after the wa
 name rank 1 as hung about a minute later, and the restart controller starts a new step inside the same allocation
 (within 2 minutes of the stop), which resumes from the checkpoint of step 20 and completes with the losses of the
 uninterrupted local run (the README's main command, shared with the other tests of the session) bit for bit. The
-saves and evaluations before the stop (steps 10 and 20; on a loaded machine a save takes several steps' time) raise
-no false hang: the manifest records exactly one hang, with its detection time, and the goodput report shows it.
-Figures are printed with -s.
+saves and evaluations before the stop (steps 10 and 20; each save made 4 s slower, 8 paced steps, as from a slow
+checkpoint folder) raise no false hang: the manifest records exactly one hang, with its detection time, and the
+goodput report shows it. Figures are printed with -s.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
+from statistics import median
 
 import pytest
 
@@ -37,7 +38,9 @@ SETS = ["--set", "cluster.nodes=2", "--set", "cluster.gpus_per_node=2", "--set",
         "--set", "cluster.preflight=off",  # not what this tests; it would add its budget to the start
         # every step at least 0.5 s (a sleep in the data time: no loss changes), so that the stop, seen through the
         # heartbeat within a second, lands before the last step; the slowest step stays far below 60 s / 5
-        "--set", 'cluster.setup.env.HPC_TOOLS_TEST_SLOW_RANK="*:data:0.5"']
+        # and every checkpoint save 4 s slower (a slow checkpoint folder: 8 paced steps' time, the saves of steps 10 and
+        # 20 must raise no false hang under the step bound)
+        "--set", 'cluster.setup.env.HPC_TOOLS_TEST_SLOW_RANK="*:data:0.5,*:save:4"']
 DEADLINE_S = 720
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multinode, pytest.mark.megatron, pytest.mark.slow]
@@ -97,6 +100,8 @@ def test_a_stopped_rank_is_named_with_the_default_bounds_and_restarted_in_the_jo
     assert restarted_after < 120, (restarted_after, restart, stop)  # the new step within 2 minutes of the stop
     kept = json.loads((run.path / hang_bounds.FILE).read_text())  # carried to the next start
     assert kept["steps"] >= hang_bounds.WARMUP_STEPS and {"step", "first step", "evaluation"} <= set(kept["max_s"])
+    # the slowed saves were seen as saves, several times a step, and under their own bound raised no hang
+    assert kept["max_s"][hang_bounds.SAVE] >= 4.0 >= 2 * median(steps), (kept, median(steps))
     print(f"\njob {hung['job_id']}: rank 1 stopped after step {stop['step']}; named after "
           f"{found['detected_after_s']:.0f} s ({found['bound']}); the new step began {restarted_after:.0f} s after "
           f"the stop and resumed from step {restart['from_iteration']}; slowest step {max(steps):.2f} s; bounds kept "

@@ -249,6 +249,7 @@ def test_injected_delays_name_one_rank_or_every_rank():
     assert injected_delays(2, spec) == {"compute": 0.3, "data": 0.05}
     assert injected_delays(1, spec) == {"data": pytest.approx(0.15)}
     assert injected_delays(0, spec) == {"data": 0.05} and injected_delays(0, "") == {}
+    assert injected_delays(3, "*:save:4,1:save:2") == {"save": 4.0}  # a slow checkpoint folder, per save
     for bad in ("x:data:1", "1:disk:1", "1:data"):
         with pytest.raises(ValueError, match="RANK"):
             injected_delays(0, bad)

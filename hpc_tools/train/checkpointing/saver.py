@@ -328,6 +328,7 @@ class Saver:
         try:
             partial = self._begin(dirs, step)
             self._progress()
+            time.sleep(_injected_save_s(self.collector))  # a slow checkpoint folder (tests only; 0 otherwise)
             write = self.engine.write_checkpoint(partial, step, background=background)
             self._progress()
         except BaseException as e:  # torch's CheckpointException (a failed shard write) is a BaseException
@@ -567,6 +568,12 @@ def _gather(obj: Any) -> list[Any]:
 def _kill_step() -> int | None:
     spec = os.environ.get(INJECT_KILL_WRITER_ENV, "").strip()
     return int(spec) if spec.isdigit() else None
+
+
+def _injected_save_s(collector) -> float:
+    """The test-only slow save of ``HPC_TOOLS_TEST_SLOW_RANK`` (``profiling.collector``); 0 for a collector without."""
+    injected = getattr(collector, "injected_save_s", None)
+    return injected() if injected is not None else 0.0
 
 
 def save_once(engine: Checkpointable, dirs: CheckpointDirs, step: int, *, checksum: bool = True) -> Path:
