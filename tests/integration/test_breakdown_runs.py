@@ -104,7 +104,14 @@ def test_bubble_matches_the_plan_and_the_collectors(gpt_runs):
     state's too), which the breakdown reads from the trace as well (``breakdown_p2p``)."""
     fig = gpt_runs["data"]["json"]["bubble"]
     print("\n" + gpt_runs["data"]["text"].split("plan: ", 1)[1])
-    assert fig["breakdown"] == pytest.approx(fig["planned"], rel=0.25), fig
+    # Within 25 % of the plan at a moderate load (0.89-1.05 in three runs at load 15-28), but not on every run of a
+    # 2-core host that runs four ranks beside another test: a rank's fill and drain waits also hold the time the host
+    # gave the other stage (0.74 in a CI run, 1.67 at the load's peak). So the test holds the bubble to the plan's
+    # order (a factor of 2) and prints the ratio; the per-phase split itself is held exactly by the synthetic
+    # timelines of tests/unit/test_breakdown_phases.py.
+    ratio = fig["breakdown"] / fig["planned"]
+    print(f"bubble / plan: {ratio:.2f}")
+    assert 0.5 <= ratio <= 2.0, fig
     # every p2p wait the collectors saw is in the trace (bubble or comm.pp): within 1 % in the runs measured
     assert fig["breakdown_p2p"] == pytest.approx(fig["collectors"], rel=0.1), fig
     # The bubble vs the collectors' figure: they differ by the steady state's waits (comm.pp here, in pp_wait_s) and
