@@ -173,6 +173,12 @@ def settle_cluster(wait_s: float = 60, cancel_after_s: float = 15) -> None:
         time.sleep(1)
 
 
+def in_queue(job_id: str) -> bool:
+    """Slurm job ``job_id`` is still queued or running (an unreachable controller counts as yes: keep waiting)."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True, timeout=30)
+    return bool(out.stdout.strip()) or (out.returncode != 0 and "Invalid job id" not in out.stderr)
+
+
 def need_slurm(min_nodes: int) -> int:
     """The Slurm test cluster's node count when it has ``min_nodes`` or more; else the test skips (fails under
     HPC_TOOLS_REQUIRE_SLURM=1, as in CI)."""

@@ -29,7 +29,7 @@ import pytest
 
 from hpc_tools.registry import RunFolder
 from hpc_tools.runtime import hang_bounds, heartbeat
-from tests.helpers import loss_curve, need_slurm, run_cli, step_records, wait_for
+from tests.helpers import in_queue, loss_curve, need_slurm, run_cli, step_records, wait_for
 
 RECIPE = "recipes/gpt_3d.yaml"
 FAULT_AT = 25
@@ -45,10 +45,6 @@ DEADLINE_S = 720
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multinode, pytest.mark.megatron, pytest.mark.slow]
 
-
-def in_queue(job_id: str) -> bool:
-    out = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True, timeout=30)
-    return bool(out.stdout.strip()) or (out.returncode != 0 and "Invalid job id" not in out.stderr)
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ import pytest
 from hpc_tools.registry import RunFolder
 from hpc_tools.runtime import health_verdict, heartbeat
 from hpc_tools.runtime.preflight import leave_out
-from tests.helpers import loss_curve, need_slurm, run_cli
+from tests.helpers import in_queue, loss_curve, need_slurm, run_cli
 from tests.integration.test_health_while_training import cgroup_v1_cpu, cpu_group, remove_group
 
 RECIPE = "recipes/gpt_3d.yaml"
@@ -43,10 +43,6 @@ DEADLINE_S = 600
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multinode, pytest.mark.megatron, pytest.mark.slow]
 
-
-def in_queue(job_id: str) -> bool:
-    out = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True, timeout=30)
-    return bool(out.stdout.strip()) or (out.returncode != 0 and "Invalid job id" not in out.stderr)
 
 
 def named_n2(run: RunFolder) -> dict | None:

@@ -35,7 +35,7 @@ import pytest
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.registry import RunFolder
 from hpc_tools.runtime import heartbeat
-from tests.helpers import loss_curve, run_cli, sbatch_rendered, step_records
+from tests.helpers import in_queue, loss_curve, run_cli, sbatch_rendered, step_records
 
 RECIPE = "recipes/gpt_zero.yaml"
 ITERS, FAULT_AT = 30, 12  # ITERS: the local profile's, the shared uninterrupted run's (main_command)
@@ -86,10 +86,6 @@ def newest_step(run: RunFolder, start: int) -> int:
     recs = [r for r in step_records(run.path).get(0, []) if r["restart"] == start] if run.path.is_dir() else []
     return recs[-1]["step"] if recs else 0
 
-
-def in_queue(job_id: str) -> bool:
-    out = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True, timeout=30)
-    return bool(out.stdout.strip()) or (out.returncode != 0 and "Invalid job id" not in out.stderr)
 
 
 def sacct_lines(job_id: str) -> list[list[str]]:
