@@ -23,6 +23,15 @@ GPT_3D = {
                 "signal_delay_s": 180},
 }
 
+# A small dense model on 2 x 8 H100 with no backend: the sharding-scheme tests add each backend kind to it.
+SMALL_DENSE = {
+    "name": "schemes",
+    "model": {"num_layers": 8, "hidden_size": 1024, "num_attention_heads": 16, "seq_length": 2048,
+              "vocab_size": 32000},
+    "training": {"micro_batch_size": 1, "global_batch_size": 64, "precision": "bf16"},
+    "cluster": {"nodes": 2, "gpus_per_node": 8, "gpu_type": "H100-SXM"},
+}
+
 LLAMA_ZERO = {
     "name": "gpt_zero_inline",
     "model": {"family": "llama", "num_layers": 22, "hidden_size": 2048, "num_attention_heads": 32,

@@ -16,17 +16,13 @@ from hpc_tools.planner.memory import LAYER_CODES, layers_of
 from hpc_tools.planner.report import search_dict
 from hpc_tools.planner.search import enumerate_knobs, search_across
 from hpc_tools.recipe.load import resolve
+from tests.unit.inline_recipes import SMALL_DENSE
 
 MODEL_KINDS = backends.with_feature("trains_model")
-BASE = {"name": "schemes",
-        "model": {"num_layers": 8, "hidden_size": 1024, "num_attention_heads": 16, "seq_length": 2048,
-                  "vocab_size": 32000},
-        "training": {"micro_batch_size": 1, "global_batch_size": 64, "precision": "bf16"},
-        "cluster": {"nodes": 2, "gpus_per_node": 8, "gpu_type": "H100-SXM"}}
 
 
 def recipe(kind: str):
-    return resolve({**BASE, "backend": {"kind": kind}}, [], check=False)
+    return resolve({**SMALL_DENSE, "backend": {"kind": kind}}, [], check=False)
 
 
 def test_every_model_backend_names_a_known_scheme_and_layer_code():

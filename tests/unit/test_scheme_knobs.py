@@ -20,18 +20,14 @@ from hpc_tools.layout import ParallelLayout
 from hpc_tools.planner import sharding
 from hpc_tools.planner.knobs import Knobs, apply_knobs
 from hpc_tools.recipe.load import resolve
+from tests.unit.inline_recipes import SMALL_DENSE
 
 MODEL_KINDS = backends.with_feature("trains_model")
-BASE = {"name": "scheme-knobs",
-        "model": {"num_layers": 8, "hidden_size": 1024, "num_attention_heads": 16, "seq_length": 2048,
-                  "vocab_size": 32000},
-        "training": {"micro_batch_size": 1, "global_batch_size": 64, "precision": "bf16"},
-        "cluster": {"nodes": 2, "gpus_per_node": 8, "gpu_type": "H100-SXM"}}
 
 
 def recipe(kind: str, options: dict | None = None):
     own = {backends.backend(kind).options: options} if options else {}
-    return resolve({**BASE, "backend": {"kind": kind, **own}}, [], check=False)
+    return resolve({**SMALL_DENSE, "backend": {"kind": kind, **own}}, [], check=False)
 
 
 def section_fields(kind: str) -> dict:
