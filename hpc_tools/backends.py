@@ -126,6 +126,9 @@ class Backend:
     reshard on load (torch Distributed Checkpoint) or say so on the ranks."""
     hf_export: str | None = None
     """``"module:function"``: (run, recipe, verified checkpoint, out, overwrite) -> summary; None: nothing to export."""
+    preload: tuple[str, ...] = ()
+    """``"module:function"``s a CPU rank calls before anything else to import its libraries: run once in the local
+    fork server, whose children the local ranks are (``hpc_tools.runtime.forkserver``; ``rank_preload``)."""
     rank_setup: str | None = None
     """``"module:function"``: (recipe, layout) -> environment variables to set before the first CUDA call."""
     layers: str = ""
@@ -162,6 +165,7 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
             pads_vocab=True, async_save=True, elastic=True, checks_load_layout=True,
             reads_init_from_hf=True, hf_export="hpc_tools.train.megatron.hf_export:export_checkpoint",
             rank_setup="hpc_tools.train.megatron.config:rank_environment", layers="megatron",
+            preload=("hpc_tools.train.megatron.trainer:import_on_cpu",),
             sharding="distributed_optimizer", packages=("megatron-core",),
             flash_attention=_megatron_flash, attention_path=_megatron_attention_path),
     Backend(kind="deepspeed", summary="a Hugging Face causal LM under DeepSpeed ZeRO (stages 0-3, offload, "
@@ -173,7 +177,7 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
             no_elastic_why="its ZeRO checkpoints hold each data-parallel rank's optimizer partition, and loading "
             "them at another data-parallel size needs DeepSpeed's universal checkpoint conversion (ds_to_universal), "
             "which a restart does not run",
-            sharding="zero",
+            sharding="zero", preload=("hpc_tools.train.deepspeed.trainer:import_on_cpu",),
             packages=("deepspeed", "transformers"), zero_config=_deepspeed_zero_config),
     Backend(kind="fsdp", summary="a Hugging Face causal LM under PyTorch FSDP2 (full_shard, hybrid_shard; with "
             "tensor parallelism: FSDP x TP) or DDP, checkpoints through torch Distributed Checkpoint",
@@ -181,7 +185,8 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
             tensor_parallel=True,
             hf_model_classes=True, reads_init_from_hf=True, async_save=True, elastic=True,
             hf_export="hpc_tools.train.hf_causal_lm.export:export_checkpoint",
-            layers="huggingface", sharding="fsdp", packages=("transformers", "accelerate"), compiled=_fsdp_compiled),
+            layers="huggingface", sharding="fsdp", packages=("transformers", "accelerate"), compiled=_fsdp_compiled,
+            preload=("hpc_tools.train.imports:import_transformers",)),
     Backend(kind="horovod", summary="a Hugging Face causal LM (the fsdp backend's), a full copy on every rank, its "
             "gradients ring-all-reduced by Horovod's DistributedOptimizer (gloo on CPU, NCCL on GPU), checkpoints "
             "through torch Distributed Checkpoint",
@@ -189,7 +194,8 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
             hf_model_classes=True, reads_init_from_hf=True, elastic=True,
             no_async_save_why="the Horovod backend writes its checkpoints synchronously",
             hf_export="hpc_tools.train.hf_causal_lm.export:export_checkpoint",
-            layers="huggingface", sharding="horovod", packages=("transformers", "accelerate", "horovod")),
+            layers="huggingface", sharding="horovod", packages=("transformers", "accelerate", "horovod"),
+            preload=("hpc_tools.train.imports:import_transformers",)),
     Backend(kind="comm_check", summary="no model: every rank joins the process group and times all-reduces "
             "(a cluster smoke test)",
             trainer="hpc_tools.train.comm_check", trains_model=False,
@@ -211,6 +217,15 @@ def of(recipe: Any) -> Backend:
 def with_feature(feature: str) -> list[str]:
     """The kinds whose row has ``feature`` true, for the fix an error names."""
     return [b.kind for b in BACKENDS.values() if getattr(b, feature)]
+
+
+RANK_PRELOAD = ("hpc_tools.train.dynamo_lazy:install", "hpc_tools.runtime.rank")
+"""What every rank imports first, before its row's ``preload``: torch with TorchDynamo deferred, the rank program."""
+
+
+def rank_preload(kind: str) -> tuple[str, ...]:
+    """What the local fork server imports for ranks of backend ``kind``, in order."""
+    return (*RANK_PRELOAD, *BACKENDS[kind].preload)
 
 
 def load(ref: str) -> Callable[..., Any]:

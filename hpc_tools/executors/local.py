@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO
 
 from hpc_tools.registry import RunFolder, now_iso
+from hpc_tools.runtime import forkserver
 from hpc_tools.runtime.distenv import STORE_FD_ENV, free_port, listening_socket
 
 LOCAL_ADDR = "127.0.0.1"
@@ -50,6 +51,18 @@ def rank_env(rank: int, world_size: int, port: int, extra: Mapping[str, str] | N
 
 def rank_command(run_dir: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "hpc_tools.runtime.rank", "--run-dir", str(run_dir), *args]
+
+
+def fork_preload(run: RunFolder, argv: list[str]) -> tuple[str, ...] | None:
+    """What the fork server imports before forking this run's ranks (``hpc_tools.runtime.forkserver``), or None
+    where each rank starts its own interpreter (GPU ranks, ``HPC_TOOLS_FORKSERVER=0``)."""
+    from hpc_tools import backends
+    from hpc_tools.recipe.load import load_resolved
+
+    recipe = load_resolved(run.recipe_path)
+    if not forkserver.usable(argv, recipe.cluster.uses_gpus):
+        return None
+    return backends.rank_preload(recipe.backend.kind)
 
 
 def _pump(src: IO[bytes], sinks: list[IO[bytes]]) -> None:
@@ -141,19 +154,23 @@ def _run_ranks(run: RunFolder, world_size: int, echo: IO[bytes] | None, extra_en
     listener = listening_socket(LOCAL_ADDR)  # held from here to rank 0's store: no other process can take the port
     port = listener.getsockname()[1]
     run.update(event="launched", state="RUNNING", executor="local", launched=now_iso(), world_size=world_size)
-    procs, pumps, logs = [], [], []
+    argv = rank_command(run.path, *rank_args)
+    preload = fork_preload(run, argv)
+    pumps = []
+    logs = [open(run.logs_dir / f"rank{rank:05d}.out", "ab") for rank in range(world_size)]  # before the ranks look
     with listener:
-        for rank in range(world_size):
-            env = rank_env(rank, world_size, port, extra_env, store_fd=listener.fileno())
-            log = open(run.logs_dir / f"rank{rank:05d}.out", "ab")
-            logs.append(log)
-            proc = subprocess.Popen(rank_command(run.path, *rank_args), env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    pass_fds=(listener.fileno(),) if rank == 0 else ())
+        envs = [rank_env(rank, world_size, port, extra_env, store_fd=listener.fileno()) for rank in range(world_size)]
+        if preload is not None:  # CPU ranks: forked from one process that imported their libraries once
+            procs: list = forkserver.start(argv, envs, [None] * world_size, preload=preload,
+                                           rank0_fds=(listener.fileno(),))
+        else:
+            procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      start_new_session=True, pass_fds=(listener.fileno(),) if rank == 0 else ())
+                     for rank, env in enumerate(envs)]
+        for rank, (proc, log) in enumerate(zip(procs, logs)):
             sinks = [log] + ([echo] if echo is not None and rank == 0 else [])
             pump = threading.Thread(target=_pump, args=(proc.stdout, sinks), daemon=True)
             pump.start()
-            procs.append(proc)
             pumps.append(pump)
     run.update(pids=[p.pid for p in procs])  # `hpc_tools cancel` signals these process groups
     code, first_failed = 0, {}
@@ -185,7 +202,7 @@ def end_groups(procs: list[subprocess.Popen]) -> None:
     writer, a data worker) outlive a rank killed with SIGKILL, holding CPU, memory and the rank's output pipe; as
     Slurm ends a step's cgroup, the local executor ends its ranks' groups."""
     for p in procs:
-        if p.poll() is None:
+        if p.poll() is None or not p.pid:
             continue
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(p.pid, signal.SIGKILL)

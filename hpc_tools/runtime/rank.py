@@ -20,7 +20,7 @@ from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_resolved
 from hpc_tools.registry import RunFolder, now_iso
 from hpc_tools.runstate import HANG_EXIT_CODE, note_restart
-from hpc_tools.runtime import elastic
+from hpc_tools.runtime import elastic, forkserver
 from hpc_tools.runtime.context import RankContext
 from hpc_tools.runtime.distenv import DistEnv
 from hpc_tools.runtime.hang_bounds import Bounds
@@ -36,7 +36,9 @@ def setup_logging(rank: int, run_dir: str | None = None) -> RankLog:
     """Log lines to stdout; library warnings (once each) and detail lines to the rank's log file only."""
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True, format=FORMAT.format(rank=rank),
                         datefmt=DATEFMT)
-    return RankLog(run_dir, rank)
+    log = RankLog(run_dir, rank)
+    forkserver.replay_warnings()  # a forked rank: what its libraries' imports warned in the fork server
+    return log
 
 
 def build_context(run_dir: str) -> RankContext:

@@ -6,7 +6,8 @@ LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT, ...), plus this repo
 timeout, stops all the others. The rendezvous port is held from its choice, as the local executor holds it: rank 0
 gets the listening socket (``distenv.listening_socket``), so the ranks join with ``distenv.join_world`` (a rank that
 bound MASTER_PORT itself would find it taken). Each rank's stdout and stderr go to one log file, read back into the
-result::
+result. On a CPU build of torch the ranks are forked from one process that imported torch once
+(``hpc_tools.runtime.forkserver``), as the local executor starts its CPU ranks::
 
     ranks = spawn_ranks([sys.executable, "-m", "hpc_tools.testing.workload", "comm", "--out", out], 2, check=True)
     ranks[0].log  # rank 0's output
@@ -23,9 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_tools.executors.local import end_groups, rank_env, stop_ranks
+from hpc_tools.runtime import forkserver
 from hpc_tools.runtime.distenv import listening_socket
 
 REPO = Path(__file__).resolve().parents[2]
+SPAWN_PRELOAD = ("torch",)
+"""What the fork server imports for a harness's ranks on a CPU torch (``hpc_tools.runtime.forkserver``); each harness
+imports the rest itself."""
 TAIL_CHARS = 4000
 PORT_TAKEN = "EADDRINUSE"  # torch's TCPStore: "... code: -98, name: EADDRINUSE, message: address already in use"
 
@@ -83,16 +88,19 @@ def _launch(argv: Sequence[str], world_size: int, extra: Mapping[str, str], cwd:
             timeout_s: float, logs: Path, poll_s: float) -> tuple[list[CompletedRank], int | None]:
     """One start of every rank, to completion, failure or timeout: (results, first failed rank)."""
     files = [open(logs / f"rank{rank}.log", "wb") for rank in range(world_size)]
-    procs: list[subprocess.Popen] = []
+    procs: list = []
+    args = list(map(str, argv))
     try:
         with listening_socket() as listener:  # held until rank 0's store serves on it
             port, fd = listener.getsockname()[1], listener.fileno()
-            for rank, log in enumerate(files):
-                # a session of its own per rank: stop_ranks signals the rank's whole process group
-                env = rank_env(rank, world_size, port, extra, store_fd=fd)
-                procs.append(subprocess.Popen(list(map(str, argv)), env=env, cwd=cwd or REPO, stdout=log,
-                                              stderr=subprocess.STDOUT, start_new_session=True,
-                                              pass_fds=(fd,) if rank == 0 else ()))
+            envs = [rank_env(rank, world_size, port, extra, store_fd=fd) for rank in range(world_size)]
+            if forkserver.usable(args, uses_gpus=False) and not _cuda_build():  # as the local executor forks CPU ranks
+                procs = forkserver.start(args, envs, [log.fileno() for log in files], preload=SPAWN_PRELOAD,
+                                         rank0_fds=(fd,), cwd=str(cwd or REPO))
+            else:  # a session of its own per rank: stop_ranks signals the rank's whole process group
+                procs = [subprocess.Popen(args, env=env, cwd=cwd or REPO, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True, pass_fds=(fd,) if rank == 0 else ())
+                         for rank, (env, log) in enumerate(zip(envs, files))]
         culprit, timed_out = _wait(procs, time.monotonic() + timeout_s, poll_s)
     finally:
         stop_ranks([p for p in procs if p.poll() is None])  # only on failure, timeout or interrupt
@@ -101,6 +109,16 @@ def _launch(argv: Sequence[str], world_size: int, extra: Mapping[str, str], cwd:
             log.close()
     return [CompletedRank(rank, p.returncode, (logs / f"rank{rank}.log").read_text(errors="replace"), timed_out)
             for rank, p in enumerate(procs)], culprit
+
+
+def _cuda_build() -> bool:
+    """Whether this Python's torch is a CUDA build (its ranks may use a GPU: each starts its own interpreter)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return "+cpu" not in version("torch")
+    except PackageNotFoundError:
+        return False
 
 
 def _describe(argv: Sequence[str]) -> str:

@@ -54,6 +54,18 @@ def import_deepspeed() -> None:
         import deepspeed  # noqa: F401
 
 
+def import_on_cpu() -> None:
+    """What a CPU rank imports before training (the row's ``preload``, run once by the local fork server for all its
+    ranks): DeepSpeed on its CPU accelerator, without mlflow, and transformers' model code."""
+    import torch
+
+    from hpc_tools.train.imports import import_transformers
+
+    environment_for(torch.device("cpu"))
+    import_deepspeed()
+    import_transformers()
+
+
 def _plain_cpu_collectives() -> None:
     """Keep DeepSpeed on plain torch.distributed collectives on CPU.
 

@@ -120,6 +120,15 @@ class MegatronJob:
         self.engine.close()
 
 
+def import_on_cpu() -> None:
+    """What a CPU rank imports before training (the row's ``preload``, run once by the local fork server for all its
+    ranks): megatron-core without its GPU-only imports, its import warnings quietened as ``run`` does."""
+    from hpc_tools.train.megatron.cpu_compat import import_megatron
+
+    _quiet_megatron("cpu")
+    import_megatron()
+
+
 def _quiet_megatron(device_type: str = "cpu") -> None:
     # Megatron logs every bucket's parameter list and its whole config at INFO, and warns at import that apex and
     # Transformer Engine are missing: expected on CPU (hidden there), a slow path on a GPU (kept there).
