@@ -75,6 +75,14 @@ def sbatch_rendered(tmp: Path, name: str, recipe: str, *render_args: str) -> tup
     return job_id, runs / f"{Path(recipe).stem}-j{job_id}"
 
 
+def local_rank_pids(run_dir: Path) -> list[int]:
+    """The rank processes the local executor started in this run folder, in rank order (its manifest's ``pids``:
+    forked ranks carry their server's command line and environment in /proc, so a scan of /proc cannot tell them)."""
+    from hpc_tools.registry import RunFolder
+
+    return [int(pid) for pid in RunFolder(run_dir).manifest().get("pids") or []]
+
+
 def wait_for(predicate, timeout_s: float = 120, what: str = "", poll_s: float = 0.5):
     """Poll ``predicate`` until it returns something truthy (returned), or fail after ``timeout_s``."""
     import time

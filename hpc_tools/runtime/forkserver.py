@@ -15,6 +15,10 @@ a GPU rank's libraries may initialise it at import, so GPU ranks start each with
 server imports anything before the fork, on one thread (torch starts no thread at import; its OpenMP pool starts at
 the first parallel operator, which no import runs), so the children start clean.
 
+A forked rank's command line (``/proc/PID/cmdline``, ``ps``) is the server's, which carries the rank's:
+``python -m hpc_tools.runtime.forkserver -m hpc_tools.runtime.rank --run-dir RUN`` (what ``hpc_tools resume`` reads
+to tell a live rank of a run); its ``/proc/PID/environ`` is the server's too (the rank's own is in ``os.environ``).
+
 The protocol: the caller writes one JSON line to the server's stdin (``Spec``: the program, the preload functions,
 each rank's environment, output descriptor and extra descriptors) and reads lines from a status pipe it passes:
 ``R started PID`` once rank R is forked, ``R exited CODE`` when it exits (CODE as ``Popen.returncode``: negative
@@ -105,9 +109,9 @@ def start(argv: Sequence[str], envs: Sequence[Mapping[str, str]], outs: Sequence
     server_env = {k: v for k, v in envs[0].items() if k not in RANK_ONLY_VARS}
     ranks = [ForkedRank(r, os.fdopen(pipe[0], "rb") if pipe else None) for r, pipe in enumerate(pipes)]
     try:
-        server = subprocess.Popen([sys.executable, "-m", SERVER], stdin=subprocess.PIPE, stdout=out_fds[0],
-                                  stderr=subprocess.STDOUT, env=server_env, cwd=cwd, start_new_session=True,
-                                  pass_fds=(status_w, *sorted(set(out_fds)), *rank0_fds))
+        server = subprocess.Popen([sys.executable, "-m", SERVER, *spec["argv"][1:]], stdin=subprocess.PIPE,
+                                  stdout=out_fds[0], stderr=subprocess.STDOUT, env=server_env, cwd=cwd,
+                                  start_new_session=True, pass_fds=(status_w, *sorted(set(out_fds)), *rank0_fds))
     finally:
         os.close(status_w)
         for pipe in pipes:

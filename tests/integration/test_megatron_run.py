@@ -23,7 +23,7 @@ from hpc_tools.executors.local import run_local
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_recipe
 from hpc_tools.registry import RunFolder
-from tests.helpers import REPO
+from tests.helpers import REPO, local_rank_pids
 
 RECIPE = REPO / "recipes" / "gpt_3d.yaml"
 STOP_AFTER_STEP = 4
@@ -55,18 +55,6 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
                 continue
             assert found.setdefault(rec["step"], rec["loss"]) == rec["loss"], f"ranks disagree on step {rec['step']}"
     return found
-
-
-def rank_pids(run_dir: Path) -> list[int]:
-    """The rank processes run_local started for this run folder (found by their --run-dir argument)."""
-    import psutil
-
-    pids = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        cmd = proc.info["cmdline"] or []
-        if "hpc_tools.runtime.rank" in cmd and str(run_dir) in cmd:
-            pids.append(proc.info["pid"])
-    return pids
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +99,7 @@ def test_stop_signal_checkpoints_and_resumes_to_the_same_losses(completed_run, t
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if records0.exists() and len(records0.read_text().splitlines()) >= STOP_AFTER_STEP:
-                for pid in rank_pids(run.path):
+                for pid in local_rank_pids(run.path):
                     os.kill(pid, signal.SIGUSR2)
                     signalled.append(pid)
                 return

@@ -18,7 +18,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -29,7 +28,7 @@ from hpc_tools.recipe.load import load_recipe
 from hpc_tools.submission import new_run
 from hpc_tools.testing import matrix
 from profiling.collector import SLOW_RANK_ENV
-from tests.helpers import REPO
+from tests.helpers import REPO, local_rank_pids, wait_for
 
 COMM_CHECK = REPO / "recipes" / "comm_check.yaml"
 GPT = REPO / "recipes" / "gpt_3d.yaml"
@@ -69,13 +68,6 @@ def test_an_injected_straggler_is_named_with_its_cause(comm_check_runs, slow_ran
     print(f"\ninjected {slow_rank}:{cause}:{DELAY_S}: {row['straggler_verdict']}")
 
 
-def rank_pids(run_dir: Path) -> list[int]:
-    import psutil
-
-    return [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
-            if "hpc_tools.runtime.rank" in (p.info["cmdline"] or []) and str(run_dir) in p.info["cmdline"]]
-
-
 @pytest.mark.megatron
 @pytest.mark.slow
 def test_goodput_of_a_killed_and_relaunched_run(tmp_path):
@@ -91,7 +83,7 @@ def test_goodput_of_a_killed_and_relaunched_run(tmp_path):
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not killed:
             if records0.exists() and len(records0.read_text().splitlines()) >= 6:
-                for pid in rank_pids(run.path):
+                for pid in local_rank_pids(run.path):
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
             time.sleep(0.05)
@@ -166,17 +158,6 @@ def test_an_injected_straggler_on_two_slurm_nodes_is_named_with_its_node(slurm_m
         subprocess.run(["scancel", str(data["job_id"])], capture_output=True, timeout=30)
 
 
-def rank_pid(run_dir: Path, rank: int) -> int | None:
-    import psutil
-
-    for p in psutil.process_iter(["pid", "cmdline", "environ"]):
-        cmdline = p.info["cmdline"] or []
-        if ("hpc_tools.runtime.rank" in cmdline and str(run_dir) in cmdline
-                and (p.info["environ"] or {}).get("RANK") == str(rank)):
-            return p.info["pid"]
-    return None
-
-
 @pytest.mark.megatron
 @pytest.mark.slow
 def test_a_rank_stopped_half_of_the_time_is_the_one_straggler_host_stalled(tmp_path):
@@ -201,7 +182,8 @@ def test_a_rank_stopped_half_of_the_time_is_the_one_straggler_host_stalled(tmp_p
     def stop_half_of_the_time():
         while not done.is_set() and not opened.exists():
             time.sleep(0.02)
-        pid = rank_pid(run.path, victim)
+        pid = wait_for(lambda: (local_rank_pids(run.path) or [None] * (victim + 1))[victim], timeout_s=60,
+                       what="the ranks' pids in the manifest")
         while pid and not done.is_set():
             try:
                 os.kill(pid, signal.SIGSTOP)

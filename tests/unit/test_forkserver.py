@@ -119,6 +119,8 @@ def test_a_failing_preload_leaves_the_import_to_the_ranks(program, tmp_path, fai
 def test_stopping_a_rank_by_its_process_group_and_a_lost_server(program, tmp_path):
     ranks = forkserver.start([sys.executable, str(program)], _envs(tmp_path, 2, THEN="sleep"), [None, None])
     assert all(r.poll() is None for r in ranks)
+    cmdline = open(f"/proc/{ranks[1].pid}/cmdline", "rb").read().split(b"\0")
+    assert str(program).encode() in cmdline and b"hpc_tools.runtime.forkserver" in cmdline  # what `ps` shows
     os.killpg(ranks[0].pid, signal.SIGTERM)  # what stop_ranks does
     assert ranks[0].wait(30) == -signal.SIGTERM
     with pytest.raises(subprocess.TimeoutExpired):
