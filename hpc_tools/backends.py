@@ -126,6 +126,9 @@ class Backend:
     reshard on load (torch Distributed Checkpoint) or say so on the ranks."""
     hf_export: str | None = None
     """``"module:function"``: (run, recipe, verified checkpoint, out, overwrite) -> summary; None: nothing to export."""
+    ray_train: bool = False
+    """Its rank program runs as a worker of Ray Train's TorchTrainer (``cluster.launcher: ray``; docs/ray.md): it
+    makes its own process group from the environment Ray Train gives it."""
     preload: tuple[str, ...] = ()
     """``"module:function"``s a CPU rank calls before anything else to import its libraries: run once in the local
     fork server, whose children the local ranks are (``hpc_tools.runtime.forkserver``; ``rank_preload``)."""
@@ -184,7 +187,7 @@ BACKENDS: dict[str, Backend] = {b.kind: b for b in (
             trainer="hpc_tools.train.fsdp.trainer", trains_model=True, options="fsdp", pipeline_parallel=False,
             tensor_parallel=True,
             hf_model_classes=True, reads_init_from_hf=True, async_save=True, elastic=True,
-            hf_export="hpc_tools.train.hf_causal_lm.export:export_checkpoint",
+            hf_export="hpc_tools.train.hf_causal_lm.export:export_checkpoint", ray_train=True,
             layers="huggingface", sharding="fsdp", packages=("transformers", "accelerate"), compiled=_fsdp_compiled,
             preload=("hpc_tools.train.imports:import_transformers",)),
     Backend(kind="horovod", summary="a Hugging Face causal LM (the fsdp backend's), a full copy on every rank, its "

@@ -3,5 +3,6 @@
 ``Section``, field docs read by ``docstrings``), reading YAML (``yamlfile``, bounded; ``load``: overrides and
 precedence; ``site``: the site file), cross-field rules (``rules``, the fields each reads found by ``reads``;
 ``noops`` refuses values that do nothing, knowing which layer wrote them from ``provenance``), what Transformer
-Engine accepts (``te_support``), the errors users read (``pydantic_errors``, ``text``; other libraries' names for
-fields in ``aliases``) and the reference of ``validate --explain`` (``explain``, walking ``fields``)."""
+Engine accepts (``te_support``), what each ``cluster.launcher`` is (``launchers``), the errors users read
+(``pydantic_errors``, ``text``; other libraries' names for fields in ``aliases``) and the reference of
+``validate --explain`` (``explain``, walking ``fields``)."""

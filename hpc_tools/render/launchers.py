@@ -2,10 +2,12 @@
 
 One small frozen dataclass per launcher (``Srun``, ``Ray``) in ``LAUNCHERS``, looked up by the recipe's
 ``cluster.launcher`` (``of``); ``tests/unit/test_launchers.py`` checks the table holds every value the schema's
-``Literal`` allows. Callers ask the row instead of comparing names: ``slurm_params`` whether Slurm signals the ranks
-before the time limit (``time_limit_stop``), the Slurm and local executors whether one process drives every rank
-(``driver``: then the rendered script is submitted, since submitit starts one task per rank), ``doctor`` the packages
-a launcher needs (``packages``), ``status`` whether the run started a cluster of its own (``driver``).
+``Literal`` allows. Each row reads its launcher's facts from ``hpc_tools.recipe.launchers`` (their one owner, below
+this package: the recipe's rules ask it too). Callers ask the row instead of comparing names: ``slurm_params``
+whether Slurm signals the ranks before the time limit (``time_limit_stop``), the Slurm and local executors whether
+one process drives every rank (``driver``: then the rendered script is submitted, since submitit starts one task per
+rank), ``doctor`` the packages a launcher needs (``packages``), ``status`` whether the run started a cluster of its
+own (``driver``).
 
 The rendered script (``templates/job.sbatch.j2``) holds one rank-step loop, which a row fills (``steps`` ->
 ``RankSteps``): the batch shell's lines before the loop (rendezvous, Ray's nodes), each step's lines around its rank
@@ -25,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from hpc_tools.layout import ParallelLayout
+from hpc_tools.recipe.launchers import LauncherFacts
+from hpc_tools.recipe.launchers import of as launcher_facts
 from hpc_tools.render.envsetup import (
     host_python,
     is_pyxis,
@@ -63,12 +67,27 @@ class RankSteps:
 
 @dataclass(frozen=True, slots=True)
 class Launcher:
-    """What one launcher is, for every caller that would otherwise compare its name."""
+    """What one launcher writes into the batch script (``steps``), with its facts (``hpc_tools.recipe.launchers``:
+    ``name``, ``time_limit_stop``, ``driver``, ``packages``), for every caller that would otherwise compare its
+    name."""
 
-    name: ClassVar[str]
-    time_limit_stop: ClassVar[bool]  # Slurm signals the ranks cluster.signal_delay_s before the limit (and requeues)
-    driver: ClassVar[str | None]  # module whose ``drive`` runs every rank from one process; None: a task per rank
-    packages: ClassVar[tuple[tuple[str, str], ...]]  # (distribution, pip requirement) beyond every job's
+    facts: ClassVar[LauncherFacts]
+
+    @property
+    def name(self) -> str:
+        return self.facts.name
+
+    @property
+    def time_limit_stop(self) -> bool:  # Slurm signals the ranks cluster.signal_delay_s before the limit
+        return self.facts.time_limit_stop
+
+    @property
+    def driver(self) -> str | None:  # module whose ``drive`` runs every rank from one process; None: a task per rank
+        return self.facts.driver
+
+    @property
+    def packages(self) -> tuple[tuple[str, str], ...]:  # (distribution, pip requirement) beyond every job's
+        return self.facts.packages
 
     def steps(self, recipe: Recipe) -> RankSteps:
         raise NotImplementedError
@@ -79,10 +98,7 @@ class Srun(Launcher):
     """``cluster.launcher: srun``: one task per GPU, each the rank program; ``cluster.restarts`` is the loop's budget
     of in-job restarts (``hpc_tools.job.restarts``), and ``cluster.place_by_topology`` orders each step's ranks."""
 
-    name: ClassVar[str] = "srun"
-    time_limit_stop: ClassVar[bool] = True
-    driver: ClassVar[str | None] = None
-    packages: ClassVar[tuple[tuple[str, str], ...]] = ()
+    facts: ClassVar[LauncherFacts] = launcher_facts("srun")
 
     def steps(self, recipe: Recipe) -> RankSteps:
         c = recipe.cluster
@@ -188,10 +204,7 @@ class Ray(Launcher):
     batch host, whose workers run the rank program; no stop signal before the time limit (it would end Ray's own
     processes before any worker checkpoints)."""
 
-    name: ClassVar[str] = "ray"
-    time_limit_stop: ClassVar[bool] = False
-    driver: ClassVar[str | None] = "hpc_tools.job.ray_launch"
-    packages: ClassVar[tuple[tuple[str, str], ...]] = (("ray", "ray[default,train]"),)
+    facts: ClassVar[LauncherFacts] = launcher_facts("ray")
 
     def steps(self, recipe: Recipe) -> RankSteps:
         c, python = recipe.cluster, script_python(recipe.cluster)

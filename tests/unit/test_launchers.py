@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc_tools import doctor
+from hpc_tools import backends, doctor
+from hpc_tools.recipe import launchers as launcher_facts
 from hpc_tools.recipe.cluster import ClusterConfig
 from hpc_tools.recipe.load import resolve
 from hpc_tools.render import launchers
@@ -36,10 +37,14 @@ def recipe(*overrides: str):
 
 
 def test_the_table_has_a_row_for_every_launcher_the_schema_allows():
-    assert NAMES and set(launchers.LAUNCHERS) == set(NAMES)
+    assert NAMES and set(launchers.LAUNCHERS) == set(NAMES) == set(launcher_facts.LAUNCHERS)
+    assert launcher_facts.DEFAULT == ClusterConfig.model_fields["launcher"].default
     for name in NAMES:
         row = launchers.of(name)
-        assert row.name == name
+        assert row.name == name and row.facts is launcher_facts.of(name)
+        if row.facts.backend_feature:  # a feature of the backend table's rows
+            assert row.facts.backend_feature in backends.Backend.__dataclass_fields__
+            assert backends.with_feature(row.facts.backend_feature)
         if row.driver is not None:  # the module the batch shell and the local executor run `drive` of
             spec = importlib.util.find_spec(row.driver)
             assert spec is not None and spec.origin, row.driver
@@ -65,14 +70,15 @@ def launcher_comparisons(source: str) -> list[str]:
 
 
 def test_no_caller_compares_the_launcher_with_a_name():
-    """Outside the table, only the recipe's own rules name a launcher (they sit below render/ and speak of Ray)."""
+    """Outside the two tables (the facts in recipe/launchers.py, the batch-script rows in render/launchers.py) nothing
+    compares a launcher with a name, the recipe's rules included."""
     assert launcher_comparisons('c.launcher == "ray"') and launcher_comparisons('launcher(run) != "srun"')
     assert launcher_comparisons('manifest.get("launcher") == "ray"')
     assert not launcher_comparisons('name == "ray"') and not launcher_comparisons('launchers.of(x).driver')
     found = {}
     for path in sorted((REPO / "hpc_tools").rglob("*.py")):
         rel = path.relative_to(REPO).as_posix()
-        if rel == "hpc_tools/render/launchers.py" or rel.startswith("hpc_tools/recipe/"):
+        if rel in ("hpc_tools/render/launchers.py", "hpc_tools/recipe/launchers.py"):
             continue
         hits = launcher_comparisons(path.read_text())
         if hits:

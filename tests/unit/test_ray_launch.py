@@ -13,10 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from hpc_tools import backends
 from hpc_tools.errors import RecipeError
 from hpc_tools.job import ray_launch
 from hpc_tools.recipe.load import read_yaml, resolve
-from hpc_tools.recipe.rules import RAY_BACKENDS
 from hpc_tools.render.sbatch import render_sbatch
 from tests.helpers import REPO
 
@@ -44,7 +44,7 @@ def test_ray_refuses_other_backends_in_one_line(kind):
     assert len(lines) == 1, info.value.violations
     text = str(lines[0])
     assert "cluster.launcher=ray" in text and f"backend.kind={kind}" in text and "cluster.launcher: srun" in text
-    assert "\n" not in text and RAY_BACKENDS == ("fsdp",)
+    assert "\n" not in text and backends.with_feature("ray_train") == ["fsdp"]
 
 
 def test_ray_train_names_point_at_the_recipe_fields():

@@ -82,13 +82,13 @@ CASES = {
                          "parallel.tensor_size=1", "parallel.pipeline_size=1"],
                         "cluster.min_nodes=1 backend.kind=deepspeed cannot continue on fewer nodes: its ZeRO "
                         "checkpoints", "or use backend.kind megatron or fsdp or horovod"),
-    "ray_launcher_backend": (["cluster.launcher=ray"], "cluster.launcher=ray launches backend.kind=fsdp only "
-                             "(PyTorch-native: FSDP2, HSDP, DDP), not backend.kind=megatron",
-                             "use cluster.launcher: srun, or backend.kind: fsdp"),
-    "ray_launcher_container": (["backend.kind=fsdp", "cluster.launcher=ray", "cluster.setup.container.kind=pyxis",
-                                "cluster.setup.container.image=img.sqsh"],
-                               "cluster.setup.container.kind=pyxis is not started around the Ray nodes",
-                               "or use cluster.launcher: srun"),
+    "launcher_backend": (["cluster.launcher=ray"], "cluster.launcher=ray launches backend.kind=fsdp only "
+                         "(PyTorch-native: FSDP2, HSDP, DDP), not backend.kind=megatron",
+                         "use cluster.launcher: srun, or backend.kind: fsdp"),
+    "launcher_container": (["backend.kind=fsdp", "cluster.launcher=ray", "cluster.setup.container.kind=pyxis",
+                            "cluster.setup.container.image=img.sqsh"],
+                           "cluster.setup.container.kind=pyxis is not started around the Ray nodes",
+                           "or use cluster.launcher: srun"),
     "switch_wait_needs_switches": (["cluster.switch_wait_min=30"], "cluster.switch_wait_min=30 is the wait for "
                                    "cluster.switches, which is not set", "set cluster.switches"),
     "profiler_ranks_exist": (["profiling.torch_profiler.enabled=true", "profiling.torch_profiler.ranks=[0, 8]"],

@@ -34,10 +34,9 @@ from hpc_tools.recipe.rules import training  # noqa: F401
 from hpc_tools.recipe.rules import cluster  # noqa: F401
 # isort: on
 from hpc_tools.recipe.rules.backends import HF_FAMILY_SHAPE, backend_features, deepspeed_model_expressible
-from hpc_tools.recipe.rules.cluster import RAY_BACKENDS
 from hpc_tools.recipe.rules.experts import FP8_MULTIPLE, gpu_has_fp8, gpu_has_mxfp8, megatron_attentions
 from hpc_tools.recipe.rules.training import LOCAL_DIR_EXAMPLE
 
-__all__ = ["DERIVED", "FP8_MULTIPLE", "HF_FAMILY_SHAPE", "LOCAL_DIR_EXAMPLE", "NOTES", "RAY_BACKENDS", "RULES", "Rule",
+__all__ = ["DERIVED", "FP8_MULTIPLE", "HF_FAMILY_SHAPE", "LOCAL_DIR_EXAMPLE", "NOTES", "RULES", "Rule",
            "RuleFn", "backend_features", "check_recipe", "deepspeed_model_expressible", "divisors", "gpu_has_fp8",
            "gpu_has_mxfp8", "megatron_attentions", "merged", "note", "recipe_notes", "rule"]

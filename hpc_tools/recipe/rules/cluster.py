@@ -8,6 +8,7 @@ from typing import Iterator
 from hpc_tools import backends
 from hpc_tools.errors import Violation
 from hpc_tools.layout import ParallelLayout
+from hpc_tools.recipe import launchers
 from hpc_tools.recipe.rules.registry import note, rule
 from hpc_tools.recipe.schema import Recipe
 
@@ -71,41 +72,39 @@ def elastic_backend(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
                         f"{' or '.join(backends.with_feature('elastic'))}")
 
 
-RAY_BACKENDS = ("fsdp",)
-"""The backends Ray Train launches (cluster.launcher: ray): the PyTorch-native one, any strategy (its rank program
-makes its own process group; docs/ray.md)."""
+@rule
+def launcher_backend(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """A launcher that starts only some backends' rank programs (Ray Train: the PyTorch-native one)."""
+    row = launchers.of(r.cluster.launcher)
+    if row.backend_feature and not getattr(backends.of(r), row.backend_feature):
+        kinds = backends.with_feature(row.backend_feature)
+        yield Violation("cluster.launcher", row.name, f"launches backend.kind={' or '.join(kinds)} only "
+                        f"({row.backend_feature_words}), not backend.kind={r.backend.kind}",
+                        f"use cluster.launcher: {launchers.DEFAULT}, or backend.kind: {kinds[0]}")
 
 
 @rule
-def ray_launcher_backend(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
-    """Ray Train launches the PyTorch-native backend only (FSDP2, HSDP, DDP)."""
-    if r.cluster.launcher == "ray" and r.backend.kind not in RAY_BACKENDS:
-        yield Violation("cluster.launcher", "ray", f"launches backend.kind={' or '.join(RAY_BACKENDS)} only "
-                        f"(PyTorch-native: FSDP2, HSDP, DDP), not backend.kind={r.backend.kind}",
-                        f"use cluster.launcher: srun, or backend.kind: {RAY_BACKENDS[0]}")
-
-
-@rule
-def ray_launcher_container(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
-    """The batch script starts Ray's nodes and driver on the hosts, never inside a container."""
-    if r.cluster.launcher == "ray" and r.cluster.setup.container is not None:
-        yield Violation("cluster.setup.container.kind", r.cluster.setup.container.kind, "is not started around the "
-                        "Ray nodes and driver (cluster.launcher=ray runs them on the hosts)", "install Ray and "
-                        "hpc_tools on the nodes (cluster.setup.venv or conda_env) and drop the container, or use "
-                        "cluster.launcher: srun")
+def launcher_container(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """A launcher that starts its processes on the hosts (Ray's nodes and driver) has no container around them."""
+    row = launchers.of(r.cluster.launcher)
+    if not row.container and r.cluster.setup.container is not None:
+        yield Violation("cluster.setup.container.kind", r.cluster.setup.container.kind, row.no_container_why,
+                        f"install {row.name} and hpc_tools on the nodes (cluster.setup.venv or conda_env) and drop the "
+                        f"container, or use cluster.launcher: {launchers.DEFAULT}")
 
 
 @note
-def ray_no_time_limit_stop(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
-    """Ray runs get no stop signal before the time limit: the signal ends Ray's own processes before a checkpoint."""
-    c = r.cluster
-    if c.launcher == "ray":
-        yield Violation("cluster.launcher", "ray", f"gets no stop signal before cluster.time_limit={c.time_limit} "
-                        f"(Slurm's signal would end Ray's processes before any worker checkpoints): no stop "
-                        f"checkpoint and no requeue at the limit, cluster.signal_delay_s is not used; the run resumes "
-                        f"from its newest periodic checkpoint (checkpoint.interval_iters="
-                        f"{r.checkpoint.interval_iters}) with `hpc_tools resume`", "use cluster.launcher: srun for a "
-                        "checkpoint at the time limit, or a time limit the run fits in")
+def launcher_no_time_limit_stop(r: Recipe, lay: ParallelLayout) -> Iterator[Violation]:
+    """A launcher whose ranks get no stop signal before the time limit (Ray: the signal ends Ray's own processes
+    before a checkpoint)."""
+    c, row = r.cluster, launchers.of(r.cluster.launcher)
+    if not row.time_limit_stop:
+        yield Violation("cluster.launcher", row.name, f"gets no stop signal before cluster.time_limit={c.time_limit} "
+                        f"({row.no_time_limit_stop_why}): no stop checkpoint and no requeue at the limit, "
+                        f"cluster.signal_delay_s is not used; the run resumes from its newest periodic checkpoint "
+                        f"(checkpoint.interval_iters={r.checkpoint.interval_iters}) with `hpc_tools resume`",
+                        f"use cluster.launcher: {launchers.DEFAULT} for a checkpoint at the time limit, or a time "
+                        "limit the run fits in")
 
 
 @rule
