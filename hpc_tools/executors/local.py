@@ -1,7 +1,9 @@
 """The local executor: one process per rank on this machine (CPU + gloo, or local GPUs), like srun would start.
 
 Each rank runs ``python -m hpc_tools.runtime.rank --run-dir RUN`` with torchrun-style variables (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR/PORT). Rank 0's output goes to the console and every rank's to ``logs/rank<R>.out``; when one
+LOCAL_RANK, MASTER_ADDR/PORT). CPU ranks are forked from one process that imported torch and the backend's library
+once (``hpc_tools.runtime.forkserver``; ``HPC_TOOLS_FORKSERVER=0``: each starts its own interpreter, as GPU ranks
+always do). Rank 0's output goes to the console and every rank's to ``logs/rank<R>.out``; when one
 rank fails the others are stopped, as ``srun --kill-on-bad-exit`` does.
 """
 

@@ -8,7 +8,7 @@ as ``subprocess.Popen(..., start_new_session=True, pass_fds=...)`` would start i
 environment, working directory and output, stdin from /dev/null, no other descriptor than those it is given, then
 the same program (``python -m MODULE ARGS`` or ``python SCRIPT ARGS``) run as ``__main__``. Warnings the imports
 raised in the server are raised again in each rank once its log is set up (``replay_warnings``), so its log keeps
-them. ``benchmarks/bench_rank_import.py --forkserver`` times a local run's ranks both ways.
+them. ``benchmarks/bench_local_start.py`` times a local run both ways.
 
 Only for ranks on the CPU (``usable``): a process that has initialised CUDA cannot hand it to forked children, and
 a GPU rank's libraries may initialise it at import, so GPU ranks start each with its own interpreter. Only the
