@@ -38,6 +38,8 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import IO, Any, NoReturn
 
+from hpc_tools.runtime.process_end import exit_code, exit_process
+
 SERVER = "hpc_tools.runtime.forkserver"
 RANK_ONLY_VARS = ("RANK", "LOCAL_RANK")
 """Variables each rank's environment sets for itself: the server starts without them."""
@@ -215,8 +217,10 @@ def _module_of(filename: str) -> str:
 
 
 def _child(spec: dict[str, Any], rank: int, pending: list) -> None:
-    """In the forked child: become rank ``rank`` as Popen would start it, then run the program as ``__main__``
-    (its ``SystemExit`` ends this process with its code)."""
+    """In the forked child: become rank ``rank`` as Popen would start it, then run the program as ``__main__``; its
+    end (a return, ``SystemExit``) ends this process with its code, without the teardown of the server's imports
+    (``process_end.exit_process``, its open files flushed first); an exception takes the usual path, with its
+    traceback. The rank program ends itself that way before, with nothing to flush."""
     import runpy
 
     own = spec["ranks"][rank]
@@ -233,15 +237,18 @@ def _child(spec: dict[str, Any], rank: int, pending: list) -> None:
         os.chdir(spec["cwd"])
     _pending[:] = pending
     argv = spec["argv"]
-    if argv[1] == "-m":
-        sys.argv = [argv[2], *argv[3:]]
-        sys.modules.pop(argv[2], None)  # preloaded: ``python -m`` runs a fresh copy as __main__
-        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = argv[1:]
-        sys.path[0] = os.path.dirname(os.path.abspath(argv[1]))
-        runpy.run_path(argv[1], run_name="__main__")
-    sys.exit(0)
+    try:
+        if argv[1] == "-m":
+            sys.argv = [argv[2], *argv[3:]]
+            sys.modules.pop(argv[2], None)  # preloaded: ``python -m`` runs a fresh copy as __main__
+            runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = argv[1:]
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[1]))
+            runpy.run_path(argv[1], run_name="__main__")
+    except SystemExit as end:
+        exit_process(exit_code(end), flush_files=True)
+    exit_process(0, flush_files=True)
 
 
 def serve() -> NoReturn:

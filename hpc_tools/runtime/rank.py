@@ -14,7 +14,6 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import NoReturn
 
 from hpc_tools import backends
 from hpc_tools.layout import ParallelLayout
@@ -29,6 +28,7 @@ from hpc_tools.runtime.preemption import StopFlag
 from hpc_tools.runtime.preflight import leave_out
 from hpc_tools.runtime.preflight import run as preflight
 from hpc_tools.runtime.preflight.verdict import PreflightFailed
+from hpc_tools.runtime.process_end import exit_process
 from hpc_tools.runtime.ranklog import DATEFMT, FORMAT, RankLog
 from hpc_tools.runtime.watchdog import HANG_DIR, HangVerdict, Watchdog
 
@@ -226,29 +226,6 @@ def preflight_only(run_dir: str) -> int:
             preflight.close()
         rank_log.close()
     return code
-
-
-def exit_process(code: int) -> NoReturn:
-    """End this rank process with ``code`` as ``sys.exit`` would, less the interpreter's teardown (freeing every
-    module and object one by one, torch's among them: ~0.9 CPU-s per rank on this project's 2-core test machine, for
-    nothing anyone reads). What a normal exit does that matters runs first, in its order: ``threading``'s exit
-    callbacks and the wait for non-daemon threads (a background checkpoint write), the ``atexit`` handlers (logging's
-    flush and close, multiprocessing's children, torch's), then stdout and stderr flushed. Files are closed by their
-    owners (the loop closes its trackers, collector and engine in a ``finally``). Only a rank that returned from
-    ``main`` ends this way: an exception or ``SystemExit`` takes the usual path (the traceback, the message)."""
-    import atexit
-    import threading
-
-    shutdown = getattr(threading, "_shutdown", None)  # what Py_Finalize calls first (CPython 3.8-3.13)
-    if shutdown is not None:
-        shutdown()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed or broken console: nothing more to say
-            pass
-    os._exit(code)
 
 
 if __name__ == "__main__":  # the guard matters: dist_checkpointing starts a spawn Manager that re-imports __main__

@@ -36,6 +36,16 @@ if what == "kill9":
 if what == "sleep":
     import time
     time.sleep(60)
+if what == "leave":  # what a normal exit finishes: an unclosed file, a non-daemon thread, an atexit handler
+    import atexit, threading, time
+    kept = open(os.environ["OUT"] + ".unclosed", "w")
+    kept.write("flushed")
+    def late():
+        time.sleep(0.3)
+        open(os.environ["OUT"] + ".thread", "w").write("joined")
+    threading.Thread(target=late).start()
+    atexit.register(lambda: open(os.environ["OUT"] + ".atexit", "w").write("ran"))
+    sys.exit("a message for stderr")
 sys.exit(int(what[4:]) if what.startswith("exit") else 0)
 """
 
@@ -107,6 +117,14 @@ def test_exit_codes_are_popens_and_a_module_runs_as_main(program, tmp_path):
         "if __name__ == '__main__':\n    exec(compile(open('prog.py').read(), 'prog.py', 'exec'))\n")
     _, codes, outs = _run([sys.executable, "-m", "progmod", "a"], envs, preload=("progmod",), cwd=str(tmp_path))
     assert codes == [5] and _report(outs[0])["argv"] == ["a"] and _report(outs[0])["name"] == "__main__"
+
+
+def test_a_forked_program_ends_as_a_normal_exit_would_end_it(program, tmp_path):
+    out = tmp_path / "left"
+    _, codes, outs = _run([sys.executable, str(program)], _envs(tmp_path, 1, THEN="leave", OUT=str(out)))
+    assert codes == [1] and "a message for stderr" in outs[0]
+    for suffix, text in ((".unclosed", "flushed"), (".thread", "joined"), (".atexit", "ran")):
+        assert (tmp_path / f"left{suffix}").read_text() == text, suffix
 
 
 @pytest.mark.parametrize("failing", ["no_such_module_here:run", "sys:exit"])
