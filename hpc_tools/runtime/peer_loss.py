@@ -2,9 +2,10 @@
 it lost and where, in one line, not end in a transport error naming a socket (gloo: ``Connection reset by peer``,
 NCCL: the communicator aborted).
 
-The peer is found from this start's heartbeats (``runtime.heartbeat``): a rank on this node whose process is gone, a
-rank whose heartbeat stopped (older than ``STOPPED_S``; the watchdog rewrites it about once a second), or a rank that
-exited with an error of its own. A failure that is not a lost connection gets no line: its traceback says what it is.
+The peer is found from this start's heartbeats (``runtime.heartbeat``): a rank on this node whose process is gone
+without an exit record (killed), a rank whose heartbeat stopped (older than ``STOPPED_S``; the watchdog rewrites it
+about once a second), or a rank that exited with an error of its own. A peer that failed on the same lost connection
+and has already exited (its record says so) is a victim too, not the culprit. A failure that is not a lost connection gets no line: its traceback says what it is.
 """
 
 from __future__ import annotations
@@ -59,10 +60,11 @@ def find_lost(run_dir: Path, me: int, restart: int, wait_s: float = WAIT_S) -> l
         for rank, beat in sorted(read_all(run_dir, restart).items()):
             if rank == me:
                 continue
-            if beat.exit and beat.exit.get("code") not in (0, None) and not LOST_CONNECTION.search(
-                    str(beat.exit.get("error") or "")):
-                lost.append((beat, f"exited: {str(beat.exit.get('error') or '')[:120]}"))
-            elif _gone(beat, here):
+            if beat.exit:  # it ended through its own exit record: lost only to an error of its own
+                if beat.exit.get("code") not in (0, None) and not LOST_CONNECTION.search(
+                        str(beat.exit.get("error") or "")):
+                    lost.append((beat, f"exited: {str(beat.exit.get('error') or '')[:120]}"))
+            elif _gone(beat, here):  # gone without a record: killed
                 lost.append((beat, "its process is gone"))
             elif not beat.exit and now - beat.time > STOPPED_S:
                 lost.append((beat, f"its heartbeat stopped {now - beat.time:.0f} s ago"))

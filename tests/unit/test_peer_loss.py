@@ -63,6 +63,11 @@ def test_other_errors_and_peers_that_failed_the_same_way_get_no_blame(tmp_path):
     assert lost_peer_line(tmp_path, 0, 0, ValueError("bad shape"), "", 3, wait_s=0) is None
     line = lost_peer_line(tmp_path, 0, 0, RuntimeError(GLOO), "x.py:1 in f", 3, wait_s=0)
     assert line.startswith("lost a peer (no heartbeat names it yet"), line  # rank 1 is a victim too, not the culprit
+    # ... also once its process has exited (a fast end), and a peer that completed and exited is no culprit either
+    _beats(tmp_path, {1: {"pid": _dead_pid(), "exit": {"code": 1, "error": "RuntimeError: Connection reset by peer"}},
+                      3: {"pid": _dead_pid(), "exit": {"code": 0, "error": None}}})
+    line = lost_peer_line(tmp_path, 0, 0, RuntimeError(GLOO), "x.py:1 in f", 3, wait_s=0)
+    assert line.startswith("lost a peer (no heartbeat names it yet"), line
     _beats(tmp_path, {2: {"pid": _dead_pid(), "restart": 1}})
     assert "rank 2" not in lost_peer_line(tmp_path, 0, 0, RuntimeError(GLOO), "", 3, wait_s=0)  # another start's
 
