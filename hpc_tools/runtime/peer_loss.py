@@ -5,7 +5,8 @@ NCCL: the communicator aborted).
 The peer is found from this start's heartbeats (``runtime.heartbeat``): a rank on this node whose process is gone
 without an exit record (killed), a rank whose heartbeat stopped (older than ``STOPPED_S``; the watchdog rewrites it
 about once a second), or a rank that exited with an error of its own. A peer that failed on the same lost connection
-and has already exited (its record says so) is a victim too, not the culprit. A failure that is not a lost connection gets no line: its traceback says what it is.
+and has already exited (its record says so) is a victim too, not the culprit. A failure that is not a lost
+connection gets no line: its traceback says what it is.
 """
 
 from __future__ import annotations
