@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import INTEGRATION, REPO, need_slurm, run_cli, settle_cluster, shared_once, wait_for
-from tests.timeline import read_cpu
+from tests.timeline import own_cpu_s, read_cpu
 
 # Hermetic recipes: a developer's site file (~/.config/hpc_tools/site.yaml) must not change what the tests resolve;
 # tests of the site file set HPC_TOOLS_SITE themselves.
@@ -72,10 +72,13 @@ def pytest_runtest_logreport(report) -> None:
 def pytest_runtest_protocol(item, nextitem):
     """With HPC_TOOLS_TEST_TIMELINE=FILE (environment/test.sh sets it), one JSON line per test: its xdist worker and
     group, and when its setup began and its teardown ended, and the machine's CPU counters then (how busy the CPUs
-    were while it ran); ``python -m tests.timeline FILE`` sums them up (which worker, and which group, the suite's
-    wall time waits for, and whether the CPUs had time to spare)."""
+    were while it ran), and the CPU seconds of this test's own processes (the worker and every process it waited
+    for: CLI calls, local ranks; not what Slurm's daemons start); ``python -m tests.timeline FILE`` sums them up
+    (which worker, and which group, the suite's wall time waits for, whether the CPUs had time to spare, and which
+    modules spent the CPU)."""
     path = os.environ.get("HPC_TOOLS_TEST_TIMELINE")
     start, cpu_start = time.time(), read_cpu() if path else None
+    own_start = own_cpu_s()
     yield
     if path:
         group = next((m.args[0] for m in item.iter_markers("xdist_group") if m.args), None)
@@ -83,7 +86,8 @@ def pytest_runtest_protocol(item, nextitem):
         line = json.dumps({"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
                            "group": group, "start": start, "end": time.time(),
                            "outcome": _OUTCOMES.pop(item.nodeid, "passed"),
-                           "cpu": [cpu_start, cpu_end] if cpu_start and cpu_end else None})
+                           "cpu": [cpu_start, cpu_end] if cpu_start and cpu_end else None,
+                           "own_cpu_s": round(own_cpu_s() - own_start, 2)})
         with open(path, "a") as f:
             f.write(line + "\n")
 

@@ -2,13 +2,22 @@
 under HPC_TOOLS_TEST_TIMELINE: each xdist worker's busy time and when it finished, and the groups (a Slurm group
 runs on one worker, one test at a time) that took the longest; and how busy the machine's CPUs were, over the run and
 during each of the longest groups' tests (``cpu``: /proc/stat's counters when a test began and ended): the share a
-waiting group leaves idle is what another xdist worker could use."""
+waiting group leaves idle is what another xdist worker could use; and the CPU seconds of each module's own
+processes (``own_cpu_s``: the worker and what it waited for, local ranks included, Slurm's ranks not)."""
 
 from __future__ import annotations
 
 import json
 import sys
 from collections import defaultdict
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and of every child process it has waited for (theirs, recursively)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def cpu_counters(stat_text: str) -> list[int]:
@@ -79,6 +88,14 @@ def summary(lines: list[dict], top: int = 12) -> str:
     out.append("  longest modules: " + ", ".join(f"{m.split('/')[-1]} {s:.0f} s" for m, s in
                                                   sorted(by_module.items(), key=lambda kv: -kv[1])[:top]))
     out.extend(cpu_lines(lines, [g for g, _ in sorted(by_group.items(), key=lambda kv: -kv[1])[:5]]))
+    own: dict[str, float] = defaultdict(float)
+    for x in lines:
+        if x.get("own_cpu_s") is not None:
+            own[x["test"].split("::")[0]] += x["own_cpu_s"]
+    if own:
+        out.append(f"  CPU-s of the tests' own processes (not the ranks Slurm starts): {sum(own.values()):.0f}; "
+                   "most: " + ", ".join(f"{m.split('/')[-1]} {s:.0f}" for m, s in
+                                        sorted(own.items(), key=lambda kv: -kv[1])[:top]))
     return "\n".join(out)
 
 

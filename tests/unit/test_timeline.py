@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from tests.helpers import REPO
-from tests.timeline import cpu_counters, read_cpu, summary
+from tests.timeline import cpu_counters, own_cpu_s, read_cpu, summary
 
 STAT = "cpu  100 5 20 300 40 0 3 2 7 0\ncpu0 50 2 10 150 20 0 1 1 3 0\nintr 1 2 3\n"
 
@@ -44,6 +44,20 @@ def test_the_summary_gives_the_runs_and_each_groups_busy_share():
     text = summary(lines)
     assert "CPU busy: 20% of the machine over the run" in text, text  # 40 of 200 from first start to last end
     assert "CPU busy during the longest groups' tests: slurm 20%, test_train 20%" in text, text
+
+
+def test_each_modules_own_cpu_seconds_are_summed_and_ranked():
+    lines = [{**line("a.py::t1", "-", 0, 1, None), "own_cpu_s": 2.5}, {**line("a.py::t2", "-", 1, 2, None),
+                                                                        "own_cpu_s": 1.0},
+             {**line("b.py::t", "-", 2, 3, None), "own_cpu_s": 9.0}, line("c.py::old", "-", 3, 4, None)]
+    text = summary(lines)
+    assert "CPU-s of the tests' own processes (not the ranks Slurm starts): 12; most: b.py 9, a.py 4" in text, text
+
+
+def test_own_cpu_seconds_count_a_child_that_was_waited_for():
+    before = own_cpu_s()
+    subprocess.run([sys.executable, "-c", "sum(i * i for i in range(3_000_000))"], check=True, timeout=60)
+    assert own_cpu_s() - before > 0.05
 
 
 def test_a_timeline_without_counters_says_nothing_about_the_cpu():
