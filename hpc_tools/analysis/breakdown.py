@@ -352,9 +352,6 @@ def format_text(b: Breakdown) -> str:
         lines.append(f"{'x':>4} {'':>8} {'':>7} " + " ".join(
             f"{js['ratio'][c]:>10.2f}" if js["ratio"].get(c) is not None else f"{'':>10}" for c in cols))
     lines.append(f"plan: {b.planned_source}")
-    if b.bubble_collectors_s is not None:
-        lines.append(f"bubble the collectors measured on the same steps (pp_wait_s, mean over ranks): "
-                     f"{b.bubble_collectors_s:.4f} s")
     fig = js["bubble"]
     if fig["collectors"] is not None or (fig["planned"] or 0.0) > 0:
         lines.append("bubble, median traced step, mean over ranks: " + ", ".join(
