@@ -10,8 +10,9 @@ the same program (``python -m MODULE ARGS`` or ``python SCRIPT ARGS``) run as ``
 raised in the server are raised again in each rank once its log is set up (``replay_warnings``), so its log keeps
 them. ``benchmarks/bench_local_start.py`` times a local run both ways.
 
-Only for ranks on the CPU (``usable``): a process that has initialised CUDA cannot hand it to forked children, and
-a GPU rank's libraries may initialise it at import, so GPU ranks start each with its own interpreter. Only the
+Only for ranks on the CPU with a CPU build of torch (``usable``): a process that has initialised CUDA cannot hand it
+to forked children, and a CUDA build's libraries may initialise it at import, so GPU ranks, and any rank of a CUDA
+build, start each with its own interpreter. Only the
 server imports anything before the fork, on one thread (torch starts no thread at import; its OpenMP pool starts at
 the first parallel operator, which no import runs), so the children start clean.
 
@@ -48,12 +49,23 @@ _pending: list[tuple[str, str, str, int, str]] = []  # in a forked rank: the ser
 
 def usable(argv: Sequence[str], uses_gpus: bool) -> bool:
     """Whether ranks running ``argv`` can be forked from the server: CPU ranks of this Python running a module or a
-    script (``HPC_TOOLS_FORKSERVER=0`` turns it off: each rank imports for itself, as srun's ranks do)."""
-    if uses_gpus or os.environ.get("HPC_TOOLS_FORKSERVER", "1") == "0":
+    script, with a CPU build of torch (a CUDA build's imports may initialise CUDA before the fork);
+    ``HPC_TOOLS_FORKSERVER=0`` turns it off: each rank imports for itself, as srun's ranks do."""
+    if uses_gpus or os.environ.get("HPC_TOOLS_FORKSERVER", "1") == "0" or not cpu_torch():
         return False
     args = [str(a) for a in argv]
     return len(args) >= 2 and args[0] == sys.executable and (args[1] == "-m" and len(args) >= 3
                                                              or args[1].endswith(".py"))
+
+
+def cpu_torch() -> bool:
+    """Whether this Python's torch is a CPU build (its version names ``+cpu``); False without torch."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return "+cpu" in version("torch")
+    except PackageNotFoundError:
+        return False
 
 
 class ForkedRank:
@@ -252,7 +264,7 @@ def _child(spec: dict[str, Any], rank: int, pending: list) -> None:
 
 
 def serve() -> NoReturn:
-    """The server: read the spec, import, fork every rank, report their pids and exit codes, exit with the last."""
+    """The server: read the spec, import, fork every rank, report their pids and exit codes, then end."""
     spec = json.loads(sys.stdin.buffer.readline())
     status = spec["status_fd"]
     pending = _preload(spec["preload"])

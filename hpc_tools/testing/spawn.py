@@ -94,7 +94,7 @@ def _launch(argv: Sequence[str], world_size: int, extra: Mapping[str, str], cwd:
         with listening_socket() as listener:  # held until rank 0's store serves on it
             port, fd = listener.getsockname()[1], listener.fileno()
             envs = [rank_env(rank, world_size, port, extra, store_fd=fd) for rank in range(world_size)]
-            if forkserver.usable(args, uses_gpus=False) and not _cuda_build():  # as the local executor forks CPU ranks
+            if forkserver.usable(args, uses_gpus=False):  # CPU ranks, as the local executor forks them
                 procs = forkserver.start(args, envs, [log.fileno() for log in files], preload=SPAWN_PRELOAD,
                                          rank0_fds=(fd,), cwd=str(cwd or REPO))
             else:  # a session of its own per rank: stop_ranks signals the rank's whole process group
@@ -109,16 +109,6 @@ def _launch(argv: Sequence[str], world_size: int, extra: Mapping[str, str], cwd:
             log.close()
     return [CompletedRank(rank, p.returncode, (logs / f"rank{rank}.log").read_text(errors="replace"), timed_out)
             for rank, p in enumerate(procs)], culprit
-
-
-def _cuda_build() -> bool:
-    """Whether this Python's torch is a CUDA build (its ranks may use a GPU: each starts its own interpreter)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return "+cpu" not in version("torch")
-    except PackageNotFoundError:
-        return False
 
 
 def _describe(argv: Sequence[str]) -> str:

@@ -152,10 +152,14 @@ def test_stopping_a_rank_by_its_process_group_and_a_lost_server(program, tmp_pat
 
 
 def test_usable_only_for_cpu_ranks_of_this_python(monkeypatch):
+    monkeypatch.setattr(forkserver, "cpu_torch", lambda: True)  # torch's CPU build, as on this project's CI
     assert forkserver.usable([sys.executable, "-m", "hpc_tools.runtime.rank"], uses_gpus=False)
     assert forkserver.usable([sys.executable, "x.py"], uses_gpus=False)
     assert not forkserver.usable([sys.executable, "-m", "hpc_tools.runtime.rank"], uses_gpus=True)
     assert not forkserver.usable(["/bin/echo", "-m", "x"], uses_gpus=False)
     assert not forkserver.usable([sys.executable, "-c", "pass"], uses_gpus=False)
     monkeypatch.setenv("HPC_TOOLS_FORKSERVER", "0")
+    assert not forkserver.usable([sys.executable, "x.py"], uses_gpus=False)
+    monkeypatch.delenv("HPC_TOOLS_FORKSERVER")
+    monkeypatch.setattr(forkserver, "cpu_torch", lambda: False)  # a CUDA build of torch: never forked
     assert not forkserver.usable([sys.executable, "x.py"], uses_gpus=False)
