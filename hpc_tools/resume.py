@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from hpc_tools.errors import UserError
-from hpc_tools.executors.local import pid_alive
 from hpc_tools.recipe.load import dump_resolved, resolve
 from hpc_tools.recipe.schema import Recipe
 from hpc_tools.recipe.yamlfile import parse_yaml
 from hpc_tools.registry import RunFolder, atomic_write, now_iso, resolve_run
 from hpc_tools.runtime.distenv import RESTART_BASE_ENV
+from hpc_tools.runtime.process_end import pid_alive
 
 EXECUTORS = ("auto", "local", "slurm", "sbatch")
 # Fields a resume may change: how the job is supervised, never what it computes (model, layout, data, schedule).

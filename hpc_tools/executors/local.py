@@ -215,19 +215,6 @@ def _shell_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def pid_alive(pid: int | None) -> bool:
-    """Whether a process with this id exists (signal 0 tells; one of another user's counts as alive)."""
-    if not pid:
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def stop_ranks(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
     """SIGTERM every running rank's process group (started with ``start_new_session``), SIGKILL after ``grace_s``."""
     for p in procs:

@@ -39,7 +39,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import IO, Any, NoReturn
 
-from hpc_tools.runtime.process_end import exit_code, exit_process
+from hpc_tools.runtime.process_end import exit_code, exit_process, pid_alive
 
 SERVER = "hpc_tools.runtime.forkserver"
 RANK_ONLY_VARS = ("RANK", "LOCAL_RANK")
@@ -78,7 +78,7 @@ class ForkedRank:
         self._lost = False  # the server ended without reporting this rank's exit
 
     def poll(self) -> int | None:
-        if self.returncode is None and self._lost and not _alive(self.pid):
+        if self.returncode is None and self._lost and not pid_alive(self.pid):
             self.returncode = 1
         return self.returncode
 
@@ -161,18 +161,6 @@ def _follow(status: IO[bytes], ranks: list[ForkedRank], server: subprocess.Popen
                 r.returncode = code or 1
             r._lost = True
     started.set()
-
-
-def _alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def replay_warnings() -> None:

@@ -1,5 +1,6 @@
 """The end of a rank process without the interpreter's teardown (``exit_process``): the rank program's own end, and
-every program the fork server (``hpc_tools.runtime.forkserver``) runs as a forked rank."""
+every program the fork server (``hpc_tools.runtime.forkserver``) runs as a forked rank; and whether a process has
+ended (``pid_alive``)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,16 @@ def exit_code(exit: SystemExit) -> int:
         return exit.code
     print(exit.code, file=sys.stderr)
     return 1
+
+
+def pid_alive(pid: int | None) -> bool:
+    """Whether a process with this id exists (signal 0 tells; one of another user's counts as alive)."""
+    if not pid:
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

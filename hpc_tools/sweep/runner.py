@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hpc_tools.errors import UserError
-from hpc_tools.executors.local import pid_alive
 from hpc_tools.layout import ParallelLayout
 from hpc_tools.recipe.load import load_resolved
 from hpc_tools.recipe.schema import Recipe
 from hpc_tools.registry import RunFolder, now_iso
 from hpc_tools.runstate import FAILURE_STATUSES, READER, SlurmJob, Verdict, classify
 from hpc_tools.runstate import refresh as refresh_run
+from hpc_tools.runtime.process_end import pid_alive
 from hpc_tools.sweep.folder import SweepFolder
 from hpc_tools.sweep.grid import SweepPlan
 from hpc_tools.sweep.limits import SlurmLimits
