@@ -99,8 +99,8 @@ class Health:
         return self._check(step)
 
     def leave(self, step: int) -> None:
-        """After the checkpoint of ``step``: end the step for the restart controller."""
-        raise HealthLeaveOut(f"{self.leaving} (after the checkpoint of step {step})")
+        """After the checkpoint of ``step`` (the check's step): end the step for the restart controller."""
+        raise HealthLeaveOut(self.leaving)
 
     # -- one check -----------------------------------------------------------------------------------------------
     def _check(self, step: int) -> bool:
@@ -132,8 +132,9 @@ class Health:
                            for r in rows}}
         self.record.add(check)
         line = named_line(check, rows, new) if new else ""
-        if how:  # every rank's own words for the step's end (rank 0 also writes the marker)
-            self.leaving = f"{line}; leaving {', '.join(new)} out of the run: {how}"
+        if how:  # every rank's own words for the step's end (rank 0 also writes the marker and records the event)
+            self.leaving = (f"{line}; leaving {', '.join(new)} out of the run: {how} "
+                            f"(after the checkpoint of step {step})")
         if ctx.is_rank0:
             self._tell(check, rows, new, how, line)
         if self.collector is not None:
@@ -215,6 +216,8 @@ class Health:
         before = (ctx.run.manifest().get("health") or {}).get("named_all")
         summary["named_all"] = hv.merged_named(before, summary["named"])
         ctx.run.update(event="health named" if new else None, soft=True, health=summary)
+        if how:  # recorded now, before the barrier: once a peer ends the step, srun may stop rank 0 at once
+            ctx.run.update(event=HealthLeaveOut.event, reason=self.leaving, soft=True)
 
 
 def named_line(check: dict, rows, new: list[str]) -> str:

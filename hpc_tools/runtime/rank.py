@@ -115,13 +115,10 @@ def _run_rank(run_dir: str, dist: DistEnv, last_words: list[str]) -> int:
         backends.load(backends.of(ctx.recipe).trainer)(ctx)
         code = 0
     except leave_out.LeaveOut as exc:  # preflight named nodes a spare or a requeue can replace: the controller does
-        code, error = exc.exit_code, str(exc)
-        event = getattr(exc, "event", "preflight leave-out")  # or the health check's, mid-run (runtime/health.py)
-        mid_run = event != "preflight leave-out"
-        detail = {"types": ["HealthLeaveOut" if mid_run else "PreflightLeaveOut"], "where": event.split()[0],
+        code, error = exc.exit_code, str(exc)  # rank 0 recorded the event with the marker, before any rank ended
+        mid_run = exc.event != leave_out.LeaveOut.event  # the health check's, mid-run (runtime/health.py)
+        detail = {"types": ["HealthLeaveOut" if mid_run else "PreflightLeaveOut"], "where": exc.event.split()[0],
                   "step": None, "started": mid_run}
-        if ctx.is_rank0:
-            ctx.run.update(event=event, reason=error, soft=True)
         logging.getLogger("hpc_tools").warning("%s", error)
         return code
     except PreflightFailed as exc:  # strict: one line naming the node, no traceback; the job stops

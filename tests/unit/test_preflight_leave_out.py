@@ -220,8 +220,11 @@ def test_leaving_a_node_out_is_no_fault_for_the_no_progress_guard():
 
 
 def context(tmp_path, mode: str, infos: list) -> SimpleNamespace:
-    return SimpleNamespace(is_rank0=True, run_dir=tmp_path, dist=SimpleNamespace(restart_count=3),
-                           info=lambda msg, *a: infos.append(msg % a))
+    from hpc_tools.registry import MANIFEST
+
+    (tmp_path / MANIFEST).write_text("{}")
+    return SimpleNamespace(is_rank0=True, run_dir=tmp_path, run=RunFolder(tmp_path),
+                           dist=SimpleNamespace(restart_count=3), info=lambda msg, *a: infos.append(msg % a))
 
 
 @pytest.mark.parametrize("mode", ["auto", "strict"])
@@ -241,9 +244,18 @@ def test_the_rank_side_ends_the_step_trains_on_or_stops(tmp_path, monkeypatch, m
     report = Report(mode=mode, budget_s=60, seconds=1.0, rows=rows(names, names[bad]))
     replaceable = bool(hints) and leave_out.ACCEPT_ENV not in hints
     if replaceable:
+        import torch.distributed as dist
+
+        at_barrier: list = []  # what the manifest and the marker held when the ranks met, before any ended the step
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "barrier", lambda: at_barrier.append(
+            (RunFolder(tmp_path).manifest().get("events"), leave_out.read(tmp_path, 3))))
         with pytest.raises(leave_out.LeaveOut) as left:
             preflight.decide(context(tmp_path, mode, infos), report, mode)
         assert left.value.exit_code == leave_out.EXIT_CODE and names[bad] in str(left.value)
+        [(events, marked)] = at_barrier  # srun may stop rank 0 as soon as a peer ends: both were written before
+        assert [(e["event"], e["reason"]) for e in events] == [(leave_out.LeaveOut.event, str(left.value))]
+        assert marked and marked["nodes"] == [names[bad]]
         saved = leave_out.read(tmp_path, 3)
         assert saved["nodes"] == [names[bad]] and saved["mode"] == mode
         assert saved["details"][names[bad]]["reasons"] == [REASON]

@@ -94,3 +94,4 @@ class LeaveOut(Exception):
     """Raised on every rank when preflight named nodes that can be left out: the step ends with ``EXIT_CODE``."""
 
     exit_code = EXIT_CODE
+    event = "preflight leave-out"  # the manifest's event, recorded by rank 0 with the marker

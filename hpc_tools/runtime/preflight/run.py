@@ -170,12 +170,14 @@ def decide(ctx: "RankContext", report: Report, mode: str) -> None:
     how = leave_out.replacement(nodes, os.environ) if nodes and os.environ.get("HPC_TOOLS_EXECUTOR") != "local" \
         else None
     if how:
-        if ctx.is_rank0:
+        words = f"{line}; leaving {', '.join(nodes)} out of the run: {how}"
+        if ctx.is_rank0:  # the marker and the event before the barrier: once a peer ends the step, srun may stop rank 0
             leave_out.write(ctx.run_dir, ctx.dist.restart_count, nodes, mode, line, how,
                             leave_out.details(report.rows, nodes))
+            ctx.run.update(event=leave_out.LeaveOut.event, reason=words, soft=True)
         if dist.is_initialized():
             dist.barrier()  # the marker is written before any rank ends the step
-        raise leave_out.LeaveOut(f"{line}; leaving {', '.join(nodes)} out of the run: {how}")
+        raise leave_out.LeaveOut(words)
     again = [n for n in nodes if n in leave_out.accepted(os.environ)]
     why = ("named before, and nothing could replace " + ("them" if len(again) > 1 else "it")) if again else \
         "nothing can replace " + ("them" if len(nodes) > 1 else "it") + \
