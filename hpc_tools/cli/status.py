@@ -193,16 +193,24 @@ def _restart_lines(manifest: dict) -> list[str]:
 
 
 def _tail_lines(r, manifest: dict, server: dict | None) -> list[str]:
+    from hpc_tools.job.epilogue import earlier_outcome
     from hpc_tools.runstate import hang_markers, is_terminal
 
     lines = [_server_line(server, manifest.get("endpoint"))] if server else []
-    if manifest.get("error"):
+    ended = is_terminal(manifest.get("state"))
+    # a live run's error from before its latest start is an earlier life's (the epilogue moves it into ``lives`` only
+    # when that life ends): shown as that life's, not as this one's
+    earlier = {} if ended else earlier_outcome(manifest)
+    if manifest.get("error") and "error" not in earlier:
         lines.append(f"error    {manifest['error']}")
     lives = manifest.get("lives") or []  # each life's end (job.epilogue); an ended run's last is the one shown above
-    for life in lives[:-1] if is_terminal(manifest.get("state")) else lives:
+    for life in lives[:-1] if ended else lives:
         why = "; ".join(str(life[k]) for k in ("reason", "error") if life.get(k))
         if why:
             lines.append(f"earlier  start {life.get('restart', '?')} ended {life.get('state') or '?'}: {why}")
+    if "error" in earlier and repr(earlier["error"][1]) not in {repr(life.get("error")) for life in lives}:
+        start, error = earlier["error"]  # a life no epilogue recorded (its batch script died with its node)
+        lines.append(f"earlier  start {'?' if start is None else start} ended ?: {error}")
     lines += [f"hang     {marker}" for marker in hang_markers(r)]  # the hang verdict with every rank's stacks
     return lines
 

@@ -51,7 +51,9 @@ def test_a_requeued_life_that_completes_clears_the_first_lives_error(tmp_path, c
     assert first["reason"] == "ranks 2,3 on n2 were lost with their node (srun: node failure)", first["reason"]
     assert classify(run).reason.startswith("ranks 2,3 on n2 were lost")
     start_life(run, 1)  # Slurm requeued the job; the error rank 0 recorded in life 0 is still at the top
-    assert f"earlier  start 0 ended FAILED: {first['reason']}; {LOST}" in status_text(run, capsys)  # while it runs
+    text = status_text(run, capsys)  # while it runs: life 0's error is life 0's, not this life's
+    assert f"earlier  start 0 ended FAILED: {first['reason']}; {LOST}" in text and "error    " not in text, text
+    assert text.count(LOST) == 1, text
     run.update(event="completed", state="COMPLETED")
     done = record_end(run, 0, restart=1)
     assert done["state"] == "COMPLETED" and done["exit_code"] == 0
@@ -71,6 +73,8 @@ def test_a_life_killed_with_its_batch_script_is_kept_and_a_later_failure_wins(tm
     start_life(run, 0)
     lose_n2(run)  # the batch host went down with the job: no epilogue for life 0
     start_life(run, 1)
+    text = status_text(run, capsys)  # while life 1 runs: life 0's error, which only the manifest's top holds
+    assert f"earlier  start 0 ended ?: {LOST}" in text and "error    " not in text, text
     heartbeat.write(run.path, Beat(rank=1, node="n1", pid=9, restart=1, step=60,
                                    exit={"code": 1, "error": "ValueError: bad", "time": time.time()}))
     ended = record_end(run, 1, failures=[TaskFailure(ranks=[1], node="n1", code=1)], restart=1)
