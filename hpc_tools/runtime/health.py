@@ -15,9 +15,10 @@ One check, on every rank at the same step (the loop calls ``Health.after_step`` 
    nodes or a requeue can replace it (``preflight.leave_out.replacement``, from the hints the restart controller
    exported: ``cluster.restarts`` > 0), rank 0 writes preflight's leave-out marker (``source: health``) and the
    manifest's ``health leave-out`` event before any rank can end the step (srun's ``--kill-on-bad-exit`` may stop
-   rank 0 as soon as a peer ends it), and the loop saves the step's checkpoint and ends the step with preflight's exit code, so the controller starts the next step
-   without the node exactly as after preflight (``job/restarts/named_nodes.py``); else the run trains on (one line:
-   stopping mid-run would lose the steps since the last checkpoint).
+   rank 0 as soon as a peer ends it), and the loop saves the step's checkpoint and ends the step with preflight's
+   exit code, so the controller starts the next step without the node exactly as after preflight
+   (``job/restarts/named_nodes.py``); else the run trains on (one line: stopping mid-run would lose the steps since
+   the last checkpoint).
 
 ``cluster.preflight: off`` turns the checks off with preflight, and so does a job preflight skips (``auto`` on one
 node). The check's time is outside every step's record (taken after ``end_step``) and is an event
