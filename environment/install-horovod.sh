@@ -7,9 +7,11 @@
 # build raises the standard to 17 in CMakeLists.txt and horovod/torch/CMakeLists.txt, then builds the PyTorch
 # extension with gloo (CPU collectives) and, when torch is a CUDA build, NCCL for GPU tensors
 # (HOROVOD_GPU_OPERATIONS=NCCL, against the NCCL torch's own wheel brings, nvidia-nccl-*; without it GPU tensors
-# would be reduced through host memory over gloo), without MPI, TensorFlow and MXNet. Needs g++ (12 works), make and
-# cmake >= 3.13 (installed from the package index when missing), and on a CUDA torch the CUDA toolkit's nvcc (on PATH
-# or in $CUDA_HOME/bin; refused in one line without it); about 10 minutes on 2 cores.
+# would be reduced through host memory over gloo), without MPI, TensorFlow and MXNet. It builds Horovod's Release
+# configuration (-O3, as its default RelWithDebInfo, without the debug information: on 2 cores 271 CPU-s instead of
+# 346, a 1.1 MB wheel instead of 18.6 MB). Needs g++ (12 works), make and cmake >= 3.13 (installed from the package
+# index when missing), and on a CUDA torch the CUDA toolkit's nvcc (on PATH or in $CUDA_HOME/bin; refused in one line
+# without it); about 3 minutes on 2 idle cores with gloo only.
 # The wheel is cached in $HPC_TOOLS_WHEEL_CACHE (default ~/.cache/hpc_tools/wheels), in a folder named after the
 # Python and torch it was built for and whether it has NCCL (hpc_tools.doctor.horovod_wheel_dir), so a later run, or a new environment with
 # the same Python and torch, installs it in seconds; another torch builds a new one. A failed build leaves its log
@@ -71,10 +73,13 @@ if [ -z "$wheel" ]; then
   sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
   grep -q 'set(CMAKE_CXX_STANDARD 17)' "$src/horovod/torch/CMakeLists.txt" \
     || { echo "hpc_tools: horovod $version's CMake files changed; the C++17 change did not apply" >&2; exit 1; }
+  sed -i "s/else 'RelWithDebInfo'/else 'Release'/" "$src/setup.py"  # -O3 without -g: a quarter less compile time
+  grep -q "else 'Release'" "$src/setup.py" \
+    || { echo "hpc_tools: horovod $version's setup.py changed; the Release build did not apply" >&2; exit 1; }
   mkdir -p "$cache"
   echo "hpc_tools: building horovod $version for $("$py" -c 'import torch; print("torch", torch.__version__)')" \
        "$([ $nccl = 1 ] && echo "with NCCL (CUDA $cuda)" || echo "with gloo only")" \
-       "(about 10 minutes on 2 cores); the wheel goes to $cache"
+       "(about 3 minutes on 2 cores); the wheel goes to $cache"
   if ! env ${nccl_env[@]+"${nccl_env[@]}"} HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_MPI=1 \
       HOROVOD_WITH_GLOO=1 HOROVOD_CPU_OPERATIONS=GLOO MAKEFLAGS="-j$(nproc)" \
       "$py" -m pip wheel --disable-pip-version-check --no-build-isolation --no-deps -w "$work/dist" "$src" \

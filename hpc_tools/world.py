@@ -282,7 +282,7 @@ def package_violations(recipe: Recipe) -> list[Violation]:
     if why is None:
         return []
     return [Violation("backend.kind", "horovod", f"needs Horovod with its PyTorch extension: {why}",
-                      f"run {HOROVOD_INSTALL} (builds it once against this torch, about 10 minutes on 2 cores; "
+                      f"run {HOROVOD_INSTALL} (builds it once against this torch, about 3 minutes on 2 cores; "
                       "the wheel is cached)")]
 
 
