@@ -193,7 +193,7 @@ def _restart_lines(manifest: dict) -> list[str]:
 
 
 def _tail_lines(r, manifest: dict, server: dict | None) -> list[str]:
-    from hpc_tools.job.epilogue import earlier_outcome
+    from hpc_tools.job.epilogue import earlier_outcome, history
     from hpc_tools.runstate import hang_markers, is_terminal
 
     lines = [_server_line(server, manifest.get("endpoint"))] if server else []
@@ -203,14 +203,14 @@ def _tail_lines(r, manifest: dict, server: dict | None) -> list[str]:
     earlier = {} if ended else earlier_outcome(manifest)
     if manifest.get("error") and "error" not in earlier:
         lines.append(f"error    {manifest['error']}")
-    lives = manifest.get("lives") or []  # each life's end (job.epilogue); an ended run's last is the one shown above
+    # each life's end (job.epilogue; a live run's also the earlier life no epilogue recorded, as the epilogue will
+    # record it); an ended run's last is the one shown above
+    lives = (manifest.get("lives") or []) if ended else history(manifest, earlier)
     for life in lives[:-1] if ended else lives:
         why = "; ".join(str(life[k]) for k in ("reason", "error") if life.get(k))
+        start = "?" if life.get("restart") is None else life["restart"]
         if why:
-            lines.append(f"earlier  start {life.get('restart', '?')} ended {life.get('state') or '?'}: {why}")
-    if "error" in earlier and repr(earlier["error"][1]) not in {repr(life.get("error")) for life in lives}:
-        start, error = earlier["error"]  # a life no epilogue recorded (its batch script died with its node)
-        lines.append(f"earlier  start {'?' if start is None else start} ended ?: {error}")
+            lines.append(f"earlier  start {start} ended {life.get('state') or '?'}: {why}")
     lines += [f"hang     {marker}" for marker in hang_markers(r)]  # the hang verdict with every rank's stacks
     return lines
 

@@ -11,12 +11,12 @@ connection gets no line: its traceback says what it is.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from pathlib import Path
 
 from hpc_tools.runtime.heartbeat import Beat, node_name, ranks_text, read_all
+from hpc_tools.runtime.process_end import pid_alive
 
 # The transport errors a surviving rank sees when a peer's process or node goes away (gloo's tcp pair, NCCL's abort,
 # the store's socket).
@@ -40,15 +40,7 @@ def lost_connection(exc: BaseException) -> str | None:
 
 def _gone(beat: Beat, here: str) -> bool:
     """The rank's process is known to be gone: on this node, no process with its pid."""
-    if beat.node != here or beat.pid <= 0:
-        return False
-    try:
-        os.kill(beat.pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # another user's process with that pid: alive as far as we can tell
-        return False
-    return False
+    return beat.node == here and beat.pid > 0 and not pid_alive(beat.pid)
 
 
 def find_lost(run_dir: Path, me: int, restart: int, wait_s: float = WAIT_S) -> list[tuple[Beat, str]]:
